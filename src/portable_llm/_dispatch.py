@@ -1,0 +1,119 @@
+"""Choosing an implementation: the portable (pure Array API) one or a backend's native kernel.
+
+Each op registers its portable implementation here (``@portable("rms_norm")``); each backend's
+native module (``portable_llm.native.<backend>``) registers kernels with ``@native("rms_norm")``.
+Every implementation has the same signature, ``fn(xp, *arrays, **options)``, so the public op
+calls whichever is picked the same way.
+
+``impl="auto"`` takes the native kernel when the backend has one and it keeps the op's meaning
+for these arguments (its ``applies`` predicate), the portable one otherwise; ``"portable"``
+always takes the portable one; ``"native"`` requires the native kernel. Ops may register extra
+named portable implementations (``"tiled"``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from portable_llm.backends._base import Backend
+
+__all__ = ["IMPLS", "Native", "native", "native_ops", "pick", "portable"]
+
+#: The ``impl=`` values every op accepts.
+IMPLS: tuple[str, ...] = ("auto", "portable", "native")
+
+_PORTABLE: dict[str, dict[str, Callable[..., Any]]] = {}
+# backend name -> op -> Native; filled when the backend's native module is imported.
+_NATIVE: dict[str, dict[str, Native]] = {}
+_NATIVE_MODULES = {
+    "torch": "portable_llm.native.torch",
+    "mlx": "portable_llm.native.mlx",
+    "jax": "portable_llm.native.jax",
+}
+
+
+@dataclass(frozen=True)
+class Native:
+    """A backend's native kernel for an op.
+
+    ``applies(*arrays, **options)`` says whether the kernel computes the op's exact meaning for
+    these arguments (``None``: always); when it does not, ``auto`` uses the portable path.
+    ``kernel`` names the library function, for reports and docs.
+    """
+
+    fn: Callable[..., Any]
+    kernel: str
+    applies: Callable[..., bool] | None = None
+
+
+def portable(op: str, name: str = "portable") -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register ``fn`` as the portable implementation ``name`` of ``op``."""
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        _PORTABLE.setdefault(op, {})[name] = fn
+        return fn
+
+    return deco
+
+
+def native(
+    backend: str, op: str, *, kernel: str, applies: Callable[..., bool] | None = None
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register ``fn`` as ``backend``'s native kernel for ``op`` (used in native modules)."""
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        _NATIVE.setdefault(backend, {})[op] = Native(fn, kernel, applies)
+        return fn
+
+    return deco
+
+
+def load_native(bk: Backend) -> None:
+    """Import ``bk``'s native module (if any) and attach its kernels to the backend."""
+    module = _NATIVE_MODULES.get(bk.name)
+    if module is not None:
+        importlib.import_module(module)
+    bk.native = _NATIVE.get(bk.name, {})
+
+
+def native_ops(bk: Backend) -> dict[str, Native]:
+    """The native kernels registered for a backend."""
+    return dict(bk.native)
+
+
+def pick(bk: Backend, op: str, impl: str, *args: Any, **options: Any) -> Callable[..., Any]:
+    """The implementation of ``op`` that ``impl`` selects on ``bk`` for these arguments."""
+    if impl == "auto":
+        nat = bk.native.get(op)
+        if nat is not None and (nat.applies is None or nat.applies(*args, **options)):
+            return nat.fn
+        return _PORTABLE[op]["portable"]
+    if impl == "native":
+        nat = bk.native.get(op)
+        if nat is None:
+            raise ValueError(
+                f"{op}: backend {bk.name!r} has no native kernel; use impl='auto' or 'portable'"
+            )
+        if nat.applies is not None and not nat.applies(*args, **options):
+            raise ValueError(
+                f"{op}: the native kernel {nat.kernel} of backend {bk.name!r} cannot express "
+                f"these options ({_describe(options)}); use impl='auto' or 'portable'"
+            )
+        return nat.fn
+    try:
+        return _PORTABLE[op][impl]
+    except KeyError:
+        known = (*IMPLS, *(k for k in _PORTABLE[op] if k not in IMPLS))
+        raise ValueError(f"{op}: impl must be one of {known}, got {impl!r}") from None
+
+
+def portable_impls(op: str) -> tuple[str, ...]:
+    """Names of the portable implementations registered for ``op``."""
+    return tuple(_PORTABLE[op])
+
+
+def _describe(options: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in options.items())

@@ -1,0 +1,197 @@
+"""Elementwise activations (SiLU, GELU, ReLU), softmax, and the activation registry.
+
+Every activation computes in float32 (float64 for float64 input) and returns the input dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from portable_llm._checks import check_float, check_ndim, float_compute_dtype
+from portable_llm._dispatch import pick, portable
+from portable_llm.backends import resolve
+
+__all__ = ["ACTIVATIONS", "activation", "gelu", "gelu_tanh", "relu", "silu", "softmax"]
+
+_SQRT_PI = math.sqrt(math.pi)
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+def _sigmoid(xp: Any, x: Any) -> Any:
+    # exp(-|x|) never overflows, so neither branch produces inf or NaN.
+    e = xp.exp(-xp.abs(x))
+    return xp.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+def _erf(xp: Any, z: Any) -> Any:
+    """erf from its Maclaurin series (|z| < 2) and its Laplace continued fraction (|z| >= 2).
+
+    The Array API has no erf. Each branch sees an argument clamped to its range so the other
+    branch never overflows; both are accurate to a few float64 ulps (checked against math.erf).
+    """
+    a = xp.abs(z)
+    s = xp.minimum(a, xp.full_like(a, 2.0))  # series argument, in [0, 2]
+    term = s
+    total = s
+    s2 = -(s * s)
+    for n in range(1, 40):  # term_n = (-1)^n s^(2n+1) / n!; 4^40/40! < 1e-23
+        term = term * s2 / n
+        total = total + term / (2 * n + 1)
+    series = total * (2.0 / _SQRT_PI)
+    c = xp.maximum(a, xp.full_like(a, 2.0))  # continued-fraction argument, >= 2
+    f = c
+    for k in range(60, 0, -1):  # erfc(c) = exp(-c^2)/sqrt(pi) / (c + 1/2/(c + 1/(c + 3/2/...)))
+        f = c + (k / 2.0) / f
+    cf = 1.0 - xp.exp(-(c * c)) / (_SQRT_PI * f)
+    out = xp.where(a < 2.0, series, cf)
+    return xp.where(z < 0, -out, out)
+
+
+@portable("silu")
+def _silu(xp: Any, x: Any) -> Any:
+    xc = xp.astype(x, float_compute_dtype(xp, x.dtype))
+    return xp.astype(xc * _sigmoid(xp, xc), x.dtype)
+
+
+@portable("gelu")
+def _gelu(xp: Any, x: Any) -> Any:
+    xc = xp.astype(x, float_compute_dtype(xp, x.dtype))
+    return xp.astype(0.5 * xc * (1.0 + _erf(xp, xc / math.sqrt(2.0))), x.dtype)
+
+
+@portable("gelu_tanh")
+def _gelu_tanh(xp: Any, x: Any) -> Any:
+    xc = xp.astype(x, float_compute_dtype(xp, x.dtype))
+    inner = _SQRT_2_OVER_PI * (xc + 0.044715 * (xc * xc * xc))
+    return xp.astype(0.5 * xc * (1.0 + xp.tanh(inner)), x.dtype)
+
+
+@portable("relu")
+def _relu(xp: Any, x: Any) -> Any:
+    return xp.maximum(x, xp.zeros_like(x))  # NaN stays NaN
+
+
+@portable("softmax")
+def _softmax(xp: Any, x: Any, *, axis: int) -> Any:
+    xc = xp.astype(x, float_compute_dtype(xp, x.dtype))
+    e = xp.exp(xc - xp.max(xc, axis=axis, keepdims=True))
+    return xp.astype(e / xp.sum(e, axis=axis, keepdims=True), x.dtype)
+
+
+def _unary(op: str, x: Any, impl: str, backend: str | None) -> Any:
+    bk, (x,) = resolve(op, backend, x)
+    check_float(op, "x", x, bk)
+    return pick(bk, op, impl, x)(bk.xp, x)
+
+
+def silu(x: Any, /, *, impl: str = "auto", backend: str | None = None) -> Any:
+    """SiLU (swish): ``x * sigmoid(x)``.
+
+    Parameters
+    ----------
+    x : array, any shape, float dtype
+    impl : {"auto", "portable", "native"}
+    backend : str, optional
+        Array library to compute with; inferred from ``x`` when ``None``.
+
+    Returns
+    -------
+    array
+        Same shape and dtype as ``x``. Computed in float32 (float64 for float64 input) with a
+        sigmoid that never overflows: ``silu(-1e4)`` is ``-0.0`` in float16, not NaN.
+    """
+    return _unary("silu", x, impl, backend)
+
+
+def gelu(x: Any, /, *, impl: str = "auto", backend: str | None = None) -> Any:
+    """Exact GELU: ``0.5 * x * (1 + erf(x / sqrt(2)))``. Same shape and dtype as ``x``.
+
+    Parameters
+    ----------
+    x : array, any shape, float dtype
+    impl : {"auto", "portable", "native"}
+    backend : str, optional
+    """
+    return _unary("gelu", x, impl, backend)
+
+
+def gelu_tanh(x: Any, /, *, impl: str = "auto", backend: str | None = None) -> Any:
+    """GELU, tanh approximation (HF ``gelu_pytorch_tanh``). Same shape and dtype as ``x``.
+
+    ``0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3)))``.
+
+    Parameters
+    ----------
+    x : array, any shape, float dtype
+    impl : {"auto", "portable", "native"}
+    backend : str, optional
+    """
+    return _unary("gelu_tanh", x, impl, backend)
+
+
+def relu(x: Any, /, *, impl: str = "auto", backend: str | None = None) -> Any:
+    """ReLU: ``max(x, 0)`` (NaN propagates). Same shape and dtype as ``x``.
+
+    Parameters
+    ----------
+    x : array, any shape, float dtype
+    impl : {"auto", "portable", "native"}
+    backend : str, optional
+    """
+    return _unary("relu", x, impl, backend)
+
+
+def softmax(x: Any, /, *, axis: int = -1, impl: str = "auto", backend: str | None = None) -> Any:
+    """Softmax along ``axis``: ``exp(x - max(x)) / sum(exp(x - max(x)))``.
+
+    Parameters
+    ----------
+    x : array, ``N.. x D``, float dtype
+    axis : int
+        The axis to normalise over (default: the last).
+    impl : {"auto", "portable", "native"}
+    backend : str, optional
+
+    Returns
+    -------
+    array
+        Same shape and dtype as ``x``; max-subtracted, exponentials and the sum in float32
+        (float64 for float64 input). A slice that is all ``-inf`` gives NaN, as in every
+        backend's native softmax.
+    """
+    bk, (x,) = resolve("softmax", backend, x)
+    check_float("softmax", "x", x, bk)
+    check_ndim("softmax", "x", x, 1, "N.. x D")
+    if not isinstance(axis, int) or not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"softmax: axis={axis!r} is out of range for x of shape {tuple(x.shape)}")
+    return pick(bk, "softmax", impl, x, axis=axis)(bk.xp, x, axis=axis)
+
+
+#: Activation names as HF ``config.hidden_act`` spells them -> the op that computes them.
+ACTIVATIONS: dict[str, str] = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu": "gelu",
+    "gelu_tanh": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+    "relu": "relu",
+}
+
+_PUBLIC = {"silu": silu, "gelu": gelu, "gelu_tanh": gelu_tanh, "relu": relu}
+
+
+def activation_op(name: str, where: str = "act") -> str:
+    """The op name of activation ``name``; ``ValueError`` listing the known names otherwise."""
+    try:
+        return ACTIVATIONS[name]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"{where}: unknown activation {name!r}; known: {', '.join(sorted(ACTIVATIONS))}"
+        ) from None
+
+
+def activation(name: str, /) -> Any:
+    """The public activation function called ``name`` (HF ``ACT2FN`` names: ``"silu"``, ...)."""
+    return _PUBLIC[activation_op(name, "activation")]

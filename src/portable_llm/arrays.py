@@ -1,0 +1,75 @@
+"""Moving arrays between libraries and devices: :func:`asarray` and :func:`to_numpy`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from portable_llm.backends import Backend, backend_of, get_backend
+from portable_llm.backends._base import FLOAT_DTYPES
+
+__all__ = ["asarray", "device_of", "to_numpy"]
+
+
+def asarray(
+    x: Any, /, *, backend: str | None = None, dtype: Any = None, device: Any = None
+) -> Any:
+    """Convert an array of any supported library, a nested list or a scalar to a backend's array.
+
+    Parameters
+    ----------
+    x : array of any supported library, nested list, or scalar
+    backend : str, optional
+        Target library; default: x's own library (NumPy for lists and scalars).
+    dtype : str or dtype, optional
+        Target dtype, as a name (``"bfloat16"``) or any library's dtype object; default: x's dtype
+        (the library's default for lists). A dtype the backend lacks on that device is a
+        ``ValueError`` (e.g. float64 on MLX's GPU or torch's MPS, float16 on array-api-strict).
+    device : str or device, optional
+        ``"cpu"``, ``"gpu"``, ``"cuda:0"``, ``"mps"``, ``"device1"`` (array-api-strict) or the
+        library's own device object; default: the device x is on (the backend's default for
+        lists and for arrays from another library).
+
+    Returns
+    -------
+    array
+        Arrays cross libraries through DLPack where the pair supports it, through NumPy otherwise
+        (bfloat16 included, bit-exact).
+    """
+    src = backend_of(x)
+    bk = get_backend(backend) if backend is not None else (src or get_backend("numpy"))
+    dev = bk.device(device) if device is not None else None
+    target = None if dtype is None else bk.dtype(dtype, device)
+    if src is None:  # nested list or Python scalar
+        return bk.xp.asarray(x, dtype=target, device=dev)
+    if src is not bk:
+        name = src.dtype_name(x.dtype)
+        if target is not None and name != bk.dtype_name(target) and bk.dtype_name(target) in src.dtypes:
+            x = src.astype(x, src.dtypes[bk.dtype_name(target)])  # cast where x lives, then move
+        elif name in FLOAT_DTYPES and target is None:
+            bk.dtype(name, device)  # raises for a dtype the target lacks
+        x = bk.convert(x, src, dev)
+    elif dev is not None:
+        x = bk.to_device(x, dev)
+    if target is not None and x.dtype != target:
+        x = bk.astype(x, target)
+    return x
+
+
+def to_numpy(x: Any, /) -> np.ndarray:
+    """Copy any supported array to a NumPy array on the host.
+
+    bfloat16 comes back as ml_dtypes' ``bfloat16`` when ml_dtypes is installed (it is with the
+    torch, jax and test extras), as float32 otherwise (lossless: bfloat16 is a subset of float32).
+    """
+    bk = backend_of(x)
+    return np.asarray(x) if bk is None else bk.to_numpy(x)
+
+
+def device_of(x: Any, /) -> Any:
+    """The device an array lives on, as its library reports it."""
+    bk: Backend | None = backend_of(x)
+    if bk is None:
+        raise TypeError(f"device_of: expected an array, got {type(x).__name__}")
+    return bk.device_of(x)

@@ -1,0 +1,135 @@
+"""The :class:`Backend` interface each adapter module fills in for its library."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+#: Canonical float dtype names, narrowest first.
+FLOAT_DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32", "float64")
+
+
+def numpy_bfloat16() -> Any:
+    """NumPy's bfloat16 dtype from ml_dtypes, or ``None`` when ml_dtypes is not installed."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        return None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+class Backend:
+    """One loaded array library: its Array API namespace, dtypes, devices and conversions.
+
+    Subclasses (one per library, in ``portable_llm.backends.<name>``) set ``xp`` and the dtype
+    tables in ``__init__`` and override the conversion and device methods.
+    """
+
+    name: str = ""
+    #: The Array API namespace of the library (array-api-compat's, or a shim for MLX).
+    xp: Any
+    #: The library's version string.
+    version: str = ""
+    #: Canonical dtype name -> the library's dtype object (only the dtypes it has).
+    dtypes: dict[str, Any]
+    #: Set of the library's float dtype objects, for a one-hash check in the ops.
+    float_set: frozenset[Any]
+    #: Native kernels registered for this backend: op name -> portable_llm._dispatch.Native.
+    native: dict[str, Any]
+
+    def __init__(self) -> None:
+        self.dtypes = {}
+        self.native = {}
+        self.float_set = frozenset()
+
+    def _set_dtypes(self, dtypes: dict[str, Any]) -> None:
+        self.dtypes = {k: v for k, v in dtypes.items() if v is not None}
+        self._names = {v: k for k, v in self.dtypes.items()}
+        self.float_set = frozenset(v for k, v in self.dtypes.items() if k in FLOAT_DTYPES)
+
+    def __repr__(self) -> str:
+        return f"Backend({self.name!r}, version={self.version!r})"
+
+    # -- dtypes ---------------------------------------------------------------------------------
+    def dtype_name(self, dtype: Any) -> str:
+        """Canonical name (``"bfloat16"``, ``"int64"``, ...) of one of this library's dtypes."""
+        try:
+            return self._names[dtype]
+        except (KeyError, TypeError):
+            return str(dtype).rsplit(".", 1)[-1]
+
+    def float_dtypes(self, device: Any = None) -> tuple[str, ...]:
+        """The float dtype names this backend supports on ``device`` (default device if None)."""
+        return tuple(n for n in FLOAT_DTYPES if n in self.dtypes)
+
+    def dtype(self, dtype: Any, device: Any = None) -> Any:
+        """This library's dtype for a name or a dtype object of any library.
+
+        Raises ``ValueError`` when the backend (on that device) does not have it.
+        """
+        if dtype in self.float_set or dtype in self._names:
+            name = self._names[dtype]
+        else:
+            name = dtype if isinstance(dtype, str) else _foreign_dtype_name(dtype)
+        if name in FLOAT_DTYPES and name not in self.float_dtypes(device):
+            where = f" on device {device}" if device is not None else ""
+            raise ValueError(
+                f"backend {self.name!r}{where} does not support dtype {name}; "
+                f"its float dtypes: {', '.join(self.float_dtypes(device))}"
+            )
+        try:
+            return self.dtypes[name]
+        except KeyError:
+            raise ValueError(
+                f"backend {self.name!r} has no dtype {dtype!r}; known: {', '.join(self.dtypes)}"
+            ) from None
+
+    # -- devices --------------------------------------------------------------------------------
+    def device(self, spec: Any) -> Any:
+        """The library's device for ``"cpu"``, ``"gpu"``, ``"cuda:0"``, ``"mps"`` or a device."""
+        if spec is None or spec == "cpu":
+            return None
+        raise ValueError(f"backend {self.name!r} has no device {spec!r}; it runs on 'cpu' only")
+
+    def device_of(self, x: Any) -> Any:
+        """The device an array lives on."""
+        return "cpu"
+
+    # -- conversion -----------------------------------------------------------------------------
+    def to_numpy(self, x: Any) -> np.ndarray:
+        """Copy an array of this library to NumPy (bfloat16 as ml_dtypes' bfloat16)."""
+        return np.asarray(x)
+
+    def from_numpy(self, a: np.ndarray, device: Any = None) -> Any:
+        """A NumPy array (bfloat16 as ml_dtypes) as an array of this library on ``device``."""
+        return self.xp.asarray(a, device=device)
+
+    def from_dlpack(self, x: Any) -> Any:
+        """Zero-copy import through DLPack; raise when the pair of libraries cannot."""
+        return self.xp.from_dlpack(x)
+
+    def to_device(self, x: Any, device: Any) -> Any:
+        """Move an array of this library to ``device`` (a no-op when already there)."""
+        return self.xp.asarray(x, device=device) if device is not None else x
+
+    def astype(self, x: Any, dtype: Any) -> Any:
+        return self.xp.astype(x, dtype)
+
+    def convert(self, x: Any, source: Backend, device: Any = None) -> Any:
+        """An array of another backend as one of this backend: DLPack first, NumPy otherwise."""
+        try:
+            out = self.from_dlpack(x)
+        except Exception:  # DLPack is not supported for this pair, dtype or device.
+            out = self.from_numpy(source.to_numpy(x), device)
+        else:
+            if device is not None:
+                out = self.to_device(out, device)
+        return out
+
+
+def _foreign_dtype_name(dtype: Any) -> str:
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        return str(dtype).rsplit(".", 1)[-1]

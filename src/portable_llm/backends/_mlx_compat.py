@@ -1,0 +1,42 @@
+"""The Array API namespace for MLX: ``mlx.core`` with its few gaps filled.
+
+MLX arrays carry no device (memory is unified; the default device or a stream decides where work
+runs), its creation functions reject ``device=``, and it spells ``bool`` as ``bool_``. Everything
+else is ``mlx.core`` itself, copied into one namespace object so attribute access stays fast.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+
+
+def make_namespace(mx: Any) -> types.SimpleNamespace:
+    ns = types.SimpleNamespace(**{k: getattr(mx, k) for k in dir(mx) if not k.startswith("__")})
+
+    def _no_device(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*args: Any, device: Any = None, **kwargs: Any) -> Any:
+            return fn(*args, **kwargs)
+
+        wrapped.__name__ = fn.__name__
+        return wrapped
+
+    for name in ("zeros", "ones", "full", "arange", "eye", "linspace", "zeros_like", "ones_like",
+                 "full_like", "empty", "empty_like", "tri"):
+        if hasattr(mx, name):
+            setattr(ns, name, _no_device(getattr(mx, name)))
+
+    def asarray(obj: Any, /, *, dtype: Any = None, device: Any = None, copy: Any = None) -> Any:
+        if isinstance(obj, mx.array):
+            return obj if dtype is None or obj.dtype == dtype else obj.astype(dtype)
+        return mx.array(obj, dtype=dtype)
+
+    def astype(x: Any, dtype: Any, /, *, copy: bool = True, device: Any = None) -> Any:
+        return x if (not copy and x.dtype == dtype) else x.astype(dtype)
+
+    ns.asarray = asarray
+    ns.astype = astype
+    ns.bool = mx.bool_
+    ns.__name__ = "portable_llm.backends._mlx_compat"
+    return ns

@@ -1,0 +1,75 @@
+"""JAX: CPU, GPU, TPU. float64 only when ``jax_enable_x64`` is set."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from portable_llm.backends._base import FLOAT_DTYPES, Backend
+
+
+class JaxBackend(Backend):
+    name = "jax"
+
+    def __init__(self) -> None:
+        super().__init__()
+        import jax
+        import jax.numpy as jnp
+
+        self.jax = jax
+        self.xp = jnp
+        self.version = jax.__version__
+        self._set_dtypes(
+            {
+                "float16": np.dtype(jnp.float16),
+                "bfloat16": np.dtype(jnp.bfloat16),
+                "float32": np.dtype(jnp.float32),
+                "float64": np.dtype(jnp.float64),
+                "int32": np.dtype(jnp.int32),
+                "int64": np.dtype(jnp.int64),
+                "bool": np.dtype(jnp.bool_),
+            }
+        )
+
+    def float_dtypes(self, device: Any = None) -> tuple[str, ...]:
+        if self.jax.config.read("jax_enable_x64"):
+            return FLOAT_DTYPES
+        return tuple(n for n in FLOAT_DTYPES if n != "float64")
+
+    def device(self, spec: Any) -> Any:
+        jax = self.jax
+        if spec is None:
+            return jax.devices()[0]
+        if not isinstance(spec, str):
+            return spec
+        kind, _, index = spec.partition(":")
+        kind = {"cuda": "gpu", "rocm": "gpu"}.get(kind, kind)
+        try:
+            devices = jax.devices(kind)
+        except RuntimeError:
+            raise ValueError(f"backend 'jax' has no device {spec!r} here") from None
+        i = int(index or 0)
+        if i >= len(devices):
+            raise ValueError(f"backend 'jax' has {len(devices)} {kind} device(s); got {spec!r}")
+        return devices[i]
+
+    def device_of(self, x: Any) -> Any:
+        return next(iter(x.devices()))
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        return np.asarray(x)
+
+    def from_numpy(self, a: np.ndarray, device: Any = None) -> Any:
+        arr = self.xp.asarray(a)
+        return self.jax.device_put(arr, self.device(device)) if device is not None else arr
+
+    def from_dlpack(self, x: Any) -> Any:
+        return self.xp.from_dlpack(x)
+
+    def to_device(self, x: Any, device: Any) -> Any:
+        return self.jax.device_put(x, self.device(device))
+
+
+def load() -> Backend:
+    return JaxBackend()

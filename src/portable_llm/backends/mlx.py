@@ -1,0 +1,84 @@
+"""MLX: CPU (Linux and macOS), Metal GPU (macOS), CUDA. No float64 on the GPU."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from portable_llm.backends._base import FLOAT_DTYPES, Backend, numpy_bfloat16
+
+
+class MlxBackend(Backend):
+    name = "mlx"
+
+    def __init__(self) -> None:
+        super().__init__()
+        import mlx.core as mx
+
+        from portable_llm.backends._mlx_compat import make_namespace
+
+        self.mx = mx
+        self.xp = make_namespace(mx)
+        self.version = mx.__version__
+        self._set_dtypes(
+            {
+                "float16": mx.float16,
+                "bfloat16": mx.bfloat16,
+                "float32": mx.float32,
+                "float64": mx.float64,
+                "int32": mx.int32,
+                "int64": mx.int64,
+                "bool": mx.bool_,
+            }
+        )
+
+    def float_dtypes(self, device: Any = None) -> tuple[str, ...]:
+        if self.device(device) == self.mx.gpu:
+            return tuple(n for n in FLOAT_DTYPES if n != "float64")
+        return FLOAT_DTYPES
+
+    def device(self, spec: Any) -> Any:
+        mx = self.mx
+        if spec is None:
+            return mx.default_device()
+        if isinstance(spec, mx.Device):
+            return spec
+        if spec == "cpu":
+            return mx.cpu
+        if spec in ("gpu", "mps", "metal") or (isinstance(spec, str) and spec.startswith("cuda")):
+            if not mx.is_available(mx.gpu):
+                raise ValueError(f"backend 'mlx' has no GPU here (device {spec!r} asked for)")
+            return mx.gpu
+        raise ValueError(f"backend 'mlx' has no device {spec!r}; use 'cpu' or 'gpu'")
+
+    def device_of(self, x: Any) -> Any:
+        # MLX arrays live in unified memory; work runs on the default device.
+        return self.mx.default_device()
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        if x.dtype == self.mx.bfloat16:
+            bf16 = numpy_bfloat16()
+            raw = np.array(x.view(self.mx.int16))
+            return raw.view(bf16) if bf16 is not None else np.array(x.astype(self.mx.float32))
+        return np.array(x)
+
+    def from_numpy(self, a: np.ndarray, device: Any = None) -> Any:
+        self.device(device)
+        mx = self.mx
+        if a.dtype == numpy_bfloat16():
+            return mx.array(np.ascontiguousarray(a).view(np.int16)).view(mx.bfloat16)
+        return mx.array(a)
+
+    def from_dlpack(self, x: Any) -> Any:
+        # mx.array(obj) reads the buffer protocol / __array__ of host arrays; let the NumPy
+        # path handle everything so bfloat16 and devices are treated in one place.
+        raise NotImplementedError
+
+    def to_device(self, x: Any, device: Any) -> Any:
+        self.device(device)  # validates; MLX arrays have no device to move between
+        return x
+
+
+def load() -> Backend:
+    return MlxBackend()

@@ -1,0 +1,163 @@
+"""Linear layers and the gated MLP (SwiGLU) of Llama/Qwen/Mistral."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from typing import Any
+
+from portable_llm._checks import check_float, check_ndim, check_same_dtype, is_half
+from portable_llm._dispatch import pick, portable
+from portable_llm.activations import activation_op
+from portable_llm.backends import Backend, resolve
+
+__all__ = ["intermediate_size", "linear", "mlp"]
+
+
+@portable("linear")
+def _linear(xp: Any, x: Any, weight: Any, bias: Any = None) -> Any:
+    dtype = x.dtype
+    if is_half(xp, dtype):  # accumulate half-precision products in float32, round once
+        x, weight = xp.astype(x, xp.float32), xp.astype(weight, xp.float32)
+        bias = None if bias is None else xp.astype(bias, xp.float32)
+    y = xp.matmul(x, xp.matrix_transpose(weight))  # (N.., O)
+    if bias is not None:
+        y = y + bias
+    return xp.astype(y, dtype)
+
+
+def _check_linear(op: str, bk: Backend, x: Any, weight: Any, bias: Any, what: str) -> None:
+    check_float(op, "x", x, bk)
+    check_float(op, what, weight, bk)
+    check_ndim(op, "x", x, 1, "N.. x I")
+    if weight.ndim != 2 or weight.shape[1] != x.shape[-1]:
+        raise ValueError(
+            f"{op}: {what} must have shape (O, {x.shape[-1]}) (torch layout, O x I) to match "
+            f"x of shape {tuple(x.shape)}, got {tuple(weight.shape)}"
+        )
+    if bias is not None:
+        check_float(op, f"bias of {what}", bias, bk)
+        if bias.ndim != 1 or bias.shape[0] != weight.shape[0]:
+            raise ValueError(
+                f"{op}: the bias of {what} must have shape ({weight.shape[0]},) to match "
+                f"{what} of shape {tuple(weight.shape)}, got {tuple(bias.shape)}"
+            )
+
+
+def linear(
+    x: Any, weight: Any, bias: Any = None, /, *, impl: str = "auto", backend: str | None = None
+) -> Any:
+    """Affine map ``x @ weight.T + bias`` with torch's weight layout.
+
+    Parameters
+    ----------
+    x : array, shape ``(N.., I)``, float dtype
+    weight : array, shape ``(O, I)``, x's dtype
+    bias : array, shape ``(O,)``, x's dtype, optional
+    impl : {"auto", "portable", "native"}
+        ``auto`` uses ``torch.nn.functional.linear``, ``mx.addmm`` (``mx.matmul`` without a bias)
+        or ``jax.numpy.matmul`` with ``preferred_element_type=float32``.
+    backend : str, optional
+
+    Returns
+    -------
+    array, shape ``(N.., O)``, x's dtype
+        float16/bfloat16 products are accumulated in float32 and rounded once.
+    """
+    bk, (x, weight, bias) = resolve("linear", backend, x, weight, bias)
+    _check_linear("linear", bk, x, weight, bias, "weight")
+    check_same_dtype("linear", bk, x=x, weight=weight, bias=bias)
+    return pick(bk, "linear", impl, x, weight, bias)(bk.xp, x, weight, bias)
+
+
+def mlp(
+    x: Any,
+    w_gate: Any,
+    w_up: Any,
+    w_down: Any,
+    /,
+    *,
+    act: str = "silu",
+    b_gate: Any = None,
+    b_up: Any = None,
+    b_down: Any = None,
+    impl: str = "auto",
+    backend: str | None = None,
+) -> Any:
+    """Gated feed-forward block: ``down(act(gate(x)) * up(x))`` (SwiGLU for ``act="silu"``).
+
+    The order of HF ``Qwen2MLP``/``LlamaMLP``: each projection and the activation round to x's
+    dtype, the gate product happens in x's dtype.
+
+    Parameters
+    ----------
+    x : array, shape ``(N.., L, E)`` (any leading shape), float dtype
+    w_gate, w_up : array, shape ``(I, E)``
+    w_down : array, shape ``(E, I)``
+    act : str
+        Activation name, as HF ``hidden_act`` spells it: ``"silu"`` (``"swish"``), ``"gelu"``,
+        ``"gelu_tanh"`` (``"gelu_pytorch_tanh"``, ``"gelu_new"``), ``"relu"``.
+    b_gate, b_up : array, shape ``(I,)``, optional
+    b_down : array, shape ``(E,)``, optional
+    impl : {"auto", "portable", "native"}
+        Passed to the projections and the activation.
+    backend : str, optional
+
+    Returns
+    -------
+    array, shape ``(N.., L, E)``, x's dtype
+    """
+    act_name = activation_op(act, "mlp")
+    bk, (x, w_gate, w_up, w_down, b_gate, b_up, b_down) = resolve(
+        "mlp", backend, x, w_gate, w_up, w_down, b_gate, b_up, b_down
+    )
+    _check_linear("mlp", bk, x, w_gate, b_gate, "w_gate")
+    _check_linear("mlp", bk, x, w_up, b_up, "w_up")
+    if tuple(w_up.shape) != tuple(w_gate.shape):
+        raise ValueError(
+            f"mlp: w_up must have the shape of w_gate (I x E), {tuple(w_gate.shape)}, "
+            f"got {tuple(w_up.shape)}"
+        )
+    i, e = w_gate.shape
+    if tuple(w_down.shape) != (e, i):
+        raise ValueError(
+            f"mlp: w_down must have shape ({e}, {i}) (E x I) to match w_gate "
+            f"{tuple(w_gate.shape)}, got {tuple(w_down.shape)}"
+        )
+    if b_down is not None and tuple(b_down.shape) != (e,):
+        raise ValueError(f"mlp: b_down must have shape ({e},), got {tuple(b_down.shape)}")
+    check_same_dtype(
+        "mlp", bk, x=x, w_gate=w_gate, w_up=w_up, w_down=w_down,
+        b_gate=b_gate, b_up=b_up, b_down=b_down,
+    )  # fmt: skip
+    xp = bk.xp
+    lin = pick(bk, "linear", impl, x, w_gate, b_gate)
+    gate = lin(xp, x, w_gate, b_gate)  # (N.., I)
+    up = lin(xp, x, w_up, b_up)  # (N.., I)
+    h = pick(bk, act_name, impl, gate)(xp, gate) * up
+    return lin(xp, h, w_down, b_down)  # (N.., E)
+
+
+def intermediate_size(hidden_size: int, /, *, ratio: float = 8 / 3, multiple_of: int = 256) -> int:
+    """The Llama rule for the FFN width: ``floor(ratio * E)`` rounded up to ``multiple_of``.
+
+    ``ratio`` is read as the nearest fraction with a small denominator, so the default 8/3 is
+    exact: ``intermediate_size(4096) == 11008`` (Llama-7B), ``(5120) == 13824`` (13B).
+
+    Parameters
+    ----------
+    hidden_size : int, > 0
+    ratio : float, > 0
+    multiple_of : int, > 0
+
+    Returns
+    -------
+    int
+    """
+    for name, value in (("hidden_size", hidden_size), ("multiple_of", multiple_of)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"intermediate_size: {name} must be a positive int, got {value!r}")
+    if not (isinstance(ratio, int | float | Fraction) and math.isfinite(ratio) and ratio > 0):
+        raise ValueError(f"intermediate_size: ratio must be a positive number, got {ratio!r}")
+    width = math.floor(Fraction(ratio).limit_denominator(1000) * hidden_size)
+    return multiple_of * -(-width // multiple_of)

@@ -1,0 +1,67 @@
+"""RMSNorm."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from portable_llm._checks import check_float, check_ndim, float_compute_dtype
+from portable_llm._dispatch import pick, portable
+from portable_llm.backends import resolve
+
+__all__ = ["rms_norm"]
+
+
+@portable("rms_norm")
+def _rms_norm(xp: Any, x: Any, weight: Any, *, eps: float) -> Any:
+    xc = xp.astype(x, float_compute_dtype(xp, x.dtype))
+    variance = xp.mean(xc * xc, axis=-1, keepdims=True)  # (N.., 1)
+    normed = xc * (1.0 / xp.sqrt(variance + eps))
+    # HF Qwen2RMSNorm order: round the normalised value to x's dtype, then scale by the weight.
+    return weight * xp.astype(normed, x.dtype)
+
+
+def rms_norm(
+    x: Any, weight: Any, /, *, eps: float = 1e-5, impl: str = "auto", backend: str | None = None
+) -> Any:
+    """Root-mean-square normalisation (Llama, Qwen, Mistral): ``weight * x / sqrt(mean(x^2) + eps)``.
+
+    The computation, in this order (HF transformers' ``Qwen2RMSNorm``/``LlamaRMSNorm``):
+
+    1. ``xc = float32(x)`` (float64 stays float64);
+    2. ``normed = xc * (1 / sqrt(mean(xc**2, axis=-1) + eps))``, accumulated in float32;
+    3. ``out = weight * normed.astype(x.dtype)`` -- the normalised value is rounded to x's dtype
+       *before* the weight multiply, which then happens in x's dtype.
+
+    Parameters
+    ----------
+    x : array, shape ``(N.., D)``, float dtype
+    weight : array, shape ``(D,)``, float dtype
+        Cast to x's dtype when it differs (a float32 weight with bfloat16 activations gives a
+        bfloat16 result).
+    eps : float, >= 0
+        Added to the mean of squares inside the square root.
+    impl : {"auto", "portable", "native"}
+        ``auto`` uses ``torch.nn.functional.rms_norm`` (same order as above) or
+        ``mx.fast.rms_norm`` (one fused kernel: the weight multiply happens before the single
+        rounding to x's dtype, so half-precision results may differ from HF by one ulp).
+    backend : str, optional
+        Array library to compute with; inferred from the arrays when ``None``.
+
+    Returns
+    -------
+    array, shape ``(N.., D)``, x's dtype
+    """
+    bk, (x, weight) = resolve("rms_norm", backend, x, weight)
+    check_float("rms_norm", "x", x, bk)
+    check_float("rms_norm", "weight", weight, bk)
+    check_ndim("rms_norm", "x", x, 1, "N.. x D")
+    if weight.ndim != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(
+            f"rms_norm: weight must have shape ({x.shape[-1]},) to match the last dimension of x "
+            f"(shape {tuple(x.shape)}), got {tuple(weight.shape)}"
+        )
+    if not eps >= 0:  # also rejects NaN
+        raise ValueError(f"rms_norm: eps must be >= 0, got {eps!r}")
+    if weight.dtype != x.dtype:
+        weight = bk.astype(weight, x.dtype)
+    return pick(bk, "rms_norm", impl, x, weight, eps=eps)(bk.xp, x, weight, eps=eps)
