@@ -1,0 +1,215 @@
+"""Public test helpers: the tolerance table, :func:`assert_close`, and input generation.
+
+Use them to check your own kernels against portable_llm's reference::
+
+    from portable_llm.testing import assert_close
+    assert_close(my_kernel(x, w), pl.rms_norm(x, w))
+
+Hypothesis strategies live in :mod:`portable_llm.testing.strategies` (needs ``hypothesis``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from portable_llm.arrays import asarray, to_numpy
+from portable_llm.backends import backend_of, get_backend
+from portable_llm.backends._base import FLOAT_DTYPES, numpy_bfloat16
+
+__all__ = ["TOLERANCES", "Tolerance", "assert_close", "random_array", "tolerance"]
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """``|actual - desired| <= atol + rtol * |desired|``, elementwise, with the reason."""
+
+    rtol: float
+    atol: float
+    why: str
+
+
+# Inputs in the tests are O(1) (values in [-3, 3], weights scaled by 1/sqrt(fan-in)), so outputs
+# are O(1) and an absolute tolerance of the same size as the relative one covers results that
+# cancel to near zero. u is the unit roundoff of the dtype (half an ulp at 1).
+TOLERANCES: dict[str, Tolerance] = {
+    "float64": Tolerance(
+        rtol=1e-10,
+        atol=1e-12,
+        why="u = 1.1e-16; sums of up to 1e5 terms in another order differ by <= n*u = 1e-11. "
+        "Still 1e3 below float32's u, so a path that drops to float32 fails.",
+    ),
+    "float32": Tolerance(
+        rtol=1e-5,
+        atol=1e-5,
+        why="u = 6e-8; float32 accumulation of up to ~5e3 products (a 4864-wide projection) in a "
+        "kernel's own blocking order gives ~sqrt(n)*u*|terms| ~ 4e-6 at unit scale; rsqrt/exp/erf "
+        "add a few u. 1e-5 ~ 170u.",
+    ),
+    "float16": Tolerance(
+        rtol=4e-3,
+        atol=4e-3,
+        why="u = 4.9e-4. HF's order rounds to float16 after each step (a projection, the "
+        "activation, the gate product, the final projection: up to 4 roundings) and each rounding "
+        "error propagates at unit gain; 4 roundings of 2u each = 8u = 4e-3.",
+    ),
+    "bfloat16": Tolerance(
+        rtol=3.2e-2,
+        atol=3.2e-2,
+        why="u = 3.9e-3 (8 significand bits); the same 4 roundings as float16 at 8u = 3.1e-2.",
+    ),
+}
+
+
+def tolerance(dtype: Any) -> Tolerance:
+    """The tolerance for a dtype (a name or any library's dtype object)."""
+    return TOLERANCES[_dtype_name(dtype)]
+
+
+def _dtype_name(dtype: Any) -> str:
+    if isinstance(dtype, str):
+        return dtype
+    for name in FLOAT_DTYPES:
+        if str(dtype).rsplit(".", 1)[-1] == name:
+            return name
+    return str(np.dtype(dtype))
+
+
+def _name_of(x: Any) -> str:
+    bk = backend_of(x)
+    return bk.dtype_name(x.dtype) if bk is not None else np.asarray(x).dtype.name
+
+
+def assert_close(
+    actual: Any,
+    desired: Any,
+    /,
+    *,
+    rtol: float | None = None,
+    atol: float | None = None,
+    backend: str | None = None,
+    dtype: Any = None,
+    device: Any = None,
+    err_msg: str = "",
+) -> None:
+    """Assert that ``actual`` matches ``desired``: backend, shape, dtype, device, then values.
+
+    Parameters
+    ----------
+    actual : array
+        The result under test.
+    desired : array
+        The expected value, of any library (typically a float64 NumPy reference).
+    rtol, atol : float, optional
+        Default: the entry of :data:`TOLERANCES` for the coarser dtype of the two.
+    backend : str, optional
+        The library ``actual`` must belong to; default: ``desired``'s library.
+    dtype : str or dtype, optional
+        The dtype ``actual`` must have; default: ``desired``'s dtype.
+    device : optional
+        The device ``actual`` must be on; default: ``desired``'s device when both come from one
+        library, not checked otherwise.
+    err_msg : str
+        Prefixed to the failure message.
+    """
+    prefix = f"{err_msg}: " if err_msg else ""
+    bk_a, bk_d = backend_of(actual), backend_of(desired)
+    if bk_a is None:
+        raise AssertionError(f"{prefix}actual is not an array: {type(actual).__name__}")
+    want_bk = get_backend(backend) if backend is not None else bk_d
+    if want_bk is not None and bk_a is not want_bk:
+        raise AssertionError(f"{prefix}backend: actual is {bk_a.name}, expected {want_bk.name}")
+    if tuple(actual.shape) != tuple(np.shape(desired) if bk_d is None else desired.shape):
+        raise AssertionError(
+            f"{prefix}shape: actual {tuple(actual.shape)}, expected {tuple(np.shape(desired))}"
+        )
+    got = _name_of(actual)
+    want = _dtype_name(dtype) if dtype is not None else _name_of(desired)
+    if got != want:
+        raise AssertionError(f"{prefix}dtype: actual {got}, expected {want}")
+    if device is not None:
+        want_dev = bk_a.device(device)
+        if bk_a.device_of(actual) != want_dev:
+            raise AssertionError(
+                f"{prefix}device: actual on {bk_a.device_of(actual)}, expected {want_dev}"
+            )
+    elif bk_d is bk_a and bk_a.device_of(actual) != bk_a.device_of(desired):
+        raise AssertionError(
+            f"{prefix}device: actual on {bk_a.device_of(actual)}, "
+            f"desired on {bk_a.device_of(desired)}"
+        )
+    coarse = max((got, _name_of(desired)), key=_coarseness)
+    tol = TOLERANCES.get(coarse)
+    rtol = rtol if rtol is not None else (tol.rtol if tol else 0.0)
+    atol = atol if atol is not None else (tol.atol if tol else 0.0)
+    _assert_values(to_numpy(actual), to_numpy(desired), rtol, atol, prefix)
+
+
+def _coarseness(name: str) -> int:
+    order = ("float64", "float32", "float16", "bfloat16")
+    return order.index(name) if name in order else -1
+
+
+def _assert_values(a: np.ndarray, d: np.ndarray, rtol: float, atol: float, prefix: str) -> None:
+    a64, d64 = a.astype(np.float64), np.asarray(d).astype(np.float64)
+    nan_a, nan_d = np.isnan(a64), np.isnan(d64)
+    if not np.array_equal(nan_a, nan_d):
+        raise AssertionError(
+            f"{prefix}NaN positions differ: actual has {int(nan_a.sum())}, "
+            f"expected {int(nan_d.sum())}"
+        )
+    inf = np.isinf(a64) | np.isinf(d64)
+    if not np.array_equal(a64[inf], d64[inf]):
+        raise AssertionError(f"{prefix}infinities differ")
+    ok = nan_a | inf
+    with np.errstate(invalid="ignore", over="ignore"):
+        err = np.where(ok, 0.0, np.abs(a64 - d64))
+        bad = err > atol + rtol * np.abs(np.where(ok, 0.0, d64))
+    if bad.any():
+        i = np.unravel_index(np.argmax(np.where(bad, err, -1.0)), err.shape) if err.ndim else ()
+        rel = err / np.maximum(np.abs(d64), np.finfo(np.float64).tiny)
+        raise AssertionError(
+            f"{prefix}{int(bad.sum())} of {bad.size} elements differ beyond "
+            f"rtol={rtol:g}, atol={atol:g}: max abs error {err.max():.3g}, "
+            f"max rel error {np.where(ok, 0, rel).max():.3g}; worst at index {tuple(map(int, i))}: "
+            f"actual {a64[i]!r}, expected {d64[i]!r}"
+        )
+
+
+def random_array(
+    seed: int,
+    shape: tuple[int, ...],
+    dtype: str,
+    /,
+    *,
+    backend: str = "numpy",
+    scale: float = 1.0,
+    low: float = -3.0,
+    high: float = 3.0,
+    device: Any = None,
+) -> tuple[Any, np.ndarray]:
+    """A reproducible random input and its exact float64 NumPy copy.
+
+    Values are uniform in ``[low, high) * scale``, rounded to ``dtype``; the returned float64
+    array holds the *rounded* values, so a float64 reference computed from it sees exactly the
+    input the backend sees.
+
+    Returns
+    -------
+    (array of ``backend`` in ``dtype``, numpy float64 array)
+    """
+    rng = np.random.default_rng(seed)
+    values = rng.uniform(low, high, size=shape) * scale
+    np_dtype = numpy_bfloat16() if dtype == "bfloat16" else np.dtype(dtype)
+    if np_dtype is None:
+        raise ValueError("random_array: bfloat16 needs ml_dtypes")
+    rounded = values.astype(np_dtype)
+    reference = rounded.astype(np.float64)
+    bk = get_backend(backend)
+    if dtype in bk.dtypes:
+        arr = asarray(rounded, backend=backend, device=device)
+    else:
+        raise ValueError(f"random_array: backend {backend!r} has no dtype {dtype}")
+    return arr, reference

@@ -1,0 +1,67 @@
+"""Shared fixtures: the backend fixture over the backends tox selects, Hypothesis profiles."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from portable_llm.backends import BACKENDS
+
+# CI=true: derandomized, so CI is deterministic. Locally: random, more examples.
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    deadline=None,
+    max_examples=20,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "dev", deadline=None, max_examples=30, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile("ci" if os.environ.get("CI", "").lower() == "true" else "dev")
+
+_MODULES = {
+    "numpy": "numpy",
+    "torch": "torch",
+    "mlx": "mlx",
+    "jax": "jax",
+    "array_api_strict": "array_api_strict",
+}
+_SELECTED = [
+    b.strip() for b in os.environ.get("PORTABLE_LLM_BACKENDS", ",".join(BACKENDS)).split(",")
+]
+
+
+def _marks(name: str) -> list[pytest.MarkDecorator]:
+    if name not in _SELECTED:
+        return [pytest.mark.skip(reason=f"{name} not selected (PORTABLE_LLM_BACKENDS)")]
+    if importlib.util.find_spec(_MODULES[name]) is None:
+        return [pytest.mark.skip(reason=f"{name} is not installed")]
+    return []
+
+
+BACKEND_PARAMS = [pytest.param(name, marks=_marks(name), id=name) for name in BACKENDS]
+
+
+def _setup(name: str) -> str:
+    if name == "jax":
+        import jax
+
+        jax.config.update("jax_enable_x64", True)  # float64 reference checks on JAX
+    return name
+
+
+@pytest.fixture(params=BACKEND_PARAMS)
+def backend(request: pytest.FixtureRequest) -> str:
+    """Each selected, installed backend by name."""
+    return _setup(request.param)
+
+
+@pytest.fixture(params=[p for p in BACKEND_PARAMS if p.id != "numpy"])
+def other_backend(request: pytest.FixtureRequest) -> str:
+    """Each selected, installed backend except NumPy (for conversion tests)."""
+    return _setup(request.param)
