@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from portable_llm.backends import BACKENDS
+from portable_llm.backends._base import FLOAT_DTYPES
 
 # CI=true: derandomized, so CI is deterministic. Locally: random, more examples.
 settings.register_profile(
@@ -55,13 +56,23 @@ def _setup(name: str) -> str:
     return name
 
 
-@pytest.fixture(params=BACKEND_PARAMS)
+@pytest.fixture(scope="session", params=BACKEND_PARAMS)
 def backend(request: pytest.FixtureRequest) -> str:
     """Each selected, installed backend by name."""
     return _setup(request.param)
 
 
-@pytest.fixture(params=[p for p in BACKEND_PARAMS if p.id != "numpy"])
+@pytest.fixture(scope="session", params=[p for p in BACKEND_PARAMS if p.id != "numpy"])
 def other_backend(request: pytest.FixtureRequest) -> str:
     """Each selected, installed backend except NumPy (for conversion tests)."""
     return _setup(request.param)
+
+
+@pytest.fixture(scope="session", params=FLOAT_DTYPES)
+def dtype(request: pytest.FixtureRequest, backend: str) -> str:
+    """Each float dtype the backend supports on its default device (others skip, with why)."""
+    from portable_llm import get_backend
+
+    if request.param not in get_backend(backend).float_dtypes():
+        pytest.skip(f"{backend} has no {request.param} on its default device")
+    return str(request.param)

@@ -8,7 +8,8 @@ calls whichever is picked the same way.
 ``impl="auto"`` takes the native kernel when the backend has one and it keeps the op's meaning
 for these arguments (its ``applies`` predicate), the portable one otherwise; ``"portable"``
 always takes the portable one; ``"native"`` requires the native kernel. Ops may register extra
-named portable implementations (``"tiled"``).
+named portable implementations (``"tiled"``), and a chooser (``@auto_portable(op)``) that names
+the portable implementation ``auto`` falls back to for given arguments (default ``"portable"``).
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ from typing import Any
 
 from portable_llm.backends._base import Backend
 
-__all__ = ["IMPLS", "Native", "native", "native_ops", "pick", "portable"]
+__all__ = ["IMPLS", "Native", "auto_portable", "native", "native_ops", "pick", "portable"]
 
 #: The ``impl=`` values every op accepts.
 IMPLS: tuple[str, ...] = ("auto", "portable", "native")
 
 _PORTABLE: dict[str, dict[str, Callable[..., Any]]] = {}
+# op -> chooser(*arrays, **options) naming the portable impl that ``auto`` falls back to.
+_AUTO_PORTABLE: dict[str, Callable[..., str]] = {}
 # backend name -> op -> Native; filled when the backend's native module is imported.
 _NATIVE: dict[str, dict[str, Native]] = {}
 _NATIVE_MODULES = {
@@ -40,13 +43,23 @@ class Native:
     """A backend's native kernel for an op.
 
     ``applies(*arrays, **options)`` says whether the kernel computes the op's exact meaning for
-    these arguments (``None``: always); when it does not, ``auto`` uses the portable path.
+    these arguments (``None``: always); when it does not, ``auto`` uses the portable path and
+    ``impl="native"`` is an error. ``prefer(*arrays, **options)`` (``None``: always) says
+    whether ``auto`` should take it: ``False`` for a kernel that computes the op but rounds in
+    another order than the reference (``impl="native"`` still runs it).
     ``kernel`` names the library function, for reports and docs.
     """
 
     fn: Callable[..., Any]
     kernel: str
     applies: Callable[..., bool] | None = None
+    prefer: Callable[..., bool] | None = None
+
+    def auto(self, *args: Any, **options: Any) -> bool:
+        """Whether ``impl="auto"`` takes this kernel for these arguments."""
+        return (self.applies is None or self.applies(*args, **options)) and (
+            self.prefer is None or self.prefer(*args, **options)
+        )
 
 
 def portable(op: str, name: str = "portable") -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -59,13 +72,32 @@ def portable(op: str, name: str = "portable") -> Callable[[Callable[..., Any]], 
     return deco
 
 
+def auto_portable(op: str) -> Callable[[Callable[..., str]], Callable[..., str]]:
+    """Register ``chooser(*arrays, **options) -> name``: the portable impl ``auto`` falls back to.
+
+    Consulted only when no native kernel applies; ops without a chooser fall back to
+    ``"portable"``.
+    """
+
+    def deco(fn: Callable[..., str]) -> Callable[..., str]:
+        _AUTO_PORTABLE[op] = fn
+        return fn
+
+    return deco
+
+
 def native(
-    backend: str, op: str, *, kernel: str, applies: Callable[..., bool] | None = None
+    backend: str,
+    op: str,
+    *,
+    kernel: str,
+    applies: Callable[..., bool] | None = None,
+    prefer: Callable[..., bool] | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register ``fn`` as ``backend``'s native kernel for ``op`` (used in native modules)."""
 
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
-        _NATIVE.setdefault(backend, {})[op] = Native(fn, kernel, applies)
+        _NATIVE.setdefault(backend, {})[op] = Native(fn, kernel, applies, prefer)
         return fn
 
     return deco
@@ -88,9 +120,12 @@ def pick(bk: Backend, op: str, impl: str, *args: Any, **options: Any) -> Callabl
     """The implementation of ``op`` that ``impl`` selects on ``bk`` for these arguments."""
     if impl == "auto":
         nat = bk.native.get(op)
-        if nat is not None and (nat.applies is None or nat.applies(*args, **options)):
+        if nat is not None and (
+            (nat.applies is None and nat.prefer is None) or nat.auto(*args, **options)
+        ):
             return nat.fn
-        return _PORTABLE[op]["portable"]
+        chooser = _AUTO_PORTABLE.get(op)
+        return _PORTABLE[op][chooser(*args, **options) if chooser else "portable"]
     if impl == "native":
         nat = bk.native.get(op)
         if nat is None:

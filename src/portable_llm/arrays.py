@@ -7,14 +7,11 @@ from typing import Any
 import numpy as np
 
 from portable_llm.backends import Backend, backend_of, get_backend
-from portable_llm.backends._base import FLOAT_DTYPES
 
 __all__ = ["asarray", "device_of", "to_numpy"]
 
 
-def asarray(
-    x: Any, /, *, backend: str | None = None, dtype: Any = None, device: Any = None
-) -> Any:
+def asarray(x: Any, /, *, backend: str | None = None, dtype: Any = None, device: Any = None) -> Any:
     """Convert an array of any supported library, a nested list or a scalar to a backend's array.
 
     Parameters
@@ -44,12 +41,10 @@ def asarray(
     if src is None:  # nested list or Python scalar
         return bk.xp.asarray(x, dtype=target, device=dev)
     if src is not bk:
-        name = src.dtype_name(x.dtype)
-        if target is not None and name != bk.dtype_name(target) and bk.dtype_name(target) in src.dtypes:
-            x = src.astype(x, src.dtypes[bk.dtype_name(target)])  # cast where x lives, then move
-        elif name in FLOAT_DTYPES and target is None:
-            bk.dtype(name, device)  # raises for a dtype the target lacks
-        x = bk.convert(x, src, dev)
+        want = None if target is None else bk.dtype_name(target)
+        if want is not None and want != src.dtype_name(x.dtype) and want in src.dtypes:
+            x = src.astype(x, src.dtypes[want])  # cast where x lives, then move
+        x = bk.convert(x, src, dev)  # raises for a float dtype the target lacks
     elif dev is not None:
         x = bk.to_device(x, dev)
     if target is not None and x.dtype != target:

@@ -41,9 +41,10 @@ def rms_norm(
     eps : float, >= 0
         Added to the mean of squares inside the square root.
     impl : {"auto", "portable", "native"}
-        ``auto`` uses ``torch.nn.functional.rms_norm`` (same order as above) or
-        ``mx.fast.rms_norm`` (one fused kernel: the weight multiply happens before the single
-        rounding to x's dtype, so half-precision results may differ from HF by one ulp).
+        ``auto`` uses ``mx.fast.rms_norm`` (same rounding order as above) and, for float32 and
+        float64, ``torch.nn.functional.rms_norm``. For float16/bfloat16 torch's kernel multiplies
+        by the weight before its single rounding (one ulp from HF in about a quarter of the
+        elements), so ``auto`` keeps the portable path there; ``impl="native"`` still forces it.
     backend : str, optional
         Array library to compute with; inferred from the arrays when ``None``.
 

@@ -112,12 +112,13 @@ def available_backends() -> list[str]:
     return names
 
 
-def _lookup_type(t: type) -> Backend:
+def _lookup_type(t: type, op: str = "") -> Backend:
     top = t.__module__.partition(".")[0]
     name = _TOP_MODULE.get(top)
     if name is None:
+        where = f"{op}: " if op else ""
         raise TypeError(
-            f"arrays of type {t.__module__}.{t.__qualname__} are not supported; "
+            f"{where}arrays of type {t.__module__}.{t.__qualname__} are not supported; "
             f"supported libraries: {', '.join(BACKENDS)} (or Python scalars)"
         )
     bk = get_backend(name)
@@ -137,7 +138,9 @@ def backend_of(x: Any) -> Backend | None:
     return _lookup_type(t)
 
 
-def resolve(op: str, backend: str | Backend | None, *arrays: Any) -> tuple[Backend, tuple[Any, ...]]:
+def resolve(
+    op: str, backend: str | Backend | None, *arrays: Any
+) -> tuple[Backend, tuple[Any, ...]]:
     """Resolve the backend of one public call and bring every array argument to it.
 
     ``backend=None``: the backend is inferred from the arrays (Python scalars and ``None``
@@ -149,7 +152,7 @@ def resolve(op: str, backend: str | Backend | None, *arrays: Any) -> tuple[Backe
         cache = _TYPE_CACHE
         for a in arrays:
             t = type(a)
-            b = cache[t] if t in cache else _lookup_type(t)
+            b = cache[t] if t in cache else _lookup_type(t, op)
             if b is None or b is bk:
                 continue
             if bk is not None:
@@ -165,6 +168,6 @@ def resolve(op: str, backend: str | Backend | None, *arrays: Any) -> tuple[Backe
     out = []
     for a in arrays:
         t = type(a)
-        b = _TYPE_CACHE[t] if t in _TYPE_CACHE else _lookup_type(t)
+        b = _TYPE_CACHE[t] if t in _TYPE_CACHE else _lookup_type(t, op)
         out.append(a if b is None or b is bk else bk.convert(a, b))
     return bk, tuple(out)

@@ -116,8 +116,38 @@ class Backend:
     def astype(self, x: Any, dtype: Any) -> Any:
         return self.xp.astype(x, dtype)
 
+    # -- random numbers (the Array API has none) ------------------------------------------------
+    def rng(self, key: Any, like: Any = None) -> Any:
+        """The generator or key a draw uses: ``key`` is ``None``, an int seed or the library's own.
+
+        An int seed gives a fresh generator (key) each call, so the same seed gives the same draw;
+        the library's own generator is used (and advanced) as is. ``like`` is an array of this
+        library the draws go with (its device). ``TypeError``/``ValueError`` for anything else.
+        This default (NumPy's ``Generator``) serves NumPy and array-api-strict.
+        """
+        if key is None:
+            return np.random.default_rng()
+        if isinstance(key, np.random.Generator):
+            return key
+        return np.random.default_rng(seed_value(key, "a numpy.random.Generator"))
+
+    def uniform(self, rng: Any, shape: tuple[int, ...], like: Any) -> Any:
+        """float32 draws, uniform on ``[0, 1)``, of ``shape``, on ``like``'s device."""
+        return self.from_numpy(rng.random(shape, dtype=np.float32), self.device_of(like))
+
+    def is_traced(self, x: Any) -> bool:
+        """Whether ``x`` is a placeholder of a tracing transform (its values cannot be read)."""
+        return False
+
     def convert(self, x: Any, source: Backend, device: Any = None) -> Any:
-        """An array of another backend as one of this backend: DLPack first, NumPy otherwise."""
+        """An array of another backend as one of this backend: DLPack first, NumPy otherwise.
+
+        A float dtype this backend lacks (on ``device``) is a ``ValueError``, never a silent
+        narrowing.
+        """
+        name = source.dtype_name(x.dtype)
+        if name in FLOAT_DTYPES:
+            self.dtype(name, device)
         try:
             out = self.from_dlpack(x)
         except Exception:  # DLPack is not supported for this pair, dtype or device.
@@ -126,6 +156,19 @@ class Backend:
             if device is not None:
                 out = self.to_device(out, device)
         return out
+
+
+#: Int seeds accepted by every backend's generator: ``0 <= seed < 2**63``.
+SEED_LIMIT = 2**63
+
+
+def seed_value(key: Any, own: str) -> int:
+    """``key`` as an int seed, or ``TypeError``/``ValueError`` naming what else (``own``) works."""
+    if isinstance(key, bool) or not isinstance(key, int | np.integer):
+        raise TypeError(f"key must be None, an int seed or {own}, got {type(key).__name__}")
+    if not 0 <= int(key) < SEED_LIMIT:
+        raise ValueError(f"key: an int seed must be in [0, 2**63), got {key}")
+    return int(key)
 
 
 def _foreign_dtype_name(dtype: Any) -> str:

@@ -22,8 +22,20 @@ def make_namespace(mx: Any) -> types.SimpleNamespace:
         wrapped.__name__ = fn.__name__
         return wrapped
 
-    for name in ("zeros", "ones", "full", "arange", "eye", "linspace", "zeros_like", "ones_like",
-                 "full_like", "empty", "empty_like", "tri"):
+    for name in (
+        "zeros",
+        "ones",
+        "full",
+        "arange",
+        "eye",
+        "linspace",
+        "zeros_like",
+        "ones_like",
+        "full_like",
+        "empty",
+        "empty_like",
+        "tri",
+    ):
         if hasattr(mx, name):
             setattr(ns, name, _no_device(getattr(mx, name)))
 
@@ -35,8 +47,19 @@ def make_namespace(mx: Any) -> types.SimpleNamespace:
     def astype(x: Any, dtype: Any, /, *, copy: bool = True, device: Any = None) -> Any:
         return x if (not copy and x.dtype == dtype) else x.astype(dtype)
 
+    def argsort(x: Any, /, *, axis: int = -1, descending: bool = False, stable: bool = True) -> Any:
+        # mx.argsort is stable and ascending only. Descending and still stable (ties keep their
+        # order): sort the reversed array ascending, map back, reverse the result.
+        if not descending:
+            return mx.argsort(x, axis=axis)
+        x = mx.moveaxis(x, axis, -1)
+        n = x.shape[-1]
+        idx = (n - 1) - mx.argsort(x[..., ::-1], axis=-1)[..., ::-1]
+        return mx.moveaxis(idx, -1, axis)
+
     ns.asarray = asarray
     ns.astype = astype
+    ns.argsort = argsort
     ns.bool = mx.bool_
     ns.__name__ = "portable_llm.backends._mlx_compat"
     return ns

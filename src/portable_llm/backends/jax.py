@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from portable_llm.backends._base import FLOAT_DTYPES, Backend
+from portable_llm.backends._base import FLOAT_DTYPES, Backend, seed_value
 
 
 class JaxBackend(Backend):
@@ -69,6 +69,24 @@ class JaxBackend(Backend):
 
     def to_device(self, x: Any, device: Any) -> Any:
         return self.jax.device_put(x, self.device(device))
+
+    def rng(self, key: Any, like: Any = None) -> Any:
+        # JAX has no global random state: a draw needs a key (typed or a legacy uint32 PRNGKey).
+        jax = self.jax
+        if key is None:
+            raise ValueError(
+                "JAX has no global random state: pass key= (an int seed or a jax.random.key)"
+            )
+        if isinstance(key, jax.Array):
+            return key
+        return jax.random.key(seed_value(key, "a jax.random.key"))
+
+    def uniform(self, rng: Any, shape: tuple[int, ...], like: Any) -> Any:
+        jnp = self.xp
+        return self.jax.random.uniform(rng, shape, dtype=jnp.float32)
+
+    def is_traced(self, x: Any) -> bool:
+        return isinstance(x, self.jax.core.Tracer)
 
 
 def load() -> Backend:

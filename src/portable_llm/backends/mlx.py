@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from portable_llm.backends._base import FLOAT_DTYPES, Backend, numpy_bfloat16
+from portable_llm.backends._base import FLOAT_DTYPES, Backend, numpy_bfloat16, seed_value
 
 
 class MlxBackend(Backend):
@@ -34,9 +34,20 @@ class MlxBackend(Backend):
         )
 
     def float_dtypes(self, device: Any = None) -> tuple[str, ...]:
-        if self.device(device) == self.mx.gpu:
+        if self._is_gpu(device):
             return tuple(n for n in FLOAT_DTYPES if n != "float64")
         return FLOAT_DTYPES
+
+    def _is_gpu(self, spec: Any) -> bool:
+        """Whether ``spec`` names MLX's GPU (without asking whether one is present)."""
+        mx = self.mx
+        if spec is None:
+            return bool(mx.default_device().type == mx.gpu)
+        if isinstance(spec, mx.Device):
+            return bool(spec.type == mx.gpu)
+        if isinstance(spec, str):
+            return spec in ("gpu", "mps", "metal") or spec.startswith("cuda")
+        return bool(spec == mx.gpu)
 
     def device(self, spec: Any) -> Any:
         mx = self.mx
@@ -44,12 +55,12 @@ class MlxBackend(Backend):
             return mx.default_device()
         if isinstance(spec, mx.Device):
             return spec
-        if spec == "cpu":
-            return mx.cpu
-        if spec in ("gpu", "mps", "metal") or (isinstance(spec, str) and spec.startswith("cuda")):
+        if spec == "cpu" or spec == mx.cpu:
+            return mx.Device(mx.cpu)
+        if self._is_gpu(spec):
             if not mx.is_available(mx.gpu):
                 raise ValueError(f"backend 'mlx' has no GPU here (device {spec!r} asked for)")
-            return mx.gpu
+            return mx.Device(mx.gpu)
         raise ValueError(f"backend 'mlx' has no device {spec!r}; use 'cpu' or 'gpu'")
 
     def device_of(self, x: Any) -> Any:
@@ -68,7 +79,8 @@ class MlxBackend(Backend):
         mx = self.mx
         if a.dtype == numpy_bfloat16():
             return mx.array(np.ascontiguousarray(a).view(np.int16)).view(mx.bfloat16)
-        return mx.array(a)
+        # mx.array turns float64 into float32 unless told the dtype.
+        return mx.array(a, dtype=self.dtypes.get(a.dtype.name))
 
     def from_dlpack(self, x: Any) -> Any:
         # mx.array(obj) reads the buffer protocol / __array__ of host arrays; let the NumPy
@@ -78,6 +90,17 @@ class MlxBackend(Backend):
     def to_device(self, x: Any, device: Any) -> Any:
         self.device(device)  # validates; MLX arrays have no device to move between
         return x
+
+    def rng(self, key: Any, like: Any = None) -> Any:
+        # None: MLX's global key (mx.random.seed); an int: mx.random.key(seed); a key as is.
+        mx = self.mx
+        if key is None or isinstance(key, mx.array):
+            return key
+        return mx.random.key(seed_value(key, "an mx.random.key"))
+
+    def uniform(self, rng: Any, shape: tuple[int, ...], like: Any) -> Any:
+        mx = self.mx
+        return mx.random.uniform(shape=shape, dtype=mx.float32, key=rng)
 
 
 def load() -> Backend:

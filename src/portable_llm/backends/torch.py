@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from portable_llm.backends._base import FLOAT_DTYPES, Backend, numpy_bfloat16
+from portable_llm.backends._base import FLOAT_DTYPES, Backend, numpy_bfloat16, seed_value
 
 
 class TorchBackend(Backend):
@@ -55,7 +55,9 @@ class TorchBackend(Backend):
         except (RuntimeError, TypeError) as exc:
             raise ValueError(f"backend 'torch' has no device {spec!r}: {exc}") from None
         if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"backend 'torch': device {spec!r} asked for but CUDA is not available")
+            raise ValueError(
+                f"backend 'torch': device {spec!r} asked for but CUDA is not available"
+            )
         if dev.type == "mps" and not torch.backends.mps.is_available():
             raise ValueError(f"backend 'torch': device {spec!r} asked for but MPS is not available")
         return dev
@@ -87,6 +89,22 @@ class TorchBackend(Backend):
 
     def astype(self, x: Any, dtype: Any) -> Any:
         return x.to(dtype)
+
+    def rng(self, key: Any, like: Any = None) -> Any:
+        # None: torch's default generator (torch.manual_seed); an int: a fresh torch.Generator
+        # on like's device.
+        torch = self.torch
+        if key is None or isinstance(key, torch.Generator):
+            return key
+        seed = seed_value(key, "a torch.Generator")
+        gen = torch.Generator(device=like.device if like is not None else "cpu")
+        return gen.manual_seed(seed)
+
+    def uniform(self, rng: Any, shape: tuple[int, ...], like: Any) -> Any:
+        torch = self.torch
+        dev = like.device if rng is None else rng.device
+        u = torch.rand(shape, generator=rng, dtype=torch.float32, device=dev)
+        return u if u.device == like.device else u.to(like.device)
 
 
 def load() -> Backend:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -48,3 +49,109 @@ def linear(xp: Any, x: Any, weight: Any, bias: Any = None) -> Any:
     if bias is not None:
         y = y + bias.astype(acc)
     return y.astype(x.dtype)
+
+
+# -- attention ---------------------------------------------------------------------------------
+
+
+def _sdpa_applies(q: Any, k: Any, v: Any, mask: Any, *, softcap: Any, **_: Any) -> bool:
+    if softcap is not None:  # no score hook
+        return False
+    if q.dtype == _F64:  # jax.nn.dot_product_attention takes the softmax in float32
+        return False
+    return mask is None or q.ndim <= 4 or mask.ndim <= 2
+
+
+def _4d(x: Any) -> Any:
+    return None if x is None else x.reshape((1,) * (4 - x.ndim) + tuple(x.shape))
+
+
+@native(
+    "jax",
+    "scaled_dot_product_attention",
+    kernel="jax.nn.dot_product_attention",
+    applies=_sdpa_applies,
+)
+def scaled_dot_product_attention(
+    xp: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    mask: Any,
+    *,
+    scale: float,
+    causal: bool,
+    window: int | None,
+    softcap: float | None,
+    block_size: int,
+) -> Any:
+    shape = q.shape
+    L, S = q.shape[-2], k.shape[-2]
+    # (B.., H, L, D) -> (B, L, H, D): JAX's layout is BTNH.
+    q, k, v = (a.reshape(-1, *a.shape[-3:]).transpose(0, 2, 1, 3) for a in (q, k, v))
+    opts: dict[str, Any] = {}
+    keep = None
+    if causal and mask is None and L == S:
+        # is_causal and local_window_size are top-left aligned: bottom-right only when L == S.
+        opts["is_causal"] = True
+        if window is not None:
+            opts["local_window_size"] = (window - 1, 0)
+    elif causal:
+        i = jnp.arange(L)[:, None] + (S - L)
+        j = jnp.arange(S)[None, :]
+        keep = j <= i if window is None else (j <= i) & (j > i - window)  # (L, S)
+    bias = None
+    if mask is not None and mask.dtype != jnp.bool_:
+        bias = mask if keep is None else jnp.where(keep, mask, -math.inf)
+        keep = None
+        sees = (bias > -math.inf).any(-1)
+    elif mask is not None:
+        keep = mask if keep is None else mask & keep
+        sees = keep.any(-1)
+    out = jax.nn.dot_product_attention(q, k, v, bias=_4d(bias), mask=_4d(keep), scale=scale, **opts)
+    out = out.transpose(0, 2, 1, 3).reshape(shape)  # (B.., H, L, D)
+    if mask is not None:  # rows that see no key: JAX averages them (or NaN); ours are zeros
+        out = jnp.where(sees[..., None], out, 0.0)
+    return out
+
+
+# -- mixture of experts ------------------------------------------------------------------------
+
+
+@native("jax", "top_k", kernel="jax.lax.top_k")
+def top_k(xp: Any, x: Any, *, k: int) -> tuple[Any, Any]:
+    # Documented tie order: the lower index first, as the portable stable descending argsort.
+    return jax.lax.top_k(x, k)
+
+
+# Contract the lhs's features with the rhs's last axis: the weights stay in the torch layout
+# (X, out, in), the rows of lhs are grouped (ragged) along axis 0, one group per expert.
+_RAGGED = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((1,), (2,)), ((), ())),
+    lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[0],
+)
+
+
+@native("jax", "moe_experts", kernel="jax.lax.ragged_dot_general")
+def moe_experts(
+    xp: Any, x: Any, weights: Any, ids: Any, gate: Any, up: Any, down: Any, *,
+    act: Any, linear: Any, to_host: Any,
+) -> Any:  # fmt: skip
+    # Static shapes throughout (group sizes stay on the device), so this traces under jax.jit.
+    n, k = ids.shape
+    acc = _compute(x.dtype)
+    flat = ids.reshape(-1)  # (A,) token-major
+    order = jnp.argsort(flat, stable=True)  # (A,) grouped by expert
+    tokens = order // k
+    sizes = jnp.bincount(flat, length=gate.shape[0]).astype(jnp.int32)  # (X,)
+
+    def proj(a: Any, w: Any) -> Any:  # (A, in) x (X, out, in) -> (A, out), x's dtype
+        y = jax.lax.ragged_dot_general(a, w, sizes, _RAGGED, preferred_element_type=acc)
+        return y.astype(x.dtype)
+
+    xs = x[tokens]  # (A, E)
+    y = proj(act(xp, proj(xs, gate)) * proj(xs, up), down)  # (A, E)
+    y = y.astype(weights.dtype) * weights.reshape(-1)[order][:, None]
+    out = jnp.zeros((n, x.shape[-1]), weights.dtype).at[tokens].add(y)  # (N, E)
+    return out.astype(x.dtype)

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from portable_llm._dispatch import native
 
 
 @native("mlx", "rms_norm", kernel="mx.fast.rms_norm")
 def rms_norm(xp: Any, x: Any, weight: Any, *, eps: float) -> Any:
-    # One fused kernel in float32; the weight multiply precedes the single rounding.
+    # One fused kernel; it rounds the normalised value to x's dtype before the weight multiply,
+    # as HF does (bit-identical to the portable path in bfloat16, measured).
     return mx.fast.rms_norm(x, weight, eps)
 
 
@@ -31,3 +35,135 @@ def linear(xp: Any, x: Any, weight: Any, bias: Any = None) -> Any:
     if bias is None:
         return mx.matmul(x, weight.T)
     return mx.addmm(bias, x, weight.T)
+
+
+# -- attention ---------------------------------------------------------------------------------
+
+
+def _sdpa_applies(q: Any, k: Any, v: Any, mask: Any, *, softcap: Any, **_: Any) -> bool:
+    if softcap is not None:  # no score hook in the fused kernel
+        return False
+    if mask is None:
+        return True
+    if mask.dtype != mx.bool_ and mask.dtype != q.dtype:
+        return False  # MLX wants an additive mask in q's dtype; rounding it would change it
+    return q.ndim <= 4 or mask.ndim <= 2  # a batch-shaped mask cannot follow flattened batches
+
+
+@native(
+    "mlx",
+    "scaled_dot_product_attention",
+    kernel="mx.fast.scaled_dot_product_attention",
+    applies=_sdpa_applies,
+)
+def scaled_dot_product_attention(
+    xp: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    mask: Any,
+    *,
+    scale: float,
+    causal: bool,
+    window: int | None,
+    softcap: float | None,
+    block_size: int,
+) -> Any:
+    shape = q.shape
+    if q.ndim != 4:  # the kernel takes exactly (B, H, L, D)
+        q, k, v = (a.reshape(-1, *a.shape[-3:]) for a in (q, k, v))
+    L, S = q.shape[-2], k.shape[-2]
+    attn: Any = mask
+    if causal and window is None and mask is None:
+        attn = "causal"  # MLX's "causal" is bottom-right aligned, as ours
+    elif causal:
+        i = mx.arange(L)[:, None] + (S - L)
+        j = mx.arange(S)[None, :]
+        keep = j <= i if window is None else (j <= i) & (j > i - window)  # (L, S)
+        if attn is None:
+            attn = keep
+        elif attn.dtype == mx.bool_:
+            attn = attn & keep
+        else:
+            attn = mx.where(keep, attn, -math.inf)
+    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=attn)
+    if mask is not None:  # rows that see no key: MLX gives NaN or a mean; ours are zeros
+        sees = attn.any(-1) if attn.dtype == mx.bool_ else (attn > -math.inf).any(-1)
+        out = mx.where(sees[..., None], out, 0.0)
+    return out.reshape(shape)
+
+
+# -- mixture of experts ------------------------------------------------------------------------
+
+
+def _gather_mm_applies(x: Any, *_: Any, **__: Any) -> bool:
+    # MLX 0.32's CPU gather_mm takes float32 only; the GPU takes the half dtypes too.
+    return bool(x.dtype == mx.float32 or mx.default_device() == mx.gpu)
+
+
+@native("mlx", "moe_experts", kernel="mx.gather_mm", applies=_gather_mm_applies)
+def moe_experts(
+    xp: Any, x: Any, weights: Any, ids: Any, gate: Any, up: Any, down: Any, *,
+    act: Any, linear: Any, to_host: Any,
+) -> Any:  # fmt: skip
+    # mlx-lm's SwitchGLU: each (token, slot) row multiplies its expert's matrix, gathered.
+    n, k = ids.shape
+    flat = ids.reshape(-1)  # (A,)
+    order = mx.argsort(flat)  # grouped by expert: contiguous reads of each expert's weights
+    xs = x[order // k][:, None, :]  # (A, 1, E)
+    idx = flat[order]
+
+    def proj(a: Any, w: Any) -> Any:  # (A, 1, in) x (X, out, in) -> (A, 1, out)
+        return mx.gather_mm(a, w.swapaxes(-1, -2), rhs_indices=idx, sorted_indices=True)
+
+    y = proj(act(xp, proj(xs, gate)) * proj(xs, up), down)[:, 0, :]  # (A, E)
+    y = y.astype(weights.dtype) * weights.reshape(-1)[order][:, None]
+    y = y[mx.argsort(order)].reshape(n, k, x.shape[-1])  # token-major
+    return y.sum(axis=1).astype(x.dtype)
+
+
+# -- rope --------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=256)
+def _periods(table: bytes) -> Any:
+    """``freqs`` for mx.fast.rope, which uses ``1 / freqs``: periods whose float32 reciprocal
+    is exactly the table's ``theta_i`` (a neighbour of ``1 / theta_i`` where that one is not)."""
+    inv = np.frombuffer(table, dtype=np.float32)
+    periods = np.float32(1) / inv
+    for _ in range(4):
+        back = np.float32(1) / periods
+        if np.array_equal(back, inv):
+            break
+        periods = np.where(back > inv, np.nextafter(periods, np.float32(np.inf)), periods)
+        periods = np.where(back < inv, np.nextafter(periods, np.float32(0)), periods)
+    return mx.array(periods)
+
+
+def _rope_applies(
+    x: Any, offsets: Any, inv_freq: Any, *, offset: int, dims: int, traditional: bool,
+    attention: float,
+) -> bool:  # fmt: skip
+    # The kernel's angles are float32 (so not for float64 input) and it has no factor on
+    # cos/sin (yarn's attention factor).
+    return attention == 1.0 and x.dtype != mx.float64
+
+
+@native("mlx", "rope", kernel="mx.fast.rope", applies=_rope_applies)
+def rope(
+    xp: Any, x: Any, offsets: Any, inv_freq: Any, *, offset: int, dims: int, traditional: bool,
+    attention: float,
+) -> Any:  # fmt: skip
+    # The kernel takes the same float32 table (freqs), offsets of shape () or (B,), and rounds
+    # cos/sin to x's dtype before rotating in x's dtype, as the portable path.
+    y = x if x.ndim >= 3 else x.reshape(1, *x.shape)  # it wants (B, .., L, D)
+    out = mx.fast.rope(
+        y,
+        dims,
+        traditional=traditional,
+        base=None,
+        scale=1.0,
+        offset=offset if offsets is None else offsets,
+        freqs=_periods(np.array(inv_freq).tobytes()),
+    )
+    return out.reshape(x.shape)

@@ -1,0 +1,343 @@
+"""Float64 NumPy reference formulas, written independently of the portable implementations.
+
+These are the textbook definitions in plain NumPy float64 (``math.erf`` for GELU), with none of
+the dtype handling, dispatch or numerical tricks of the ops. Tests and ``portable-llm report``
+compare every op and backend against them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+__all__ = [
+    "causal_mask",
+    "embedding",
+    "gelu",
+    "gelu_tanh",
+    "linear",
+    "mlp",
+    "moe",
+    "relu",
+    "rms_norm",
+    "rope",
+    "rope_frequencies",
+    "route",
+    "sampling_probs",
+    "scaled_dot_product_attention",
+    "silu",
+    "softmax",
+    "unembed",
+]
+
+_erf = np.vectorize(math.erf, otypes=[np.float64])
+
+
+def _f64(x: np.ndarray) -> np.ndarray:
+    return np.asarray(x, dtype=np.float64)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    x = _f64(x)
+    with np.errstate(over="ignore"):
+        return x / (1.0 + np.exp(-x))
+
+
+def gelu(x: np.ndarray) -> np.ndarray:
+    x = _f64(x)
+    return 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    x = _f64(x)
+    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def relu(x: np.ndarray) -> np.ndarray:
+    x = _f64(x)
+    return np.where(x > 0, x, 0.0)
+
+
+ACTIVATIONS = {"silu": silu, "gelu": gelu, "gelu_tanh": gelu_tanh, "relu": relu}
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    x = _f64(x)
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float = 1e-5) -> np.ndarray:
+    x = _f64(x)
+    return _f64(weight) * x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + eps)
+
+
+def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    y = np.einsum("...i,oi->...o", _f64(x), _f64(weight))
+    return y if bias is None else y + _f64(bias)
+
+
+def mlp(
+    x: np.ndarray,
+    w_gate: np.ndarray,
+    w_up: np.ndarray,
+    w_down: np.ndarray,
+    act: str = "silu",
+) -> np.ndarray:
+    gate = ACTIVATIONS[act](linear(x, w_gate))
+    return linear(gate * linear(x, w_up), w_down)
+
+
+# -- attention ---------------------------------------------------------------------------------
+
+
+def causal_mask(L: int, S: int, window: int | None = None) -> np.ndarray:
+    """Boolean (L, S): query i (at absolute position i + S - L) may see key j."""
+    mask = np.zeros((L, S), dtype=bool)
+    for i in range(L):
+        pos = i + S - L
+        for j in range(S):
+            mask[i, j] = j <= pos and (window is None or j > pos - window)
+    return mask
+
+
+def scaled_dot_product_attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    scale: float | None = None,
+    mask: str | np.ndarray | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> np.ndarray:
+    """softmax(q k^T * scale + mask) v, with K/V repeated to q's heads; no-key rows are 0."""
+    q, k, v = _f64(q), _f64(k), _f64(v)
+    h, L, d = q.shape[-3:]
+    S = k.shape[-2]
+    group = h // k.shape[-3]
+    k = np.repeat(k, group, axis=-3)  # (B.., H, S, D), HF repeat_kv
+    v = np.repeat(v, group, axis=-3)
+    scores = np.einsum("...ld,...sd->...ls", q, k) * (d**-0.5 if scale is None else scale)
+    if softcap is not None:
+        scores = softcap * np.tanh(scores / softcap)
+    allowed = np.ones(scores.shape, dtype=bool)
+    if isinstance(mask, str) or window is not None:
+        allowed &= causal_mask(L, S, window)
+    if mask is not None and not isinstance(mask, str):
+        mask = np.asarray(mask)
+        if mask.dtype == bool:
+            allowed &= mask
+        else:
+            scores = scores + _f64(mask)
+            allowed &= mask > -np.inf
+    out = np.zeros(q.shape, dtype=np.float64)
+    flat_s = scores.reshape(-1, L, scores.shape[-1])
+    flat_a = np.broadcast_to(allowed, scores.shape).reshape(flat_s.shape)
+    flat_v = v.reshape(-1, S, v.shape[-1])
+    flat_o = out.reshape(-1, L, out.shape[-1])
+    for n in range(flat_s.shape[0]):
+        for i in range(L):
+            seen = flat_a[n, i]
+            if not seen.any():
+                continue  # a query that sees no key returns zeros
+            w = np.exp(flat_s[n, i, seen] - flat_s[n, i, seen].max())
+            flat_o[n, i] = (w / w.sum()) @ flat_v[n, seen]
+    return out
+
+
+# -- decoding: embedding, sampling ---------------------------------------------------------------
+
+
+def embedding(ids: np.ndarray, table: np.ndarray) -> np.ndarray:
+    ids = np.asarray(ids)
+    table = _f64(table)
+    out = np.empty((*ids.shape, table.shape[1]))
+    for pos in np.ndindex(*ids.shape):
+        out[pos] = table[int(ids[pos])]
+    return out
+
+
+def unembed(h: np.ndarray, table: np.ndarray) -> np.ndarray:
+    return _f64(h) @ _f64(table).T
+
+
+def sampling_probs(
+    logits: np.ndarray,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+) -> np.ndarray:
+    """The distribution a sampler draws from, one row at a time (temperature > 0).
+
+    Rank tokens by logit (ties: lower id first); top-k keeps the first k; top-p keeps tokens
+    until the kept mass reaches top_p; min-p keeps p >= min_p * max p; renormalise after each.
+    """
+    logits = _f64(logits)
+    out = np.zeros_like(logits)
+    for row in np.ndindex(*logits.shape[:-1]):
+        z = logits[row] / temperature
+        ranked = sorted(range(z.size), key=lambda i: (-z[i], i))
+        kept = ranked if top_k is None else ranked[:top_k]
+        w = np.exp(np.array([z[i] for i in kept]) - z[ranked[0]])
+        p = w / w.sum()
+        if top_p is not None:
+            mass, n = 0.0, 0
+            while n < len(kept) and mass < top_p:
+                mass += p[n]
+                n += 1
+            kept, p = kept[:n], p[:n] / p[:n].sum()
+        if min_p is not None:
+            n = int(np.sum(p >= min_p * p.max()))
+            kept, p = kept[:n], p[:n] / p[:n].sum()
+        out[row][kept] = p
+    return out
+
+
+# -- mixture of experts ------------------------------------------------------------------------
+
+
+def route(
+    x: np.ndarray, w_router: np.ndarray, top_k: int, norm_topk_prob: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """(weights, ids), each ``(N.., top_k)``: softmax over experts, the k largest (lower id first)."""
+    probs = softmax(linear(x, w_router))
+    ids = np.argsort(-probs, axis=-1, kind="stable")[..., :top_k]
+    weights = np.take_along_axis(probs, ids, axis=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return weights, ids
+
+
+def moe(
+    x: np.ndarray,
+    w_router: np.ndarray,
+    experts_gate: np.ndarray,
+    experts_up: np.ndarray,
+    experts_down: np.ndarray,
+    top_k: int,
+    norm_topk_prob: bool,
+    shared: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+    shared_gate: np.ndarray | None = None,
+    act: str = "silu",
+) -> np.ndarray:
+    """Token by token: the weighted sum of its top-k experts' MLPs, plus the gated shared MLP."""
+    x = _f64(x)
+    weights, ids = route(x, w_router, top_k, norm_topk_prob)
+    out = np.zeros_like(x)
+    for pos in np.ndindex(*x.shape[:-1]):
+        for w, e in zip(weights[pos], ids[pos], strict=True):
+            out[pos] += w * mlp(x[pos], experts_gate[e], experts_up[e], experts_down[e], act)
+    if shared is not None:
+        s = mlp(x, *shared, act=act)
+        if shared_gate is not None:
+            s = s / (1.0 + np.exp(-linear(x, shared_gate)))
+        out = out + s
+    return out
+
+
+# -- rotary position embedding -----------------------------------------------------------------
+
+
+def rope_frequencies(
+    dims: int,
+    base: float = 10000.0,
+    scaling: dict | None = None,
+    max_position_embeddings: int | None = None,
+    seq_len: int | None = None,
+) -> tuple[np.ndarray, float]:
+    """``(theta, attention)``: the angle per position of pair i < dims/2, and the factor on cos/sin.
+
+    ``theta_i = base^(-2i/dims)``, changed by an HF ``rope_scaling`` dict: linear divides every
+    angle by the factor; dynamic (NTK) raises the base once ``seq_len`` outgrows the trained
+    length; llama3 divides the slow pairs (wavelength above ``L0 / low_freq_factor``) by the
+    factor, keeps the fast ones (below ``L0 / high_freq_factor``) and blends in between; yarn
+    blends theta (pairs that turn more than ``beta_fast`` times over ``L0`` positions) into
+    ``theta / factor`` (fewer than ``beta_slow`` turns) along a linear ramp of the pair index,
+    and scales cos/sin by ``0.1 * mscale * ln(factor) + 1`` (over the same for mscale_all_dim).
+    """
+    s = dict(scaling or {})
+    kind = s.get("rope_type", s.get("type", "default"))
+    base = float(s.get("rope_theta", base))
+    mpe = max_position_embeddings or s.get("max_position_embeddings")
+    i = np.arange(dims // 2, dtype=np.float64)
+    if kind == "dynamic":
+        length = max(seq_len or 0, mpe)
+        f = s["factor"]
+        base = base * (f * length / mpe - (f - 1)) ** (dims / (dims - 2))
+    theta = base ** (-2.0 * i / dims)
+    attention = 1.0
+    L0 = s.get("original_max_position_embeddings", mpe)
+    if kind == "linear":
+        theta = theta / s["factor"]
+    elif kind == "llama3":
+        f, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        out = []
+        for th in theta:
+            wavelength = 2 * math.pi / th
+            if wavelength < L0 / hi:
+                out.append(th)
+            elif wavelength > L0 / lo:
+                out.append(th / f)
+            else:
+                smooth = (L0 / wavelength - lo) / (hi - lo)
+                out.append((1 - smooth) * th / f + smooth * th)
+        theta = np.array(out)
+    elif kind == "yarn":
+        f = s["factor"] if s["factor"] is not None else mpe / L0
+
+        def pair_index(turns: float) -> float:  # the pair that turns `turns` times over L0
+            return dims * math.log(L0 / (2 * math.pi * turns)) / (2 * math.log(base))
+
+        lo, hi = pair_index(s.get("beta_fast") or 32), pair_index(s.get("beta_slow") or 1)
+        if s.get("truncate", True):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, dims - 1)
+        hi = hi + 0.001 if hi == lo else hi
+        ramp = np.clip((i - lo) / (hi - lo), 0.0, 1.0)  # 0: keep theta, 1: theta / factor
+        theta = theta * (1 - ramp) + theta / f * ramp
+
+        def m(scale: float) -> float:
+            return 0.1 * scale * math.log(f) + 1.0 if f > 1 else 1.0
+
+        attention = s.get("attention_factor") or (
+            m(s["mscale"]) / m(s["mscale_all_dim"])
+            if s.get("mscale") and s.get("mscale_all_dim")
+            else m(1.0)
+        )
+    return theta, float(attention)
+
+
+def rope(
+    x: np.ndarray,
+    positions: np.ndarray,
+    base: float = 10000.0,
+    traditional: bool = False,
+    scaling: dict | None = None,
+    dims: int | None = None,
+    max_position_embeddings: int | None = None,
+) -> np.ndarray:
+    """RoPE as complex multiplication: pair ``(a, b)`` at position m becomes the real and
+    imaginary parts of ``(a + ib) * attention * e^(i m theta)``.
+
+    x ``(.., L, D)``; positions ``(L,)``, or ``(B, L)`` for x ``(B, .., L, D)``. Pairs are
+    ``(i, i + dims/2)``, or ``(2i, 2i + 1)`` when ``traditional``; features ``dims:`` pass.
+    """
+    x = _f64(x)
+    D = x.shape[-1]
+    if dims is None:
+        dims = int(D * (scaling or {}).get("partial_rotary_factor", 1.0))
+    positions = np.asarray(positions)
+    theta, attention = rope_frequencies(
+        dims, base, scaling, max_position_embeddings, int(positions.max()) + 1
+    )
+    angle = positions[..., None].astype(np.float64) * theta  # (L, h) or (B, L, h)
+    if angle.ndim == 3:
+        angle = angle.reshape(angle.shape[0], *(1,) * (x.ndim - 3), *angle.shape[1:])
+    first = slice(0, dims, 2) if traditional else slice(0, dims // 2)
+    second = slice(1, dims, 2) if traditional else slice(dims // 2, dims)
+    z = (x[..., first] + 1j * x[..., second]) * attention * np.exp(1j * angle)
+    out = x.copy()
+    out[..., first], out[..., second] = z.real, z.imag
+    return out

@@ -1,0 +1,190 @@
+"""Backend inference, conversion between libraries, devices, dtypes, impl selection."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import portable_llm as pl
+from portable_llm import reference
+from portable_llm._dispatch import IMPLS
+from portable_llm.backends import BACKENDS, resolve
+from portable_llm.testing import assert_close, random_array
+
+
+def test_import_loads_no_backend_library():
+    code = (
+        "import sys, portable_llm\n"
+        "print(sorted(m for m in ('torch', 'mlx', 'jax', 'array_api_strict', 'ml_dtypes')"
+        " if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_missing_backend_names_the_extra():
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import portable_llm as pl\n"
+        "try:\n    pl.get_backend('torch')\n"
+        "except pl.BackendNotInstalledError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "pip install 'portable-llm[torch]'" in out.stdout
+
+
+def test_unknown_backend_lists_known_ones():
+    with pytest.raises(ValueError, match="unknown backend 'tensorflow'") as info:
+        pl.rms_norm(np.ones((2, 4)), np.ones(4), backend="tensorflow")
+    for name in BACKENDS:
+        assert name in str(info.value)
+
+
+def test_unknown_array_library_is_a_type_error():
+    class FakeArray:
+        shape = (2, 4)
+
+    with pytest.raises(TypeError, match=r"arrays of type .*FakeArray are not supported"):
+        pl.silu(FakeArray())
+
+
+def test_backend_is_inferred_and_kept(backend, dtype):
+    x, xr = random_array(0, (2, 3, 16), dtype, backend=backend)
+    w, wr = random_array(1, (16,), dtype, backend=backend)
+    out = pl.rms_norm(x, w)  # no backend=: inferred from x and w
+    assert_close(out, reference.rms_norm(xr, wr), backend=backend, dtype=dtype)
+    assert_close(out, pl.rms_norm(x, w, backend=backend))  # same device as the inputs
+
+
+def test_backend_name_converts_numpy_inputs(backend, dtype):
+    x, xr = random_array(0, (2, 16), dtype)
+    w, wr = random_array(1, (16,), dtype)
+    out = pl.rms_norm(x, w, eps=1e-6, backend=backend)
+    assert_close(out, reference.rms_norm(xr, wr, 1e-6), backend=backend, dtype=dtype)
+
+
+def test_two_libraries_without_backend_name_both(other_backend):
+    x = pl.asarray(np.ones((2, 4), np.float32), backend=other_backend)
+    with pytest.raises(TypeError, match=rf"rms_norm: .*two libraries, {other_backend} and numpy"):
+        pl.rms_norm(x, np.ones(4, np.float32))
+    # Naming a backend converts the odd one out instead.
+    out = pl.rms_norm(x, np.ones(4, np.float32), backend=other_backend)
+    assert_close(out, reference.rms_norm(np.ones((2, 4)), np.ones(4)), backend=other_backend,
+                 dtype="float32")  # fmt: skip
+
+
+def test_python_scalars_and_none_are_ignored_by_inference(backend):
+    x = pl.asarray([1.0, 2.0], backend=backend, dtype="float32")
+    bk, arrays = resolve("op", None, x, 3.0, None, 2)
+    assert bk.name == backend and arrays[1:] == (3.0, None, 2)
+
+
+@pytest.mark.parametrize("target", BACKENDS)
+def test_asarray_round_trips_bits_between_backends(backend, dtype, target):
+    bk = pl.get_backend(backend)  # skips come from the fixtures
+    try:
+        tgt = pl.get_backend(target)
+    except pl.BackendNotInstalledError:
+        pytest.skip(f"{target} is not installed")
+    if dtype not in tgt.float_dtypes():
+        pytest.skip(f"{target} has no {dtype}")
+    x, xr = random_array(3, (4, 5), dtype, backend=backend)
+    y = pl.asarray(x, backend=target)
+    assert type(y).__module__.split(".")[0] in {target, "jaxlib"} or tgt.name == "numpy"
+    assert_close(y, xr, backend=target, dtype=dtype, rtol=0.0, atol=0.0)
+    back = pl.asarray(y, backend=bk.name)
+    assert_close(back, x, rtol=0.0, atol=0.0)
+
+
+def test_asarray_from_nested_list_and_dtype_names(backend, dtype):
+    y = pl.asarray([[1.0, -2.5], [0.25, 3.0]], backend=backend, dtype=dtype)
+    assert_close(y, np.array([[1.0, -2.5], [0.25, 3.0]]), backend=backend, dtype=dtype, atol=0,
+                 rtol=0)  # fmt: skip
+    # A dtype object of another library names the same dtype.
+    z = pl.asarray(y, dtype=np.float32)
+    assert_close(z, np.array([[1.0, -2.5], [0.25, 3.0]]), backend=backend, dtype="float32")
+
+
+def test_to_numpy_bfloat16_is_ml_dtypes(backend):
+    if "bfloat16" not in pl.get_backend(backend).float_dtypes():
+        pytest.skip(f"{backend} has no bfloat16")
+    import ml_dtypes
+
+    out = pl.to_numpy(pl.asarray([1.0, 0.1], backend=backend, dtype="bfloat16"))
+    assert out.dtype == np.dtype(ml_dtypes.bfloat16)
+    assert out.astype(np.float64)[1] == float(np.float32(ml_dtypes.bfloat16(0.1)))
+
+
+def test_unsupported_dtype_is_a_clear_error():
+    strict = pytest.importorskip("array_api_strict")
+    del strict
+    with pytest.raises(ValueError, match="'array_api_strict' does not support dtype float16"):
+        pl.asarray(np.ones(3, np.float16), backend="array_api_strict")
+    with pytest.raises(ValueError, match="does not support dtype bfloat16"):
+        pl.asarray([1.0], backend="array_api_strict", dtype="bfloat16")
+
+
+def test_mlx_gpu_declares_no_float64():
+    mx = pytest.importorskip("mlx.core")
+    bk = pl.get_backend("mlx")
+    for gpu in (mx.gpu, mx.Device(mx.gpu), "gpu", "mps"):
+        assert "float64" not in bk.float_dtypes(gpu)
+    assert bk.float_dtypes(mx.cpu) == ("float16", "bfloat16", "float32", "float64")
+    assert bk.device("cpu") == mx.Device(mx.cpu)
+
+
+def test_torch_mps_declares_no_float64():
+    torch = pytest.importorskip("torch")
+    bk = pl.get_backend("torch")
+    assert "float64" not in bk.float_dtypes(torch.device("mps"))
+    assert bk.float_dtypes(torch.device("cpu")) == ("float16", "bfloat16", "float32", "float64")
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:0", "mps"])
+def test_device_that_is_absent_is_a_clear_error(other_backend, device):
+    bk = pl.get_backend(other_backend)
+    try:
+        bk.device(device)
+    except ValueError as exc:
+        assert other_backend in str(exc) and device.split(":")[0] in str(exc).lower()
+    else:  # the device exists here: arrays then land on it
+        y = pl.asarray([1.0], backend=other_backend, device=device, dtype="float32")
+        assert_close(y, np.ones(1), backend=other_backend, dtype="float32", device=device)
+
+
+def test_arrays_stay_on_their_device():
+    pytest.importorskip("array_api_strict")
+    b = "array_api_strict"
+    x = pl.asarray(random_array(0, (3, 8), "float32")[0], backend=b, device="device1")
+    w = pl.asarray(np.ones(8, np.float32), backend=b, device="device1")
+    out = pl.rms_norm(x, w)
+    assert_close(out, pl.rms_norm(pl.to_numpy(x), np.ones(8, np.float32)), backend=b,
+                 device="device1")  # fmt: skip
+    for op in (pl.silu, pl.gelu, pl.softmax, pl.relu):
+        assert pl.device_of(op(x)) == pl.device_of(x)
+    assert pl.device_of(pl.mlp(x, pl.asarray(np.ones((4, 8), np.float32), backend=b,
+                        device="device1"), pl.asarray(np.ones((4, 8), np.float32), backend=b,
+                        device="device1"), pl.asarray(np.ones((8, 4), np.float32), backend=b,
+                        device="device1"))) == pl.device_of(x)  # fmt: skip
+    # Moving back to the CPU device is explicit.
+    y = pl.asarray(x, device="cpu")
+    assert pl.device_of(y) == pl.get_backend(b).device("cpu")
+
+
+def test_impl_selection(backend):
+    x = pl.asarray([[0.5, -1.0, 2.0]], backend=backend, dtype="float32")
+    w = pl.asarray([1.0, 2.0, 3.0], backend=backend, dtype="float32")
+    portable = pl.rms_norm(x, w, impl="portable")
+    assert_close(pl.rms_norm(x, w, impl="auto"), portable)
+    if "rms_norm" in pl.get_backend(backend).native:
+        assert_close(pl.rms_norm(x, w, impl="native"), portable)
+    else:
+        with pytest.raises(ValueError, match=f"rms_norm: backend '{backend}' has no native"):
+            pl.rms_norm(x, w, impl="native")
+    with pytest.raises(ValueError, match="impl must be one of") as info:
+        pl.rms_norm(x, w, impl="fast")
+    for impl in IMPLS:
+        assert impl in str(info.value)
