@@ -96,7 +96,7 @@ def test_mlp_shapes(backend):
 
 def test_mlp_unknown_activation_lists_known(backend):
     x, wg, wd = arr(backend, (2, 8)), arr(backend, (16, 8)), arr(backend, (8, 16))
-    with pytest.raises(ValueError, match="mlp: unknown activation 'swiglu'; known: gelu, .*silu"):
+    with pytest.raises(ValueError, match=r"mlp: unknown activation 'swiglu'; known: gelu, .*silu"):
         pl.mlp(x, wg, wg, wd, act="swiglu")
 
 

@@ -33,7 +33,7 @@ def check_ndim(op: str, name: str, x: Any, ndim: int, layout: str) -> None:
         )
 
 
-def check_same_dtype(op: str, bk: Backend, **arrays: Any) -> None:
+def check_same_dtype(op: str, bk: Backend, /, **arrays: Any) -> None:
     """All given arrays (``None`` skipped) share one dtype; a TypeError lists them otherwise."""
     given = {k: v for k, v in arrays.items() if v is not None}
     dtypes = {v.dtype for v in given.values()}

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from portable_llm.backends._base import Backend
@@ -29,6 +28,7 @@ IMPLS: tuple[str, ...] = ("auto", "portable", "native")
 _PORTABLE: dict[str, dict[str, Callable[..., Any]]] = {}
 # op -> chooser(*arrays, **options) naming the portable impl that ``auto`` falls back to.
 _AUTO_PORTABLE: dict[str, Callable[..., str]] = {}
+_PURE: set[Callable[..., Any]] = set()
 # backend name -> op -> Native; filled when the backend's native module is imported.
 _NATIVE: dict[str, dict[str, Native]] = {}
 _NATIVE_MODULES = {
@@ -38,38 +38,82 @@ _NATIVE_MODULES = {
 }
 
 
-@dataclass(frozen=True)
 class Native:
     """A backend's native kernel for an op.
 
     ``applies(*arrays, **options)`` says whether the kernel computes the op's exact meaning for
     these arguments (``None``: always); when it does not, ``auto`` uses the portable path and
-    ``impl="native"`` is an error. ``prefer(*arrays, **options)`` (``None``: always) says
-    whether ``auto`` should take it: ``False`` for a kernel that computes the op but rounds in
-    another order than the reference (``impl="native"`` still runs it).
-    ``kernel`` names the library function, for reports and docs.
+    ``impl="native"`` is an error. ``auto_dtypes`` (``None``: all) are the dtype names of the
+    first array for which ``auto`` takes the kernel: a kernel that computes the op but rounds in
+    another order, or at lower precision, than the reference for some dtype leaves it out
+    (``impl="native"`` still runs it). ``kernel`` names the library function, for reports.
     """
 
-    fn: Callable[..., Any]
-    kernel: str
-    applies: Callable[..., bool] | None = None
-    prefer: Callable[..., bool] | None = None
+    __slots__ = ("_auto_set", "applies", "auto_dtypes", "fn", "kernel", "plain", "pure")
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        kernel: str,
+        applies: Callable[..., bool] | None = None,
+        auto_dtypes: tuple[str, ...] | None = None,
+        pure: bool = False,
+    ) -> None:
+        self.fn = fn
+        self.pure = pure
+        self.kernel = kernel
+        self.applies = applies
+        self.auto_dtypes = auto_dtypes
+        #: True when auto always takes it: pick() then costs one dict lookup.
+        self.plain = applies is None and auto_dtypes is None
+        self._auto_set: frozenset[Any] = frozenset()
+
+    def bind(self, bk: Backend) -> Native:
+        """Resolve ``auto_dtypes`` to ``bk``'s dtype objects and compile a pure kernel (once,
+        at backend load)."""
+        if self.pure:
+            self.fn = bk.compile(self.fn)
+            self.pure = False
+        if self.auto_dtypes is not None:
+            self._auto_set = frozenset(bk.dtypes[n] for n in self.auto_dtypes if n in bk.dtypes)
+        return self
 
     def auto(self, *args: Any, **options: Any) -> bool:
         """Whether ``impl="auto"`` takes this kernel for these arguments."""
-        return (self.applies is None or self.applies(*args, **options)) and (
-            self.prefer is None or self.prefer(*args, **options)
-        )
+        if self.auto_dtypes is not None and args[0].dtype not in self._auto_set:
+            return False
+        return self.applies is None or self.applies(*args, **options)
 
 
-def portable(op: str, name: str = "portable") -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Register ``fn`` as the portable implementation ``name`` of ``op``."""
+def portable(
+    op: str, name: str = "portable", *, pure: bool = False
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register ``fn`` as the portable implementation ``name`` of ``op``.
+
+    ``pure=True`` declares ``fn`` a pure function of its positional arrays, with hashable
+    keyword-only options and no data-dependent Python control flow: a backend that compiles
+    (JAX: ``jax.jit``, options static) may then run it compiled (``Backend.compile``).
+    """
 
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         _PORTABLE.setdefault(op, {})[name] = fn
+        if pure:
+            _PURE.add(fn)
         return fn
 
     return deco
+
+
+def _portable(bk: Backend, op: str, name: str) -> Callable[..., Any]:
+    """The portable implementation as ``bk`` runs it (compiled when pure and bk compiles)."""
+    try:
+        return bk.portable[op, name]
+    except KeyError:
+        pass
+    fn = _PORTABLE[op][name]
+    run = bk.compile(fn) if fn in _PURE else fn
+    bk.portable[op, name] = run
+    return run
 
 
 def auto_portable(op: str) -> Callable[[Callable[..., str]], Callable[..., str]]:
@@ -92,12 +136,16 @@ def native(
     *,
     kernel: str,
     applies: Callable[..., bool] | None = None,
-    prefer: Callable[..., bool] | None = None,
+    auto_dtypes: tuple[str, ...] | None = None,
+    pure: bool = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Register ``fn`` as ``backend``'s native kernel for ``op`` (used in native modules)."""
+    """Register ``fn`` as ``backend``'s native kernel for ``op`` (used in native modules).
+
+    ``pure``: as for :func:`portable`, the backend may compile it (``Backend.compile``).
+    """
 
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
-        _NATIVE.setdefault(backend, {})[op] = Native(fn, kernel, applies, prefer)
+        _NATIVE.setdefault(backend, {})[op] = Native(fn, kernel, applies, auto_dtypes, pure)
         return fn
 
     return deco
@@ -108,7 +156,7 @@ def load_native(bk: Backend) -> None:
     module = _NATIVE_MODULES.get(bk.name)
     if module is not None:
         importlib.import_module(module)
-    bk.native = _NATIVE.get(bk.name, {})
+    bk.native = {op: nat.bind(bk) for op, nat in _NATIVE.get(bk.name, {}).items()}
 
 
 def native_ops(bk: Backend) -> dict[str, Native]:
@@ -120,12 +168,16 @@ def pick(bk: Backend, op: str, impl: str, *args: Any, **options: Any) -> Callabl
     """The implementation of ``op`` that ``impl`` selects on ``bk`` for these arguments."""
     if impl == "auto":
         nat = bk.native.get(op)
-        if nat is not None and (
-            (nat.applies is None and nat.prefer is None) or nat.auto(*args, **options)
-        ):
-            return nat.fn
+        if nat is not None:
+            if nat.plain:
+                return nat.fn
+            if nat.applies is None:  # dtype rule only: one set lookup, no extra call
+                if args[0].dtype in nat._auto_set:
+                    return nat.fn
+            elif nat.auto(*args, **options):
+                return nat.fn
         chooser = _AUTO_PORTABLE.get(op)
-        return _PORTABLE[op][chooser(*args, **options) if chooser else "portable"]
+        return _portable(bk, op, chooser(*args, **options) if chooser else "portable")
     if impl == "native":
         nat = bk.native.get(op)
         if nat is None:
@@ -139,7 +191,7 @@ def pick(bk: Backend, op: str, impl: str, *args: Any, **options: Any) -> Callabl
             )
         return nat.fn
     try:
-        return _PORTABLE[op][impl]
+        return _portable(bk, op, impl)
     except KeyError:
         known = (*IMPLS, *(k for k in _PORTABLE[op] if k not in IMPLS))
         raise ValueError(f"{op}: impl must be one of {known}, got {impl!r}") from None

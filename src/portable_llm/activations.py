@@ -48,31 +48,31 @@ def _erf(xp: Any, z: Any) -> Any:
     return xp.where(z < 0, -out, out)
 
 
-@portable("silu")
+@portable("silu", pure=True)
 def _silu(xp: Any, x: Any) -> Any:
     xc = xp.astype(x, float_compute_dtype(xp, x.dtype))
     return xp.astype(xc * _sigmoid(xp, xc), x.dtype)
 
 
-@portable("gelu")
+@portable("gelu", pure=True)
 def _gelu(xp: Any, x: Any) -> Any:
     xc = xp.astype(x, float_compute_dtype(xp, x.dtype))
     return xp.astype(0.5 * xc * (1.0 + _erf(xp, xc / math.sqrt(2.0))), x.dtype)
 
 
-@portable("gelu_tanh")
+@portable("gelu_tanh", pure=True)
 def _gelu_tanh(xp: Any, x: Any) -> Any:
     xc = xp.astype(x, float_compute_dtype(xp, x.dtype))
     inner = _SQRT_2_OVER_PI * (xc + 0.044715 * (xc * xc * xc))
     return xp.astype(0.5 * xc * (1.0 + xp.tanh(inner)), x.dtype)
 
 
-@portable("relu")
+@portable("relu", pure=True)
 def _relu(xp: Any, x: Any) -> Any:
     return xp.maximum(x, xp.zeros_like(x))  # NaN stays NaN
 
 
-@portable("softmax")
+@portable("softmax", pure=True)
 def _softmax(xp: Any, x: Any, *, axis: int) -> Any:
     xc = xp.astype(x, float_compute_dtype(xp, x.dtype))
     e = xp.exp(xc - xp.max(xc, axis=axis, keepdims=True))

@@ -14,7 +14,7 @@ from portable_llm.backends import Backend, resolve
 __all__ = ["intermediate_size", "linear", "mlp"]
 
 
-@portable("linear")
+@portable("linear", pure=True)
 def _linear(xp: Any, x: Any, weight: Any, bias: Any = None) -> Any:
     dtype = x.dtype
     if is_half(xp, dtype):  # accumulate half-precision products in float32, round once

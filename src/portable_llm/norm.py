@@ -6,12 +6,12 @@ from typing import Any
 
 from portable_llm._checks import check_float, check_ndim, float_compute_dtype
 from portable_llm._dispatch import pick, portable
-from portable_llm.backends import resolve
+from portable_llm.backends import Backend, resolve
 
 __all__ = ["rms_norm"]
 
 
-@portable("rms_norm")
+@portable("rms_norm", pure=True)
 def _rms_norm(xp: Any, x: Any, weight: Any, *, eps: float) -> Any:
     xc = xp.astype(x, float_compute_dtype(xp, x.dtype))
     variance = xp.mean(xc * xc, axis=-1, keepdims=True)  # (N.., 1)
@@ -23,11 +23,11 @@ def _rms_norm(xp: Any, x: Any, weight: Any, *, eps: float) -> Any:
 def rms_norm(
     x: Any, weight: Any, /, *, eps: float = 1e-5, impl: str = "auto", backend: str | None = None
 ) -> Any:
-    """Root-mean-square normalisation (Llama, Qwen, Mistral): ``weight * x / sqrt(mean(x^2) + eps)``.
+    """RMS normalisation (Llama, Qwen, Mistral): ``weight * x / sqrt(mean(x^2) + eps)``.
 
     The computation, in this order (HF transformers' ``Qwen2RMSNorm``/``LlamaRMSNorm``):
 
-    1. ``xc = float32(x)`` (float64 stays float64);
+    1. ``xc = float32(x)`` (float64 stays float64, where HF would drop to float32);
     2. ``normed = xc * (1 / sqrt(mean(xc**2, axis=-1) + eps))``, accumulated in float32;
     3. ``out = weight * normed.astype(x.dtype)`` -- the normalised value is rounded to x's dtype
        *before* the weight multiply, which then happens in x's dtype.
@@ -53,6 +53,23 @@ def rms_norm(
     array, shape ``(N.., D)``, x's dtype
     """
     bk, (x, weight) = resolve("rms_norm", backend, x, weight)
+    # One combined test on the hot path; the detailed checks only run to word the error.
+    floats, dtype = bk.float_set, x.dtype
+    if (
+        dtype not in floats
+        or weight.dtype not in floats
+        or weight.ndim != 1
+        or x.ndim == 0
+        or weight.shape[0] != x.shape[-1]
+        or not eps >= 0  # also rejects NaN
+    ):
+        _raise_bad_input(bk, x, weight, eps)
+    if weight.dtype != dtype:
+        weight = bk.astype(weight, dtype)
+    return pick(bk, "rms_norm", impl, x, weight, eps=eps)(bk.xp, x, weight, eps=eps)
+
+
+def _raise_bad_input(bk: Backend, x: Any, weight: Any, eps: float) -> None:
     check_float("rms_norm", "x", x, bk)
     check_float("rms_norm", "weight", weight, bk)
     check_ndim("rms_norm", "x", x, 1, "N.. x D")
@@ -61,8 +78,4 @@ def rms_norm(
             f"rms_norm: weight must have shape ({x.shape[-1]},) to match the last dimension of x "
             f"(shape {tuple(x.shape)}), got {tuple(weight.shape)}"
         )
-    if not eps >= 0:  # also rejects NaN
-        raise ValueError(f"rms_norm: eps must be >= 0, got {eps!r}")
-    if weight.dtype != x.dtype:
-        weight = bk.astype(weight, x.dtype)
-    return pick(bk, "rms_norm", impl, x, weight, eps=eps)(bk.xp, x, weight, eps=eps)
+    raise ValueError(f"rms_norm: eps must be >= 0, got {eps!r}")

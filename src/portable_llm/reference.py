@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 __all__ = [
+    "attention",
     "causal_mask",
     "embedding",
     "gelu",
@@ -149,6 +150,52 @@ def scaled_dot_product_attention(
 # -- decoding: embedding, sampling ---------------------------------------------------------------
 
 
+def attention(
+    x: np.ndarray,
+    wq: np.ndarray,
+    wk: np.ndarray,
+    wv: np.ndarray,
+    wo: np.ndarray,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int | None = None,
+    bq: np.ndarray | None = None,
+    bk: np.ndarray | None = None,
+    bv: np.ndarray | None = None,
+    q_norm: np.ndarray | None = None,
+    k_norm: np.ndarray | None = None,
+    norm_eps: float = 1e-6,
+    rope_options: dict | None = None,
+    mask: str | np.ndarray | None = "causal",
+    offset: int | np.ndarray = 0,
+    window: int | None = None,
+) -> np.ndarray:
+    """The attention block: project, split heads, q/k RMSNorm, RoPE, attention, merge, project.
+
+    ``rope_options``: the keyword options of :func:`rope` (``None``: no rotary embedding);
+    positions are ``offset + l``, ``offset`` an int or one per sequence ``(B,)``.
+    """
+    b, L, E = np.shape(x)
+    d = head_dim or E // num_heads
+
+    def heads(y: np.ndarray, n: int) -> np.ndarray:  # (B, L, n*d) -> (B, n, L, d)
+        return y.reshape(b, L, n, d).transpose(0, 2, 1, 3)
+
+    q = heads(linear(x, wq, bq), num_heads)
+    k = heads(linear(x, wk, bk), num_kv_heads)
+    v = heads(linear(x, wv, bv), num_kv_heads)
+    if q_norm is not None:
+        q = rms_norm(q, q_norm, norm_eps)
+    if k_norm is not None:
+        k = rms_norm(k, k_norm, norm_eps)
+    if rope_options is not None:
+        off = np.asarray(offset)
+        positions = (off[:, None] if off.ndim else off) + np.arange(L)  # (L,) or (B, L)
+        q, k = rope(q, positions, **rope_options), rope(k, positions, **rope_options)
+    o = scaled_dot_product_attention(q, k, v, mask=mask, window=window)  # (B, H, L, d)
+    return linear(o.transpose(0, 2, 1, 3).reshape(b, L, num_heads * d), wo)
+
+
 def embedding(ids: np.ndarray, table: np.ndarray) -> np.ndarray:
     ids = np.asarray(ids)
     table = _f64(table)
@@ -201,7 +248,10 @@ def sampling_probs(
 def route(
     x: np.ndarray, w_router: np.ndarray, top_k: int, norm_topk_prob: bool
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(weights, ids), each ``(N.., top_k)``: softmax over experts, the k largest (lower id first)."""
+    """(weights, ids), each ``(N.., top_k)``: softmax over experts, the k largest.
+
+    Ties: the lower expert id first.
+    """
     probs = softmax(linear(x, w_router))
     ids = np.argsort(-probs, axis=-1, kind="stable")[..., :top_k]
     weights = np.take_along_axis(probs, ids, axis=-1)
@@ -260,7 +310,7 @@ def rope_frequencies(
     s = dict(scaling or {})
     kind = s.get("rope_type", s.get("type", "default"))
     base = float(s.get("rope_theta", base))
-    mpe = max_position_embeddings or s.get("max_position_embeddings")
+    mpe: int = max_position_embeddings or s.get("max_position_embeddings") or 0
     i = np.arange(dims // 2, dtype=np.float64)
     if kind == "dynamic":
         length = max(seq_len or 0, mpe)
@@ -268,7 +318,7 @@ def rope_frequencies(
         base = base * (f * length / mpe - (f - 1)) ** (dims / (dims - 2))
     theta = base ** (-2.0 * i / dims)
     attention = 1.0
-    L0 = s.get("original_max_position_embeddings", mpe)
+    L0: int = s.get("original_max_position_embeddings") or mpe
     if kind == "linear":
         theta = theta / s["factor"]
     elif kind == "llama3":

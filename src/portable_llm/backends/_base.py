@@ -37,10 +37,13 @@ class Backend:
     float_set: frozenset[Any]
     #: Native kernels registered for this backend: op name -> portable_llm._dispatch.Native.
     native: dict[str, Any]
+    #: (op, impl name) -> the portable implementation as this backend runs it.
+    portable: dict[tuple[str, str], Any]
 
     def __init__(self) -> None:
         self.dtypes = {}
         self.native = {}
+        self.portable = {}
         self.float_set = frozenset()
 
     def _set_dtypes(self, dtypes: dict[str, Any]) -> None:
@@ -84,6 +87,22 @@ class Backend:
             raise ValueError(
                 f"backend {self.name!r} has no dtype {dtype!r}; known: {', '.join(self.dtypes)}"
             ) from None
+
+    def compile(self, fn: Any) -> Any:
+        """Compile a pure portable implementation for this library (identity by default)."""
+        return fn
+
+    def set_slice(self, buf: Any, start: tuple[int, ...], value: Any) -> Any:
+        """Write ``value`` into ``buf[start[0]:start[0] + value.shape[0], ...]``; return the buffer.
+
+        In place on libraries whose arrays are mutable (NumPy, torch, MLX, array-api-strict: one
+        slice assignment, cost O(value.size)); a library with immutable arrays returns an updated
+        array instead (JAX). Callers always use the returned array. ``value`` must fit and have
+        ``buf``'s dtype.
+        """
+        index = tuple(slice(s, s + n) for s, n in zip(start, value.shape, strict=True))
+        buf[index] = value
+        return buf
 
     # -- devices --------------------------------------------------------------------------------
     def device(self, spec: Any) -> Any:

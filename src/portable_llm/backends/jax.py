@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,7 @@ class JaxBackend(Backend):
 
         self.jax = jax
         self.xp = jnp
+        self._update_slice: Any = None
         self.version = jax.__version__
         self._set_dtypes(
             {
@@ -36,6 +38,26 @@ class JaxBackend(Backend):
         if self.jax.config.read("jax_enable_x64"):
             return FLOAT_DTYPES
         return tuple(n for n in FLOAT_DTYPES if n != "float64")
+
+    def compile(self, fn: Any) -> Any:
+        # One XLA computation per op, shape and option set, instead of one dispatch (and, on
+        # first use of a shape, one compilation) per primitive in eager mode. Keyword-only
+        # options are static; the namespace argument is too.
+        static = [
+            name
+            for name, p in inspect.signature(fn).parameters.items()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY
+        ]
+        return self.jax.jit(fn, static_argnums=(0,), static_argnames=static)
+
+    def set_slice(self, buf: Any, start: tuple[int, ...], value: Any) -> Any:
+        # JAX arrays are immutable: lax.dynamic_update_slice, jitted once per shape with the
+        # start traced, and with buf donated so XLA writes into buf's memory instead of copying
+        # it (O(value.size), not O(buf.size)). buf is invalid afterwards: use the result.
+        if self._update_slice is None:
+            jax = self.jax
+            self._update_slice = jax.jit(jax.lax.dynamic_update_slice, donate_argnums=0)
+        return self._update_slice(buf, value, tuple(start))
 
     def device(self, spec: Any) -> Any:
         jax = self.jax

@@ -1,8 +1,13 @@
-"""JAX kernels: ``jax.nn`` and ``jax.numpy`` with float32 accumulation."""
+"""JAX kernels: ``jax.nn`` and ``jax.numpy`` with float32 accumulation.
+
+Kernels marked ``pure`` run under ``jax.jit`` (one XLA computation per shape instead of one
+dispatch per primitive in eager mode).
+"""
 
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any
 
 import jax
@@ -17,32 +22,32 @@ def _compute(dtype: Any) -> Any:
     return jnp.float64 if dtype == _F64 else jnp.float32
 
 
-@native("jax", "softmax", kernel="jax.nn.softmax")
+@native("jax", "softmax", kernel="jax.nn.softmax", pure=True)
 def softmax(xp: Any, x: Any, *, axis: int) -> Any:
     return jax.nn.softmax(x.astype(_compute(x.dtype)), axis=axis).astype(x.dtype)
 
 
-@native("jax", "silu", kernel="jax.nn.silu")
+@native("jax", "silu", kernel="jax.nn.silu", pure=True)
 def silu(xp: Any, x: Any) -> Any:
     return jax.nn.silu(x.astype(_compute(x.dtype))).astype(x.dtype)
 
 
-@native("jax", "gelu", kernel="jax.nn.gelu(approximate=False)")
+@native("jax", "gelu", kernel="jax.nn.gelu(approximate=False)", pure=True)
 def gelu(xp: Any, x: Any) -> Any:
     return jax.nn.gelu(x.astype(_compute(x.dtype)), approximate=False).astype(x.dtype)
 
 
-@native("jax", "gelu_tanh", kernel="jax.nn.gelu(approximate=True)")
+@native("jax", "gelu_tanh", kernel="jax.nn.gelu(approximate=True)", pure=True)
 def gelu_tanh(xp: Any, x: Any) -> Any:
     return jax.nn.gelu(x.astype(_compute(x.dtype)), approximate=True).astype(x.dtype)
 
 
-@native("jax", "relu", kernel="jax.nn.relu")
+@native("jax", "relu", kernel="jax.nn.relu", pure=True)
 def relu(xp: Any, x: Any) -> Any:
     return jax.nn.relu(x)
 
 
-@native("jax", "linear", kernel="jnp.matmul(preferred_element_type=float32)")
+@native("jax", "linear", kernel="jnp.matmul(preferred_element_type=float32)", pure=True)
 def linear(xp: Any, x: Any, weight: Any, bias: Any = None) -> Any:
     acc = _compute(x.dtype)
     y = jnp.matmul(x, weight.T, preferred_element_type=acc)
@@ -133,11 +138,25 @@ _RAGGED = jax.lax.RaggedDotDimensionNumbers(
 )
 
 
-@native("jax", "moe_experts", kernel="jax.lax.ragged_dot_general")
+def _ragged_applies(x: Any, *_: Any, **__: Any) -> bool:
+    # Traced (jax.jit): the only static-shape way to gather tokens per expert. Eager on the CPU,
+    # XLA lowers ragged_dot to a loop over every group at full size (measured slower than
+    # running all experts densely), so auto takes the gather path with host-side counts there.
+    if isinstance(x, jax.core.Tracer):
+        return True
+    return bool(next(iter(x.devices())).platform != "cpu")
+
+
+@native("jax", "moe_experts", kernel="jax.lax.ragged_dot_general", applies=_ragged_applies)
 def moe_experts(
     xp: Any, x: Any, weights: Any, ids: Any, gate: Any, up: Any, down: Any, *,
     act: Any, linear: Any, to_host: Any,
 ) -> Any:  # fmt: skip
+    return _moe_experts(x, weights, ids, gate, up, down, act=act)
+
+
+@partial(jax.jit, static_argnames=("act",))  # one program per shape, also when called eagerly
+def _moe_experts(x: Any, weights: Any, ids: Any, gate: Any, up: Any, down: Any, *, act: Any) -> Any:
     # Static shapes throughout (group sizes stay on the device), so this traces under jax.jit.
     n, k = ids.shape
     acc = _compute(x.dtype)
@@ -151,7 +170,7 @@ def moe_experts(
         return y.astype(x.dtype)
 
     xs = x[tokens]  # (A, E)
-    y = proj(act(xp, proj(xs, gate)) * proj(xs, up), down)  # (A, E)
+    y = proj(act(jnp, proj(xs, gate)) * proj(xs, up), down)  # (A, E)
     y = y.astype(weights.dtype) * weights.reshape(-1)[order][:, None]
     out = jnp.zeros((n, x.shape[-1]), weights.dtype).at[tokens].add(y)  # (N, E)
     return out.astype(x.dtype)

@@ -12,7 +12,14 @@ import numpy as np
 from portable_llm._dispatch import native
 
 
-@native("mlx", "rms_norm", kernel="mx.fast.rms_norm")
+# mx.fast kernels and mx.erf compute float64 input at float32 precision (measured); auto keeps
+# the portable path for float64, where MLX's float64 arithmetic is exact.
+_BELOW_FLOAT64 = ("float16", "bfloat16", "float32")
+
+
+# mx.fast.rms_norm computes float64 input in float32 (measured 3e-7 relative error); the
+# portable path keeps float64 there (MLX's float64 sqrt and sums are exact).
+@native("mlx", "rms_norm", kernel="mx.fast.rms_norm", auto_dtypes=_BELOW_FLOAT64)
 def rms_norm(xp: Any, x: Any, weight: Any, *, eps: float) -> Any:
     # One fused kernel; it rounds the normalised value to x's dtype before the weight multiply,
     # as HF does (bit-identical to the portable path in bfloat16, measured).
@@ -24,7 +31,7 @@ def softmax(xp: Any, x: Any, *, axis: int) -> Any:
     return mx.softmax(x, axis=axis, precise=True)
 
 
-@native("mlx", "gelu", kernel="mx.erf")
+@native("mlx", "gelu", kernel="mx.erf", auto_dtypes=_BELOW_FLOAT64)
 def gelu(xp: Any, x: Any) -> Any:
     xc = x.astype(mx.float64 if x.dtype == mx.float64 else mx.float32)
     return (0.5 * xc * (1.0 + mx.erf(xc * 0.7071067811865476))).astype(x.dtype)
@@ -144,12 +151,13 @@ def _rope_applies(
     x: Any, offsets: Any, inv_freq: Any, *, offset: int, dims: int, traditional: bool,
     attention: float,
 ) -> bool:  # fmt: skip
-    # The kernel's angles are float32 (so not for float64 input) and it has no factor on
-    # cos/sin (yarn's attention factor).
-    return attention == 1.0 and x.dtype != mx.float64
+    # The kernel has no factor on cos/sin (yarn's attention factor); scaling x instead, as
+    # mlx-lm does, would round differently.
+    return attention == 1.0
 
 
-@native("mlx", "rope", kernel="mx.fast.rope", applies=_rope_applies)
+# Its angles are float32, so auto keeps the portable path (float64 angles) for float64 input.
+@native("mlx", "rope", kernel="mx.fast.rope", applies=_rope_applies, auto_dtypes=_BELOW_FLOAT64)
 def rope(
     xp: Any, x: Any, offsets: Any, inv_freq: Any, *, offset: int, dims: int, traditional: bool,
     attention: float,
@@ -164,6 +172,6 @@ def rope(
         base=None,
         scale=1.0,
         offset=offset if offsets is None else offsets,
-        freqs=_periods(np.array(inv_freq).tobytes()),
+        freqs=_periods(np.array(inv_freq).astype(np.float32).tobytes()),
     )
     return out.reshape(x.shape)

@@ -13,16 +13,14 @@ from portable_llm._dispatch import native
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def _not_half(x: Any, *args: Any, **options: Any) -> bool:
-    return x.dtype not in _HALF
-
-
 # For float16/bfloat16, F.rms_norm multiplies by the weight in float32 and rounds once, where
 # HF rounds the normalised value first: one ulp apart in ~27% of elements. auto keeps HF's exact
 # bits there (portable path); float32/float64 have no intermediate rounding to disagree on.
-@native("torch", "rms_norm", kernel="torch.nn.functional.rms_norm", prefer=_not_half)
+@native(
+    "torch", "rms_norm", kernel="torch.nn.functional.rms_norm", auto_dtypes=("float32", "float64")
+)
 def rms_norm(xp: Any, x: Any, weight: Any, *, eps: float) -> Any:
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return F.rms_norm(x, weight.shape, weight, eps)  # weight is (D,): its shape is (D,)
 
 
 @native("torch", "softmax", kernel="torch.softmax")

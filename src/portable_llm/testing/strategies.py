@@ -8,22 +8,32 @@ from hypothesis import strategies as st
 
 from portable_llm.backends import get_backend
 
-__all__ = ["float_dtypes", "seeds", "shapes"]
+__all__ = ["LAST_SIDES", "SIDES", "float_dtypes", "seeds", "shapes", "sizes"]
+
+
+#: Sizes the strategies draw from. A small fixed set, so that compiling backends (JAX compiles
+#: per shape) see repeated shapes, while still covering 1, odd and non-power-of-two sizes.
+SIDES: tuple[int, ...] = (1, 2, 3, 5, 6)
+LAST_SIDES: tuple[int, ...] = (1, 2, 3, 4, 7, 8, 16, 31, 33, 64, 96, 128)
 
 
 def shapes(
     *, min_dims: int = 1, max_dims: int = 4, max_side: int = 6, last: Any = None, max_last: int = 64
 ) -> st.SearchStrategy[tuple[int, ...]]:
-    """Shapes ``N.. x D``: leading sides in ``[1, max_side]``, last side ``last`` or ``[1, max_last]``.
-
-    ``last`` may be an int or a strategy.
-    """
+    """Shapes ``N.. x D``: leading sides from :data:`SIDES` up to ``max_side``, the last side
+    ``last`` (an int or a strategy) or from :data:`LAST_SIDES` up to ``max_last``."""
     if last is None:
-        last = st.integers(1, max_last)
+        last = st.sampled_from([d for d in LAST_SIDES if d <= max_last] or [max_last])
     elif isinstance(last, int):
         last = st.just(last)
-    lead = st.lists(st.integers(1, max_side), min_size=min_dims - 1, max_size=max_dims - 1)
+    side = st.sampled_from([s for s in SIDES if s <= max_side] or [max_side])
+    lead = st.lists(side, min_size=min_dims - 1, max_size=max_dims - 1)
     return st.tuples(lead, last).map(lambda t: (*t[0], t[1]))
+
+
+def sizes(max_size: int = 64) -> st.SearchStrategy[int]:
+    """One dimension size from :data:`LAST_SIDES` up to ``max_size``."""
+    return st.sampled_from([d for d in LAST_SIDES if d <= max_size] or [max_size])
 
 
 def float_dtypes(backend: str, device: Any = None) -> st.SearchStrategy[str]:

@@ -1,0 +1,221 @@
+"""The attention block of Llama/Qwen/Mistral: projections, q/k RMSNorm, RoPE, attention, output.
+
+The pieces are the ops of :mod:`portable_llm.linear`, :mod:`portable_llm.norm`,
+:mod:`portable_llm.rope` and :mod:`portable_llm.sdpa`, picked once per call through the dispatch
+table on the backend resolved once for the whole block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+from portable_llm._checks import check_float, check_same_dtype
+from portable_llm._dispatch import IMPLS, pick
+from portable_llm.backends import resolve
+from portable_llm.cache_base import block_kv_mask, block_offset
+from portable_llm.linear import _check_linear
+from portable_llm.padding import nonnegative, row_offsets
+from portable_llm.rope import dispatch_args as rope_args
+from portable_llm.sdpa import OP as SDPA
+from portable_llm.sdpa import sdpa_args
+
+__all__ = ["ROPE_OPTIONS", "attention"]
+
+OP = "attention"
+
+#: The keys a ``rope=`` dict may hold: the options of :func:`portable_llm.rope`.
+ROPE_OPTIONS: tuple[str, ...] = (
+    "base",
+    "traditional",
+    "scaling",
+    "dims",
+    "max_position_embeddings",
+)
+_DEFAULT_ROPE: Mapping[str, Any] = MappingProxyType({})
+
+
+def _positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{OP}: {name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def _heads(xp: Any, y: Any, n: int, d: int) -> Any:
+    b, L = y.shape[0], y.shape[1]
+    return xp.permute_dims(xp.reshape(y, (b, L, n, d)), (0, 2, 1, 3))  # (B, n, L, D)
+
+
+def attention(
+    x: Any,
+    /,
+    *,
+    wq: Any,
+    wk: Any,
+    wv: Any,
+    wo: Any,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int | None = None,
+    bq: Any = None,
+    bk: Any = None,
+    bv: Any = None,
+    q_norm: Any = None,
+    k_norm: Any = None,
+    norm_eps: float = 1e-6,
+    rope: Mapping[str, Any] | None = _DEFAULT_ROPE,
+    mask: Any = "causal",
+    window: int | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    offset: Any = 0,
+    cache: Any = None,
+    left_padding: Any = None,
+    block_size: int = 256,
+    impl: str = "auto",
+    backend: str | None = None,
+) -> Any:
+    """Multi-head (grouped-query) self-attention with HF's weight layout and order of operations.
+
+    ``q = x wq^T + bq``, ``k = x wk^T + bk``, ``v = x wv^T + bv`` split into heads; optional
+    RMSNorm of each q and k head (Qwen3's ``q_norm``/``k_norm``); RoPE on q and k at positions
+    ``offset .. offset + L - 1``; :func:`scaled_dot_product_attention`; heads merged and
+    projected by ``wo`` (no bias, as in Llama/Qwen).
+
+    Parameters
+    ----------
+    x : array, shape ``(B, L, E)``, float dtype
+    wq : array, shape ``(H * D, E)`` (HF ``q_proj.weight``)
+    wk, wv : array, shape ``(H_kv * D, E)``
+    wo : array, shape ``(E_out, H * D)`` (HF ``o_proj.weight``; usually ``E_out = E``)
+    num_heads, num_kv_heads : int
+        ``H`` and ``H_kv`` (HF ``num_attention_heads``, ``num_key_value_heads``);
+        ``H % H_kv == 0``.
+    head_dim : int, optional
+        ``D``; default ``E // H`` (E must then be a multiple of H).
+    bq : array, shape ``(H * D,)``, optional
+    bk, bv : array, shape ``(H_kv * D,)``, optional (Qwen2 has all three biases)
+    q_norm, k_norm : array, shape ``(D,)``, optional
+        RMSNorm weights applied to each head of q and k before RoPE (Qwen3), with ``norm_eps``.
+    norm_eps : float
+        HF ``rms_norm_eps`` for ``q_norm``/``k_norm``.
+    rope : dict or None
+        Options of :func:`portable_llm.rope` (keys :data:`ROPE_OPTIONS`: ``base``,
+        ``traditional``, ``scaling``, ``dims``, ``max_position_embeddings``), e.g.
+        ``{"base": config.rope_theta, "scaling": config.rope_scaling}``. The default ``{}`` is
+        RoPE with :func:`~portable_llm.rope`'s defaults (base 10000, HF's rotate-half pairs).
+        ``None``: no rotary embedding.
+    mask, window, softcap, scale, block_size
+        As in :func:`scaled_dot_product_attention`; the default ``mask="causal"`` is a decoder's.
+        An array mask broadcasts to ``(B, H, L, L)``.
+    offset : int >= 0 or integer array of shape ``(B,)``
+        Position of the first token (per sequence for an array); only RoPE reads it. With a
+        cache, positions start at ``cache.offset`` (leave ``offset`` at 0).
+    cache : KVCache or RotatingKVCache, optional
+        The layer's cache (:mod:`portable_llm.cache`): k and v (after RoPE) are stored in it, and
+        the queries attend to every key it returns, with the mask it builds
+        (:meth:`~portable_llm.KVCache.make_mask`: bottom-right causal, the sliding window of a
+        rotating cache or of ``window``, its left padding). An array ``mask`` then covers the
+        ``S`` keys the cache returns and is and-ed with the cache's.
+    left_padding : integer array of shape ``(B,)``, optional
+        Without a cache: pad tokens at the start of each row (:func:`~portable_llm.left_pad`);
+        their keys are masked out and row ``b``'s positions start at ``offset - left_padding[b]``.
+        With a cache, give it to the cache.
+    impl : {"auto", "portable", "native", "tiled"}
+        Passed to every sub-op; ``"tiled"`` picks the tiled attention and the portable path
+        for the projections, norms and RoPE.
+    backend : str, optional
+
+    Returns
+    -------
+    array, shape ``(B, L, E_out)``, x's dtype
+        Projections, norms and RoPE round to x's dtype after each step (HF's order); attention
+        accumulates in float32 (float64 for float64) and rounds once.
+    """
+    if cache is not None:
+        offset = block_offset(OP, cache, offset, left_padding)
+        left_padding = cache.left_padding
+    if impl not in (*IMPLS, "tiled"):
+        raise ValueError(f"{OP}: impl must be one of {(*IMPLS, 'tiled')}, got {impl!r}")
+    h, h_kv = _positive("num_heads", num_heads), _positive("num_kv_heads", num_kv_heads)
+    if h % h_kv:
+        raise ValueError(
+            f"{OP}: num_heads={h} must be a multiple of num_kv_heads={h_kv} (grouped-query)"
+        )
+    if rope is not None:
+        unknown = sorted(set(rope) - set(ROPE_OPTIONS))
+        if unknown:
+            raise ValueError(
+                f"{OP}: unknown rope option(s) {', '.join(map(repr, unknown))}; "
+                f"known: {', '.join(ROPE_OPTIONS)}"
+            )
+    extra = () if isinstance(mask, str) or mask is None else (mask,)
+    be, arrays = resolve(
+        OP, backend, x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, left_padding, *extra
+    )
+    x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, pad = arrays[:11]
+    mask = arrays[11] if extra else mask
+    check_float(OP, "x", x, be)
+    if x.ndim != 3:
+        raise ValueError(f"{OP}: x must have shape (B, L, E), got {tuple(x.shape)}")
+    E = x.shape[-1]
+    if head_dim is None:
+        if E % h:
+            raise ValueError(
+                f"{OP}: hidden size E={E} (x {tuple(x.shape)}) is not a multiple of "
+                f"num_heads={h}; pass head_dim"
+            )
+        head_dim = E // h
+    D = _positive("head_dim", head_dim)
+    for name, w, b, n in (("wq", wq, bq, h), ("wk", wk, bk, h_kv), ("wv", wv, bv, h_kv)):
+        _check_linear(OP, be, x, w, b, name)
+        if w.shape[0] != n * D:
+            raise ValueError(
+                f"{OP}: {name} must have shape ({n * D}, {E}) ({n} heads x head_dim {D}, E), "
+                f"got {tuple(w.shape)}"
+            )
+    check_float(OP, "wo", wo, be)
+    if wo.ndim != 2 or wo.shape[1] != h * D:
+        raise ValueError(
+            f"{OP}: wo must have shape (E_out, {h * D}) (H * D = {h} x {D}), got {tuple(wo.shape)}"
+        )
+    for name, nw in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if nw is not None:
+            check_float(OP, name, nw, be)
+            if tuple(nw.shape) != (D,):
+                raise ValueError(
+                    f"{OP}: {name} must have shape ({D},) (head_dim), got {tuple(nw.shape)}"
+                )
+    if not norm_eps >= 0:  # also rejects NaN
+        raise ValueError(f"{OP}: norm_eps must be >= 0, got {norm_eps!r}")
+    check_same_dtype(
+        OP, be, x=x, wq=wq, wk=wk, wv=wv, wo=wo, bq=bq, bk=bk, bv=bv, q_norm=q_norm, k_norm=k_norm
+    )
+    sub = "portable" if impl == "tiled" else impl
+    xp = be.xp
+    lin = pick(be, "linear", sub, x, wq, bq)
+    q = _heads(xp, lin(xp, x, wq, bq), h, D)  # (B, H, L, D)
+    k = _heads(xp, lin(xp, x, wk, bk), h_kv, D)  # (B, H_kv, L, D)
+    v = _heads(xp, lin(xp, x, wv, bv), h_kv, D)  # (B, H_kv, L, D)
+    if q_norm is not None:  # Qwen3: RMSNorm over each head's D features, before RoPE
+        q = pick(be, "rms_norm", sub, q, q_norm, eps=norm_eps)(xp, q, q_norm, eps=norm_eps)
+    if k_norm is not None:
+        k = pick(be, "rms_norm", sub, k, k_norm, eps=norm_eps)(xp, k, k_norm, eps=norm_eps)
+    rows = None if pad is None else row_offsets(OP, be, offset, pad, x.shape[0])  # (B,)
+    if rope is not None:  # one frequency table for q and k
+        start = offset if rows is None else nonnegative(xp, rows)
+        _, (q, offsets, inv), ropts = rope_args(q, start, **rope, backend=be)
+        offsets = offsets if rows is None else rows  # < 0 only on pad columns, masked out
+        q = pick(be, "rope", sub, q, offsets, inv, **ropts)(xp, q, offsets, inv, **ropts)
+        k = pick(be, "rope", sub, k, offsets, inv, **ropts)(xp, k, offsets, inv, **ropts)
+    if cache is not None or pad is not None:
+        dev = be.device_of(x)
+        k, v, mask, window = block_kv_mask(OP, xp, cache, pad, k, v, mask, window, dev)
+    args, opts = sdpa_args(
+        OP, be, q, k, v, mask, scale=scale, window=window, softcap=softcap, block_size=block_size
+    )
+    o = pick(be, SDPA, impl, *args, **opts)(xp, *args, **opts)  # (B, H, L, D)
+    b, L = x.shape[0], x.shape[1]
+    o = xp.reshape(xp.permute_dims(o, (0, 2, 1, 3)), (b, L, h * D))  # (B, L, H*D)
+    return pick(be, "linear", sub, o, wo, None)(xp, o, wo, None)  # (B, L, E_out)

@@ -1,0 +1,342 @@
+"""``portable-llm bench``: ``impl="auto"``, ``impl="portable"`` and the native kernel called
+directly, timed in one run, as times and as ratios to the native kernel.
+
+Each variant is timed as a zero-argument call (timeit style: warm-up, calls per sample chosen so
+a sample lasts at least a millisecond, median over many samples). The samples of the three
+variants are interleaved, so load from other processes falls on all three alike; a ratio is the
+median of per-round ratios. MLX results are evaluated (``mx.eval``) and JAX results waited for
+(``block_until_ready``) inside the timed region.
+
+A new op adds one :class:`BenchCase` to :data:`BENCH_CASES`, with its native kernels in
+:data:`DIRECT`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from portable_llm.activations import softmax
+from portable_llm.backends import Backend
+from portable_llm.linear import linear, mlp
+from portable_llm.moe import moe
+from portable_llm.norm import rms_norm
+from portable_llm.report import UsageError, backend_names, format_table, load
+from portable_llm.rope import rope
+from portable_llm.testing import random_array, random_weight
+
+__all__ = ["BENCH_CASES", "DIRECT", "BenchCase", "Timing", "measure", "run_bench"]
+
+Thunk = Callable[[], Any]
+EPS = 1e-6
+E, I = 896, 4864  # noqa: E741  # Qwen2-0.5B hidden and intermediate sizes (the doc letters)
+
+
+@dataclass(frozen=True)
+class BenchCase:
+    """One timed line: ``op`` on arrays of ``shapes`` (the first is x, the rest weights).
+
+    ``run(*arrays, impl=...)`` returns the thunk that calls the public op; ``DIRECT[backend]
+    [op]`` builds the thunk that calls the backend's kernel itself. ``gate``: the largest
+    allowed auto/native ratio, checked and printed as PASS/FAIL.
+    """
+
+    op: str
+    shapes: tuple[tuple[int, ...], ...]
+    run: Callable[..., Thunk]
+    gate: float | None = None
+    #: Shown in the shapes column; default: the shapes joined by " x ".
+    name: str = ""
+
+    def label(self) -> str:
+        return self.name or " x ".join(str(s) for s in self.shapes)
+
+
+def _rms_norm(x: Any, w: Any, *, impl: str) -> Thunk:
+    return lambda: rms_norm(x, w, eps=EPS, impl=impl)
+
+
+def _softmax(x: Any, *, impl: str) -> Thunk:
+    return lambda: softmax(x, impl=impl)
+
+
+def _linear(x: Any, w: Any, *, impl: str) -> Thunk:
+    return lambda: linear(x, w, impl=impl)
+
+
+def _mlp(x: Any, wg: Any, wu: Any, wd: Any, *, impl: str) -> Thunk:
+    return lambda: mlp(x, wg, wu, wd, impl=impl)
+
+
+ROPE_THETA = 1e6  # Qwen2's rope_theta
+
+
+def _rope(x: Any, *, impl: str) -> Thunk:
+    return lambda: rope(x, base=ROPE_THETA, impl=impl)
+
+
+#: The timed cases. The first is the dispatch-overhead gate: a tiny input, so the time is the
+#: Python cost of validate + resolve + pick, next to the native kernel called directly.
+BENCH_CASES: list[BenchCase] = [
+    BenchCase("rms_norm", ((1, E), (E,)), _rms_norm, gate=1.3),
+    BenchCase("rms_norm", ((1, 128, E), (E,)), _rms_norm),
+    BenchCase("softmax", ((1, 14, 128, 128),), _softmax),
+    BenchCase("linear", ((1, 128, E), (I, E)), _linear),
+    BenchCase("mlp", ((1, 16, E), (I, E), (I, E), (E, I)), _mlp, name=f"(1, 16, {E}), I={I}"),
+    BenchCase("rope", ((1, 14, 1, 64),), _rope),  # decode: Qwen2-0.5B heads (H=14, D=64)
+    BenchCase("rope", ((1, 14, 128, 64),), _rope),  # prefill
+]
+
+
+# MoE, 8 experts top-2 (Mixtral's routing) on a 64-token prefill: the gather (cost ~ top_k) next
+# to the dense equivalent that runs all 8 experts on every token (impl="dense", both columns).
+_X_MOE, _I_MOE = 8, 1024
+_MOE_SHAPES = ((1, 64, E), (_X_MOE, E), (_X_MOE, _I_MOE, E), (_X_MOE, _I_MOE, E),
+               (_X_MOE, E, _I_MOE))  # fmt: skip
+
+
+def _moe(x: Any, w: Any, g: Any, u: Any, d: Any, *, impl: str) -> Thunk:
+    return lambda: moe(x, w, g, u, d, top_k=2, norm_topk_prob=True, impl=impl)
+
+
+def _moe_dense(x: Any, w: Any, g: Any, u: Any, d: Any, *, impl: str) -> Thunk:
+    return _moe(x, w, g, u, d, impl="dense")
+
+
+BENCH_CASES.extend([
+    BenchCase("moe", _MOE_SHAPES, _moe, name=f"(1, 64, {E}), X=8, top-2, I={_I_MOE}"),
+    BenchCase("moe", _MOE_SHAPES, _moe_dense, name=f"dense: all 8 experts, I={_I_MOE}"),
+])  # fmt: skip
+
+
+def _torch() -> dict[str, tuple[str, Callable[..., Thunk]]]:
+    import torch
+    import torch.nn.functional as F
+
+    def norm(x: Any, w: Any) -> Thunk:
+        shape = (x.shape[-1],)
+        return lambda: F.rms_norm(x, shape, w, EPS)
+
+    def ffn(x: Any, wg: Any, wu: Any, wd: Any) -> Thunk:
+        return lambda: F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+
+    return {
+        "rms_norm": ("torch.nn.functional.rms_norm", norm),
+        "softmax": ("torch.softmax", lambda x: lambda: torch.softmax(x, -1)),
+        "linear": ("torch.nn.functional.linear", lambda x, w: lambda: F.linear(x, w)),
+        "mlp": ("F.linear, F.silu", ffn),
+    }
+
+
+def _mlx() -> dict[str, tuple[str, Callable[..., Thunk]]]:
+    import mlx.core as mx
+    import mlx.nn
+
+    def ffn(x: Any, wg: Any, wu: Any, wd: Any) -> Thunk:
+        return lambda: mx.matmul(mlx.nn.silu(mx.matmul(x, wg.T)) * mx.matmul(x, wu.T), wd.T)
+
+    def rope(x: Any) -> Thunk:
+        d = x.shape[-1]
+        return lambda: mx.fast.rope(x, d, traditional=False, base=ROPE_THETA, scale=1.0, offset=0)
+
+    return {
+        "rms_norm": ("mx.fast.rms_norm", lambda x, w: lambda: mx.fast.rms_norm(x, w, EPS)),
+        "softmax": ("mx.softmax(precise=True)", lambda x: lambda: mx.softmax(x, -1, precise=True)),
+        "linear": ("mx.matmul", lambda x, w: lambda: mx.matmul(x, w.T)),
+        "rope": ("mx.fast.rope", rope),
+        "mlp": ("mx.matmul, mlx.nn.silu", ffn),
+    }
+
+
+def _jax() -> dict[str, tuple[str, Callable[..., Thunk]]]:
+    import jax
+    import jax.numpy as jnp
+
+    def ffn(x: Any, wg: Any, wu: Any, wd: Any) -> Thunk:
+        return lambda: jnp.matmul(jax.nn.silu(jnp.matmul(x, wg.T)) * jnp.matmul(x, wu.T), wd.T)
+
+    return {
+        "softmax": ("jax.nn.softmax", lambda x: lambda: jax.nn.softmax(x, axis=-1)),
+        "linear": ("jnp.matmul", lambda x, w: lambda: jnp.matmul(x, w.T)),
+        "mlp": ("jnp.matmul, jax.nn.silu", ffn),
+    }
+
+
+#: backend -> () -> {op: (kernel name, (*arrays) -> thunk calling the kernel directly)}.
+#: Only ops with a native kernel in ``portable_llm.native.<backend>`` have an entry.
+DIRECT: dict[str, Callable[[], dict[str, tuple[str, Callable[..., Thunk]]]]] = {
+    "torch": _torch,
+    "mlx": _mlx,
+    "jax": _jax,
+}
+
+
+def _sync(bk: Backend) -> Callable[[Any], Any] | None:
+    """What makes a result ready inside the timed region (``None``: the call is synchronous)."""
+    if bk.name == "mlx":
+        import mlx.core as mx
+
+        return mx.eval
+    if bk.name == "jax":
+        return lambda y: y.block_until_ready()
+    if bk.name == "torch" and getattr(bk.device(None), "type", "cpu") == "cuda":
+        import torch
+
+        return lambda y: torch.cuda.synchronize()
+    return None
+
+
+def _per_call(fn: Thunk, sync: Callable[[Any], Any] | None, number: int) -> float:
+    t0 = time.perf_counter()
+    if sync is None:
+        for _ in range(number):
+            fn()
+    else:
+        for _ in range(number):
+            sync(fn())
+    return (time.perf_counter() - t0) / number
+
+
+def _calls_per_sample(fn: Thunk, sync: Callable[[Any], Any] | None, target: float) -> int:
+    """As ``timeit.Timer.autorange``: 1, 2, 5, 10, 20, ... calls until a sample lasts ``target``."""
+    number = 1
+    while True:
+        for k in (1, 2, 5):
+            if _per_call(fn, sync, number * k) * number * k >= target:
+                return number * k
+        number *= 10
+        if number >= 10**6:
+            return number
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Median seconds per call of each variant, and each variant's ratio to ``native``.
+
+    A ratio is the median over rounds of (variant's sample / native's sample of the same round):
+    the two samples ran back to back, so a slow spell of the machine cancels out.
+    """
+
+    median: dict[str, float]
+    ratio: dict[str, float]
+
+
+def measure(
+    variants: dict[str, Thunk],
+    sync: Callable[[Any], Any] | None,
+    repeat: int,
+    target: float,
+    budget: float = 0.0,
+) -> Timing:
+    """Time the variants in rounds of one sample each, interleaved.
+
+    At least ``repeat`` rounds, more while the rounds so far took less than ``budget`` seconds
+    (up to 1000): many short samples make the median robust to a loaded machine.
+    """
+    for fn in variants.values():  # warm-up: first-call compilation, caches, allocator
+        for _ in range(3):
+            _per_call(fn, sync, 1)
+    numbers = {k: _calls_per_sample(fn, sync, target) for k, fn in variants.items()}
+    samples: dict[str, list[float]] = {k: [] for k in variants}
+    start = time.perf_counter()
+    rounds = 0
+    while rounds < repeat or (time.perf_counter() - start < budget and rounds < 1000):
+        for k, fn in variants.items():
+            samples[k].append(_per_call(fn, sync, numbers[k]))
+        rounds += 1
+    base = samples.get("native")
+    ratio = {
+        k: statistics.median(a / b for a, b in zip(v, base, strict=True))
+        for k, v in samples.items()
+        if base is not None and k != "native"
+    }
+    return Timing({k: statistics.median(v) for k, v in samples.items()}, ratio)
+
+
+def _time(t: float | None) -> str:
+    if t is None:
+        return "-"
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if t >= scale:
+            return f"{t / scale:.3g} {unit}"
+    return f"{t / 1e-9:.3g} ns"
+
+
+def _ratio(r: float | None) -> str:
+    return "-" if r is None else f"{r:.2f}"
+
+
+_HEADERS = ("backend", "op", "shapes", "dtype", "auto", "portable", "native", "kernel",
+            "auto/native", "portable/native")  # fmt: skip
+
+
+def run_bench(
+    backends: Sequence[str] | None = None,
+    ops: Sequence[str] | None = None,
+    *,
+    repeat: int | None = None,
+    quick: bool = False,
+    dtype: str = "float32",
+    file: TextIO | None = None,
+) -> int:
+    """Time every selected case on every selected, installed backend and print the table."""
+    out = file if file is not None else sys.stdout
+    known = {c.op for c in BENCH_CASES}
+    if ops and set(ops) - known:
+        bad = ", ".join(sorted(set(ops) - known))
+        raise UsageError(f"unknown op(s) {bad}; known: {', '.join(sorted(known))}")
+    cases = [c for c in BENCH_CASES if not ops or c.op in ops]
+    names = backend_names(backends)
+    repeat = repeat or (5 if quick else 15)
+    target = 0.0005 if quick else 0.001  # seconds per sample, at least
+    budget = 0.02 if quick else 1.0  # seconds of rounds per case, at least
+    rows: list[list[str]] = []
+    gates: list[str] = []
+    for name in names:
+        bk = load(name, out, x64=False)
+        if bk is None:
+            continue
+        if dtype not in bk.float_dtypes():
+            print(f"   skipped: no {dtype} on {name} ({', '.join(bk.float_dtypes())})", file=out)
+            continue
+        direct = DIRECT[name]() if name in DIRECT else {}
+        sync = _sync(bk)
+        for case in cases:
+            x = random_array(1, case.shapes[0], dtype, backend=name)[0]
+            weights = [
+                random_weight(2 + i, shape, dtype, backend=name)[0]
+                for i, shape in enumerate(case.shapes[1:])
+            ]
+            arrays = [x, *weights]
+            variants = {impl: case.run(*arrays, impl=impl) for impl in ("auto", "portable")}
+            kernel, make = direct.get(case.op, ("-", None))
+            if make is not None:
+                variants["native"] = make(*arrays)
+            t = measure(variants, sync, repeat, target, budget)
+            times = [_time(t.median.get(k)) for k in ("auto", "portable", "native")]
+            ratios = [_ratio(t.ratio.get(k)) for k in ("auto", "portable")]
+            rows.append([name, case.op, case.label(), dtype, *times, kernel, *ratios])
+            if case.gate is not None:
+                gates.append(_gate(name, case, t.ratio.get("auto")))
+    print(format_table(_HEADERS, rows), file=out)
+    print(
+        f"\ntimes: median per call over >= {repeat} samples per variant (more within "
+        f"{budget:g} s), interleaved; ratios: median of the per-round ratios to native; "
+        f"dtype {dtype}",
+        file=out,
+    )
+    for line in gates:
+        print(line, file=out)
+    return 0
+
+
+def _gate(name: str, case: BenchCase, ratio: float | None) -> str:
+    what = f"gate {case.op} {case.label()} on {name}: impl='auto' within {case.gate}x of native:"
+    if ratio is None:
+        return f"{what} n/a (no native {case.op} kernel)"
+    verdict = "PASS" if case.gate is not None and ratio <= case.gate else "FAIL"
+    return f"{what} {ratio:.2f} {verdict}"

@@ -1,0 +1,204 @@
+"""KV caches for decoding: :class:`KVCache` keeps every key, :class:`RotatingKVCache` a window.
+
+Both preallocate ``(B, H_kv, capacity, D)`` buffers grown ``step`` slots at a time and write only
+the new tokens (:mod:`portable_llm.cache_base`), so a decode step costs ``O(1)`` copying on NumPy,
+torch, MLX and array-api-strict, and one donated ``dynamic_update_slice`` on JAX.
+
+:class:`RotatingKVCache`'s slot layout: the first ``keep`` columns stay in slots
+``0 .. keep - 1``; a later column ``p`` lives in the ring slot ``keep + (p - ring0) % R``,
+``R = max_size - keep``, overwriting the column ``R`` before it. One token at a time is written
+in place. A chunk of ``L > 1`` tokens that would overwrite keys its own first queries still need
+is answered with the previous window plus the whole chunk (``S = min(offset, max_size) + L``
+keys), and the buffers then keep the last window in column order (``ring0`` moves to its first
+ring column).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from portable_llm.cache_base import _Cache, _count
+from portable_llm.padding import visible
+
+__all__ = ["KVCache", "RotatingKVCache"]
+
+
+class KVCache(_Cache):
+    """Every key and value seen, in preallocated buffers grown ``step`` slots at a time.
+
+    Parameters
+    ----------
+    step : int
+        Slots added per growth: ``S`` tokens cost ``O(S / step)`` reallocations
+        (:attr:`reallocations`), and each update writes only its new tokens.
+    left_padding : integer array of shape ``(B,)``, optional
+        Pad tokens at the start of each row (see :func:`~portable_llm.left_pad`): their keys
+        are masked out, and the attention block gives row ``b`` RoPE positions from
+        ``column - left_padding[b]``.
+    """
+
+    def __init__(self, *, step: int = 256, left_padding: Any = None) -> None:
+        super().__init__(step, left_padding)
+
+    def update_and_fetch(self, k: Any, v: Any, /) -> tuple[Any, Any]:
+        """Append a chunk; return every key and value so far.
+
+        Parameters
+        ----------
+        k, v : array, shape ``(B, H_kv, L, D)``, float dtype
+            The chunk's keys (after RoPE) and values; ``B``, ``H_kv``, ``D``, the dtype and the
+            library must match earlier chunks.
+
+        Returns
+        -------
+        (k_all, v_all) : arrays, shape ``(B, H_kv, offset, D)``
+            Slices of the cache's buffers: use them before the next update (copy to keep them).
+        """
+        _, k, v = self._bind(k, v)
+        start, L = self._offset, k.shape[2]
+        self._reserve(start + L + 1)  # + 1: a slot stays free, so the slice is never the buffer
+        self._write(start, k, v)
+        self._offset = start + L
+        self._last = (L, None)
+        return self._k[:, :, : self._offset, :], self._v[:, :, : self._offset, :]
+
+
+class RotatingKVCache(_Cache):
+    """The first ``keep`` tokens and the last ``max_size - keep``: a bounded-memory cache.
+
+    Query at column ``p`` sees key ``j`` iff ``j <= p`` and (``j < keep`` or
+    ``j > p - (max_size - keep)``): with ``keep=0``, the sliding window ``W = max_size``
+    (:func:`~portable_llm.causal_mask`'s ``window``).
+
+    Parameters
+    ----------
+    max_size : int, >= 1
+        Keys kept per row and head.
+    keep : int, 0 <= keep < max_size
+        Leading tokens never evicted (attention sinks). Not with ``left_padding`` (a padded row's
+        first columns are padding).
+    step, left_padding
+        As in :class:`~portable_llm.KVCache`; buffers grow up to ``max_size + 1`` slots.
+    """
+
+    def __init__(
+        self, max_size: int, keep: int = 0, *, step: int = 256, left_padding: Any = None
+    ) -> None:
+        name = "RotatingKVCache"
+        self.max_size = _count(f"{name}: max_size", max_size, 1)
+        self.keep = _count(f"{name}: keep", keep, 0)
+        if self.keep >= self.max_size:
+            raise ValueError(
+                f"{name}: keep must be < max_size, got keep={keep}, max_size={max_size}"
+            )
+        if self.keep and left_padding is not None:
+            raise ValueError(f"{name}: keep={keep} > 0 with left_padding is not supported")
+        super().__init__(step, left_padding)
+        self._ring = self.max_size - self.keep  # R
+        self._ring0 = self.keep  # the column in ring slot 0
+        self._high = 0  # 1 + the last column written (> offset after a trim)
+
+    def _slot(self, col: int) -> int:
+        return col if col < self.keep else self.keep + (col - self._ring0) % self._ring
+
+    def update_and_fetch(self, k: Any, v: Any, /) -> tuple[Any, Any]:
+        """Add a chunk; return the keys and values its queries need.
+
+        Parameters
+        ----------
+        k, v : array, shape ``(B, H_kv, L, D)``
+            As in :meth:`KVCache.update_and_fetch`.
+
+        Returns
+        -------
+        (k_all, v_all) : arrays, shape ``(B, H_kv, S, D)``
+            ``S = min(offset, max_size)`` keys (not in column order once the ring wraps), or,
+            for a chunk of ``L > 1`` tokens past ``max_size``, the previous window and the chunk.
+            Use them before the next update, with :meth:`make_mask`.
+        """
+        _, k, v = self._bind(k, v)
+        t, L, M = self._offset, k.shape[2], self.max_size
+        T = t + L
+        if L == 1 or T <= M:  # in place: no query of the chunk loses a key it needs
+            self._reserve(min(T, M) + 1, M + 1)
+            self._write(self._slot(t), k, v)
+            cols = self._columns(T)
+        else:
+            k, v, cols = self._extend(k, v)
+        self._offset = self._high = T
+        self._last = (L, cols)
+        if cols.shape[0] == T and self._ring0 == self.keep:  # still columns 0 .. T - 1
+            self._last = (L, None)
+        return (k, v) if L > 1 and T > M else self._fetch(min(T, M))
+
+    def _fetch(self, n: int) -> tuple[Any, Any]:
+        return self._k[:, :, :n, :], self._v[:, :, :n, :]
+
+    def _columns(self, end: int) -> np.ndarray:
+        """Host columns of slots ``0 .. min(end, max_size) - 1`` once column ``end - 1`` is in."""
+        if end <= self.max_size:
+            return np.arange(end)
+        r = np.arange(self._ring)
+        ring = (end - 1) - ((end - 1 - self._ring0 - r) % self._ring)
+        return np.concatenate([np.arange(self.keep), ring])
+
+    def _extend(self, k: Any, v: Any) -> tuple[Any, Any, np.ndarray]:
+        """Previous window + chunk in column order; then store the new window in column order."""
+        assert self._bk is not None
+        xp, keep, R = self._bk.xp, self.keep, self._ring
+        t, T = self._offset, self._offset + k.shape[2]
+        sinks = min(keep, t)
+        lo = min(t, max(keep, self._high - R))  # oldest ring column still held
+        parts = [(0, sinks)]
+        a, c = self._slot(lo), t - lo
+        first = min(c, keep + R - a)  # the ring wraps at most once
+        parts += [(a, a + first), (keep, keep + c - first)]
+        segs = [(s, e) for s, e in parts if e > s]
+        k_all = xp.concat([self._k[:, :, s:e, :] for s, e in segs] + [k], axis=2)  # (B, H_kv, S, D)
+        v_all = xp.concat([self._v[:, :, s:e, :] for s, e in segs] + [v], axis=2)
+        cols = np.concatenate([np.arange(sinks), np.arange(lo, t), np.arange(t, T)])
+        S = cols.shape[0]
+        self._reserve(self.max_size + 1, self.max_size + 1)
+        if keep:
+            self._write(0, k_all[:, :, :keep, :], v_all[:, :, :keep, :])
+        self._write(keep, k_all[:, :, S - R :, :], v_all[:, :, S - R :, :])
+        self._ring0 = T - R
+        return k_all, v_all, cols
+
+    def _check_trim(self, n: int) -> None:
+        t, R = self._offset - n, self._ring
+        need, held = max(self.keep, t - R + 1), max(self.keep, self._high - R)
+        if n and need < held:
+            raise ValueError(
+                f"RotatingKVCache.trim: n={n} rewinds to column {t}, whose window starts at "
+                f"column {need}, but columns before {held} were evicted (offset "
+                f"{self._offset}, max_size {self.max_size}, keep {self.keep})"
+            )
+
+    def _mask(self, L: int, cols: np.ndarray | None, window: int | None) -> tuple[Any, int | None]:
+        R, keep, start = self._ring, self.keep, self._offset - L
+        if window is not None and window > R:
+            raise ValueError(
+                f"RotatingKVCache.make_mask: window={window} exceeds the {R} most recent keys the "
+                f"cache keeps (max_size {self.max_size} - keep {keep})"
+            )
+        if cols is None:  # columns 0 .. offset - 1: nothing evicted yet
+            return super()._mask(L, None, window)
+        if self._pad is None:
+            if keep == 0 and cols[0] == self._offset - cols.shape[0] and _consecutive(cols):
+                return "causal", R if window is None else window
+            if L == 1 and (window is None or int(cols.min()) > start - window):
+                return None, None  # one query; every key held is in its window
+        assert self._bk is not None
+        k_pos = self._bk.from_numpy(cols, self._device)
+        xp, dev = self._bk.xp, self._device
+        mask = visible(
+            xp, start, L, k_pos, window=window, ring=R, keep=keep, pad=self._pad, device=dev
+        )
+        return mask, None
+
+
+def _consecutive(cols: np.ndarray) -> bool:
+    return bool(cols.shape[0] < 2 or (np.diff(cols) == 1).all())

@@ -1,0 +1,250 @@
+"""What both KV caches share: the buffers, the checks of a chunk, ``trim``, ``make_mask``.
+
+Keys and values live in preallocated buffers ``(B, H_kv, capacity, D)`` that grow in steps of
+``step`` slots, and each update writes only the new tokens through the backend's
+:meth:`~portable_llm.backends.Backend.set_slice`: a slice assignment on NumPy, torch, MLX and
+array-api-strict, a donated ``lax.dynamic_update_slice`` on JAX (immutable arrays). One slot is
+always left free, so what ``update_and_fetch`` returns is a slice of the buffer, never the
+buffer itself. Positions here are *columns* of the (left-padded) batch; see
+:mod:`portable_llm.padding`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from portable_llm._checks import check_float
+from portable_llm.arrays import to_numpy
+from portable_llm.backends import Backend, backend_of, resolve
+from portable_llm.padding import visible
+
+__all__ = ["block_kv_mask", "block_offset"]
+
+
+def _count(name: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return int(value)
+
+
+class _Cache:
+    """Buffers, checks, trim and masks shared by both caches; subclasses place the tokens."""
+
+    def __init__(self, step: int, left_padding: Any) -> None:
+        name = type(self).__name__
+        self.step = _count(f"{name}: step", step, 1)
+        self._pad: Any = None
+        if left_padding is not None:
+            pad = left_padding if backend_of(left_padding) is not None else np.asarray(left_padding)
+            host = to_numpy(pad)
+            if host.ndim != 1 or host.dtype.kind not in "iu" or (host < 0).any():
+                raise ValueError(
+                    f"{name}: left_padding must be a 1-d array of ints >= 0 (one per row), got "
+                    f"{host.dtype} with shape {host.shape}"
+                )
+            self._pad = pad
+        self._bk: Backend | None = None
+        self._k: Any = None
+        self._v: Any = None
+        self._dims: tuple[int, int, int] | None = None  # (B, H_kv, D)
+        self._dtype: Any = None
+        self._device: Any = None
+        self._offset = 0
+        self._last: tuple[int, np.ndarray | None] | None = None  # (L, host key columns)
+        #: How many times the buffers were (re)allocated: O(S / step) for S tokens.
+        self.reallocations = 0
+
+    @property
+    def offset(self) -> int:
+        """Tokens (columns) seen so far: the position of the next one."""
+        return self._offset
+
+    @property
+    def capacity(self) -> int:
+        """Slots allocated per row and head (``0`` before the first update)."""
+        return 0 if self._k is None else int(self._k.shape[2])
+
+    @property
+    def left_padding(self) -> Any:
+        """The ``(B,)`` pad counts given at construction (on the cache's backend once bound)."""
+        return self._pad
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(offset={self._offset}, capacity={self.capacity})"
+
+    def _bind(self, k: Any, v: Any) -> tuple[Backend, Any, Any]:
+        op = f"{type(self).__name__}.update_and_fetch"
+        bk, (k, v) = resolve(op, None, k, v)
+        for name, a in (("k", k), ("v", v)):
+            check_float(op, name, a, bk)
+        if k.ndim != 4 or k.shape[2] < 1:
+            raise ValueError(f"{op}: k must have shape (B, H_kv, L, D), L >= 1, got {k.shape}")
+        if tuple(v.shape) != tuple(k.shape) or v.dtype != k.dtype:
+            raise ValueError(
+                f"{op}: v must have k's shape and dtype; k {tuple(k.shape)} "
+                f"{bk.dtype_name(k.dtype)}, v {tuple(v.shape)} {bk.dtype_name(v.dtype)}"
+            )
+        dims = (k.shape[0], k.shape[1], k.shape[3])
+        if self._bk is None:
+            if self._pad is not None:
+                _, (self._pad,) = resolve(op, bk, self._pad)
+                if self._pad.shape[0] != dims[0]:
+                    raise ValueError(
+                        f"{op}: left_padding has shape {tuple(self._pad.shape)} but k has batch "
+                        f"B={dims[0]} (k {tuple(k.shape)})"
+                    )
+            self._bk, self._dims, self._dtype = bk, dims, k.dtype
+            self._device = bk.device_of(k)
+        elif bk is not self._bk:
+            raise TypeError(f"{op}: the cache holds {self._bk.name} arrays, got {bk.name} arrays")
+        elif dims != self._dims:
+            raise ValueError(
+                f"{op}: k of shape {tuple(k.shape)} does not match the cache's "
+                f"(B, H_kv, D) = {self._dims} (batch, heads and head dim must stay the same)"
+            )
+        elif k.dtype != self._dtype:
+            raise TypeError(
+                f"{op}: the cache holds {bk.dtype_name(self._dtype)}, got k of dtype "
+                f"{bk.dtype_name(k.dtype)}"
+            )
+        return bk, k, v
+
+    def _reserve(self, need: int, limit: int | None = None) -> None:
+        """Make the buffers hold at least ``need`` slots (grown in steps, at most ``limit``)."""
+        cap = self.capacity
+        if cap >= need:
+            return
+        assert self._bk is not None and self._dims is not None
+        bk, xp = self._bk, self._bk.xp
+        new = -(-need // self.step) * self.step
+        new = new if limit is None else min(new, limit)
+        B, H, D = self._dims
+        bufs = []
+        for old in (self._k, self._v):
+            buf = xp.zeros((B, H, new, D), dtype=self._dtype, device=self._device)
+            bufs.append(buf if old is None else bk.set_slice(buf, (0, 0, 0, 0), old))
+        self._k, self._v = bufs
+        self.reallocations += 1
+
+    def _write(self, slot: int, k: Any, v: Any) -> None:
+        assert self._bk is not None
+        self._k = self._bk.set_slice(self._k, (0, 0, slot, 0), k)
+        self._v = self._bk.set_slice(self._v, (0, 0, slot, 0), v)
+
+    def trim(self, n: int) -> int:
+        """Forget the last ``n`` tokens (speculative decoding's rewind); return ``n``.
+
+        The next update writes over them. ``ValueError`` when ``n`` exceeds :attr:`offset`.
+        """
+        name = f"{type(self).__name__}.trim"
+        n = _count(f"{name}: n", n, 0)
+        if n > self._offset:
+            raise ValueError(
+                f"{name}: n={n} exceeds the tokens in the cache (offset {self._offset})"
+            )
+        self._check_trim(n)
+        self._offset -= n
+        self._last = None
+        return n
+
+    def _check_trim(self, n: int) -> None:
+        pass
+
+    def make_mask(self, *, window: int | None = None) -> tuple[Any, int | None]:
+        """The attention mask of the last update's queries over the keys it returned.
+
+        Parameters
+        ----------
+        window : int, optional
+            The layer's sliding window (query at column ``p`` sees columns ``> p - window``).
+
+        Returns
+        -------
+        (mask, window) : the ``mask=`` and ``window=`` of
+            :func:`~portable_llm.scaled_dot_product_attention`: ``("causal", window)`` when the
+            keys are consecutive columns ending at the last query (bottom-right causal), ``(None,
+            None)`` when every query sees every key, else a boolean array ``(1 | B, 1, L, S)``
+            (``True``: may attend; ``B`` rows with left padding) and ``None``.
+        """
+        name = f"{type(self).__name__}.make_mask"
+        if window is not None:
+            _count(f"{name}: window", window, 1)
+        if self._last is None:
+            raise ValueError(f"{name}: no update since the cache was made or trimmed")
+        return self._mask(*self._last, window)
+
+    def _mask(self, L: int, cols: np.ndarray | None, window: int | None) -> tuple[Any, int | None]:
+        """``cols``: the host columns of the returned keys; ``None``: ``0 .. offset - 1``."""
+        if self._pad is None:
+            return "causal", window
+        assert self._bk is not None
+        xp, dev = self._bk.xp, self._device
+        k_pos = xp.arange(self._offset, device=dev)
+        mask = visible(xp, self._offset - L, L, k_pos, window=window, pad=self._pad, device=dev)
+        return mask, None
+
+
+# -- the attention block's side ------------------------------------------------------------------
+
+
+def block_offset(op: str, cache: Any, offset: Any, left_padding: Any) -> int:
+    """Check the block's ``cache=`` (and what may come with it); return its RoPE offset."""
+    if not isinstance(cache, _Cache):
+        raise TypeError(
+            f"{op}: cache must be a KVCache or RotatingKVCache, got {type(cache).__name__}"
+        )
+    if left_padding is not None:
+        raise ValueError(f"{op}: with a cache, give left_padding to the cache, not to {op}")
+    if (
+        isinstance(offset, bool)
+        or not isinstance(offset, int | np.integer)
+        or offset
+        not in (
+            0,
+            cache.offset,
+        )
+    ):
+        raise ValueError(
+            f"{op}: with a cache, positions start at cache.offset ({cache.offset}); leave offset "
+            f"at 0, got {offset!r}"
+        )
+    return cache.offset
+
+
+def block_kv_mask(
+    op: str, xp: Any, cache: Any, pad: Any, k: Any, v: Any, mask: Any, window: Any, device: Any
+) -> tuple[Any, Any, Any, int | None]:
+    """Store the chunk in ``cache`` (if any); the keys, values, ``mask`` and ``window`` to attend.
+
+    Without a cache, ``pad`` (the left padding) masks the padded keys of ``k``. An array
+    ``mask`` (over the ``S`` keys returned) is and-ed with the cache's or the padding's mask.
+    """
+    if (isinstance(mask, str) and mask != "causal") or mask is None:
+        raise ValueError(
+            f"{op}: with a cache or left_padding, mask must be 'causal' or an array, got {mask!r}"
+        )
+    L = k.shape[2]
+    if cache is not None:
+        k, v = cache.update_and_fetch(k, v)
+        base, window = cache.make_mask(window=window)
+    else:
+        cols = xp.arange(L, device=device)
+        base, window = visible(xp, 0, L, cols, window=window, pad=pad, device=device), None
+    if isinstance(mask, str):
+        return k, v, base, window
+    S = k.shape[2]
+    if mask.ndim < 2 or mask.shape[-1] not in (1, S) or mask.shape[-2] not in (1, L):
+        raise ValueError(
+            f"{op}: the mask of shape {tuple(mask.shape)} must broadcast to (B, H, L, S) = "
+            f"(.., .., {L}, {S}): the {L} queries over the {S} keys the cache returned"
+        )
+    if base is None:
+        return k, v, mask, None
+    if isinstance(base, str):  # bottom-right causal, with the window
+        base = visible(xp, S - L, L, xp.arange(S, device=device), window=window, device=device)
+    if mask.dtype == xp.bool:
+        return k, v, xp.logical_and(base, mask), None
+    return k, v, xp.where(base, mask, -math.inf), None

@@ -1,0 +1,72 @@
+"""The ``portable-llm`` command: ``report`` (accuracy, the default) and ``bench`` (speed)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from portable_llm import __version__
+from portable_llm.report import UsageError, run_report
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="portable-llm",
+        description="portable_llm ops on every installed backend: accuracy (report, the default) "
+        "and speed (bench).",
+    )
+    parser.add_argument("--version", action="version", version=f"portable-llm {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{report,bench}")
+
+    report = sub.add_parser(
+        "report",
+        help="each op, backend and float dtype against the float64 reference; exit 1 if any is "
+        "outside tolerance",
+    )
+    bench = sub.add_parser(
+        "bench",
+        help="median times of impl='auto', impl='portable' and the native kernel called directly, "
+        "with their ratios",
+    )
+    for p in (report, bench):
+        p.add_argument(
+            "--backend", action="append", metavar="NAME", help="only this backend (repeatable)"
+        )
+        p.add_argument("--op", action="append", metavar="NAME", help="only this op (repeatable)")
+    bench.add_argument(
+        "--repeat",
+        type=int,
+        metavar="N",
+        help="at least N timed samples per variant (default 15; more while a case has had "
+        "less than 1 s)",
+    )
+    bench.add_argument("--quick", action="store_true", help="few, short samples (a smoke run)")
+    report.add_argument(
+        "--dtype", action="append", metavar="NAME", help="only this float dtype (repeatable)"
+    )
+    bench.add_argument("--dtype", default="float32", help="input dtype (default float32)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); return the exit code."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    if not args_list or args_list[0] not in ("report", "bench", "-h", "--help", "--version"):
+        args_list.insert(0, "report")  # the report is the default command
+    args = parser.parse_args(args_list)
+    try:
+        if args.command == "bench":
+            from portable_llm.bench import run_bench
+
+            if args.repeat is not None and args.repeat < 1:
+                parser.error(f"--repeat must be >= 1, got {args.repeat}")
+            return run_bench(
+                args.backend, args.op, repeat=args.repeat, quick=args.quick, dtype=args.dtype
+            )
+        return run_report(args.backend, args.op, args.dtype)
+    except UsageError as exc:  # a bad --backend/--op/--dtype: exit 2 with the usage line
+        parser.error(str(exc))

@@ -1,0 +1,121 @@
+"""Token embedding and the tied output projection (``unembed``)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from portable_llm._checks import check_float, check_ndim, check_same_dtype
+from portable_llm._dispatch import pick, portable
+from portable_llm.backends import Backend, backend_of, resolve
+
+__all__ = ["embedding", "unembed"]
+
+_INT_DTYPES = frozenset(f"{sign}int{bits}" for sign in ("", "u") for bits in (8, 16, 32, 64))
+
+
+@portable("embedding", pure=True)
+def _embedding(xp: Any, ids: Any, table: Any) -> Any:
+    flat = xp.reshape(ids, (-1,))  # (N,) -- the standard's take wants 1-D indices
+    rows = xp.take(table, flat, axis=0)  # (N, E)
+    return xp.reshape(rows, (*ids.shape, table.shape[1]))  # (B.., L, E)
+
+
+@portable("embedding", "masked", pure=True)
+def _embedding_masked(xp: Any, ids: Any, table: Any) -> Any:
+    """Out-of-range ids give a row of NaN: the behaviour under tracing, where ids can't be read."""
+    valid = (ids >= 0) & (ids < table.shape[0])  # (B.., L)
+    safe = xp.where(valid, ids, xp.zeros_like(ids))
+    rows = _embedding(xp, safe, table)  # (B.., L, E)
+    return xp.where(valid[..., None], rows, xp.full_like(rows, xp.nan))
+
+
+def _check_ids(bk: Backend, ids: Any, vocab: int) -> None:
+    """The range check: one min and one max reduction, read back to the host (a sync)."""
+    if math.prod(ids.shape) == 0:
+        return
+    xp = bk.xp
+    lo, hi = bk.to_numpy(xp.stack([xp.min(ids), xp.max(ids)])).tolist()
+    if lo < 0 or hi >= vocab:
+        raise ValueError(
+            f"embedding: ids must lie in [0, {vocab}) (the rows of table), got ids in "
+            f"[{lo}, {hi}] (ids shape {tuple(ids.shape)})"
+        )
+
+
+def embedding(ids: Any, table: Any, /, *, backend: str | None = None) -> Any:
+    """Look up the rows of ``table`` for token ids (``nn.Embedding``, HF ``embed_tokens``).
+
+    Parameters
+    ----------
+    ids : array, shape ``(B.., L)``, integer dtype
+        Token ids in ``[0, V)``.
+    table : array, shape ``(V, E)``, float dtype
+        The embedding matrix (HF ``embed_tokens.weight``).
+    backend : str, optional
+        Array library to compute with; inferred from the arrays when ``None``.
+
+    Returns
+    -------
+    array, shape ``(B.., L, E)``, table's dtype
+        ``out[..., l, :] == table[ids[..., l]]``, bit-exact.
+
+    Raises
+    ------
+    ValueError
+        ``ids`` is not of an integer dtype, or holds an id outside ``[0, V)``. The range check
+        reads ``min(ids)`` and ``max(ids)`` back to the host: one device sync per call. Under
+        ``jax.jit`` (or any JAX transform) the ids are tracers whose values cannot be read, so the
+        check cannot run; there an out-of-range id gives a row of NaN instead (never another
+        token's row, never a wrap-around). Under ``mx.compile`` the read-back is refused by MLX:
+        call ``embedding`` outside the compiled function.
+    """
+    bk, (ids, table) = resolve("embedding", backend, ids, table)
+    if backend_of(ids) is not bk:
+        raise TypeError(f"embedding: ids must be an array, got {type(ids).__name__}")
+    name = bk.dtype_name(ids.dtype)
+    if name not in _INT_DTYPES:
+        raise ValueError(
+            f"embedding: ids must have an integer dtype, got {name} with shape {tuple(ids.shape)}"
+        )
+    check_ndim("embedding", "ids", ids, 1, "B.. x L")
+    check_float("embedding", "table", table, bk)
+    if table.ndim != 2:
+        raise ValueError(f"embedding: table must have shape (V, E), got {tuple(table.shape)}")
+    if bk.is_traced(ids):
+        return pick(bk, "embedding", "masked")(bk.xp, ids, table)
+    _check_ids(bk, ids, table.shape[0])
+    return pick(bk, "embedding", "portable")(bk.xp, ids, table)
+
+
+def unembed(h: Any, table: Any, /, *, impl: str = "auto", backend: str | None = None) -> Any:
+    """The tied LM head: logits ``h @ table.T`` with the embedding matrix as the weight.
+
+    The projection is :func:`~portable_llm.linear` (same kernels, same float32 accumulation for
+    half-precision inputs).
+
+    Parameters
+    ----------
+    h : array, shape ``(B.., L, E)``, float dtype
+        Final hidden states.
+    table : array, shape ``(V, E)``, h's dtype
+        The embedding matrix (HF ``embed_tokens.weight`` when ``tie_word_embeddings``).
+    impl : {"auto", "portable", "native"}
+        Passed to the linear projection.
+    backend : str, optional
+
+    Returns
+    -------
+    array, shape ``(B.., L, V)``, h's dtype
+    """
+    bk, (h, table) = resolve("unembed", backend, h, table)
+    check_float("unembed", "h", h, bk)
+    check_float("unembed", "table", table, bk)
+    check_ndim("unembed", "h", h, 1, "B.. x L x E")
+    if table.ndim != 2 or table.shape[1] != h.shape[-1]:
+        raise ValueError(
+            f"unembed: table must have shape (V, {h.shape[-1]}) to match the last dimension of h "
+            f"(shape {tuple(h.shape)}), got {tuple(table.shape)}"
+        )
+    check_same_dtype("unembed", bk, h=h, table=table)
+    return pick(bk, "linear", impl, h, table, None)(bk.xp, h, table, None)

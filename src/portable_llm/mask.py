@@ -1,0 +1,103 @@
+"""Attention masks: causal and sliding-window, bottom-right aligned.
+
+Query ``i`` (of ``L``) and key ``j`` (of ``S``) sit at absolute positions ``i + S - L`` and ``j``:
+the last query aligns with the last key, as when ``L`` new tokens follow ``S - L`` cached ones.
+Query ``i`` may attend key ``j`` iff ``j <= i + S - L`` and, with a window ``W``, also
+``j > i + S - L - W`` (the ``W`` most recent positions, itself included: the HF and mlx-lm
+sliding-window convention).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from portable_llm.backends import get_backend
+from portable_llm.backends._base import FLOAT_DTYPES
+
+__all__ = ["causal_mask"]
+
+
+def visible(
+    xp: Any,
+    L: int,
+    S: int,
+    window: int | None,
+    start: int = 0,
+    stop: int | None = None,
+    device: Any = None,
+) -> Any:
+    """Boolean ``(L, stop - start)``: may query ``i`` attend key ``j``, for keys start..stop-1."""
+    stop = S if stop is None else stop
+    i = xp.reshape(xp.arange(L, device=device), (L, 1)) + (S - L)  # absolute query position
+    j = xp.reshape(xp.arange(start, stop, device=device), (1, stop - start))
+    keep = j <= i
+    if window is not None:
+        keep = xp.logical_and(keep, j > i - window)
+    return keep
+
+
+def check_window(op: str, window: Any) -> None:
+    if window is None:
+        return
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"{op}: window must be an int >= 1 or None, got {window!r}")
+
+
+def causal_mask(
+    L: int,
+    S: int,
+    /,
+    *,
+    window: int | None = None,
+    dtype: Any = None,
+    backend: str | None = None,
+    device: Any = None,
+) -> Any:
+    """The causal (optionally sliding-window) mask of ``L`` queries over ``S`` keys.
+
+    Bottom-right aligned: query ``i`` may attend key ``j`` iff ``j <= i + S - L``, and with
+    ``window=W`` also ``j > i + S - L - W``. For ``L == S`` this is the lower triangle; for
+    ``L < S`` (new tokens after a cache) every query also sees the ``S - L`` earlier keys; for
+    ``L > S`` the first ``L - S`` queries see no key.
+
+    Parameters
+    ----------
+    L, S : int, >= 0
+        Number of queries and of keys.
+    window : int, >= 1, optional
+        Sliding window: each query sees at most its ``W`` most recent positions, itself included.
+    dtype : str or dtype, optional
+        ``None`` or ``"bool"``: a boolean mask, ``True`` where attending is allowed. A float dtype
+        (``"float32"``, ``"bfloat16"``, or the backend's dtype object): an additive mask, ``0``
+        where allowed and ``-inf`` elsewhere.
+    backend : str, optional
+        Library of the result; default NumPy.
+    device : str or device, optional
+        Device of the result; default the backend's default device.
+
+    Returns
+    -------
+    array, shape ``(L, S)``
+        Broadcasts against scores ``(B.., H, L, S)``.
+    """
+    for name, value in (("L", L), ("S", S)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"causal_mask: {name} must be an int >= 0, got {value!r}")
+    check_window("causal_mask", window)
+    bk = get_backend(backend if backend is not None else "numpy")
+    xp = bk.xp
+    dev = bk.device(device) if device is not None else None
+    keep = visible(xp, L, S, window, device=dev)  # (L, S)
+    if dtype is None or dtype == "bool" or dtype == bk.dtypes["bool"]:
+        return keep
+    try:
+        dt = bk.dtype(dtype, device)
+    except ValueError as exc:
+        raise ValueError(f"causal_mask: {exc}") from None
+    if bk.dtype_name(dt) not in FLOAT_DTYPES:
+        raise ValueError(
+            f"causal_mask: dtype must be None, 'bool' or a float dtype, got {bk.dtype_name(dt)}"
+        )
+    zero = xp.zeros((L, S), dtype=dt, device=dev)
+    return xp.where(keep, zero, xp.full((L, S), -math.inf, dtype=dt, device=dev))

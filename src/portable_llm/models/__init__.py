@@ -1,0 +1,21 @@
+"""Hugging Face checkpoints on any backend: config, weights, the decoder, tokenizer, generation."""
+
+from portable_llm.models.config import SUPPORTED_MODEL_TYPES, DecoderConfig, read_config
+from portable_llm.models.generate import Generation, GenerationStats, generate
+from portable_llm.models.loader import load
+from portable_llm.models.model import Model
+from portable_llm.models.tokenizer import Tokenizer
+from portable_llm.models.weights import CheckpointError
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "CheckpointError",
+    "DecoderConfig",
+    "Generation",
+    "GenerationStats",
+    "Model",
+    "Tokenizer",
+    "generate",
+    "load",
+    "read_config",
+]

@@ -1,0 +1,168 @@
+""":func:`generate`: stream the continuation of a prompt, token by token.
+
+The prompt runs once through the model (prefill) into a KV cache; then each new token runs alone
+(decode), and is chosen by :func:`portable_llm.sample` (or :func:`portable_llm.greedy` at
+temperature 0). Generation stops at ``max_new_tokens`` or at a stop token (by default the
+``eos_token_id`` of ``generation_config.json``, else of ``config.json``), which is not yielded.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from portable_llm.arrays import asarray
+from portable_llm.backends import backend_of
+from portable_llm.models.model import Model
+from portable_llm.sampling import sample
+
+__all__ = ["Generation", "GenerationStats", "generate", "stop_tokens"]
+
+
+@dataclass
+class GenerationStats:
+    """Token counts and wall-clock times of one generation (filled in as it runs)."""
+
+    prompt_tokens: int = 0
+    prefill_seconds: float = 0.0
+    generated_tokens: int = 0
+    decode_seconds: float = 0.0
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens after the first, per second of decoding (the first comes with the prefill)."""
+        n = self.generated_tokens - 1
+        return n / self.decode_seconds if n > 0 and self.decode_seconds else 0.0
+
+
+class Generation:
+    """The iterator :func:`generate` returns; ``stats`` holds the counts and times so far."""
+
+    def __init__(self, pieces: Iterator[Any], stats: GenerationStats) -> None:
+        self._pieces = pieces
+        self.stats = stats
+
+    def __iter__(self) -> Generation:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._pieces)
+
+
+def stop_tokens(model: Model) -> tuple[int, ...]:
+    """The default stop ids: ``generation_config.json``'s ``eos_token_id``, else config.json's."""
+    eos = model.generation_config.get("eos_token_id")
+    if eos is None:
+        return model.config.eos_token_id
+    return tuple(eos) if isinstance(eos, list | tuple) else (int(eos),)
+
+
+def generate(
+    model: Model,
+    prompt: str | Sequence[int] | Any,
+    /,
+    *,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    seed: int | None = None,
+    stop: Iterable[int] | None = None,
+) -> Generation:
+    """Stream the model's continuation of ``prompt``.
+
+    Parameters
+    ----------
+    model : Model
+    prompt : str, or a sequence or 1-D array of token ids
+        A string is encoded with the model's tokenizer, and the iterator yields text pieces
+        (whose concatenation is the decoded continuation). Token ids (of any backend) make the
+        iterator yield token ids (``int``).
+    max_new_tokens : int, >= 0
+    temperature, top_k, top_p, min_p
+        As for :func:`portable_llm.sample`; ``temperature=0`` (the default) is greedy.
+    seed : int, optional
+        Makes sampling reproducible on a backend: the draw of step ``t`` uses a seed derived
+        from ``seed`` and ``t``. ``None``: fresh entropy.
+    stop : iterable of int, optional
+        Stop token ids; default :func:`stop_tokens` (the checkpoint's EOS ids). ``()``: none.
+
+    Returns
+    -------
+    Generation
+        An iterator; its ``stats`` (:class:`GenerationStats`) holds the prompt length, the
+        prefill time (up to the first new token), the tokens generated and the decode time.
+    """
+    text = isinstance(prompt, str)
+    if text:
+        if model.tokenizer is None:
+            raise ValueError("generate: a text prompt needs the checkpoint's tokenizer.json")
+        ids = model.tokenizer.encode(prompt)
+    else:
+        ids = _ids(prompt)
+    if not ids:
+        raise ValueError("generate: the prompt has no tokens")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    stops = frozenset(stop_tokens(model) if stop is None else (int(s) for s in stop))
+    options = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}
+    stats = GenerationStats(prompt_tokens=len(ids))
+    tokens = _tokens(model, ids, max_new_tokens, options, seed, stops, stats)
+    if text:
+        assert model.tokenizer is not None
+        return Generation(model.tokenizer.stream(tokens), stats)
+    return Generation(tokens, stats)
+
+
+def _ids(prompt: Any) -> list[int]:
+    if backend_of(prompt) is not None:
+        from portable_llm.arrays import to_numpy
+
+        prompt = to_numpy(prompt)
+    arr = np.asarray(prompt)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise ValueError(
+            f"generate: prompt must be a str or a 1-D sequence of token ids, got shape "
+            f"{arr.shape} of {arr.dtype}"
+        )
+    return [int(i) for i in arr]
+
+
+def _tokens(
+    model: Model,
+    ids: list[int],
+    max_new_tokens: int,
+    options: dict[str, Any],
+    seed: int | None,
+    stops: frozenset[int],
+    stats: GenerationStats,
+) -> Iterator[int]:
+    """The new token ids, one at a time; fills ``stats`` as it goes."""
+    bk = model.backend
+    seeds = np.random.default_rng(seed)
+    cache = model.make_cache()
+    step_ids = asarray([ids], backend=bk)  # (1, L)
+    for step in range(max_new_tokens):
+        start = time.perf_counter()
+        logits = model(step_ids, cache=cache, last_only=True)[:, -1, :]  # (1, V)
+        key = None if options["temperature"] == 0 else int(seeds.integers(0, 2**63))
+        token = int(bk.to_numpy(sample(logits, key=key, **options))[0])
+        elapsed = time.perf_counter() - start
+        if step == 0:
+            stats.prefill_seconds = elapsed
+        else:
+            stats.decode_seconds += elapsed
+        if token in stops:
+            return
+        stats.generated_tokens += 1
+        yield token
+        step_ids = asarray([[token]], backend=bk)  # (1, 1)

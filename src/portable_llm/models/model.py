@@ -1,0 +1,207 @@
+"""The decoder: embedding, N blocks (RMSNorm, attention, RMSNorm, MLP or MoE), norm, LM head.
+
+Each block is a few calls of the public ops, with the weights of the layer bound once at load
+time (:class:`Block`); the forward pass resolves nothing per layer beyond what the ops do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from portable_llm.arrays import asarray
+from portable_llm.attention import attention
+from portable_llm.backends import Backend, backend_of
+from portable_llm.cache import KVCache, RotatingKVCache
+from portable_llm.embedding import embedding, unembed
+from portable_llm.linear import linear, mlp
+from portable_llm.models.config import DecoderConfig
+from portable_llm.moe import moe
+from portable_llm.norm import rms_norm
+
+__all__ = ["Block", "Model"]
+
+
+@dataclass(frozen=True)
+class Block:
+    """One decoder layer's weights, bound as the keyword arguments of the ops it calls."""
+
+    input_norm: Any  # (E,)
+    post_norm: Any  # (E,)
+    attn: dict[str, Any]  # keyword arguments of portable_llm.attention
+    o_bias: Any  # (E,) or None
+    mlp: tuple[Any, ...] | None  # (w_gate, w_up, w_down) of a dense layer
+    mlp_bias: dict[str, Any]
+    moe: dict[str, Any] | None  # arrays and keyword arguments of portable_llm.moe
+
+    def __call__(self, h: Any, *, cache: Any, left_padding: Any, eps: float) -> Any:
+        r = rms_norm(h, self.input_norm, eps=eps)
+        a = attention(r, **self.attn, cache=cache, left_padding=left_padding)
+        if self.o_bias is not None:  # HF's o_proj bias (Llama/Qwen3 attention_bias)
+            a = a + self.o_bias
+        h = h + a
+        r = rms_norm(h, self.post_norm, eps=eps)
+        if self.moe is not None:
+            m = moe(r, *self.moe["arrays"], **self.moe["options"])
+        else:
+            assert self.mlp is not None
+            m = mlp(r, *self.mlp, **self.mlp_bias)
+        return h + m
+
+
+def _block(cfg: DecoderConfig, w: dict[str, Any], i: int) -> Block:
+    p = f"model.layers.{i}."
+    a = p + "self_attn."
+    attn = {
+        "wq": w[a + "q_proj.weight"],
+        "wk": w[a + "k_proj.weight"],
+        "wv": w[a + "v_proj.weight"],
+        "wo": w[a + "o_proj.weight"],
+        "bq": w.get(a + "q_proj.bias"),
+        "bk": w.get(a + "k_proj.bias"),
+        "bv": w.get(a + "v_proj.bias"),
+        "q_norm": w.get(a + "q_norm.weight"),
+        "k_norm": w.get(a + "k_norm.weight"),
+        "num_heads": cfg.num_attention_heads,
+        "num_kv_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "norm_eps": cfg.rms_norm_eps,
+        "rope": cfg.rope,
+        "window": cfg.window(i),
+    }
+    m = p + "mlp."
+    dense = moe_args = None
+    bias: dict[str, Any] = {"act": cfg.hidden_act}
+    if cfg.moe_layers[i]:
+        options: dict[str, Any] = {
+            "top_k": cfg.num_experts_per_tok,
+            "norm_topk_prob": cfg.norm_topk_prob,
+            "act": cfg.hidden_act,
+        }
+        if m + "shared_expert_gate.weight" in w:  # Qwen2-MoE
+            s = m + "shared_expert."
+            options["shared"] = tuple(w[f"{s}{k}_proj.weight"] for k in ("gate", "up", "down"))
+            options["shared_gate"] = w[m + "shared_expert_gate.weight"]
+        arrays = (w[m + "gate.weight"], *(w[f"{m}experts.{k}_proj"] for k in ("gate", "up", "down")))
+        moe_args = {"arrays": arrays, "options": options}
+    else:
+        dense = tuple(w[f"{m}{k}_proj.weight"] for k in ("gate", "up", "down"))
+        bias.update({f"b_{k}": w.get(f"{m}{k}_proj.bias") for k in ("gate", "up", "down")})
+    return Block(
+        input_norm=w[p + "input_layernorm.weight"],
+        post_norm=w[p + "post_attention_layernorm.weight"],
+        attn=attn,
+        o_bias=w.get(a + "o_proj.bias"),
+        mlp=dense,
+        mlp_bias=bias,
+        moe=moe_args,
+    )
+
+
+class Model:
+    """A loaded decoder: call it on token ids to get logits.
+
+    Build one with :func:`portable_llm.load`. ``model(ids)`` runs the full causal forward;
+    ``model(ids, cache=cache)`` runs ``L`` new tokens after those the caches hold
+    (:meth:`make_cache`): prefill is the prompt at once, decode one token at a time.
+    ``tokenizer`` (:class:`~portable_llm.models.Tokenizer`) and ``generation_config`` (a dict)
+    come from the folder when it has them.
+    """
+
+    def __init__(
+        self,
+        config: DecoderConfig,
+        weights: dict[str, Any],
+        backend: Backend,
+        *,
+        tokenizer: Any = None,
+        generation_config: dict[str, Any] | None = None,
+    ) -> None:
+        self.config = config
+        self.backend = backend
+        self.embed = weights["model.embed_tokens.weight"]  # (V, E)
+        self.dtype = self.embed.dtype
+        self.norm = weights["model.norm.weight"]  # (E,)
+        self.lm_head = weights.get("lm_head.weight")  # (V, E); None when tied
+        self.blocks = [_block(config, weights, i) for i in range(config.num_hidden_layers)]
+        self.tokenizer = tokenizer
+        self.generation_config = dict(generation_config or {})
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (
+            f"Model({c.model_type}, layers={c.num_hidden_layers}, E={c.hidden_size}, "
+            f"H={c.num_attention_heads}, H_kv={c.num_key_value_heads}, V={c.vocab_size}, "
+            f"backend={self.backend.name!r}, dtype={self.backend.dtype_name(self.dtype)})"
+        )
+
+    def __call__(
+        self,
+        ids: Any,
+        /,
+        *,
+        cache: Sequence[Any] | None = None,
+        left_padding: Any = None,
+        last_only: bool = False,
+    ) -> Any:
+        """Logits of the next token at every position.
+
+        Parameters
+        ----------
+        ids : integer array of any backend, or nested list, shape ``(B, L)``
+        cache : list of caches, one per layer, optional
+            From :meth:`make_cache`: the ``L`` tokens follow those the caches hold, and their
+            keys and values are added to them.
+        left_padding : integer array, shape ``(B,)``, optional
+            Without a cache: the pad tokens at the start of each row
+            (:func:`~portable_llm.left_pad`), masked out, with row ``b``'s positions starting
+            at ``-left_padding[b]``. With a cache, give it to :meth:`make_cache` instead.
+        last_only : bool
+            Only the logits of the last position (``L = 1`` in the result): what decoding needs,
+            without the ``(B, L, V)`` head over the whole prompt.
+
+        Returns
+        -------
+        array, shape ``(B, L, V)`` (``(B, 1, V)`` with ``last_only``), the model's dtype
+        """
+        bk = self.backend
+        if backend_of(ids) is not bk:
+            ids = asarray(ids, backend=bk)
+        if ids.ndim != 2:
+            raise ValueError(f"model: ids must have shape (B, L), got {tuple(ids.shape)}")
+        if cache is not None:
+            if len(cache) != len(self.blocks):
+                raise ValueError(
+                    f"model: cache must hold one cache per layer ({len(self.blocks)}), "
+                    f"got {len(cache)}"
+                )
+            if left_padding is not None:
+                raise ValueError("model: with a cache, give left_padding to make_cache()")
+        eps = self.config.rms_norm_eps
+        h = embedding(ids, self.embed)  # (B, L, E)
+        for i, block in enumerate(self.blocks):
+            layer_cache = None if cache is None else cache[i]
+            h = block(h, cache=layer_cache, left_padding=left_padding, eps=eps)
+        if last_only:
+            h = h[:, -1:, :]  # (B, 1, E)
+        h = rms_norm(h, self.norm, eps=eps)
+        if self.lm_head is None:
+            return unembed(h, self.embed)  # (B, L, V)
+        return linear(h, self.lm_head)  # (B, L, V)
+
+    def make_cache(self, *, left_padding: Any = None, step: int = 256) -> list[Any]:
+        """One KV cache per layer: a :class:`~portable_llm.KVCache`, or for a sliding-window
+        layer a :class:`~portable_llm.RotatingKVCache` of the window's size.
+
+        ``left_padding`` (``(B,)``): the pad tokens of each row of a left-padded batch
+        (:func:`~portable_llm.left_pad`).
+        """
+        caches: list[Any] = []
+        for i in range(self.config.num_hidden_layers):
+            window = self.config.window(i)
+            if window is None:
+                caches.append(KVCache(step=step, left_padding=left_padding))
+            else:
+                caches.append(RotatingKVCache(window, step=step, left_padding=left_padding))
+        return caches

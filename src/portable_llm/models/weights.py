@@ -1,0 +1,264 @@
+"""Reading a checkpoint's ``model.safetensors`` (or its shards) into a backend's arrays.
+
+Every tensor is checked against the config *before* any data is read: the names the config
+implies, with their shapes, against the names and shapes in the safetensors headers. Then each
+tensor is read on its own (safetensors memory-maps the file; NumPy holds one tensor at a time,
+bfloat16 as ml_dtypes') and handed to the backend, so the model is never held twice in memory.
+
+Names are HF transformers' (``model.layers.0.self_attn.q_proj.weight``). Stacked experts are
+HF v5's (``mlp.experts.gate_up_proj`` ``(X, 2I, E)``, ``mlp.experts.down_proj`` ``(X, E, I)``),
+also read from the per-expert layout that ``save_pretrained`` writes by default and Hub
+checkpoints hold (``mlp.experts.{e}.gate_proj.weight``; Mixtral's
+``block_sparse_moe.experts.{e}.w1/w3/w2.weight``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from portable_llm.backends import Backend
+from portable_llm.models.config import DecoderConfig
+
+__all__ = ["CheckpointError", "expected_shapes", "read_weights"]
+
+# Tensors some checkpoints carry that the model recomputes: never reported as unexpected.
+_IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
+_MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_LEGACY_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)_proj\.weight$")
+_LIST_AT_MOST = 12
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder whose tensors disagree with its config.json."""
+
+
+def expected_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the model needs, by HF name, with the shape the config implies.
+
+    MoE layers list their experts stacked (HF v5 ``gate_up_proj``/``down_proj``).
+    """
+    E, V, D = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
+    H, H_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, E)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = (E,)
+        out[p + "post_attention_layernorm.weight"] = (E,)
+        for name, rows in (("q", H * D), ("k", H_kv * D), ("v", H_kv * D)):
+            out[p + f"self_attn.{name}_proj.weight"] = (rows, E)
+            if cfg.qkv_bias:
+                out[p + f"self_attn.{name}_proj.bias"] = (rows,)
+        out[p + "self_attn.o_proj.weight"] = (E, H * D)
+        if cfg.o_bias:
+            out[p + "self_attn.o_proj.bias"] = (E,)
+        if cfg.qk_norm:
+            out[p + "self_attn.q_norm.weight"] = (D,)
+            out[p + "self_attn.k_norm.weight"] = (D,)
+        if cfg.moe_layers[i]:
+            X, I_m = cfg.num_experts, cfg.moe_intermediate_size
+            out[p + "mlp.gate.weight"] = (X, E)
+            out[p + "mlp.experts.gate_up_proj"] = (X, 2 * I_m, E)
+            out[p + "mlp.experts.down_proj"] = (X, E, I_m)
+            if cfg.model_type == "qwen2_moe":
+                _mlp(out, p + "mlp.shared_expert.", E, cfg.shared_expert_intermediate_size, False)
+                out[p + "mlp.shared_expert_gate.weight"] = (1, E)
+        else:
+            _mlp(out, p + "mlp.", E, cfg.intermediate_size, cfg.mlp_bias)
+    out["model.norm.weight"] = (E,)
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = (V, E)
+    return out
+
+
+def _mlp(out: dict[str, tuple[int, ...]], p: str, E: int, I: int, bias: bool) -> None:  # noqa: E741
+    for name, shape in (("gate", (I, E)), ("up", (I, E)), ("down", (E, I))):
+        out[f"{p}{name}_proj.weight"] = shape
+        if bias:
+            out[f"{p}{name}_proj.bias"] = shape[:1]
+
+
+def _files(path: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        files = {name: path / file for name, file in weight_map.items()}
+        absent = sorted({f.name for f in files.values() if not f.is_file()})
+        if absent:
+            raise FileNotFoundError(
+                f"load: {index} names shard files that are not in the folder: {', '.join(absent)}"
+            )
+        return files
+    single = path / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(
+            f"load: no model.safetensors or model.safetensors.index.json in {str(path)!r}"
+        )
+    from safetensors import safe_open
+
+    with safe_open(single, framework="numpy") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def _canonical(name: str) -> str:
+    """A file's name in HF v5 layout (Mixtral's ``block_sparse_moe``/``w1`` names renamed)."""
+    if ".block_sparse_moe." not in name:
+        return name
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    m = re.match(r"^(.*\.experts\.\d+)\.(w[123])\.weight$", name)
+    return f"{m[1]}.{_MIXTRAL_EXPERT[m[2]]}.weight" if m else name
+
+
+class _Sources:
+    """Where each expected tensor comes from: one file tensor, or per-expert pieces to stack."""
+
+    def __init__(self, cfg: DecoderConfig, files: dict[str, Path]) -> None:
+        self.expected = expected_shapes(cfg)
+        self.files = files
+        self.direct: dict[str, str] = {}  # expected name -> file name
+        self.pieces: dict[str, dict[tuple[int, str], str]] = {}  # "...experts" -> (e, proj)
+        self.unexpected: list[str] = []
+        for file_name in files:
+            name = _canonical(file_name)
+            m = _LEGACY_EXPERT.match(name)
+            if name in self.expected:
+                self.direct[name] = file_name
+            elif m and m[1] + ".down_proj" in self.expected and m[3] in ("gate", "up", "down"):
+                self.pieces.setdefault(m[1], {})[int(m[2]), m[3]] = file_name
+            elif not _IGNORED.match(name) and not (
+                name == "lm_head.weight" and cfg.tie_word_embeddings
+            ):
+                self.unexpected.append(file_name)
+        self.num_experts = cfg.num_experts
+
+    def missing(self) -> list[str]:
+        out = []
+        for name in self.expected:
+            if name in self.direct:
+                continue
+            stem, _, proj = name.rpartition(".")
+            if proj in ("gate_up_proj", "down_proj") and stem.endswith(".experts"):
+                got = self.pieces.get(stem)
+                if got is not None or stem + ".gate_up_proj" not in self.direct:
+                    kinds = ("gate", "up") if proj == "gate_up_proj" else ("down",)
+                    for e in range(self.num_experts):
+                        for k in kinds:
+                            if got is None or (e, k) not in got:
+                                out.append(f"{stem}.{e}.{k}_proj.weight")
+                    if got is None:  # neither layout: name the stacked tensor too
+                        out.append(name)
+                continue
+            out.append(name)
+        return out
+
+    def extra_pieces(self) -> list[str]:
+        """Per-expert pieces with an expert index beyond num_experts."""
+        return [
+            f for pieces in self.pieces.values() for (e, _), f in pieces.items()
+            if e >= self.num_experts
+        ]  # fmt: skip
+
+
+def _listed(names: list[str]) -> str:
+    shown = ", ".join(names[:_LIST_AT_MOST])
+    more = len(names) - _LIST_AT_MOST
+    return shown + (f", ... ({more} more)" if more > 0 else "")
+
+
+def _shape_of(files: dict[str, Path], name: str, handles: dict[Path, Any]) -> tuple[int, ...]:
+    return tuple(handles[files[name]].get_slice(name).get_shape())
+
+
+def _check(src: _Sources, handles: dict[Path, Any], path: Path) -> None:
+    problems = []
+    missing = src.missing()
+    if missing:
+        problems.append(f"missing tensors ({len(missing)}): {_listed(missing)}")
+    unexpected = src.unexpected + src.extra_pieces()
+    if unexpected:
+        problems.append(f"unexpected tensors ({len(unexpected)}): {_listed(unexpected)}")
+    bad = []
+    for name, file_name in src.direct.items():
+        got, want = _shape_of(src.files, file_name, handles), src.expected[name]
+        if got != want:
+            bad.append(f"{file_name} {got} (config implies {want})")
+    for stem, pieces in src.pieces.items():
+        X, two_i, E = src.expected[stem + ".gate_up_proj"]
+        want_piece = {"gate": (two_i // 2, E), "up": (two_i // 2, E), "down": (E, two_i // 2)}
+        for (_, kind), file_name in sorted(pieces.items()):
+            got = _shape_of(src.files, file_name, handles)
+            if got != want_piece[kind]:
+                bad.append(f"{file_name} {got} (config implies {want_piece[kind]})")
+    if bad:
+        problems.append(f"tensors whose shape disagrees with config.json ({len(bad)}): {_listed(bad)}")
+    if problems:
+        raise CheckpointError(f"load: checkpoint {str(path)!r}: " + "; ".join(problems))
+
+
+def read_weights(
+    path: str | Path, cfg: DecoderConfig, bk: Backend, dtype: Any
+) -> dict[str, Any]:
+    """Check the checkpoint in ``path`` against ``cfg``, then read it into ``bk``'s arrays.
+
+    Returns a dict from the names of :func:`expected_shapes` to arrays of ``dtype``, except that
+    each ``mlp.experts.gate_up_proj`` comes split in its halves, ``mlp.experts.gate_proj`` and
+    ``mlp.experts.up_proj`` ``(X, I, E)``. Raises :class:`CheckpointError` listing every
+    missing, unexpected or misshapen tensor.
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    files = _files(path)
+    with ExitStack() as stack:
+        handles = {
+            file: stack.enter_context(safe_open(file, framework="numpy"))
+            for file in sorted(set(files.values()))
+        }
+        src = _Sources(cfg, files)
+        _check(src, handles, path)
+        return {name: _to_backend(host, bk, dtype) for name, host in _host_tensors(src, handles)}
+
+
+def _host_tensors(src: _Sources, handles: dict[Path, Any]) -> Iterator[tuple[str, np.ndarray]]:
+    """``(name, numpy array)`` for every expected tensor, one at a time."""
+
+    def read(file_name: str) -> np.ndarray:
+        return handles[src.files[file_name]].get_tensor(file_name)
+
+    for name in src.expected:
+        stem, _, proj = name.rpartition(".")
+        if proj == "gate_up_proj":  # split, so the backend never holds the fused tensor
+            if name in src.direct:
+                fused = read(src.direct[name])  # (X, 2I, E)
+                half = fused.shape[1] // 2
+                gate, up = np.ascontiguousarray(fused[:, :half]), np.ascontiguousarray(fused[:, half:])
+                del fused
+                yield stem + ".gate_proj", gate
+                yield stem + ".up_proj", up
+            else:
+                for kind in ("gate", "up"):
+                    yield f"{stem}.{kind}_proj", _stack(src.pieces[stem], kind, src.num_experts, read)
+        elif name in src.direct:
+            yield name, read(src.direct[name])
+        else:
+            yield name, _stack(src.pieces[stem], "down", src.num_experts, read)  # (X, E, I)
+
+
+def _stack(
+    pieces: dict[tuple[int, str], str], kind: str, n: int, read: Callable[[str], np.ndarray]
+) -> np.ndarray:
+    return np.stack([read(pieces[e, kind]) for e in range(n)])  # (X, I, E) or (X, E, I)
+
+
+def _to_backend(host: np.ndarray, bk: Backend, dtype: Any) -> Any:
+    if host.dtype.kind != "f" and host.dtype.name != "bfloat16":
+        raise CheckpointError(f"load: expected float tensors, got {host.dtype}")
+    arr = bk.from_numpy(host)
+    return arr if arr.dtype == dtype else bk.astype(arr, dtype)

@@ -1,0 +1,280 @@
+"""Mixture of Experts: the top-k router and the sparse MoE block (Mixtral, Qwen2-MoE).
+
+Experts are stacked as HF stores them: ``experts_gate``/``experts_up`` ``(X, I, E)`` (HF's fused
+``experts.gate_up_proj`` of shape ``(X, 2I, E)`` split into its halves ``[:, :I]`` and
+``[:, I:]``), ``experts_down`` ``(X, E, I)`` (HF ``experts.down_proj``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from portable_llm._checks import check_float, check_ndim, check_same_dtype, float_compute_dtype
+from portable_llm._dispatch import pick, portable
+from portable_llm.activations import _sigmoid, activation_op
+from portable_llm.backends import Backend, resolve
+from portable_llm.linear import mlp
+
+__all__ = ["moe", "route"]
+
+
+@portable("top_k", pure=True)
+def _top_k(xp: Any, x: Any, *, k: int) -> tuple[Any, Any]:
+    """The k largest along the last axis, descending; ties: the lower index first."""
+    idx = xp.argsort(x, axis=-1, descending=True, stable=True)[..., :k]  # (N.., k)
+    return xp.take_along_axis(x, idx, axis=-1), idx
+
+
+def _expert_ranks(xp: Any, gate: Any, dtype: Any) -> Any:
+    """0, 1, ..., X-1 on gate's device (built from gate: the standard's arange needs a device)."""
+    ones = xp.ones_like(gate[:, 0, 0], dtype=dtype)  # (X,)
+    return xp.cumulative_sum(ones) - 1
+
+
+def _expert_mlp(xp: Any, xs: Any, gate: Any, up: Any, down: Any, act: Any, linear: Any) -> Any:
+    return linear(xp, act(xp, linear(xp, xs, gate)) * linear(xp, xs, up), down)  # (n, E)
+
+
+@portable("moe_experts")
+def _moe_gather(
+    xp: Any, x: Any, weights: Any, ids: Any, gate: Any, up: Any, down: Any, *,
+    act: Any, linear: Any, to_host: Any,
+) -> Any:  # fmt: skip
+    """Sort the (token, slot) assignments by expert; run each expert on its own tokens only.
+
+    The segment bounds are read back to the host (one sync) to slice the segments.
+    """
+    n, k = ids.shape
+    flat = xp.reshape(ids, (-1,))  # (A,) = (N * k,), token-major
+    order = xp.argsort(flat, stable=True)  # (A,) assignments grouped by expert
+    starts = xp.searchsorted(xp.take(flat, order), _expert_ranks(xp, gate, flat.dtype))  # (X,)
+    bounds = [*to_host(starts).tolist(), n * k]
+    tokens = order // k  # (A,) the token of each assignment, in expert order
+    ys = []
+    for e in range(gate.shape[0]):
+        if bounds[e + 1] > bounds[e]:
+            xs = xp.take(x, tokens[bounds[e] : bounds[e + 1]], axis=0)  # (count_e, E)
+            ys.append(_expert_mlp(xp, xs, gate[e, ...], up[e, ...], down[e, ...], act, linear))
+    if not ys:  # no tokens
+        return xp.zeros_like(x)
+    w = xp.take(xp.reshape(weights, (-1,)), order)  # (A,) routing weight, expert order
+    y = xp.astype(xp.concat(ys, axis=0), weights.dtype) * w[:, None]  # (A, E)
+    y = xp.take(y, xp.argsort(order), axis=0)  # (A, E) back to token-major
+    return xp.astype(xp.sum(xp.reshape(y, (n, k, x.shape[-1])), axis=1), x.dtype)  # (N, E)
+
+
+@portable("moe_experts", "dense", pure=True)
+def _moe_dense(
+    xp: Any, x: Any, weights: Any, ids: Any, gate: Any, up: Any, down: Any, *,
+    act: Any, linear: Any, to_host: Any = None,
+) -> Any:  # fmt: skip
+    """Every expert on every token, weighted by its routing weight (0 where not routed)."""
+    out = xp.zeros_like(x, dtype=weights.dtype)  # (N, E)
+    zero = xp.zeros_like(weights)
+    for e in range(gate.shape[0]):
+        w_e = xp.sum(xp.where(ids == e, weights, zero), axis=-1, keepdims=True)  # (N, 1)
+        y = _expert_mlp(xp, x, gate[e, ...], up[e, ...], down[e, ...], act, linear)
+        out = out + xp.astype(y, weights.dtype) * w_e
+    return xp.astype(out, x.dtype)
+
+
+def _route(
+    bk: Backend, x: Any, w_router: Any, top_k: int, norm_topk_prob: bool, impl: str
+) -> tuple[Any, Any]:
+    xp = bk.xp
+    logits = pick(bk, "linear", impl, x, w_router)(xp, x, w_router)  # (N.., X), x's dtype
+    probs = xp.astype(logits, float_compute_dtype(xp, x.dtype))
+    probs = xp.exp(probs - xp.max(probs, axis=-1, keepdims=True))
+    probs = probs / xp.sum(probs, axis=-1, keepdims=True)  # softmax over all experts
+    weights, ids = pick(bk, "top_k", impl, probs, k=top_k)(xp, probs, k=top_k)  # (N.., k)
+    if norm_topk_prob:
+        weights = weights / xp.sum(weights, axis=-1, keepdims=True)
+    return weights, xp.astype(ids, xp.asarray(0).dtype)
+
+
+def _check_route(op: str, bk: Backend, x: Any, w_router: Any, top_k: int) -> None:
+    check_float(op, "x", x, bk)
+    check_float(op, "w_router", w_router, bk)
+    check_ndim(op, "x", x, 1, "B.. x L x E")
+    if w_router.ndim != 2 or w_router.shape[1] != x.shape[-1]:
+        raise ValueError(
+            f"{op}: w_router must have shape (X, {x.shape[-1]}) (X experts x E) to match x of "
+            f"shape {tuple(x.shape)}, got {tuple(w_router.shape)}"
+        )
+    if isinstance(top_k, bool) or not isinstance(top_k, int):
+        raise TypeError(f"{op}: top_k must be an int, got {type(top_k).__name__}")
+    if not 1 <= top_k <= w_router.shape[0]:
+        raise ValueError(
+            f"{op}: top_k must be in [1, X] = [1, {w_router.shape[0]}] (w_router shape "
+            f"{tuple(w_router.shape)}), got {top_k}"
+        )
+    check_same_dtype(op, bk, x=x, w_router=w_router)
+
+
+def route(
+    x: Any,
+    w_router: Any,
+    /,
+    *,
+    top_k: int,
+    norm_topk_prob: bool,
+    impl: str = "auto",
+    backend: str | None = None,
+) -> tuple[Any, Any]:
+    """The MoE router: softmax over all experts, then the ``top_k`` most probable.
+
+    ``logits = x @ w_router.T`` (in x's dtype, as HF's router ``F.linear``); the softmax runs in
+    float32 (float64 for float64 x); the top-k ranks by probability, ties broken by the lower
+    expert id. ``norm_topk_prob=True`` rescales the k weights to sum to 1: Mixtral always does,
+    Qwen2-MoE when its config's ``norm_topk_prob`` is set.
+
+    Parameters
+    ----------
+    x : array, shape ``(B.., L, E)``, float dtype
+    w_router : array, shape ``(X, E)``, x's dtype
+        HF ``gate.weight`` (``MixtralTopKRouter``/``Qwen2MoeTopKRouter``).
+    top_k : int in ``[1, X]``
+        HF ``num_experts_per_tok``.
+    norm_topk_prob : bool
+    impl : {"auto", "portable", "native"}
+        For the router projection and the top-k (``jax.lax.top_k`` on JAX; the portable
+        top-k is a stable descending ``argsort``).
+    backend : str, optional
+
+    Returns
+    -------
+    weights : array, shape ``(B.., L, top_k)``, float32 (float64 for float64 x)
+        Descending along the last axis.
+    ids : array, shape ``(B.., L, top_k)``, the backend's default integer dtype
+        The experts chosen, in ``[0, X)``.
+    """
+    bk, (x, w_router) = resolve("route", backend, x, w_router)
+    _check_route("route", bk, x, w_router, top_k)
+    return _route(bk, x, w_router, top_k, bool(norm_topk_prob), impl)
+
+
+def _check_experts(bk: Backend, x: Any, gate: Any, up: Any, down: Any, n_experts: int) -> None:
+    e = x.shape[-1]
+    for name, arr in (("experts_gate", gate), ("experts_up", up), ("experts_down", down)):
+        check_float("moe", name, arr, bk)
+    if gate.ndim != 3 or gate.shape[0] != n_experts or gate.shape[2] != e:
+        raise ValueError(
+            f"moe: experts_gate must have shape ({n_experts}, I, {e}) (X x I x E, X from w_router, "
+            f"E from x of shape {tuple(x.shape)}), got {tuple(gate.shape)}"
+        )
+    if tuple(up.shape) != tuple(gate.shape):
+        raise ValueError(
+            f"moe: experts_up must have the shape of experts_gate, {tuple(gate.shape)}, "
+            f"got {tuple(up.shape)}"
+        )
+    want = (n_experts, e, gate.shape[1])
+    if tuple(down.shape) != want:
+        raise ValueError(
+            f"moe: experts_down must have shape {want} (X x E x I) to match experts_gate "
+            f"{tuple(gate.shape)}, got {tuple(down.shape)}"
+        )
+
+
+def moe(
+    x: Any,
+    w_router: Any,
+    experts_gate: Any,
+    experts_up: Any,
+    experts_down: Any,
+    /,
+    *,
+    top_k: int,
+    norm_topk_prob: bool,
+    shared: tuple[Any, Any, Any] | None = None,
+    shared_gate: Any = None,
+    act: str = "silu",
+    impl: str = "auto",
+    backend: str | None = None,
+) -> Any:
+    """Sparse MoE block: each token through its ``top_k`` experts, weighted by the router.
+
+    ``out = sum_j weights_j * mlp_{ids_j}(x) [+ sigmoid(x @ shared_gate.T) * mlp_shared(x)]``
+    with ``(weights, ids) = route(x, w_router, ...)`` and each expert a gated MLP
+    (:func:`~portable_llm.mlp`). Only the routed tokens are gathered for each expert, so the
+    cost grows with ``top_k``, not with the number of experts X.
+
+    Parameters
+    ----------
+    x : array, shape ``(B.., L, E)``, float dtype
+    w_router : array, shape ``(X, E)``
+        HF ``gate.weight``.
+    experts_gate, experts_up : array, shape ``(X, I, E)``
+        HF ``experts.gate_up_proj[:, :I]`` and ``[:, I:]``.
+    experts_down : array, shape ``(X, E, I)``
+        HF ``experts.down_proj``.
+    top_k : int in ``[1, X]``
+    norm_topk_prob : bool
+        Renormalise the k routing weights to sum to 1 (Mixtral: always ``True``).
+    shared : (w_gate, w_up, w_down), optional
+        A shared expert run on every token, in :func:`~portable_llm.mlp`'s layout
+        (``(I_s, E)``, ``(I_s, E)``, ``(E, I_s)``; HF ``shared_expert.{gate,up,down}_proj``).
+    shared_gate : array, shape ``(1, E)``, optional
+        Scales the shared expert by ``sigmoid(x @ shared_gate.T)`` (HF ``shared_expert_gate``);
+        without it the shared expert is added unscaled.
+    act : str
+        The experts' activation (HF ``hidden_act``).
+    impl : {"auto", "portable", "native", "dense"}
+        How the routed experts run. ``"portable"``: sort the assignments by expert and run each
+        expert on its own tokens; the per-expert counts are read back to the host (one sync per
+        call), so it cannot run under ``jax.jit``. ``"native"``: ``jax.lax.ragged_dot`` (JAX:
+        static shapes, works under ``jax.jit``) or ``mx.gather_mm`` (MLX, float32 on the CPU).
+        ``"auto"``: the native kernel where there is one, the portable one otherwise.
+        ``"dense"``: every expert on every token (static shapes, cost grows with X; the
+        baseline the benchmark compares against). The projections use ``impl="portable"``
+        under ``"portable"``, ``"auto"`` otherwise.
+    backend : str, optional
+
+    Returns
+    -------
+    array, shape ``(B.., L, E)``, x's dtype
+        Each expert's output is rounded to x's dtype (as HF's projections), then weighted and
+        summed over the k experts in float32 (float64 for float64 x) and rounded once.
+    """
+    act_name = activation_op(act, "moe")
+    if shared is not None and (not isinstance(shared, tuple | list) or len(shared) != 3):
+        raise ValueError("moe: shared must be a tuple (w_gate, w_up, w_down) or None")
+    if shared_gate is not None and shared is None:
+        raise ValueError("moe: shared_gate was given without a shared expert (shared=None)")
+    s_w = tuple(shared) if shared is not None else (None, None, None)
+    bk, (x, w_router, gate, up, down, s_gate, s_up, s_down, shared_gate) = resolve(
+        "moe", backend, x, w_router, experts_gate, experts_up, experts_down, *s_w, shared_gate
+    )
+    _check_route("moe", bk, x, w_router, top_k)
+    _check_experts(bk, x, gate, up, down, w_router.shape[0])
+    e = x.shape[-1]
+    if shared_gate is not None and tuple(shared_gate.shape) != (1, e):
+        raise ValueError(
+            f"moe: shared_gate must have shape (1, {e}) to match x of shape {tuple(x.shape)}, "
+            f"got {tuple(shared_gate.shape)}"
+        )
+    check_same_dtype(
+        "moe", bk, x=x, w_router=w_router, experts_gate=gate, experts_up=up, experts_down=down,
+        shared_gate=shared_gate,
+    )  # fmt: skip
+    xp = bk.xp
+    sub = "portable" if impl == "portable" else "auto"
+    xf = xp.reshape(x, (-1, e))  # (N, E)
+    weights, ids = _route(bk, xf, w_router, top_k, bool(norm_topk_prob), sub)  # (N, k)
+    experts = pick(bk, "moe_experts", impl, xf, weights, ids, gate, up, down)
+    if experts is _moe_gather and bk.is_traced(xf):
+        raise ValueError(
+            "moe: impl='portable' reads the per-expert token counts back to the host, which a "
+            "traced call (jax.jit) cannot do; use impl='auto' (jax.lax.ragged_dot) or 'dense'"
+        )
+    out = experts(
+        xp, xf, weights, ids, gate, up, down,
+        act=pick(bk, act_name, sub, xf), linear=pick(bk, "linear", sub, xf, w_router),
+        to_host=bk.to_numpy,
+    )  # fmt: skip
+    if shared is not None:
+        s = mlp(xf, s_gate, s_up, s_down, act=act, impl=sub)  # (N, E)
+        if shared_gate is not None:
+            g = pick(bk, "linear", sub, xf, shared_gate)(xp, xf, shared_gate)  # (N, 1)
+            s = xp.astype(_sigmoid(xp, xp.astype(g, weights.dtype)), x.dtype) * s
+        out = out + s
+    return xp.reshape(out, x.shape)  # (B.., L, E)

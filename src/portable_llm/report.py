@@ -1,0 +1,425 @@
+"""``portable-llm report``: every op on every installed backend against the float64 reference.
+
+For each backend, op (a :class:`Case` of :data:`CASES`) and float dtype the backend supports, the
+op runs on inputs from :func:`~portable_llm.testing.random_array` with a fixed seed; the result
+is compared with :mod:`portable_llm.reference` evaluated in float64 on the same rounded inputs,
+with :func:`~portable_llm.testing.assert_close` and the tolerance of
+:data:`~portable_llm.testing.TOLERANCES`. ``impl="auto"`` is reported with the path it took
+(native kernel or portable) and beside it the path it did not take: ``impl="portable"`` when
+it ran a native kernel, ``impl="native"`` when it passed one over.
+
+A new op adds one :class:`Case` to :data:`CASES`.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, TextIO
+
+import numpy as np
+
+from portable_llm import reference
+from portable_llm._dispatch import pick
+from portable_llm.activations import activation_op, gelu, gelu_tanh, relu, silu, softmax
+from portable_llm.arrays import asarray, to_numpy
+from portable_llm.backends import (
+    _ALIASES,
+    BACKENDS,
+    Backend,
+    BackendNotInstalledError,
+    backend_of,
+    get_backend,
+)
+from portable_llm.backends._base import FLOAT_DTYPES, numpy_bfloat16
+from portable_llm.embedding import embedding, unembed
+from portable_llm.linear import linear, mlp
+from portable_llm.moe import moe
+from portable_llm.moe import route as moe_route
+from portable_llm.norm import rms_norm
+from portable_llm.rope import rope
+from portable_llm.rope_args import dispatch_args as rope_args
+from portable_llm.testing import (
+    BACKEND_TOLERANCES,
+    Tolerance,
+    assert_close,
+    compare_values,
+    random_array,
+    tolerance,
+)
+from portable_llm.testing import random_weight as _weight
+
+__all__ = ["CASES", "Case", "Inputs", "Row", "UsageError", "format_table", "run_report"]
+
+#: The dispatched ops of one call: ``(op, arrays, options)`` as ``pick`` sees them.
+Route = list[tuple[str, tuple[Any, ...], dict[str, Any]]]
+
+
+class UsageError(ValueError):
+    """A ``--backend``, ``--op`` or ``--dtype`` that names nothing known."""
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """One call's arguments: the backend's arrays, their exact float64 copies, the options."""
+
+    arrays: tuple[Any, ...]
+    refs: tuple[np.ndarray, ...]
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One op of the report.
+
+    ``build(seed, dtype, backend)`` draws the inputs; the op runs as
+    ``call(*inputs.arrays, impl=impl, **inputs.options)`` and the reference as
+    ``reference(*inputs.refs, **inputs.options)``. ``route(inputs)`` lists the dispatched ops
+    the call goes through (default: ``op`` itself on the call's arguments), for the path column.
+    """
+
+    name: str
+    op: str
+    build: Callable[[int, str, str], Inputs]
+    call: Callable[..., Any]
+    reference: Callable[..., np.ndarray]
+    route: Callable[[Inputs], Route] | None = None
+    seed: int = 0
+
+
+def _inputs(*drawn: tuple[Any, np.ndarray], **options: Any) -> Inputs:
+    return Inputs(tuple(a for a, _ in drawn), tuple(r for _, r in drawn), options)
+
+
+_X = (2, 5, 64)  # (B, L, E): small, so the report runs in a second per backend
+
+
+def _unary(op: str, fn: Callable[..., Any], ref: Callable[..., np.ndarray]) -> Case:
+    def build(seed: int, dtype: str, backend: str) -> Inputs:
+        return _inputs(random_array(seed, _X, dtype, backend=backend))
+
+    return Case(op, op, build, fn, ref, seed=10)
+
+
+def _softmax(seed: int, dtype: str, backend: str) -> Inputs:
+    return _inputs(random_array(seed, (2, 3, 7, 33), dtype, backend=backend, scale=2.0), axis=-1)
+
+
+def _rms_norm(seed: int, dtype: str, backend: str) -> Inputs:
+    x = random_array(seed, _X, dtype, backend=backend)
+    w = random_array(seed + 1, _X[-1:], dtype, backend=backend, low=0.5, high=1.5)
+    return _inputs(x, w, eps=1e-6)
+
+
+def _linear(bias: bool) -> Callable[[int, str, str], Inputs]:
+    def build(seed: int, dtype: str, backend: str) -> Inputs:
+        x = random_array(seed, _X, dtype, backend=backend)
+        w = _weight(seed + 1, (48, _X[-1]), dtype, backend=backend)
+        if not bias:
+            return _inputs(x, w)
+        return _inputs(x, w, random_array(seed + 2, (48,), dtype, backend=backend, scale=0.1))
+
+    return build
+
+
+def _mlp(seed: int, dtype: str, backend: str) -> Inputs:
+    e, i = _X[-1], 160
+    x = random_array(seed, _X, dtype, backend=backend)
+    w_gate = _weight(seed + 1, (i, e), dtype, backend=backend)
+    w_up = _weight(seed + 2, (i, e), dtype, backend=backend)
+    w_down = _weight(seed + 3, (e, i), dtype, backend=backend)
+    return _inputs(x, w_gate, w_up, w_down, act="silu")
+
+
+def _mlp_route(inputs: Inputs) -> Route:
+    x, w_gate = inputs.arrays[:2]
+    act = activation_op(inputs.options["act"])
+    return [("linear", (x, w_gate, None), {}), (act, (linear(x, w_gate),), {})]
+
+
+def _rope(seed: int, dtype: str, backend: str) -> Inputs:
+    # Qwen2-0.5B's head_dim and rope_theta; positions 5..12 keep float32 angles exact to ~1e-6.
+    x = random_array(seed, (2, 4, 8, 64), dtype, backend=backend, low=-1.0, high=1.0)
+    return _inputs(x, offset=5, base=1e6)
+
+
+def _rope_reference(x: np.ndarray, *, offset: int, **options: Any) -> np.ndarray:
+    return reference.rope(x, np.arange(offset, offset + x.shape[-2]), **options)
+
+
+def _rope_route(inputs: Inputs) -> Route:
+    _, arrays, options = rope_args(*inputs.arrays, **inputs.options)
+    return [("rope", arrays, options)]
+
+
+#: The ops of the report, in table order. Later ops append one entry each.
+CASES: list[Case] = [
+    _unary("silu", silu, reference.silu),
+    _unary("gelu", gelu, reference.gelu),
+    _unary("gelu_tanh", gelu_tanh, reference.gelu_tanh),
+    _unary("relu", relu, reference.relu),
+    Case("softmax", "softmax", _softmax, softmax, reference.softmax, seed=20),
+    Case("rms_norm", "rms_norm", _rms_norm, rms_norm, reference.rms_norm, seed=30),
+    Case("linear", "linear", _linear(False), linear, reference.linear, seed=40),
+    Case("linear+bias", "linear", _linear(True), linear, reference.linear, seed=50),
+    Case("mlp", "mlp", _mlp, mlp, reference.mlp, route=_mlp_route, seed=60),
+    Case("rope", "rope", _rope, rope, _rope_reference, route=_rope_route, seed=70),
+]
+
+
+# -- decoding: embedding, the tied LM head, the MoE router and block --------------------------
+
+_VOCAB, _EXPERTS, _TOP_K = 40, 8, 2
+
+
+def _embedding(seed: int, dtype: str, backend: str) -> Inputs:
+    ids = np.random.default_rng(seed).integers(0, _VOCAB, size=_X[:2])
+    table = random_array(seed + 1, (_VOCAB, _X[-1]), dtype, backend=backend)
+    return _inputs((asarray(ids, backend=backend), ids), table)
+
+
+def _unembed(seed: int, dtype: str, backend: str) -> Inputs:
+    h = random_array(seed, _X, dtype, backend=backend)
+    return _inputs(h, _weight(seed + 1, (_VOCAB, _X[-1]), dtype, backend=backend))
+
+
+def _router(seed: int, dtype: str, backend: str) -> tuple[Any, Any]:
+    """x and a router whose top-k choice has no near-tie within dtype's rounding (then the
+    experts chosen in dtype and in float64 agree, and the comparison is of numbers)."""
+    for s in range(seed, seed + 10_000, 10):
+        x = random_array(s, _X, dtype, backend=backend)
+        w = _weight(s + 1, (_EXPERTS, _X[-1]), dtype, backend=backend)
+        logits = -np.sort(-reference.linear(x[1], w[1]), axis=-1)
+        gap = logits[..., _TOP_K - 1] - logits[..., _TOP_K]
+        if (gap > tolerance(dtype).rtol * np.abs(logits).max()).all():
+            break
+    return x, w
+
+
+def _route_case(seed: int, dtype: str, backend: str) -> Inputs:
+    return _inputs(*_router(seed, dtype, backend), top_k=_TOP_K, norm_topk_prob=False)
+
+
+def _route_weights(x: Any, w: Any, *, impl: str = "auto", **options: Any) -> Any:
+    # The weights (descending), rounded to x's dtype as Qwen2-MoE does, for the table.
+    weights, _ = moe_route(x, w, impl=impl, **options)
+    bk = backend_of(x)
+    assert bk is not None
+    return bk.astype(weights, x.dtype)
+
+
+def _moe_case(seed: int, dtype: str, backend: str) -> Inputs:
+    e, i, i_shared = _X[-1], 32, 48
+    shapes = [(_EXPERTS, i, e), (_EXPERTS, i, e), (_EXPERTS, e, i), (i_shared, e), (i_shared, e),
+              (e, i_shared), (1, e)]  # fmt: skip
+    weights = [_weight(seed + 2 + j, sh, dtype, backend=backend) for j, sh in enumerate(shapes)]
+    return _inputs(*_router(seed, dtype, backend), *weights, top_k=_TOP_K, norm_topk_prob=False)
+
+
+def _moe_call(x: Any, w: Any, g: Any, u: Any, d: Any, sg: Any, su: Any, sd: Any, sgate: Any,
+              **options: Any) -> Any:  # fmt: skip
+    return moe(x, w, g, u, d, shared=(sg, su, sd), shared_gate=sgate, **options)
+
+
+def _moe_reference(x: Any, w: Any, g: Any, u: Any, d: Any, sg: Any, su: Any, sd: Any,
+                   sgate: Any, *, top_k: int, norm_topk_prob: bool) -> np.ndarray:  # fmt: skip
+    return reference.moe(x, w, g, u, d, top_k, norm_topk_prob, (sg, su, sd), sgate)
+
+
+def _moe_route(inputs: Inputs) -> Route:
+    x, w = inputs.arrays[:2]
+    return [("linear", (x, w, None), {}), ("top_k", (x,), {"k": _TOP_K}),
+            ("moe_experts", (x,), {})]  # fmt: skip
+
+
+CASES.extend([
+    Case("embedding", "embedding", _embedding, lambda ids, table, *, impl: embedding(ids, table),
+         reference.embedding, seed=80),
+    Case("unembed", "unembed", _unembed, unembed, reference.unembed, seed=90,
+         route=lambda inp: [("linear", (*inp.arrays, None), {})]),
+    Case("route", "route", _route_case, _route_weights,
+         lambda x, w, **o: reference.route(x, w, o["top_k"], o["norm_topk_prob"])[0], seed=100,
+         route=lambda inp: _moe_route(inp)[:2]),
+    Case("moe", "moe", _moe_case, _moe_call, _moe_reference, route=_moe_route, seed=110),
+])  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the table: a case on one backend, dtype and ``impl``."""
+
+    case: str
+    dtype: str
+    impl: str
+    path: str
+    tol: Tolerance
+    max_abs: float | None = None
+    max_rel: float | None = None
+    result: str = "ok"  # "ok", "FAIL" or "ERROR"
+    detail: str = ""
+
+
+def path_of(bk: Backend, route: Route) -> tuple[str, bool]:
+    """What ``impl="auto"`` runs for ``route`` on ``bk``, and whether any native kernel ran."""
+    parts: list[tuple[str, str]] = []
+    used = False
+    for op, args, options in route:
+        nat = bk.native.get(op)
+        if nat is None:
+            parts.append((op, "portable"))
+        elif pick(bk, op, "auto", *args, **options) is nat.fn:
+            parts.append((op, nat.kernel))
+            used = True
+        else:
+            parts.append((op, f"portable ({nat.kernel} not taken by auto)"))
+    if len(parts) == 1:
+        return parts[0][1], used
+    return (" + ".join(f"{op}: {k}" for op, k in parts) if used else "portable"), used
+
+
+def _check(bk: Backend, case: Case, dtype: str, impl: str, path: str, inputs: Inputs) -> Row:
+    tol = tolerance(dtype, bk.name)  # the one assert_close applies
+    row = Row(case.name, dtype, impl, path, tol)
+    try:
+        desired = case.reference(*inputs.refs, **inputs.options)
+        actual = case.call(*inputs.arrays, impl=impl, **inputs.options)
+    except Exception as exc:  # a crash is reported as a row, not a traceback
+        return replace(row, result="ERROR", detail=f"{type(exc).__name__}: {exc}")
+    if tuple(actual.shape) == np.shape(desired):
+        errors = compare_values(to_numpy(actual), desired, tol.rtol, tol.atol)
+        row = replace(row, max_abs=errors.max_abs, max_rel=errors.max_rel)
+    try:
+        assert_close(actual, desired, backend=bk.name, dtype=dtype)
+    except AssertionError as exc:
+        return replace(row, result="FAIL", detail=str(exc))
+    return row
+
+
+def check_case(bk: Backend, case: Case, dtype: str) -> list[Row]:
+    """The rows of one case on one backend and dtype: ``auto``, then the path it did not take.
+
+    ``portable`` when ``auto`` ran a native kernel; ``native`` when a kernel exists that can
+    compute these arguments but ``auto`` passed it over (its ``prefer`` predicate).
+    """
+    inputs = case.build(case.seed, dtype, bk.name)
+    route = case.route(inputs) if case.route else [(case.op, inputs.arrays, inputs.options)]
+    path, native_ran = path_of(bk, route)
+    rows = [_check(bk, case, dtype, "auto", path, inputs)]
+    if native_ran:
+        rows.append(_check(bk, case, dtype, "portable", "portable", inputs))
+    elif len(route) == 1 and route[0][0] in bk.native:
+        op, args, options = route[0]
+        nat = bk.native[op]
+        if nat.applies is None or nat.applies(*args, **options):
+            rows.append(_check(bk, case, dtype, "native", nat.kernel, inputs))
+    return rows
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Plain-text table: left-aligned columns separated by two spaces, a rule under the header."""
+    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+    lines = [
+        "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+        for r in [headers, ["-" * w for w in widths], *rows]
+    ]
+    return "\n".join(lines)
+
+
+def _select(cases: Sequence[Case], ops: Sequence[str] | None) -> list[Case]:
+    if not ops:
+        return list(cases)
+    known = {c.op for c in cases} | {c.name for c in cases}
+    unknown = [o for o in ops if o not in known]
+    if unknown:
+        raise UsageError(f"unknown op(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    return [c for c in cases if c.op in ops or c.name in ops]
+
+
+def backend_names(names: Sequence[str] | None) -> list[str]:
+    """The canonical backend names selected by ``--backend`` (all known ones when empty)."""
+    if not names:
+        return list(BACKENDS)
+    picked = {_ALIASES.get(n, n) for n in names}
+    unknown = sorted(picked - set(BACKENDS))
+    if unknown:
+        raise UsageError(f"unknown backend(s) {', '.join(unknown)}; known: {', '.join(BACKENDS)}")
+    return [b for b in BACKENDS if b in picked]
+
+
+def load(name: str, file: TextIO, *, x64: bool = True) -> Backend | None:
+    """The backend, or ``None`` after printing why it is skipped (its library is missing).
+
+    ``x64``: turn on JAX's float64 (process-wide) when ``name`` is ``"jax"``.
+    """
+    try:
+        bk = get_backend(name)
+    except BackendNotInstalledError as exc:
+        print(f"== {name}: skipped, not installed ({exc})\n", file=file)
+        return None
+    if name == "jax" and x64:  # float64 rows need it; JAX's setting is process-wide
+        import jax
+
+        jax.config.update("jax_enable_x64", True)
+    dev = bk.device(None)
+    dev = dev if dev is not None else bk.device_of(bk.xp.asarray(0.0))
+    print(f"== {name} {bk.version}, default device {dev}", file=file)
+    if name == "jax" and x64:
+        print("   (jax_enable_x64 turned on for this process, so float64 runs on JAX)", file=file)
+    return bk
+
+
+_HEADERS = ("op", "dtype", "impl", "path", "max abs err", "max rel err", "rtol/atol", "result")
+
+
+def _cells(backend: str, row: Row) -> list[str]:
+    err = ["-" if v is None else f"{v:.2e}" for v in (row.max_abs, row.max_rel)]
+    mark = "*" if (backend, row.dtype) in BACKEND_TOLERANCES else ""
+    tol = f"{row.tol.rtol:g}/{row.tol.atol:g}{mark}"
+    return [row.case, row.dtype, row.impl, row.path, *err, tol, row.result]
+
+
+def run_report(
+    backends: Sequence[str] | None = None,
+    ops: Sequence[str] | None = None,
+    dtypes: Sequence[str] | None = None,
+    file: TextIO | None = None,
+) -> int:
+    """Print the report; return 1 if any row is outside tolerance or raised, 0 otherwise.
+
+    ``backends``, ``ops`` and ``dtypes`` select (default: all); a name that selects nothing
+    known is a :class:`UsageError`.
+    """
+    out = file if file is not None else sys.stdout
+    cases, names = _select(CASES, ops), backend_names(backends)
+    if dtypes and set(dtypes) - set(FLOAT_DTYPES):
+        bad = ", ".join(sorted(set(dtypes) - set(FLOAT_DTYPES)))
+        raise UsageError(f"unknown dtype(s) {bad}; known: {', '.join(FLOAT_DTYPES)}")
+    failed: list[tuple[str, Row]] = []
+    skip: set[str] = set()
+    if numpy_bfloat16() is None and (not dtypes or "bfloat16" in dtypes):
+        skip.add("bfloat16")
+        print(
+            "note: bfloat16 skipped on every backend: ml_dtypes is not installed, and the NumPy "
+            "reference needs it (pip install 'portable-llm[bfloat16]')\n",
+            file=out,
+        )
+    for name in names:
+        bk = load(name, out)
+        if bk is None:
+            continue
+        run = [d for d in bk.float_dtypes() if (not dtypes or d in dtypes) and d not in skip]
+        rows = [row for case in cases for dtype in run for row in check_case(bk, case, dtype)]
+        print(format_table(_HEADERS, [_cells(name, r) for r in rows]), file=out)
+        for dtype in run:
+            if (name, dtype) in BACKEND_TOLERANCES:
+                why = BACKEND_TOLERANCES[(name, dtype)].why
+                print(f"   * {dtype} on {name}: the backend's own tolerance. {why}", file=out)
+        print(file=out)
+        failed.extend((name, r) for r in rows if r.result != "ok")
+    for name, row in failed:
+        print(
+            f"{row.result}: {name} {row.case} {row.dtype} impl={row.impl}: {row.detail}", file=out
+        )
+    print(f"{len(failed)} row(s) outside tolerance" if failed else "all within tolerance", file=out)
+    return 1 if failed else 0

@@ -1,0 +1,147 @@
+"""RoPE's arguments: the checks, and the arrays and options its kernels take.
+
+:func:`dispatch_args` validates a :func:`~portable_llm.rope` call once and returns what every
+implementation of the ``"rope"`` op receives: ``x``, the per-sequence ``offsets`` (or ``None``)
+and the frequency table on x's device, with the options ``offset``, ``dims``, ``traditional``
+and ``attention`` (the factor on cos and sin). The attention block calls it once for q and k.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from portable_llm._checks import check_float, check_ndim
+from portable_llm.backends import Backend, backend_of, resolve
+from portable_llm.rope_scaling import DEFAULT_BASE, RopeSpec, check_dims, inv_freq_table, rope_spec
+
+__all__ = ["check_dims_arg", "check_positions", "device_table", "dispatch_args", "max_position"]
+
+OP = "rope"
+
+
+def check_dims_arg(op: str, dims: Any, D: int | None, shape: tuple[int, ...]) -> int:
+    """``dims`` as an even int >= 2 (and <= ``D`` when given), or a ValueError naming both."""
+    ok = isinstance(dims, int) and not isinstance(dims, bool) and dims >= 2 and dims % 2 == 0
+    if not ok or (D is not None and dims > D):
+        within = f"in [2, D={D}] (x has shape {shape})" if D is not None else ">= 2"
+        raise ValueError(f"{op}: dims must be an even int {within}, got {dims!r}")
+    return int(dims)
+
+
+def _rotary_dims(dims: Any, spec: RopeSpec, shape: tuple[int, ...]) -> int:
+    D = shape[-1]
+    prf = spec.partial_rotary_factor
+    if prf is not None:  # HF: int(head_dim * partial_rotary_factor)
+        implied = int(D * prf)
+        if dims is not None and dims != implied:
+            raise ValueError(
+                f"{OP}: dims={dims!r} disagrees with scaling['partial_rotary_factor']={prf!r}, "
+                f"which gives int({D} * {prf}) = {implied} for x of shape {shape}"
+            )
+        dims = implied
+    if dims is None:
+        if D % 2:
+            raise ValueError(
+                f"{OP}: x has an odd last dimension D={D} (shape {shape}); RoPE rotates pairs of "
+                "features: pass an even dims < D to rotate only the first dims"
+            )
+        return D
+    return check_dims_arg(OP, dims, D, shape)
+
+
+def check_positions(op: str, name: str, a: Any, bk: Backend) -> None:
+    """An integer array with no negative entry (read on the host unless traced)."""
+    kind = bk.dtype_name(a.dtype)
+    if not kind.startswith(("int", "uint")):
+        raise ValueError(
+            f"{op}: {name} must be an integer array, got {kind} with shape {tuple(a.shape)}"
+        )
+    if not bk.is_traced(a) and bool(bk.xp.any(a < 0)):  # one host read
+        raise ValueError(
+            f"{op}: {name} must be >= 0, got negative entries (shape {tuple(a.shape)})"
+        )
+
+
+# (backend, device, spec, dims, dtype, seq_len) -> the table on that device. Keyed by the
+# device's str: MLX's device objects do not hash by value.
+_TABLES: dict[tuple[Any, ...], Any] = {}
+
+
+def device_table(
+    bk: Backend, device: Any, spec: RopeSpec, dims: int, dtype: str, seq_len: int | None
+) -> Any:
+    """theta (``(dims/2,)``, ``dtype``) on ``device``, converted once and kept."""
+    key = (bk.name, str(device), spec, dims, dtype, seq_len)
+    table = _TABLES.get(key)
+    if table is None:
+        if len(_TABLES) >= 256:
+            _TABLES.clear()
+        host = inv_freq_table(spec, dims, dtype, seq_len).copy()  # writable: torch shares it
+        table = _TABLES[key] = bk.from_numpy(host, device)
+    return table
+
+
+def _is_array(a: Any) -> bool:
+    try:
+        return backend_of(a) is not None
+    except TypeError:  # a type no backend knows
+        return False
+
+
+def max_position(op: str, bk: Backend, a: Any) -> int:
+    """``max(a)`` read on the host: the one sync dynamic scaling needs."""
+    if bk.is_traced(a):
+        raise ValueError(f"{op}: scaling 'dynamic' needs concrete positions, got a traced array")
+    return int(bk.xp.max(a))
+
+
+def dispatch_args(
+    x: Any,
+    offset: Any = 0,
+    base: float = DEFAULT_BASE,
+    traditional: bool = False,
+    scaling: Mapping[str, Any] | None = None,
+    dims: int | None = None,
+    max_position_embeddings: int | None = None,
+    backend: str | Backend | None = None,
+) -> tuple[Backend, tuple[Any, ...], dict[str, Any]]:
+    """Validate :func:`rope`'s arguments; the backend, arrays and options its kernels take."""
+    if isinstance(offset, np.integer):
+        offset = int(offset)
+    is_int = isinstance(offset, int) and not isinstance(offset, bool)
+    if not is_int and not _is_array(offset):
+        raise ValueError(f"{OP}: offset must be an int >= 0 or an integer array, got {offset!r}")
+    bk, (x, offsets) = resolve(OP, backend, x, None if is_int else offset)
+    check_float(OP, "x", x, bk)
+    check_ndim(OP, "x", x, 2, "..., L, D")
+    shape = tuple(x.shape)
+    spec = rope_spec(OP, scaling, base=base, max_position_embeddings=max_position_embeddings)
+    dims = _rotary_dims(dims, spec, shape)
+    check_dims(OP, spec, dims)
+    L = shape[-2]
+    if is_int:
+        if offset < 0:
+            raise ValueError(f"{OP}: offset must be >= 0, got {offset}")
+    else:
+        check_positions(OP, "offset", offsets, bk)
+        if offsets.ndim == 1 and len(shape) < 3:
+            raise ValueError(
+                f"{OP}: an offset array of shape {tuple(offsets.shape)} needs x of shape "
+                f"(B, .., L, D) (at least 3 dimensions), got {shape}"
+            )
+        if offsets.ndim > 1 or (offsets.ndim == 1 and offsets.shape[0] != shape[0]):
+            raise ValueError(
+                f"{OP}: an offset array must have shape () or (B,) = ({shape[0]},) for x of "
+                f"shape {shape} (B, .., L, D), got {tuple(offsets.shape)}"
+            )
+        offset = 0
+    seq_len = None
+    if spec.kind == "dynamic":  # HF: max(position_ids) + 1
+        seq_len = (offset if offsets is None else max_position(OP, bk, offsets)) + L
+    dtype = "float64" if x.dtype == bk.xp.float64 else "float32"
+    inv = device_table(bk, bk.device_of(x), spec, dims, dtype, seq_len)
+    options = {"offset": offset, "dims": dims, "traditional": traditional}
+    return bk, (x, offsets, inv), {**options, "attention": spec.attention_factor}

@@ -1,0 +1,271 @@
+"""RoPE frequency tables: ``theta_i`` for each HF ``rope_type``, computed the way HF computes them.
+
+HF transformers builds its table (``inv_freq``) in float32 with torch, from Python floats; here it
+is built on the host with NumPy, op for op in the same order and dtype (float32; float64 for
+float64 inputs), so the angles ``position * theta_i`` match HF's to the bit wherever NumPy's
+``pow`` rounds like torch's (about 98% of entries; elsewhere they differ by one ulp). Tables are
+small (``dims / 2`` entries) and cached.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+__all__ = ["ROPE_TYPES", "RopeSpec", "check_dims", "inv_freq_table", "rope_spec"]
+
+#: The scaling kinds ``scaling["rope_type"]`` (or ``scaling["type"]``) may name.
+ROPE_TYPES: tuple[str, ...] = ("default", "linear", "dynamic", "llama3", "yarn")
+DEFAULT_BASE = 10000.0
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """A parsed scaling dict: its kind and the fields its formula reads, HF's defaults filled in."""
+
+    kind: str = "default"
+    base: float = DEFAULT_BASE
+    factor: float = 1.0
+    max_position_embeddings: int | None = None  # dynamic: the length beyond which base grows
+    original_max_position_embeddings: int | None = None  # llama3, yarn
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    attention_factor: float = 1.0  # yarn: multiplies cos and sin
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    truncate: bool = True  # yarn
+    partial_rotary_factor: float | None = None  # rope(): dims = int(D * factor) when dims=None
+
+
+def _number(op: str, kind: str, key: str, value: Any, *, positive: bool = True) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{op}: scaling {kind!r}: {key} must be a finite number, got {value!r}")
+    if positive and value <= 0:
+        raise ValueError(f"{op}: scaling {kind!r}: {key} must be > 0, got {value!r}")
+    return float(value)
+
+
+def _length(op: str, kind: str, key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise ValueError(f"{op}: scaling {kind!r}: {key} must be an int >= 1, got {value!r}")
+    return int(value)
+
+
+def _required(op: str, kind: str, d: Mapping[str, Any], key: str) -> Any:
+    if key not in d:
+        raise ValueError(
+            f"{op}: scaling of type {kind!r} needs the field {key!r} (keys given: {sorted(d)})"
+        )
+    return d[key]
+
+
+def rope_spec(
+    op: str,
+    scaling: Mapping[str, Any] | None,
+    *,
+    base: float = DEFAULT_BASE,
+    max_position_embeddings: int | None = None,
+) -> RopeSpec:
+    """Parse an HF ``rope_scaling`` / ``rope_parameters`` dict, as it is, into a :class:`RopeSpec`.
+
+    The kind is ``scaling["rope_type"]``, else ``scaling["type"]``, else ``"default"``. Fields HF
+    reads from the model config rather than the dict come from the keyword arguments, or from
+    the dict under the config's name: ``rope_theta`` (the base; a ``base`` other than the default
+    that disagrees is an error), ``max_position_embeddings`` (dynamic; the default of
+    ``original_max_position_embeddings`` for llama3 and yarn, as HF's config standardisation does).
+    """
+    if not isinstance(base, int | float) or isinstance(base, bool) or not base > 1.0:
+        raise ValueError(f"{op}: base must be a number > 1, got {base!r}")
+    if scaling is None:
+        return RopeSpec(base=float(base))
+    if not isinstance(scaling, Mapping):
+        raise TypeError(f"{op}: scaling must be None or a dict, got {type(scaling).__name__}")
+    kind = scaling["rope_type"] if "rope_type" in scaling else scaling.get("type", "default")
+    if kind not in ROPE_TYPES:
+        raise ValueError(
+            f"{op}: unknown scaling type {kind!r}; known types: {', '.join(ROPE_TYPES)}"
+        )
+    theta = scaling.get("rope_theta")
+    if theta is not None:
+        theta = _number(op, kind, "rope_theta", theta)
+        if base != DEFAULT_BASE and base != theta:
+            raise ValueError(f"{op}: base={base!r} disagrees with scaling['rope_theta']={theta!r}")
+        base = theta
+    mpe = scaling.get("max_position_embeddings")
+    if mpe is not None and max_position_embeddings is not None and mpe != max_position_embeddings:
+        raise ValueError(
+            f"{op}: max_position_embeddings={max_position_embeddings!r} disagrees with "
+            f"scaling['max_position_embeddings']={mpe!r}"
+        )
+    mpe = _length(op, kind, "max_position_embeddings", mpe) if mpe is not None else None
+    if max_position_embeddings is not None:
+        mpe = _length(op, kind, "max_position_embeddings", max_position_embeddings)
+    prf = scaling.get("partial_rotary_factor")
+    if prf is not None and not (_number(op, kind, "partial_rotary_factor", prf) <= 1.0):
+        raise ValueError(f"{op}: scaling['partial_rotary_factor'] must be in (0, 1], got {prf!r}")
+    spec = RopeSpec(kind=kind, base=float(base), partial_rotary_factor=prf)
+    if kind == "default":
+        return spec
+    if kind in ("linear", "dynamic"):
+        factor = _number(op, kind, "factor", _required(op, kind, scaling, "factor"))
+        if kind == "linear":
+            return replace(spec, factor=factor)
+        if mpe is None:
+            raise ValueError(
+                f"{op}: scaling of type 'dynamic' needs max_position_embeddings (the model "
+                "config's; pass max_position_embeddings= or put it in the dict)"
+            )
+        return replace(spec, factor=factor, max_position_embeddings=mpe)
+    ompe = scaling.get("original_max_position_embeddings", mpe)  # HF's default: the config's
+    if ompe is None:
+        raise ValueError(
+            f"{op}: scaling of type {kind!r} needs 'original_max_position_embeddings' (or "
+            "max_position_embeddings=, its default in HF)"
+        )
+    ompe = _length(op, kind, "original_max_position_embeddings", ompe)
+    if kind == "llama3":
+        return _llama3_spec(op, spec, scaling, ompe)
+    return _yarn(op, spec, scaling, mpe, ompe)
+
+
+def _llama3_spec(op: str, spec: RopeSpec, d: Mapping[str, Any], ompe: int) -> RopeSpec:
+    fields = ("factor", "low_freq_factor", "high_freq_factor")
+    factor, low, high = (_number(op, "llama3", k, _required(op, "llama3", d, k)) for k in fields)
+    if low == high:
+        raise ValueError(f"{op}: scaling 'llama3': low_freq_factor == high_freq_factor ({low})")
+    return replace(
+        spec,
+        factor=factor,
+        original_max_position_embeddings=ompe,
+        low_freq_factor=low,
+        high_freq_factor=high,
+    )
+
+
+def _yarn(op: str, spec: RopeSpec, d: Mapping[str, Any], mpe: int | None, ompe: int) -> RopeSpec:
+    factor = _required(op, "yarn", d, "factor")
+    if factor is None:  # HF: the ratio of the extended to the original context (DeepSeek-V3)
+        if mpe is None:
+            raise ValueError(f"{op}: scaling 'yarn' with factor=None needs max_position_embeddings")
+        factor = mpe / ompe
+    factor = _number(op, "yarn", "factor", factor)
+
+    def get_mscale(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention = d.get("attention_factor")
+    mscale, mscale_all_dim = d.get("mscale"), d.get("mscale_all_dim")
+    if attention is None:
+        if mscale and mscale_all_dim:
+            attention = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+        else:
+            attention = get_mscale(factor)
+    return replace(
+        spec,
+        factor=factor,
+        original_max_position_embeddings=ompe,
+        attention_factor=_number(op, "yarn", "attention_factor", attention, positive=False),
+        beta_fast=_number(op, "yarn", "beta_fast", d.get("beta_fast") or 32),
+        beta_slow=_number(op, "yarn", "beta_slow", d.get("beta_slow") or 1),
+        truncate=bool(d.get("truncate", True)),
+    )
+
+
+def check_dims(op: str, spec: RopeSpec, dims: int) -> None:
+    """The table's formula is defined for ``dims`` (dynamic divides by ``dims - 2``)."""
+    if spec.kind == "dynamic" and dims <= 2:
+        raise ValueError(
+            f"{op}: scaling 'dynamic' needs dims > 2 (its exponent is dims / (dims - 2))"
+        )
+
+
+def inv_freq_table(spec: RopeSpec, dims: int, dtype: str, seq_len: int | None = None) -> np.ndarray:
+    """``theta_i`` for ``i < dims / 2`` as a read-only NumPy array of ``dtype`` (float32/float64).
+
+    ``seq_len`` (``max(position) + 1``) matters only for ``dynamic``; HF's dynamic table stays
+    the initial one up to ``max_position_embeddings`` and is recomputed beyond it.
+    """
+    if spec.kind == "dynamic":
+        assert spec.max_position_embeddings is not None
+        grown = seq_len is not None and seq_len > spec.max_position_embeddings
+        seq_len = seq_len if grown else None
+    else:
+        seq_len = None
+    return _table(spec, dims, dtype, seq_len)
+
+
+@lru_cache(maxsize=256)
+def _table(spec: RopeSpec, dims: int, dtype: str, seq_len: int | None) -> np.ndarray:
+    dt = np.dtype(dtype).type
+    exponent = np.arange(0, dims, 2).astype(dt) / dims  # HF: arange(0, dim, 2).float() / dim
+    kind, base, factor = spec.kind, spec.base, spec.factor
+    if kind == "dynamic":
+        out = _dynamic(spec, dims, dt, exponent, seq_len)
+    elif kind == "yarn":
+        out = _yarn_table(spec, dims, dt, exponent)
+    else:
+        out = 1.0 / (base**exponent)
+        if kind == "linear":
+            out = out / factor
+        elif kind == "llama3":
+            out = _llama3(spec, out)
+    out = np.asarray(out, dtype=dt)
+    out.flags.writeable = False
+    return out
+
+
+def _rdiv(scalar: float, t: np.ndarray) -> np.ndarray:
+    # torch evaluates ``python_scalar / tensor`` as ``reciprocal(tensor) * scalar``; so does HF.
+    return (1.0 / t) * scalar
+
+
+def _dynamic(
+    spec: RopeSpec, dims: int, dt: Any, exponent: np.ndarray, seq_len: int | None
+) -> np.ndarray:
+    mpe, factor = spec.max_position_embeddings, spec.factor
+    assert mpe is not None
+    if seq_len is None:  # HF's initial table: Python floats, seq_len = max_position_embeddings
+        base: Any = spec.base * ((factor * mpe / mpe) - (factor - 1)) ** (dims / (dims - 2))
+    else:  # HF's forward: seq_len is a tensor, so the new base is computed in float32
+        grown = (factor * dt(seq_len) / mpe - (factor - 1)) ** (dims / (dims - 2))
+        base = spec.base * grown
+    return 1.0 / (base**exponent)
+
+
+def _llama3(spec: RopeSpec, inv_freq: np.ndarray) -> np.ndarray:
+    factor, old_len = spec.factor, spec.original_max_position_embeddings
+    low, high = spec.low_freq_factor, spec.high_freq_factor
+    assert old_len is not None
+    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+    wavelen = _rdiv(2 * math.pi, inv_freq)
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (_rdiv(old_len, wavelen) - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return np.where(medium, smoothed, scaled)
+
+
+def _yarn_table(spec: RopeSpec, dims: int, dt: Any, exponent: np.ndarray) -> np.ndarray:
+    base, factor, old_len = spec.base, spec.factor, spec.original_max_position_embeddings
+    assert old_len is not None
+
+    def correction_dim(rotations: float) -> float:
+        return (dims * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(spec.beta_fast), correction_dim(spec.beta_slow)
+    if spec.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dims - 1)
+    if low == high:
+        high += 0.001  # HF: prevent a singularity
+    pos_freqs = base**exponent
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (factor * pos_freqs)
+    ramp = np.clip((np.arange(dims // 2, dtype=dt) - low) / (high - low), 0, 1)
+    extrapolation_factor = 1 - ramp
+    return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor

@@ -1,0 +1,276 @@
+"""Choosing the next token: greedy, temperature, top-k, top-p (nucleus) and min-p sampling.
+
+The filters keep a prefix of the tokens sorted by descending logit (ties: lower id first), so
+every step runs on the sorted logits: top-k keeps the first k, top-p the shortest prefix whose
+probability reaches p, min-p the tokens with ``p >= min_p * p_max``; each renormalises what it
+keeps. A token is then drawn by inverting the CDF of what remains at one uniform draw per row.
+
+The Array API has no random numbers: the uniform draws come from the backend's own generator
+(:meth:`~portable_llm.backends.Backend.rng` and ``uniform``); everything else is pure ``xp``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from portable_llm._checks import check_float, check_ndim, float_compute_dtype
+from portable_llm._dispatch import pick, portable
+from portable_llm.backends import Backend, resolve
+
+__all__ = ["greedy", "logprobs", "sample"]
+
+
+def _check(
+    op: str,
+    bk: Backend,
+    logits: Any,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    min_p: float | None,
+) -> None:
+    check_float(op, "logits", logits, bk)
+    check_ndim(op, "logits", logits, 1, "B.. x V")
+    vocab = logits.shape[-1]
+    if vocab < 1:
+        raise ValueError(f"{op}: logits must have a vocabulary of at least one token, got {vocab}")
+    if isinstance(temperature, bool) or not isinstance(temperature, int | float):
+        raise TypeError(f"{op}: temperature must be a number, got {type(temperature).__name__}")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"{op}: temperature must be finite and >= 0, got {temperature!r}")
+    if top_k is not None:
+        if isinstance(top_k, bool) or not isinstance(top_k, int):
+            raise TypeError(f"{op}: top_k must be an int or None, got {type(top_k).__name__}")
+        if not 1 <= top_k <= vocab:
+            raise ValueError(
+                f"{op}: top_k must be in [1, V] = [1, {vocab}] (logits shape "
+                f"{tuple(logits.shape)}), got {top_k}"
+            )
+    for name, value, low_open in (("top_p", top_p, True), ("min_p", min_p, False)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise TypeError(f"{op}: {name} must be a number or None, got {type(value).__name__}")
+        if not ((0 < value <= 1) if low_open else (0 <= value <= 1)):
+            interval = "(0, 1]" if low_open else "[0, 1]"
+            raise ValueError(f"{op}: {name} must be in {interval}, got {value!r}")
+
+
+def _filtered(
+    xp: Any, logits: Any, temperature: float, top_k: int | None, top_p: float | None,
+    min_p: float | None,
+) -> tuple[Any, Any]:  # fmt: skip
+    """``(order, logp)``: token ids by descending logit, and the filtered log-probs in that order.
+
+    Both ``(B.., V)``; ``logp`` in float32 (float64 for float64 logits), ``-inf`` where removed.
+    """
+    z = xp.astype(logits, float_compute_dtype(xp, logits.dtype)) / temperature
+    order = xp.argsort(z, axis=-1, descending=True, stable=True)  # (B.., V)
+    logp = xp.take_along_axis(z, order, axis=-1)  # (B.., V), descending
+    neg_inf = xp.full_like(logp, -math.inf)
+    if top_k is not None:
+        logp = xp.where(_ranks(xp, logp) < top_k, logp, neg_inf)
+    logp = _log_softmax(xp, logp)
+    if top_p is not None and top_p < 1:
+        p = xp.exp(logp)
+        before = xp.cumulative_sum(p, axis=-1) - p  # probability of the tokens ranked higher
+        # The first token always stays: before == 0 < top_p.
+        logp = _log_softmax(xp, xp.where(before < top_p, logp, neg_inf))
+    if min_p is not None and min_p > 0:
+        p = xp.exp(logp)
+        # p[..., 0] is the largest; removed tokens have p == 0 < min_p * p_max.
+        logp = _log_softmax(xp, xp.where(p >= min_p * p[..., :1], logp, neg_inf))
+    return order, logp
+
+
+def _log_softmax(xp: Any, zs: Any) -> Any:
+    # zs is sorted descending, so its first entry is the row maximum (finite: rank 0 is kept).
+    shifted = zs - zs[..., :1]
+    return shifted - xp.log(xp.sum(xp.exp(shifted), axis=-1, keepdims=True))
+
+
+def _unsort(xp: Any, order: Any, sorted_values: Any) -> Any:
+    inverse = xp.argsort(order, axis=-1)  # position of each token id in the sorted order
+    return xp.take_along_axis(sorted_values, inverse, axis=-1)
+
+
+def _ranks(xp: Any, like: Any) -> Any:
+    """0, 1, ..., V-1 along the last axis, in like's float dtype, shape and device (exact for
+    V < 2**24: float32 integers)."""
+    return xp.cumulative_sum(xp.ones_like(like), axis=-1) - 1
+
+
+def _one_hot_logprobs(xp: Any, ids: Any, logits: Any) -> Any:
+    zero = xp.zeros_like(logits, dtype=float_compute_dtype(xp, logits.dtype))  # (B.., V)
+    hit = _ranks(xp, zero) == xp.astype(ids, zero.dtype)[..., None]
+    return xp.where(hit, zero, xp.full_like(zero, -math.inf))
+
+
+def _index_dtype(xp: Any) -> Any:
+    """The backend's default integer dtype (int64; int32 on MLX and on JAX without x64)."""
+    return xp.asarray(0).dtype
+
+
+@portable("greedy", pure=True)
+def _greedy(xp: Any, logits: Any) -> Any:
+    return xp.astype(xp.argmax(logits, axis=-1), _index_dtype(xp))
+
+
+# Not pure=True (compiled on JAX): the float options would be static, one compilation per value.
+@portable("logprobs")
+def _logprobs(
+    xp: Any, logits: Any, *, temperature: float, top_k: int | None, top_p: float | None,
+    min_p: float | None,
+) -> Any:  # fmt: skip
+    if temperature == 0:
+        return _one_hot_logprobs(xp, _greedy(xp, logits), logits)
+    order, logp = _filtered(xp, logits, temperature, top_k, top_p, min_p)
+    return _unsort(xp, order, logp)
+
+
+@portable("sample")
+def _sample(
+    xp: Any, logits: Any, u: Any, *, temperature: float, top_k: int | None,
+    top_p: float | None, min_p: float | None, return_logprobs: bool,
+) -> Any:  # fmt: skip
+    """Inverse-CDF draw at the uniforms ``u`` ``(B.., 1)``; ``(ids, logprobs)`` if asked."""
+    if temperature == 0:
+        ids = _greedy(xp, logits)
+        return (ids, _one_hot_logprobs(xp, ids, logits)) if return_logprobs else ids
+    order, logp = _filtered(xp, logits, temperature, top_k, top_p, min_p)
+    p = xp.exp(logp)  # (B.., V), sorted descending; removed tokens are 0
+    cdf = xp.cumulative_sum(p, axis=-1)
+    t = xp.astype(u, p.dtype) * cdf[..., -1:]
+    idx = order.dtype
+    j = xp.sum(xp.astype(cdf <= t, idx), axis=-1, keepdims=True)  # (B.., 1): first cdf > t
+    # Guard against rounding: never past the last token of positive probability.
+    last = xp.sum(xp.astype(p > 0, idx), axis=-1, keepdims=True) - 1
+    j = xp.minimum(j, last)
+    ids = xp.astype(xp.take_along_axis(order, j, axis=-1)[..., 0], _index_dtype(xp))  # (B..)
+    return (ids, _unsort(xp, order, logp)) if return_logprobs else ids
+
+
+def greedy(logits: Any, /, *, backend: str | None = None) -> Any:
+    """The most likely token of each row: ``argmax(logits, axis=-1)`` (ties: the lowest id).
+
+    Parameters
+    ----------
+    logits : array, shape ``(B.., V)``, float dtype
+    backend : str, optional
+
+    Returns
+    -------
+    array, shape ``(B..)``, the backend's default integer dtype
+        int64; int32 on MLX and on JAX without ``jax_enable_x64``.
+    """
+    bk, (logits,) = resolve("greedy", backend, logits)
+    _check("greedy", bk, logits, 1.0, None, None, None)
+    return pick(bk, "greedy", "auto", logits)(bk.xp, logits)
+
+
+def logprobs(
+    logits: Any,
+    /,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    backend: str | None = None,
+) -> Any:
+    """Log-probabilities of the distribution :func:`sample` draws from, for every token.
+
+    ``log_softmax(logits / temperature)`` after the filters (top-k, then top-p, then min-p, each
+    renormalising); removed tokens get ``-inf``. With no filters and ``temperature=1`` this is
+    the model's own ``log_softmax(logits)``; with ``temperature=0`` the distribution is the point
+    mass on :func:`greedy`'s token (0 there, ``-inf`` elsewhere).
+
+    Parameters
+    ----------
+    logits : array, shape ``(B.., V)``, float dtype
+    temperature, top_k, top_p, min_p
+        As for :func:`sample`.
+    backend : str, optional
+
+    Returns
+    -------
+    array, shape ``(B.., V)``, float32 (float64 for float64 logits)
+    """
+    bk, (logits,) = resolve("logprobs", backend, logits)
+    _check("logprobs", bk, logits, temperature, top_k, top_p, min_p)
+    opts = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}
+    return pick(bk, "logprobs", "auto", logits, **opts)(bk.xp, logits, **opts)
+
+
+def sample(
+    logits: Any,
+    /,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    key: Any = None,
+    return_logprobs: bool = False,
+    backend: str | None = None,
+) -> Any:
+    """Draw one token per row from ``softmax(logits / temperature)``, filtered.
+
+    The filters apply in this order, each to the distribution the previous one left (and
+    renormalised), ranking tokens by logit with ties broken by the lower id:
+
+    1. ``top_k``: keep the k most likely tokens;
+    2. ``top_p`` (nucleus): keep the shortest prefix of the ranking whose probability reaches
+       ``top_p`` -- a token stays when the tokens ranked above it hold less than ``top_p``, so
+       the most likely token always stays;
+    3. ``min_p``: keep the tokens with ``p >= min_p * p_max``.
+
+    The draw inverts the CDF of what remains at one float32 uniform per row; the probabilities
+    are computed in float32 (float64 for float64 logits).
+
+    Parameters
+    ----------
+    logits : array, shape ``(B.., V)``, float dtype
+    temperature : float, >= 0
+        ``0`` means :func:`greedy` (the filters and ``key`` are then unused).
+    top_k : int in ``[1, V]``, optional
+    top_p : float in ``(0, 1]``, optional
+    min_p : float in ``[0, 1]``, optional
+    key : int, or the backend's generator or key, optional
+        Where the uniform draws come from. An int seed in ``[0, 2**63)``: a fresh generator
+        seeded with it, so the same seed gives the same tokens on that backend (not across
+        backends: each uses its own generator). Or the library's own: a
+        ``numpy.random.Generator`` (NumPy, array-api-strict), a ``torch.Generator``, an
+        ``mx.random.key``, a ``jax.random.key`` -- generators are advanced by the draw, keys are
+        used as given (split them yourself). ``None``: the library's global state (a fresh
+        entropy-seeded NumPy generator; torch's and MLX's default generators, which
+        ``torch.manual_seed``/``mx.random.seed`` control); JAX has none, so it needs a key.
+    return_logprobs : bool
+        Also return :func:`logprobs` of the distribution drawn from.
+    backend : str, optional
+
+    Returns
+    -------
+    ids : array, shape ``(B..)``, the backend's default integer dtype
+    logprobs : array, shape ``(B.., V)``, float32 (float64 for float64 logits)
+        Only with ``return_logprobs=True``.
+
+    Notes
+    -----
+    No step reads values back to the host, so ``sample`` traces under ``jax.jit`` (with the
+    options static and the key an argument).
+    """
+    bk, (logits,) = resolve("sample", backend, logits)
+    _check("sample", bk, logits, temperature, top_k, top_p, min_p)
+    if temperature == 0:
+        u = None
+    else:
+        try:
+            rng = bk.rng(key, logits)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"sample: {exc}") from None
+        u = bk.uniform(rng, (*logits.shape[:-1], 1), logits)  # (B.., 1) float32 in [0, 1)
+    opts = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
+            "return_logprobs": bool(return_logprobs)}  # fmt: skip
+    return pick(bk, "sample", "auto", logits, u, **opts)(bk.xp, logits, u, **opts)

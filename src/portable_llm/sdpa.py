@@ -1,0 +1,315 @@
+"""Scaled dot-product attention: the direct path, the tiled (online-softmax) path, the checks.
+
+Both portable paths fold the ``G = H / H_kv`` query heads that share a key/value head into the
+query axis, ``(B.., H, L, D) -> (B.., H_kv, G * L, D)``, so grouped-query attention is one plain
+batched matmul against ``(B.., H_kv, S, D)``: K and V are never repeated.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from portable_llm._checks import check_float, check_same_dtype, float_compute_dtype
+from portable_llm._dispatch import auto_portable, pick, portable
+from portable_llm.backends import Backend, resolve
+from portable_llm.mask import check_window, visible
+
+__all__ = ["TILED_MIN_SCORES", "scaled_dot_product_attention"]
+
+OP = "scaled_dot_product_attention"
+
+#: ``impl="auto"`` without an applicable native kernel takes the tiled path once one head's
+#: score matrix has this many entries (``L * S >= 2**20``, 4 MiB in float32 per batch and head).
+TILED_MIN_SCORES = 1 << 20
+
+
+def _device(x: Any) -> Any:
+    return getattr(x, "device", None)  # MLX arrays have none (unified memory)
+
+
+def _group(xp: Any, q: Any, k: Any, mask: Any) -> tuple[Any, Any, tuple[int, ...]]:
+    """q as ``(B.., H_kv, G*L, D)`` in the compute dtype, scaled later; mask as 5-d groups."""
+    *batch, h, n_q, d = q.shape
+    h_kv = k.shape[-3]
+    g = h // h_kv
+    qg = xp.reshape(q, (*batch, h_kv, g * n_q, d))  # (B.., H_kv, G*L, D)
+    if mask is not None:  # (.., H | 1, L | 1, S | 1) -> (.., H_kv | 1, G | 1, L | 1, S | 1)
+        m = xp.reshape(mask, (1,) * (q.ndim - mask.ndim) + tuple(mask.shape))
+        mh, ml, ms = m.shape[-3:]
+        heads = (h_kv, g) if mh == h else (1, 1)
+        mask = xp.reshape(m, (*m.shape[:-3], *heads, ml, ms))
+    return qg, mask, (*batch, h_kv, g, n_q)
+
+
+def _block_scores(
+    xp: Any,
+    qg: Any,
+    k: Any,
+    mask: Any,
+    grid: tuple[int, ...],
+    start: int,
+    stop: int,
+    S: int,
+    *,
+    causal: bool,
+    window: int | None,
+    softcap: float | None,
+) -> Any:
+    """Masked scores of keys ``start..stop-1``: ``(B.., H_kv, G*L, stop - start)``, float32."""
+    kb = xp.astype(k[..., start:stop, :], qg.dtype, copy=False)
+    s = xp.matmul(qg, xp.matrix_transpose(kb))  # (B.., H_kv, G*L, n)
+    if softcap is not None:
+        s = softcap * xp.tanh(s / softcap)
+    if mask is None and not causal:
+        return s
+    n = stop - start
+    s = xp.reshape(s, (*grid, n))  # (B.., H_kv, G, L, n)
+    if mask is not None:
+        m = mask if mask.shape[-1] == 1 else mask[..., start:stop]
+        s = xp.where(m, s, -math.inf) if m.dtype == xp.bool else s + xp.astype(m, s.dtype)
+    if causal:
+        keep = visible(xp, grid[-1], S, window, start, stop, device=_device(s))  # (L, n)
+        s = xp.where(keep, s, -math.inf)
+    return xp.reshape(s, (*grid[:-2], grid[-2] * grid[-1], n))
+
+
+def _safe_max(xp: Any, s: Any) -> Any:
+    """Row max, with 0 for rows that see no key, so ``exp(s - max)`` is 0 there, not NaN."""
+    m = xp.max(s, axis=-1, keepdims=True)
+    return xp.where(m == -math.inf, 0.0, m)
+
+
+def _finish(xp: Any, acc: Any, total: Any, q: Any) -> Any:
+    out = acc / xp.where(total == 0.0, 1.0, total)  # rows that see no key: 0 / 1
+    return xp.astype(xp.reshape(out, q.shape), q.dtype)  # (B.., H, L, D)
+
+
+def _prepare(xp: Any, q: Any, k: Any, mask: Any, scale: float) -> tuple[Any, Any, tuple[int, ...]]:
+    qg, mask, grid = _group(xp, q, k, mask)
+    qg = xp.astype(qg, float_compute_dtype(xp, q.dtype)) * scale
+    return qg, mask, grid
+
+
+@portable(OP)
+def _sdpa_direct(
+    xp: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    mask: Any,
+    *,
+    scale: float,
+    causal: bool,
+    window: int | None,
+    softcap: float | None,
+    block_size: int,
+) -> Any:
+    qg, mask, grid = _prepare(xp, q, k, mask, scale)
+    S = k.shape[-2]
+    s = _block_scores(xp, qg, k, mask, grid, 0, S, S, causal=causal, window=window, softcap=softcap)
+    p = xp.exp(s - _safe_max(xp, s))  # (B.., H_kv, G*L, S)
+    total = xp.sum(p, axis=-1, keepdims=True)
+    return _finish(xp, xp.matmul(p, xp.astype(v, qg.dtype, copy=False)), total, q)
+
+
+@portable(OP, "tiled")
+def _sdpa_tiled(
+    xp: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    mask: Any,
+    *,
+    scale: float,
+    causal: bool,
+    window: int | None,
+    softcap: float | None,
+    block_size: int,
+) -> Any:
+    """Flash-attention's online softmax over key blocks: memory O(G*L x block_size) per head.
+
+    Per block: ``m' = max(m, rowmax(s))``, ``a = exp(m - m')``, ``p = exp(s - m')``,
+    ``total = a * total + rowsum(p)``, ``acc = a * acc + p @ v_block``; at the end
+    ``acc / total``. Blocks that no query can see (left of every sliding window) are skipped.
+    """
+    qg, mask, grid = _prepare(xp, q, k, mask, scale)
+    L, S = q.shape[-2], k.shape[-2]
+    first = max(0, S - L - window + 1) if window is not None else 0
+    run_max = xp.full_like(qg[..., :1], -math.inf)  # (B.., H_kv, G*L, 1)
+    total = xp.zeros_like(run_max)
+    acc = xp.zeros_like(qg)  # (B.., H_kv, G*L, D)
+    for start in range(first, S, block_size):
+        stop = min(start + block_size, S)
+        s = _block_scores(
+            xp, qg, k, mask, grid, start, stop, S, causal=causal, window=window, softcap=softcap
+        )
+        new_max = xp.maximum(run_max, xp.max(s, axis=-1, keepdims=True))
+        shift = xp.where(new_max == -math.inf, 0.0, new_max)
+        alpha = xp.exp(run_max - shift)  # 0 while no key was seen (run_max = -inf)
+        p = xp.exp(s - shift)
+        total = alpha * total + xp.sum(p, axis=-1, keepdims=True)
+        vb = xp.astype(v[..., start:stop, :], qg.dtype, copy=False)
+        acc = alpha * acc + xp.matmul(p, vb)
+        run_max = new_max
+    return _finish(xp, acc, total, q)
+
+
+@auto_portable(OP)
+def _auto(q: Any, k: Any, v: Any, mask: Any, **options: Any) -> str:
+    return "tiled" if q.shape[-2] * k.shape[-2] >= TILED_MIN_SCORES else "portable"
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    return tuple(x.shape)
+
+
+def check_sdpa(
+    op: str,
+    bk: Backend,
+    q: Any,
+    k: Any,
+    v: Any,
+    mask: Any,
+    *,
+    causal: bool,
+    window: Any,
+    softcap: Any,
+    scale: Any,
+) -> float:
+    """Validate the arguments of an attention call; return the scale to use."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_float(op, name, x, bk)
+        if x.ndim < 3:
+            raise ValueError(f"{op}: {name} must have at least 3 dimensions, got {_shape(x)}")
+    check_same_dtype(op, bk, q=q, k=k, v=v)
+    if _shape(k) != _shape(v):
+        raise ValueError(f"{op}: k and v must have the same shape, got {_shape(k)} and {_shape(v)}")
+    if k.ndim != q.ndim or _shape(k)[:-3] != _shape(q)[:-3]:
+        raise ValueError(
+            f"{op}: k (B.., H_kv, S, D) must have q's batch dimensions; "
+            f"q has shape {_shape(q)}, k has shape {_shape(k)}"
+        )
+    (h, L, d), (h_kv, S, d_k) = _shape(q)[-3:], _shape(k)[-3:]
+    if d != d_k:
+        raise ValueError(f"{op}: q and k must share the head dim D; q {_shape(q)}, k {_shape(k)}")
+    if h_kv == 0 or h % h_kv:
+        raise ValueError(
+            f"{op}: q's heads H={h} must be a multiple of k's heads H_kv={h_kv}; "
+            f"q {_shape(q)}, k {_shape(k)}"
+        )
+    if S == 0:
+        raise ValueError(f"{op}: k and v have no keys (S = 0), shape {_shape(k)}")
+    check_window(op, window)
+    if causal and L > S:
+        raise ValueError(
+            f"{op}: a causal mask (mask='causal' or window=) needs L <= S, got L={L} queries "
+            f"(q {_shape(q)}) and S={S} keys (k {_shape(k)})"
+        )
+    if mask is not None:
+        if mask.dtype != bk.dtypes["bool"] and mask.dtype not in bk.float_set:
+            raise TypeError(
+                f"{op}: mask must be 'causal', a boolean array or an additive float array, "
+                f"got dtype {bk.dtype_name(mask.dtype)} with shape {_shape(mask)}"
+            )
+        target = (*_shape(q)[:-1], S)
+        ms = _shape(mask)
+        tail = target[len(target) - len(ms) :]
+        if len(ms) > len(target) or any(m not in (1, t) for m, t in zip(ms, tail, strict=True)):
+            raise ValueError(
+                f"{op}: mask of shape {ms} does not broadcast to the scores (B.., H, L, S) = "
+                f"{target} of q {_shape(q)} and k {_shape(k)}"
+            )
+    if softcap is not None and not (isinstance(softcap, int | float) and 0 < softcap < math.inf):
+        raise ValueError(f"{op}: softcap must be a positive finite number or None, got {softcap!r}")
+    if scale is None:
+        return 1.0 / math.sqrt(d)
+    if not (isinstance(scale, int | float) and math.isfinite(scale)):
+        raise ValueError(f"{op}: scale must be a finite number or None, got {scale!r}")
+    return float(scale)
+
+
+def sdpa_args(
+    op: str,
+    bk: Backend,
+    q: Any,
+    k: Any,
+    v: Any,
+    mask: Any,
+    *,
+    scale: Any,
+    window: Any,
+    softcap: Any,
+    block_size: Any,
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The ``(arrays, options)`` every implementation of the op is called with."""
+    causal = isinstance(mask, str) or window is not None
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"{op}: mask must be None, 'causal' or an array, got {mask!r}")
+        mask = None
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"{op}: block_size must be an int >= 1, got {block_size!r}")
+    scale = check_sdpa(
+        op, bk, q, k, v, mask, causal=causal, window=window, softcap=softcap, scale=scale
+    )
+    opts = dict(scale=scale, causal=causal, window=window, softcap=softcap, block_size=block_size)
+    return (q, k, v, mask), opts
+
+
+def scaled_dot_product_attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    /,
+    *,
+    scale: float | None = None,
+    mask: Any = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    block_size: int = 256,
+    impl: str = "auto",
+    backend: str | None = None,
+) -> Any:
+    """``softmax(q @ k^T * scale + mask) @ v`` with grouped-query heads.
+
+    Parameters
+    ----------
+    q : array, shape ``(B.., H, L, D)``, float dtype
+    k, v : array, shape ``(B.., H_kv, S, D)``, q's dtype
+        ``H`` must be a multiple of ``H_kv``; query head ``h`` uses key/value head
+        ``h // (H / H_kv)`` (HF ``repeat_kv``), by broadcasting: K and V are never copied.
+    scale : float, optional
+        Multiplies the scores; default ``1 / sqrt(D)``.
+    mask : None, "causal", or array broadcastable to ``(B.., H, L, S)``
+        ``"causal"``: bottom-right aligned (see :func:`causal_mask`; needs ``L <= S``). A boolean
+        array: ``True`` where attending is allowed. A float array: added to the scores (``-inf``
+        forbids).
+    window : int, >= 1, optional
+        Causal sliding window (implies ``"causal"``; combined with an array mask by "and").
+    softcap : float, > 0, optional
+        Gemma-2's cap, applied to the scaled scores before the mask:
+        ``softcap * tanh(scores / softcap)``.
+    block_size : int, >= 1
+        Keys per block of ``impl="tiled"`` (ignored by the other paths).
+    impl : {"auto", "portable", "tiled", "native"}
+        ``"portable"``: the direct path (the whole ``(L, S)`` score matrix per head).
+        ``"tiled"``: an online softmax over key blocks, memory ``O(L x block_size)`` per head.
+        ``"auto"``: the backend's fused kernel when it keeps this meaning, else ``"tiled"``
+        when ``L * S >=`` :data:`TILED_MIN_SCORES`, else ``"portable"``.
+    backend : str, optional
+
+    Returns
+    -------
+    array, shape ``(B.., H, L, D)``, q's dtype
+        Scores, softmax and the weighted sum in float32 (float64 for float64 input), rounded
+        once. A query row that sees no key (all masked) returns zeros, not NaN.
+    """
+    arrays = (q, k, v) if isinstance(mask, str) or mask is None else (q, k, v, mask)
+    bk, arrays = resolve(OP, backend, *arrays)
+    q, k, v = arrays[:3]
+    mask = arrays[3] if len(arrays) == 4 else mask
+    args, opts = sdpa_args(
+        OP, bk, q, k, v, mask, scale=scale, window=window, softcap=softcap, block_size=block_size
+    )
+    return pick(bk, OP, impl, *args, **opts)(bk.xp, *args, **opts)

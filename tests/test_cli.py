@@ -1,0 +1,159 @@
+"""The ``portable-llm`` command: ``report`` (accuracy against float64) and ``bench`` (speed)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from portable_llm import bench, reference, report
+from portable_llm.backends import get_backend
+from portable_llm.cli import main
+
+
+def _tables(out: str) -> list[dict[str, str]]:
+    """The rows of every table printed: a header line, a rule of dashes, rows up to a blank line."""
+    lines = out.splitlines()
+    rows: list[dict[str, str]] = []
+    for i in range(1, len(lines)):
+        if not lines[i] or set(lines[i]) - {"-", " "}:
+            continue
+        headers = re.split(r"\s{2,}", lines[i - 1].strip())
+        for line in lines[i + 1 :]:
+            if not line.strip():
+                break
+            cells = re.split(r"\s{2,}", line.strip())
+            assert len(cells) == len(headers), f"misaligned row {line!r} under {headers}"
+            rows.append(dict(zip(headers, cells, strict=True)))
+    return rows
+
+
+def _report(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, dict]:
+    code = main(["report", *args])
+    out = capsys.readouterr().out
+    rows = {(r["op"], r["dtype"], r["impl"]): r for r in _tables(out)}
+    return code, out, rows
+
+
+def test_report_is_the_default_command_and_covers_every_op_on_numpy(capsys):
+    code = main(["--backend", "numpy"])
+    out = capsys.readouterr().out
+    rows = {(r["op"], r["dtype"], r["impl"]): r for r in _tables(out)}
+    assert code == 0, out
+    dtypes = get_backend("numpy").float_dtypes()
+    assert {(c.name, d, "auto") for c in report.CASES for d in dtypes} == set(rows)
+    for (_, dtype, _), row in rows.items():
+        assert row["result"] == "ok" and row["path"] == "portable"
+        if dtype == "float64":  # NumPy float64 is the reference's own arithmetic
+            assert float(row["max abs err"]) < 1e-13
+    assert out.rstrip().endswith("all within tolerance")
+
+
+def test_report_on_backend(backend, capsys):
+    # float32 only: every op on every backend, in seconds (JAX compiles per dtype).
+    code, out, rows = _report(["--backend", backend, "--dtype", "float32"], capsys)
+    assert code == 0, out
+    bk = get_backend(backend)
+    for case in report.CASES:
+        auto = rows[(case.name, "float32", "auto")]
+        assert auto["result"] == "ok"
+        assert float(auto["max abs err"]) < 1e-4
+        # Beside auto, the path it did not take: portable when a native kernel ran, native
+        # when auto passed a kernel over ("portable (<kernel> not taken by auto)")
+        # (or nothing when the kernel cannot express the arguments).
+        extra = [impl for (name, _, impl) in rows if name == case.name and impl != "auto"]
+        if not auto["path"].startswith("portable"):
+            assert extra == ["portable"], auto["path"]
+        else:
+            assert extra in ([], ["native"]) and (extra == [] or case.op in bk.native)
+        for impl in extra:
+            assert rows[(case.name, "float32", impl)]["result"] == "ok"
+        if case.op in bk.native:
+            assert bk.native[case.op].kernel in auto["path"]
+
+
+def test_report_marks_a_wrong_reference_and_exits_1(monkeypatch, capsys):
+    def wrong(x: np.ndarray) -> np.ndarray:
+        return reference.relu(x) + 0.5  # relu is exact in every dtype: every error is 0.5
+
+    cases = [
+        dataclasses.replace(c, reference=wrong) if c.name == "relu" else c for c in report.CASES
+    ]
+    monkeypatch.setattr(report, "CASES", cases)
+    code, out, rows = _report(["--backend", "numpy", "--op", "relu", "--op", "silu"], capsys)
+    assert code == 1
+    for dtype in get_backend("numpy").float_dtypes():
+        assert rows[("relu", dtype, "auto")]["result"] == "FAIL"
+        assert float(rows[("relu", dtype, "auto")]["max abs err"]) == 0.5
+        assert rows[("silu", dtype, "auto")]["result"] == "ok"
+    assert re.search(r"^FAIL: numpy relu float32 impl=auto: .*differ beyond", out, re.M)
+    assert out.rstrip().endswith("row(s) outside tolerance")
+
+
+def test_report_marks_a_crash_as_error_and_exits_1(monkeypatch, capsys):
+    def crash(x, **options):
+        raise RuntimeError("kernel exploded")
+
+    cases = [dataclasses.replace(c, call=crash) if c.name == "gelu" else c for c in report.CASES]
+    monkeypatch.setattr(report, "CASES", cases)
+    code, out, rows = _report(["--backend", "numpy", "--op", "gelu", "--dtype", "float64"], capsys)
+    assert code == 1
+    assert rows[("gelu", "float64", "auto")]["result"] == "ERROR"
+    assert "RuntimeError: kernel exploded" in out
+
+
+def test_report_without_ml_dtypes_skips_bfloat16_with_a_note(monkeypatch, capsys):
+    monkeypatch.setattr(report, "numpy_bfloat16", lambda: None)
+    code, out, rows = _report(["--backend", "numpy", "--op", "rms_norm"], capsys)
+    assert code == 0, out
+    assert out.startswith("note: bfloat16 skipped on every backend: ml_dtypes is not installed")
+    assert {d for _, d, _ in rows} == set(get_backend("numpy").float_dtypes()) - {"bfloat16"}
+
+
+@pytest.mark.parametrize(
+    "args", [["report", "--op", "nope"], ["report", "--backend", "nope"], ["bench", "--op", "x"]]
+)
+def test_unknown_names_are_usage_errors(args, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    assert exc.value.code == 2
+    assert "unknown" in capsys.readouterr().err
+
+
+def test_python_dash_m_runs_the_report():
+    proc = subprocess.run(
+        [sys.executable, "-m", "portable_llm", "--backend", "numpy", "--op", "relu"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "relu" in proc.stdout and "all within tolerance" in proc.stdout
+
+
+def test_bench_quick_prints_times_and_ratios(backend, capsys):
+    code = main(["bench", "--quick", "--repeat", "2", "--backend", backend, "--op", "rms_norm"])
+    out = capsys.readouterr().out
+    assert code == 0
+    rows = _tables(out)
+    assert [r["shapes"] for r in rows] == [
+        c.label() for c in bench.BENCH_CASES if c.op == "rms_norm"
+    ]
+    has_native = "rms_norm" in bench.DIRECT[backend]() if backend in bench.DIRECT else False
+    for row in rows:
+        assert row["backend"] == backend and row["dtype"] == "float32"
+        for col in ("auto", "portable") + (("native",) if has_native else ()):
+            value, unit = row[col].split()
+            assert float(value) > 0 and unit in ("ns", "us", "ms", "s")
+        for col in ("auto/native", "portable/native"):
+            if has_native:
+                assert float(row[col]) > 0
+            else:
+                assert row[col] == "-"
+    gate = [line for line in out.splitlines() if line.startswith("gate rms_norm (1, 896)")]
+    assert len(gate) == 1
+    assert re.search(r"\d\.\d\d (PASS|FAIL)$" if has_native else r"n/a", gate[0])

@@ -1,0 +1,212 @@
+"""Checkpoints on every backend: logits against a float64 reference, cached decode, batches.
+
+The checkpoints are written here with NumPy and ``safetensors`` alone
+(:mod:`portable_llm.testing.checkpoints`): one tiny model per supported family, random weights
+under HF's tensor names. The reference (:func:`portable_llm.testing.decoder.decoder_logits`)
+reads the config and tensors itself and composes the float64 formulas of
+:mod:`portable_llm.reference`. Checkpoint errors, configs and tokenizers:
+``test_models_loading.py``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import portable_llm as pl
+from portable_llm.models import load
+from portable_llm.padding import left_pad
+from portable_llm.testing import MODEL_TOLERANCES, assert_close
+from portable_llm.testing.checkpoints import tiny_config, write_checkpoint, write_tokenizer
+from portable_llm.testing.decoder import decoder_logits
+
+FAMILIES = ["qwen2", "qwen3", "llama", "mistral", "mixtral", "qwen2_moe"]
+
+
+def _all_experts(cfg: dict) -> dict:
+    """The MoE config with every expert routed: no top-k choice that half precision may flip."""
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    return {**cfg, "num_experts_per_tok": experts} if experts else cfg
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """family -> (folder, config dict, tensors): float32 weights, with a tokenizer."""
+    out = {}
+    for i, family in enumerate(FAMILIES):
+        folder = tmp_path_factory.mktemp(family)
+        cfg = tiny_config(family)
+        out[family] = (folder, cfg, write_checkpoint(folder, cfg, seed=i))
+        write_tokenizer(folder, vocab_size=cfg["vocab_size"])
+    return out
+
+
+@pytest.fixture(scope="session")
+def half_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """family -> (folder, config, tensors): bfloat16 weights, MoE with every expert routed."""
+    out = {}
+    for i, family in enumerate(FAMILIES):
+        folder = tmp_path_factory.mktemp(f"{family}_bf16")
+        cfg = _all_experts(tiny_config(family))
+        out[family] = (folder, cfg, write_checkpoint(folder, cfg, seed=10 + i, dtype="bfloat16"))
+    return out
+
+
+def _ids(seed: int, L: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(3, 300, size=L)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_logits_match_reference(checkpoints: dict, family: str, backend: str, dtype: str) -> None:
+    folder, cfg, tensors = checkpoints[family]
+    if dtype not in pl.get_backend(backend).float_dtypes():
+        pytest.skip(f"{backend} has no {dtype}")
+    model = load(folder, backend=backend, dtype=dtype)
+    ids = _ids(0, 9)
+    logits = model(pl.asarray(ids[None], backend=backend))  # (1, 9, V)
+    assert_close(logits[0], decoder_logits(ids, tensors, cfg), backend=backend, dtype=dtype)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_logits(
+    half_checkpoints: dict, family: str, backend: str, dtype: str
+) -> None:
+    folder, cfg, tensors = half_checkpoints[family]
+    if dtype not in pl.get_backend(backend).float_dtypes():
+        pytest.skip(f"{backend} has no {dtype}")
+    model = load(folder, backend=backend, dtype=dtype)  # bfloat16 values are exact in float16
+    ids = _ids(1, 9)
+    logits = model(pl.asarray(ids[None], backend=backend))
+    tol = MODEL_TOLERANCES[dtype]
+    ref = decoder_logits(ids, tensors, cfg)
+    assert_close(logits[0], ref, backend=backend, dtype=dtype, rtol=tol.rtol, atol=tol.atol)
+
+
+def test_default_dtype_is_the_checkpoints(half_checkpoints: dict, backend: str) -> None:
+    folder, _, _ = half_checkpoints["qwen2"]
+    bk = pl.get_backend(backend)
+    if "bfloat16" not in bk.float_dtypes():
+        with pytest.raises(ValueError, match="bfloat16.*pass dtype="):
+            load(folder, backend=backend)
+        return
+    model = load(folder, backend=backend)
+    assert model.dtype == bk.dtypes["bfloat16"]
+    assert model.embed.dtype == bk.dtypes["bfloat16"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cached_decode_equals_full_forward(checkpoints: dict, family: str, backend: str) -> None:
+    """Prefill 5 tokens, decode 5 one at a time, then a chunk of 3: every step's logits equal
+    those of one full causal forward (Mistral's window of 4 rotates its cache)."""
+    folder, _, _ = checkpoints[family]
+    model = load(folder, backend=backend, dtype="float32")
+    ids = _ids(2, 13)
+    full = model(pl.asarray(ids[None], backend=backend))  # (1, 13, V)
+    cache = model.make_cache()
+    start = 0
+    for stop in (5, 6, 7, 8, 9, 10, 13):
+        step = model(pl.asarray(ids[None, start:stop], backend=backend), cache=cache)
+        assert_close(step, full[:, start:stop, :], err_msg=f"tokens {start}..{stop - 1}")
+        start = stop
+    assert cache[0].offset == 13
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batch_of_unequal_prompts(checkpoints: dict, family: str, backend: str) -> None:
+    """Left-padded prompts of lengths 3, 7 and 5, prefilled and decoded together, give each
+    prompt's own logits."""
+    folder, _, _ = checkpoints[family]
+    model = load(folder, backend=backend, dtype="float32")
+    prompts = [_ids(3, 3), _ids(4, 7), _ids(5, 5)]
+    ids, pad = left_pad(prompts, backend=backend)  # (3, 7), (3,)
+    uncached = model(ids, left_padding=pad)  # (3, 7, V)
+    cache = model.make_cache(left_padding=pad)
+    batch = model(ids, cache=cache)
+    follow = np.array([[11], [12], [13]])
+    batch_next = model(pl.asarray(follow, backend=backend), cache=cache)  # (3, 1, V)
+    for b, prompt in enumerate(prompts):
+        alone = model(pl.asarray(np.append(prompt, follow[b])[None], backend=backend))
+        n = len(prompt)
+        assert_close(uncached[b, 7 - n :], alone[0, :n], err_msg=f"row {b}, no cache")
+        assert_close(batch[b, 7 - n :], alone[0, :n], err_msg=f"row {b}, prefill")
+        assert_close(batch_next[b], alone[0, n:], err_msg=f"row {b}, decode")
+
+
+def _greedy_reference(ids: np.ndarray, tensors: dict, cfg: dict, n: int) -> list[int]:
+    seq = list(ids)
+    for _ in range(n):
+        seq.append(int(np.argmax(decoder_logits(np.array(seq), tensors, cfg)[-1])))
+    return seq[len(ids) :]
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "qwen2_moe"])
+def test_greedy_generation_matches_reference(checkpoints: dict, family: str, backend: str) -> None:
+    folder, cfg, tensors = checkpoints[family]
+    model = load(folder, backend=backend, dtype="float32")
+    prompt = _ids(6, 4)
+    got = list(pl.generate(model, prompt, max_new_tokens=8, stop=()))
+    assert got == _greedy_reference(prompt, tensors, cfg, 8)
+    assert all(isinstance(t, int) for t in got)
+
+
+def test_generate_stops_at_a_stop_token(checkpoints: dict, backend: str) -> None:
+    folder, _, _ = checkpoints["mistral"]
+    model = load(folder, backend=backend, dtype="float32")
+    prompt = _ids(6, 4)
+    free = list(pl.generate(model, prompt, max_new_tokens=6, stop=()))
+    stopped = pl.generate(model, prompt, max_new_tokens=6, stop=[free[3]])
+    assert list(stopped) == free[: free.index(free[3])]
+    assert stopped.stats.prompt_tokens == 4
+    assert stopped.stats.generated_tokens == free.index(free[3])
+
+
+def test_sampling_is_reproducible_with_a_seed(checkpoints: dict, backend: str) -> None:
+    folder, _, _ = checkpoints["llama"]
+    model = load(folder, backend=backend, dtype="float32")
+    prompt = _ids(7, 3)
+    opts = {"max_new_tokens": 12, "temperature": 1.5, "top_k": 50, "stop": ()}
+    first = list(pl.generate(model, prompt, seed=3, **opts))
+    assert list(pl.generate(model, prompt, seed=3, **opts)) == first
+    draws = {tuple(pl.generate(model, prompt, seed=s, **opts)) for s in range(4, 8)}
+    assert len(draws | {tuple(first)}) > 1  # a different seed gives another continuation
+
+
+def test_text_prompt_streams_text(checkpoints: dict, backend: str) -> None:
+    folder, _, _ = checkpoints["qwen3"]
+    model = load(folder, backend=backend, dtype="float32")
+    assert model.tokenizer is not None
+    prompt = "Rotary embeddings turn queries"
+    pieces = list(pl.generate(model, prompt, max_new_tokens=10, stop=()))
+    ids = list(pl.generate(model, model.tokenizer.encode(prompt), max_new_tokens=10, stop=()))
+    assert all(isinstance(p, str) for p in pieces)
+    assert "".join(pieces) == model.tokenizer.decode(ids)
+
+
+def test_generate_rejects_bad_prompts(checkpoints: dict) -> None:
+    folder, _, _ = checkpoints["qwen2"]
+    model = load(folder, backend="numpy", dtype="float32")
+    with pytest.raises(ValueError, match="no tokens"):
+        pl.generate(model, [])
+    with pytest.raises(ValueError, match="1-D sequence of token ids"):
+        pl.generate(model, [[1, 2], [3, 4]])
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        pl.generate(model, [1, 2], max_new_tokens=-1)
+    model.tokenizer = None
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        pl.generate(model, "hello")
+
+
+def test_sharded_checkpoint_equals_single_file(
+    checkpoints: dict, tmp_path: Path, backend: str
+) -> None:
+    folder, cfg, tensors = checkpoints["qwen2_moe"]
+    write_checkpoint(tmp_path, cfg, tensors=tensors, shards=3)
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    ids = pl.asarray(_ids(8, 6)[None], backend=backend)
+    one = load(folder, backend=backend, dtype="float32")(ids)
+    sharded = load(tmp_path, backend=backend, dtype="float32")(ids)
+    assert_close(sharded, one, rtol=0.0, atol=0.0)

@@ -1,0 +1,75 @@
+"""Every native kernel of the foundation ops agrees with the portable path, per dtype.
+
+impl="native" and impl="portable" run on the same inputs; the tolerance is the dtype's. The
+kernels of later ops (rope, attention, ...) are checked in those ops' test files.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+
+import portable_llm as pl
+from portable_llm.testing import assert_close, random_array, random_weight
+from portable_llm.testing.strategies import seeds, shapes
+
+UNARY = ["silu", "gelu", "gelu_tanh", "relu", "softmax"]
+
+
+def _native_or_skip(backend: str, op: str) -> None:
+    if op not in pl.get_backend(backend).native:
+        pytest.skip(f"{backend} has no native {op}")
+
+
+@pytest.mark.parametrize("op", UNARY)
+@given(shape=shapes(max_last=40), seed=seeds())
+def test_unary_native_matches_portable(backend, dtype, op, shape, seed):
+    _native_or_skip(backend, op)
+    x, _ = random_array(seed, shape, dtype, backend=backend, low=-8, high=8)
+    fn = getattr(pl, op)
+    assert_close(fn(x, impl="native"), fn(x, impl="portable"))
+
+
+@given(shape=shapes(max_last=64), seed=seeds())
+def test_rms_norm_native_matches_portable(backend, dtype, shape, seed):
+    _native_or_skip(backend, "rms_norm")
+    x, _ = random_array(seed, shape, dtype, backend=backend)
+    w, _ = random_array(seed + 1, shape[-1:], dtype, backend=backend, low=0.5, high=1.5)
+    assert_close(
+        pl.rms_norm(x, w, eps=1e-6, impl="native"), pl.rms_norm(x, w, eps=1e-6, impl="portable")
+    )
+
+
+@given(shape=shapes(max_last=48), seed=seeds())
+def test_linear_native_matches_portable(backend, dtype, shape, seed):
+    _native_or_skip(backend, "linear")
+    x, _ = random_array(seed, shape, dtype, backend=backend)
+    w, _ = random_weight(seed + 1, (17, shape[-1]), dtype, backend=backend)
+    b, _ = random_array(seed + 2, (17,), dtype, backend=backend)
+    assert_close(pl.linear(x, w, impl="native"), pl.linear(x, w, impl="portable"))
+    assert_close(pl.linear(x, w, b, impl="native"), pl.linear(x, w, b, impl="portable"))
+
+
+def test_auto_takes_the_native_kernel_where_it_is_preferred(backend, dtype):
+    """auto runs the native kernel unless its applies/prefer predicate turns it down."""
+    from portable_llm._dispatch import pick
+
+    bk = pl.get_backend(backend)
+    x, _ = random_array(0, (2, 8), dtype, backend=backend)
+    w, _ = random_array(1, (8,), dtype, backend=backend)
+    for op, args, opts in [("rms_norm", (x, w), {"eps": 1e-5}), ("softmax", (x,), {"axis": -1})]:
+        nat = bk.native.get(op)
+        chosen = pick(bk, op, "auto", *args, **opts)
+        if nat is None:
+            assert chosen is not None and chosen is pick(bk, op, "portable", *args, **opts)
+        else:
+            assert (chosen is nat.fn) == nat.auto(*args, **opts)
+
+
+def test_torch_rms_norm_half_keeps_hf_rounding():
+    """For half dtypes auto keeps HF's rounding order (portable), not F.rms_norm's."""
+    torch = pytest.importorskip("torch")
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    w = torch.rand(64, dtype=torch.bfloat16) + 0.5
+    hf = w * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+    assert torch.equal(pl.rms_norm(x, w, eps=1e-6), hf)
