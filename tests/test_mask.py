@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 import portable_llm as pl
 from portable_llm import reference
 
-sizes = st.integers(0, 12)
-windows = st.none() | st.integers(1, 14)
+# A few sizes (JAX compiles each shape once), including empty, single and L > S.
+sizes = st.sampled_from([0, 1, 2, 3, 5, 8])
+windows = st.none() | st.integers(1, 10)
 
 
 @given(L=sizes, S=sizes, window=windows)

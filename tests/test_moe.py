@@ -39,8 +39,8 @@ class Inputs:
     def reference(self, top_k: int, norm: bool, shared: bool) -> np.ndarray:
         r = self.refs
         extra = {"shared": r["shared"], "shared_gate": r["shared_gate"]} if shared else {}
-        return reference.moe(r["x"], r["w_router"], r["gate"], r["up"], r["down"], top_k, norm,
-                             **extra)  # fmt: skip
+        return reference.moe(r["x"], r["w_router"], r["gate"], r["up"], r["down"], top_k=top_k,
+                             norm_topk_prob=norm, **extra)  # fmt: skip
 
 
 def _separated(x_r: np.ndarray, w_r: np.ndarray, top_k: int, dtype: str) -> bool:
@@ -85,7 +85,9 @@ def test_route_matches_reference(backend, dtype, tokens, top_k, norm, seed):
     inp = _inputs(seed, dtype, backend, tokens, top_k)
     weights, ids = pl.route(inp.arrays["x"], inp.arrays["w_router"], top_k=top_k,
                             norm_topk_prob=norm)  # fmt: skip
-    want_w, want_ids = reference.route(inp.refs["x"], inp.refs["w_router"], top_k, norm)
+    want_w, want_ids = reference.route(
+        inp.refs["x"], inp.refs["w_router"], top_k=top_k, norm_topk_prob=norm
+    )
     got_w = pl.to_numpy(weights)
     assert (np.diff(got_w, axis=-1) <= 0).all()  # descending
     # The same experts; within the k, two of near-equal weight may swap places in half precision.
@@ -186,14 +188,14 @@ def test_unused_experts_are_skipped(backend, dtype):
         r = inp.refs
         w_r = r["w_router"].copy()
         w_r[2:] = -w_r[0]
-        ids = reference.route(r["x"], w_r, 1, False)[1]
+        ids = reference.route(r["x"], w_r, top_k=1, norm_topk_prob=False)[1]
         if _separated(r["x"], w_r, 1, dtype) and len(np.unique(ids)) < X:
             break
     w = pl.asarray(w_r, backend=backend, dtype=dtype)  # exact: -w is w's rounding negated
     a = inp.arrays
     out = pl.moe(a["x"], w, a["gate"], a["up"], a["down"], top_k=1, norm_topk_prob=False)
     want = reference.moe(r["x"], pl.to_numpy(w).astype(np.float64), r["gate"], r["up"],
-                         r["down"], 1, False)  # fmt: skip
+                         r["down"], top_k=1, norm_topk_prob=False)  # fmt: skip
     assert_close(out, want, backend=backend, dtype=dtype)
 
 
@@ -244,7 +246,7 @@ def test_moe_under_jit(backend, dtype):
     inp = _inputs(5, dtype, "jax", (2, 3), 2)
     a = inp.arrays
     want = inp.call(2, True, True, impl="portable")
-    for impl in ("auto", "native", "dense"):  # traced, auto takes jax.lax.ragged_dot
+    for impl in ("auto", "native", "dense"):  # auto: jax.lax.ragged_dot
         f = jax.jit(lambda x, impl=impl: pl.moe(
             x, a["w_router"], a["gate"], a["up"], a["down"], top_k=2, norm_topk_prob=True,
             shared=a["shared"], shared_gate=a["shared_gate"], impl=impl))  # fmt: skip

@@ -13,12 +13,14 @@ from portable_llm.backends import (
     available_backends,
     get_backend,
 )
+from portable_llm.cache import KVCache, RotatingKVCache
 from portable_llm.embedding import embedding, unembed
 from portable_llm.linear import intermediate_size, linear, mlp
 from portable_llm.mask import causal_mask
 from portable_llm.moe import moe, route
 from portable_llm.models import Model, generate, load
 from portable_llm.norm import rms_norm
+from portable_llm.padding import left_pad
 from portable_llm.rope import apply_rope, rope, rope_cos_sin
 from portable_llm.sampling import greedy, logprobs, sample
 from portable_llm.sdpa import scaled_dot_product_attention
@@ -29,7 +31,9 @@ __all__ = [
     "ACTIVATIONS",
     "BACKENDS",
     "BackendNotInstalledError",
+    "KVCache",
     "Model",
+    "RotatingKVCache",
     "__version__",
     "activation",
     "apply_rope",
@@ -45,6 +49,7 @@ __all__ = [
     "get_backend",
     "greedy",
     "intermediate_size",
+    "left_pad",
     "linear",
     "load",
     "logprobs",

@@ -21,12 +21,15 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from portable_llm.activations import softmax
-from portable_llm.backends import Backend
+from portable_llm.attention import attention
+from portable_llm.backends import Backend, backend_of
+from portable_llm.cache import KVCache
 from portable_llm.linear import linear, mlp
 from portable_llm.moe import moe
 from portable_llm.norm import rms_norm
 from portable_llm.report import UsageError, backend_names, format_table, load
 from portable_llm.rope import rope
+from portable_llm.sdpa import scaled_dot_product_attention
 from portable_llm.testing import random_array, random_weight
 
 __all__ = ["BENCH_CASES", "DIRECT", "BenchCase", "Timing", "measure", "run_bench"]
@@ -113,6 +116,85 @@ BENCH_CASES.extend([
 ])  # fmt: skip
 
 
+# Attention with Qwen2-0.5B's heads (H=14, H_kv=2, D=64), causal: a decode step over 2048 cached
+# keys and a 512-token prefill. The "tiled" lines run impl="tiled" in the portable column.
+_H, _H_KV, _D = 14, 2, 64
+_DECODE = ((1, _H, 1, _D), (1, _H_KV, 2048, _D), (1, _H_KV, 2048, _D))
+_PREFILL = ((1, _H, 512, _D), (1, _H_KV, 512, _D), (1, _H_KV, 512, _D))
+SDPA = "scaled_dot_product_attention"
+
+
+def _sdpa(q: Any, k: Any, v: Any, *, impl: str) -> Thunk:
+    return lambda: scaled_dot_product_attention(q, k, v, mask="causal", impl=impl)
+
+
+def _sdpa_tiled(q: Any, k: Any, v: Any, *, impl: str) -> Thunk:
+    return _sdpa(q, k, v, impl="tiled" if impl == "portable" else impl)
+
+
+BENCH_CASES.extend([
+    BenchCase(SDPA, _DECODE, _sdpa, name="decode: L=1, S=2048, H=14, H_kv=2, D=64"),
+    BenchCase(SDPA, _DECODE, _sdpa_tiled, name="decode, portable column = tiled"),
+    BenchCase(SDPA, _PREFILL, _sdpa, name="prefill: L=S=512, H=14, H_kv=2, D=64"),
+    BenchCase(SDPA, _PREFILL, _sdpa_tiled, name="prefill, portable column = tiled"),
+])  # fmt: skip
+
+
+# A decode step against a KVCache holding S tokens, S = 128, 1024, 4096: the cache alone
+# (update_and_fetch of one token; flat in S where the write is in place) and the attention
+# block (whose attention reads all S keys: linear in S). Each call is trimmed back to S tokens.
+_KV_SIZES = (128, 1024, 4096)
+_BLOCK = ((1, 1, E), (_H * _D, E), (_H_KV * _D, E), (_H_KV * _D, E), (E, _H * _D))
+
+
+def _filled_cache(x: Any, S: int) -> KVCache:
+    bk = backend_of(x)
+    assert bk is not None
+    k = random_array(3, (1, _H_KV, S, _D), bk.dtype_name(x.dtype), backend=bk.name)[0]
+    cache = KVCache()
+    cache.update_and_fetch(k, k)
+    return cache
+
+
+def _kv_cache(S: int) -> Callable[..., Thunk]:
+    def run(k: Any, *, impl: str) -> Thunk:
+        cache = _filled_cache(k, S)
+
+        def step() -> Any:
+            k_all, _ = cache.update_and_fetch(k, k)
+            cache.trim(1)
+            return k_all
+
+        return step
+
+    return run
+
+
+def _decode_step(S: int) -> Callable[..., Thunk]:
+    def run(x: Any, wq: Any, wk: Any, wv: Any, wo: Any, *, impl: str) -> Thunk:
+        cache = _filled_cache(x, S)
+        kw = {"wq": wq, "wk": wk, "wv": wv, "wo": wo, "num_heads": _H, "num_kv_heads": _H_KV}
+
+        def step() -> Any:
+            out = attention(x, cache=cache, rope={"base": ROPE_THETA}, impl=impl, **kw)
+            cache.trim(1)
+            return out
+
+        return step
+
+    return run
+
+
+BENCH_CASES.extend(
+    BenchCase("kv_cache", ((1, _H_KV, 1, _D),), _kv_cache(S), name=f"1 token at S={S}, D=64")
+    for S in _KV_SIZES
+)
+BENCH_CASES.extend(
+    BenchCase("decode", _BLOCK, _decode_step(S), name=f"attention block + KVCache, S={S}")
+    for S in _KV_SIZES
+)
+
+
 def _torch() -> dict[str, tuple[str, Callable[..., Thunk]]]:
     import torch
     import torch.nn.functional as F
@@ -124,11 +206,16 @@ def _torch() -> dict[str, tuple[str, Callable[..., Thunk]]]:
     def ffn(x: Any, wg: Any, wu: Any, wd: Any) -> Thunk:
         return lambda: F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
 
+    def sdpa(q: Any, k: Any, v: Any) -> Thunk:
+        causal = q.shape[-2] == k.shape[-2]  # L = 1 sees every key: no mask
+        return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
     return {
         "rms_norm": ("torch.nn.functional.rms_norm", norm),
         "softmax": ("torch.softmax", lambda x: lambda: torch.softmax(x, -1)),
         "linear": ("torch.nn.functional.linear", lambda x, w: lambda: F.linear(x, w)),
         "mlp": ("F.linear, F.silu", ffn),
+        SDPA: ("torch.nn.functional.scaled_dot_product_attention", sdpa),
     }
 
 
@@ -138,6 +225,10 @@ def _mlx() -> dict[str, tuple[str, Callable[..., Thunk]]]:
 
     def ffn(x: Any, wg: Any, wu: Any, wd: Any) -> Thunk:
         return lambda: mx.matmul(mlx.nn.silu(mx.matmul(x, wg.T)) * mx.matmul(x, wu.T), wd.T)
+
+    def sdpa(q: Any, k: Any, v: Any) -> Thunk:
+        scale = q.shape[-1] ** -0.5
+        return lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")
 
     def rope(x: Any) -> Thunk:
         d = x.shape[-1]
@@ -149,6 +240,7 @@ def _mlx() -> dict[str, tuple[str, Callable[..., Thunk]]]:
         "linear": ("mx.matmul", lambda x, w: lambda: mx.matmul(x, w.T)),
         "rope": ("mx.fast.rope", rope),
         "mlp": ("mx.matmul, mlx.nn.silu", ffn),
+        SDPA: ("mx.fast.scaled_dot_product_attention", sdpa),
     }
 
 
@@ -159,10 +251,17 @@ def _jax() -> dict[str, tuple[str, Callable[..., Thunk]]]:
     def ffn(x: Any, wg: Any, wu: Any, wd: Any) -> Thunk:
         return lambda: jnp.matmul(jax.nn.silu(jnp.matmul(x, wg.T)) * jnp.matmul(x, wu.T), wd.T)
 
+    def sdpa(q: Any, k: Any, v: Any) -> Thunk:
+        q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))  # its layout: (B, L, H, D)
+        attend = jax.jit(jax.nn.dot_product_attention, static_argnames=("is_causal",))
+        causal = q.shape[1] == k.shape[1]
+        return lambda: attend(q, k, v, is_causal=causal)
+
     return {
         "softmax": ("jax.nn.softmax", lambda x: lambda: jax.nn.softmax(x, axis=-1)),
         "linear": ("jnp.matmul", lambda x, w: lambda: jnp.matmul(x, w.T)),
         "mlp": ("jnp.matmul, jax.nn.silu", ffn),
+        SDPA: ("jax.nn.dot_product_attention (jit)", sdpa),
     }
 
 

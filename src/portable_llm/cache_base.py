@@ -81,7 +81,9 @@ class _Cache:
         for name, a in (("k", k), ("v", v)):
             check_float(op, name, a, bk)
         if k.ndim != 4 or k.shape[2] < 1:
-            raise ValueError(f"{op}: k must have shape (B, H_kv, L, D), L >= 1, got {k.shape}")
+            raise ValueError(
+                f"{op}: k must have shape (B, H_kv, L, D), L >= 1, got {tuple(k.shape)}"
+            )
         if tuple(v.shape) != tuple(k.shape) or v.dtype != k.dtype:
             raise ValueError(
                 f"{op}: v must have k's shape and dtype; k {tuple(k.shape)} "

@@ -1,4 +1,5 @@
-"""The ``portable-llm`` command: ``report`` (accuracy, the default) and ``bench`` (speed)."""
+"""The ``portable-llm`` command: ``report`` (accuracy, the default), ``bench`` (speed) and
+``generate`` (a checkpoint's continuation of a prompt)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from portable_llm import __version__
+from portable_llm.models.command import add_generate_parser, run_generate
 from portable_llm.report import UsageError, run_report
 
 __all__ = ["main"]
@@ -19,7 +21,7 @@ def _parser() -> argparse.ArgumentParser:
         "and speed (bench).",
     )
     parser.add_argument("--version", action="version", version=f"portable-llm {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{report,bench}")
+    sub = parser.add_subparsers(dest="command", metavar="{report,bench,generate}")
 
     report = sub.add_parser(
         "report",
@@ -48,6 +50,18 @@ def _parser() -> argparse.ArgumentParser:
         "--dtype", action="append", metavar="NAME", help="only this float dtype (repeatable)"
     )
     bench.add_argument("--dtype", default="float32", help="input dtype (default float32)")
+    bench.add_argument(
+        "--model",
+        action="store_true",
+        help="instead of the ops: a Qwen2-0.5B-shaped random checkpoint, its load time and "
+        "prefill/decode tokens/s, next to transformers and mlx-lm",
+    )
+    bench.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        help="where --model writes its checkpoint (default ~/.cache/portable_llm/bench)",
+    )
+    add_generate_parser(sub)
     return parser
 
 
@@ -55,10 +69,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); return the exit code."""
     args_list = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
-    if not args_list or args_list[0] not in ("report", "bench", "-h", "--help", "--version"):
+    commands = ("report", "bench", "generate", "-h", "--help", "--version")
+    if not args_list or args_list[0] not in commands:
         args_list.insert(0, "report")  # the report is the default command
     args = parser.parse_args(args_list)
     try:
+        if args.command == "generate":
+            return run_generate(args)
+        if args.command == "bench" and args.model:
+            from portable_llm.models.bench import run_model_bench
+
+            return run_model_bench(
+                args.backend, dtype=args.dtype, quick=args.quick, cache_dir=args.cache_dir
+            )
         if args.command == "bench":
             from portable_llm.bench import run_bench
 

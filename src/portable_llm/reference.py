@@ -136,7 +136,7 @@ def scaled_dot_product_attention(
     flat_s = scores.reshape(-1, L, scores.shape[-1])
     flat_a = np.broadcast_to(allowed, scores.shape).reshape(flat_s.shape)
     flat_v = v.reshape(-1, S, v.shape[-1])
-    flat_o = out.reshape(-1, L, out.shape[-1])
+    flat_o = out.reshape(-1, L, d)
     for n in range(flat_s.shape[0]):
         for i in range(L):
             seen = flat_a[n, i]
@@ -246,7 +246,7 @@ def sampling_probs(
 
 
 def route(
-    x: np.ndarray, w_router: np.ndarray, top_k: int, norm_topk_prob: bool
+    x: np.ndarray, w_router: np.ndarray, *, top_k: int, norm_topk_prob: bool
 ) -> tuple[np.ndarray, np.ndarray]:
     """(weights, ids), each ``(N.., top_k)``: softmax over experts, the k largest.
 
@@ -266,21 +266,23 @@ def moe(
     experts_gate: np.ndarray,
     experts_up: np.ndarray,
     experts_down: np.ndarray,
+    *,
     top_k: int,
     norm_topk_prob: bool,
-    shared: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+    shared: tuple[np.ndarray, ...] | None = None,
     shared_gate: np.ndarray | None = None,
     act: str = "silu",
 ) -> np.ndarray:
     """Token by token: the weighted sum of its top-k experts' MLPs, plus the gated shared MLP."""
     x = _f64(x)
-    weights, ids = route(x, w_router, top_k, norm_topk_prob)
+    weights, ids = route(x, w_router, top_k=top_k, norm_topk_prob=norm_topk_prob)
     out = np.zeros_like(x)
     for pos in np.ndindex(*x.shape[:-1]):
         for w, e in zip(weights[pos], ids[pos], strict=True):
             out[pos] += w * mlp(x[pos], experts_gate[e], experts_up[e], experts_down[e], act)
     if shared is not None:
-        s = mlp(x, *shared, act=act)
+        s_gate, s_up, s_down = shared
+        s = mlp(x, s_gate, s_up, s_down, act)
         if shared_gate is not None:
             s = s / (1.0 + np.exp(-linear(x, shared_gate)))
         out = out + s

@@ -24,6 +24,7 @@ from portable_llm import reference
 from portable_llm._dispatch import pick
 from portable_llm.activations import activation_op, gelu, gelu_tanh, relu, silu, softmax
 from portable_llm.arrays import asarray, to_numpy
+from portable_llm.attention import attention
 from portable_llm.backends import (
     _ALIASES,
     BACKENDS,
@@ -40,6 +41,7 @@ from portable_llm.moe import route as moe_route
 from portable_llm.norm import rms_norm
 from portable_llm.rope import rope
 from portable_llm.rope_args import dispatch_args as rope_args
+from portable_llm.sdpa import scaled_dot_product_attention, sdpa_args
 from portable_llm.testing import (
     BACKEND_TOLERANCES,
     Tolerance,
@@ -224,7 +226,8 @@ def _moe_call(x: Any, w: Any, g: Any, u: Any, d: Any, sg: Any, su: Any, sd: Any,
 
 def _moe_reference(x: Any, w: Any, g: Any, u: Any, d: Any, sg: Any, su: Any, sd: Any,
                    sgate: Any, *, top_k: int, norm_topk_prob: bool) -> np.ndarray:  # fmt: skip
-    return reference.moe(x, w, g, u, d, top_k, norm_topk_prob, (sg, su, sd), sgate)
+    return reference.moe(x, w, g, u, d, top_k=top_k, norm_topk_prob=norm_topk_prob,
+                         shared=(sg, su, sd), shared_gate=sgate)  # fmt: skip
 
 
 def _moe_route(inputs: Inputs) -> Route:
@@ -239,9 +242,97 @@ CASES.extend([
     Case("unembed", "unembed", _unembed, unembed, reference.unembed, seed=90,
          route=lambda inp: [("linear", (*inp.arrays, None), {})]),
     Case("route", "route", _route_case, _route_weights,
-         lambda x, w, **o: reference.route(x, w, o["top_k"], o["norm_topk_prob"])[0], seed=100,
+         lambda x, w, **o: reference.route(x, w, **o)[0], seed=100,
          route=lambda inp: _moe_route(inp)[:2]),
     Case("moe", "moe", _moe_case, _moe_call, _moe_reference, route=_moe_route, seed=110),
+])  # fmt: skip
+
+
+# -- attention: scaled dot-product attention (direct, tiled) and the attention block ----------
+
+_Q, _KV = (2, 4, 6, 16), (2, 2, 6, 16)  # (B, H, L, D), (B, H_kv, S, D): GQA, L == S
+# L * S = 2**20 scores: auto takes the tiled path where no native kernel applies.
+_Q_LONG, _KV_LONG = (1, 2, 1024, 8), (1, 1, 1024, 8)
+
+
+def _sdpa_case(q_shape: tuple[int, ...] = _Q, kv_shape: tuple[int, ...] = _KV,
+               **options: Any) -> Callable[[int, str, str], Inputs]:  # fmt: skip
+    def build(seed: int, dtype: str, backend: str) -> Inputs:
+        q = random_array(seed, q_shape, dtype, backend=backend)
+        k = random_array(seed + 1, kv_shape, dtype, backend=backend)
+        v = random_array(seed + 2, kv_shape, dtype, backend=backend)
+        return _inputs(q, k, v, **options)
+
+    return build
+
+
+def _sdpa_route(inputs: Inputs) -> Route:
+    q, k, v = inputs.arrays
+    bk = backend_of(q)
+    assert bk is not None
+    args, opts = sdpa_args(
+        "report", bk, q, k, v, inputs.options.get("mask"), scale=None,
+        window=inputs.options.get("window"), softcap=inputs.options.get("softcap"),
+        block_size=256,
+    )  # fmt: skip
+    return [("scaled_dot_product_attention", args, opts)]
+
+
+_BLOCK = (2, 5, 64, 4, 2, 16)  # (B, L, E, H, H_kv, D)
+
+
+def _attention_case(seed: int, dtype: str, backend: str) -> Inputs:
+    b, L, e, h, h_kv, d = _BLOCK
+    shapes = [(h * d, e), (h_kv * d, e), (h_kv * d, e), (e, h * d)]
+    x = random_array(seed, (b, L, e), dtype, backend=backend)
+    ws = [_weight(seed + 1 + i, s, dtype, backend=backend) for i, s in enumerate(shapes)]
+    bs = [random_array(seed + 5 + i, (s[0],), dtype, backend=backend, scale=0.1)
+          for i, s in enumerate(shapes[:3])]  # fmt: skip
+    norms = [random_array(seed + 8 + i, (d,), dtype, backend=backend, low=0.5, high=1.5)
+             for i in range(2)]  # fmt: skip
+    return _inputs(x, *ws, *bs, *norms, offset=3)
+
+
+def _attention_call(x: Any, wq: Any, wk: Any, wv: Any, wo: Any, bq: Any, bk: Any, bv: Any,
+                    qn: Any, kn: Any, *, impl: str, offset: int) -> Any:  # fmt: skip
+    return attention(x, wq=wq, wk=wk, wv=wv, wo=wo, bq=bq, bk=bk, bv=bv, q_norm=qn, k_norm=kn,
+                     num_heads=_BLOCK[3], num_kv_heads=_BLOCK[4], rope={"base": 1e6},
+                     offset=offset, impl=impl)  # fmt: skip
+
+
+def _attention_reference(x: Any, wq: Any, wk: Any, wv: Any, wo: Any, bq: Any, bk: Any, bv: Any,
+                         qn: Any, kn: Any, *, offset: int) -> np.ndarray:  # fmt: skip
+    return reference.attention(x, wq, wk, wv, wo, _BLOCK[3], _BLOCK[4], bq=bq, bk=bk, bv=bv,
+                               q_norm=qn, k_norm=kn, rope_options={"base": 1e6},
+                               offset=offset)  # fmt: skip
+
+
+def _attention_route(inputs: Inputs) -> Route:
+    x, wq = inputs.arrays[:2]
+    b, L, _, h, h_kv, d = _BLOCK
+    bk = backend_of(x)
+    assert bk is not None
+    q = bk.xp.zeros((b, h, L, d), dtype=x.dtype)
+    kv = bk.xp.zeros((b, h_kv, L, d), dtype=x.dtype)
+    sdpa = _sdpa_route(Inputs((q, kv, kv), (), {"mask": "causal"}))
+    return [("linear", (x, wq, None), {}), *sdpa]
+
+
+CASES.extend([
+    Case("sdpa", "scaled_dot_product_attention", _sdpa_case(mask="causal"),
+         scaled_dot_product_attention, reference.scaled_dot_product_attention,
+         route=_sdpa_route, seed=120),
+    Case("sdpa+window", "scaled_dot_product_attention", _sdpa_case(window=3),
+         scaled_dot_product_attention, reference.scaled_dot_product_attention,
+         route=_sdpa_route, seed=130),
+    Case("sdpa+softcap", "scaled_dot_product_attention", _sdpa_case(mask="causal", softcap=5.0),
+         scaled_dot_product_attention, reference.scaled_dot_product_attention,
+         route=_sdpa_route, seed=140),
+    Case("sdpa long", "scaled_dot_product_attention",
+         _sdpa_case(_Q_LONG, _KV_LONG, mask="causal"), scaled_dot_product_attention,
+         reference.scaled_dot_product_attention, route=_sdpa_route, seed=150),
+    Case("attention", "attention", _attention_case, _attention_call, _attention_reference,
+         route=_attention_route, seed=160),
 ])  # fmt: skip
 
 

@@ -271,9 +271,7 @@ def _moe(mt: str, d: Mapping[str, Any], n: int) -> dict[str, Any]:
     layers = tuple(x > 0 and i not in dense and (i + 1) % step == 0 for i in range(n))
     top_k = _int(d, "num_experts_per_tok") or 4
     if x > 0 and top_k > x:
-        raise ValueError(
-            f"config.json: num_experts_per_tok={top_k} exceeds num_experts={x}"
-        )
+        raise ValueError(f"config.json: num_experts_per_tok={top_k} exceeds num_experts={x}")
     return {
         "num_experts": x,
         "top_k": top_k,

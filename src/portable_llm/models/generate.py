@@ -28,8 +28,12 @@ class GenerationStats:
     """Token counts and wall-clock times of one generation (filled in as it runs)."""
 
     prompt_tokens: int = 0
+    #: Time of the prefill, up to the first new token on the host.
     prefill_seconds: float = 0.0
+    #: Tokens yielded (a stop token is not).
     generated_tokens: int = 0
+    #: Forward passes after the prefill (one per token decoded, a final stop token included).
+    decode_steps: int = 0
     decode_seconds: float = 0.0
 
     @property
@@ -38,9 +42,8 @@ class GenerationStats:
 
     @property
     def decode_tokens_per_second(self) -> float:
-        """Tokens after the first, per second of decoding (the first comes with the prefill)."""
-        n = self.generated_tokens - 1
-        return n / self.decode_seconds if n > 0 and self.decode_seconds else 0.0
+        """Decode steps per second (the first new token comes with the prefill)."""
+        return self.decode_steps / self.decode_seconds if self.decode_seconds else 0.0
 
 
 class Generation:
@@ -111,7 +114,11 @@ def generate(
         ids = _ids(prompt)
     if not ids:
         raise ValueError("generate: the prompt has no tokens")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+    if (
+        isinstance(max_new_tokens, bool)
+        or not isinstance(max_new_tokens, int)
+        or max_new_tokens < 0
+    ):
         raise ValueError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     stops = frozenset(stop_tokens(model) if stop is None else (int(s) for s in stop))
     options = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}
@@ -150,7 +157,7 @@ def _tokens(
     bk = model.backend
     seeds = np.random.default_rng(seed)
     cache = model.make_cache()
-    step_ids = asarray([ids], backend=bk)  # (1, L)
+    step_ids = asarray([ids], backend=bk.name)  # (1, L)
     for step in range(max_new_tokens):
         start = time.perf_counter()
         logits = model(step_ids, cache=cache, last_only=True)[:, -1, :]  # (1, V)
@@ -160,9 +167,10 @@ def _tokens(
         if step == 0:
             stats.prefill_seconds = elapsed
         else:
+            stats.decode_steps += 1
             stats.decode_seconds += elapsed
         if token in stops:
             return
         stats.generated_tokens += 1
         yield token
-        step_ids = asarray([[token]], backend=bk)  # (1, 1)
+        step_ids = asarray([[token]], backend=bk.name)  # (1, 1)

@@ -93,7 +93,7 @@ def _stored_dtype(folder: Path) -> str:
             f"load: no model.safetensors or model.safetensors.index.json in {str(folder)!r}"
         )
     with safe_open(file, framework="numpy") as f:
-        if name not in f.keys():
+        if name not in f.keys():  # noqa: SIM118 (safe_open has no __contains__)
             return "float32"  # the weight check reports the missing tensor
         kind = f.get_slice(name).get_dtype()
     if kind not in _SAFETENSORS_DTYPES:

@@ -32,7 +32,7 @@ class Block:
     attn: dict[str, Any]  # keyword arguments of portable_llm.attention
     o_bias: Any  # (E,) or None
     mlp: tuple[Any, ...] | None  # (w_gate, w_up, w_down) of a dense layer
-    mlp_bias: dict[str, Any]
+    mlp_options: dict[str, Any]  # act and biases: keyword arguments of portable_llm.mlp
     moe: dict[str, Any] | None  # arrays and keyword arguments of portable_llm.moe
 
     def __call__(self, h: Any, *, cache: Any, left_padding: Any, eps: float) -> Any:
@@ -46,7 +46,7 @@ class Block:
             m = moe(r, *self.moe["arrays"], **self.moe["options"])
         else:
             assert self.mlp is not None
-            m = mlp(r, *self.mlp, **self.mlp_bias)
+            m = mlp(r, *self.mlp, **self.mlp_options)
         return h + m
 
 
@@ -72,7 +72,7 @@ def _block(cfg: DecoderConfig, w: dict[str, Any], i: int) -> Block:
     }
     m = p + "mlp."
     dense = moe_args = None
-    bias: dict[str, Any] = {"act": cfg.hidden_act}
+    mlp_options: dict[str, Any] = {"act": cfg.hidden_act}
     if cfg.moe_layers[i]:
         options: dict[str, Any] = {
             "top_k": cfg.num_experts_per_tok,
@@ -83,18 +83,21 @@ def _block(cfg: DecoderConfig, w: dict[str, Any], i: int) -> Block:
             s = m + "shared_expert."
             options["shared"] = tuple(w[f"{s}{k}_proj.weight"] for k in ("gate", "up", "down"))
             options["shared_gate"] = w[m + "shared_expert_gate.weight"]
-        arrays = (w[m + "gate.weight"], *(w[f"{m}experts.{k}_proj"] for k in ("gate", "up", "down")))
+        arrays = (
+            w[m + "gate.weight"],
+            *(w[f"{m}experts.{k}_proj"] for k in ("gate", "up", "down")),
+        )
         moe_args = {"arrays": arrays, "options": options}
     else:
         dense = tuple(w[f"{m}{k}_proj.weight"] for k in ("gate", "up", "down"))
-        bias.update({f"b_{k}": w.get(f"{m}{k}_proj.bias") for k in ("gate", "up", "down")})
+        mlp_options.update({f"b_{k}": w.get(f"{m}{k}_proj.bias") for k in ("gate", "up", "down")})
     return Block(
         input_norm=w[p + "input_layernorm.weight"],
         post_norm=w[p + "post_attention_layernorm.weight"],
         attn=attn,
         o_bias=w.get(a + "o_proj.bias"),
         mlp=dense,
-        mlp_bias=bias,
+        mlp_options=mlp_options,
         moe=moe_args,
     )
 
@@ -167,7 +170,7 @@ class Model:
         """
         bk = self.backend
         if backend_of(ids) is not bk:
-            ids = asarray(ids, backend=bk)
+            ids = asarray(ids, backend=bk.name)
         if ids.ndim != 2:
             raise ValueError(f"model: ids must have shape (B, L), got {tuple(ids.shape)}")
         if cache is not None:

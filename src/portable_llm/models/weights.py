@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from portable_llm.backends import Backend
+from portable_llm.backends._base import FLOAT_DTYPES, numpy_bfloat16
 from portable_llm.models.config import DecoderConfig
 
 __all__ = ["CheckpointError", "expected_shapes", "read_weights"]
@@ -139,23 +140,23 @@ class _Sources:
         self.num_experts = cfg.num_experts
 
     def missing(self) -> list[str]:
+        """Expected tensors with no source; per-expert pieces by name when some are there."""
         out = []
         for name in self.expected:
+            stem, _, proj = name.rpartition(".")
             if name in self.direct:
                 continue
-            stem, _, proj = name.rpartition(".")
-            if proj in ("gate_up_proj", "down_proj") and stem.endswith(".experts"):
-                got = self.pieces.get(stem)
-                if got is not None or stem + ".gate_up_proj" not in self.direct:
-                    kinds = ("gate", "up") if proj == "gate_up_proj" else ("down",)
-                    for e in range(self.num_experts):
-                        for k in kinds:
-                            if got is None or (e, k) not in got:
-                                out.append(f"{stem}.{e}.{k}_proj.weight")
-                    if got is None:  # neither layout: name the stacked tensor too
-                        out.append(name)
+            got = self.pieces.get(stem) if stem.endswith(".experts") else None
+            if got is None:
+                out.append(name)  # the stacked tensor (or any other) itself
                 continue
-            out.append(name)
+            kinds = ("gate", "up") if proj == "gate_up_proj" else ("down",)
+            out += [
+                f"{stem}.{e}.{k}_proj.weight"
+                for e in range(self.num_experts)
+                for k in kinds
+                if (e, k) not in got
+            ]
         return out
 
     def extra_pieces(self) -> list[str]:
@@ -190,21 +191,21 @@ def _check(src: _Sources, handles: dict[Path, Any], path: Path) -> None:
         if got != want:
             bad.append(f"{file_name} {got} (config implies {want})")
     for stem, pieces in src.pieces.items():
-        X, two_i, E = src.expected[stem + ".gate_up_proj"]
+        _, two_i, E = src.expected[stem + ".gate_up_proj"]
         want_piece = {"gate": (two_i // 2, E), "up": (two_i // 2, E), "down": (E, two_i // 2)}
         for (_, kind), file_name in sorted(pieces.items()):
             got = _shape_of(src.files, file_name, handles)
             if got != want_piece[kind]:
                 bad.append(f"{file_name} {got} (config implies {want_piece[kind]})")
     if bad:
-        problems.append(f"tensors whose shape disagrees with config.json ({len(bad)}): {_listed(bad)}")
+        problems.append(
+            f"tensors whose shape disagrees with config.json ({len(bad)}): {_listed(bad)}"
+        )
     if problems:
         raise CheckpointError(f"load: checkpoint {str(path)!r}: " + "; ".join(problems))
 
 
-def read_weights(
-    path: str | Path, cfg: DecoderConfig, bk: Backend, dtype: Any
-) -> dict[str, Any]:
+def read_weights(path: str | Path, cfg: DecoderConfig, bk: Backend, dtype: Any) -> dict[str, Any]:
     """Check the checkpoint in ``path`` against ``cfg``, then read it into ``bk``'s arrays.
 
     Returns a dict from the names of :func:`expected_shapes` to arrays of ``dtype``, except that
@@ -238,13 +239,19 @@ def _host_tensors(src: _Sources, handles: dict[Path, Any]) -> Iterator[tuple[str
             if name in src.direct:
                 fused = read(src.direct[name])  # (X, 2I, E)
                 half = fused.shape[1] // 2
-                gate, up = np.ascontiguousarray(fused[:, :half]), np.ascontiguousarray(fused[:, half:])
+                gate, up = (
+                    np.ascontiguousarray(fused[:, :half]),
+                    np.ascontiguousarray(fused[:, half:]),
+                )
                 del fused
                 yield stem + ".gate_proj", gate
                 yield stem + ".up_proj", up
             else:
                 for kind in ("gate", "up"):
-                    yield f"{stem}.{kind}_proj", _stack(src.pieces[stem], kind, src.num_experts, read)
+                    yield (
+                        f"{stem}.{kind}_proj",
+                        _stack(src.pieces[stem], kind, src.num_experts, read),
+                    )
         elif name in src.direct:
             yield name, read(src.direct[name])
         else:
@@ -258,7 +265,13 @@ def _stack(
 
 
 def _to_backend(host: np.ndarray, bk: Backend, dtype: Any) -> Any:
-    if host.dtype.kind != "f" and host.dtype.name != "bfloat16":
+    """The backend's array in ``dtype``: cast there, or on the host when it lacks the stored
+    dtype (bfloat16 on array-api-strict, float64 on JAX without x64)."""
+    stored = "bfloat16" if host.dtype == numpy_bfloat16() else host.dtype.name
+    if stored not in FLOAT_DTYPES:
         raise CheckpointError(f"load: expected float tensors, got {host.dtype}")
+    if stored not in bk.float_dtypes():
+        name = bk.dtype_name(dtype)
+        host = host.astype(numpy_bfloat16() if name == "bfloat16" else np.dtype(name))
     arr = bk.from_numpy(host)
     return arr if arr.dtype == dtype else bk.astype(arr, dtype)

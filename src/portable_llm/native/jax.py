@@ -59,10 +59,21 @@ def linear(xp: Any, x: Any, weight: Any, bias: Any = None) -> Any:
 # -- attention ---------------------------------------------------------------------------------
 
 
+def _platform(x: Any) -> str:
+    try:
+        return str(next(iter(x.devices())).platform)
+    except jax.errors.ConcretizationTypeError:  # a tracer, inside the caller's jit
+        return str(jax.default_backend())
+
+
 def _sdpa_applies(q: Any, k: Any, v: Any, mask: Any, *, softcap: Any, **_: Any) -> bool:
     if softcap is not None:  # no score hook
         return False
-    if q.dtype == _F64:  # jax.nn.dot_product_attention takes the softmax in float32
+    if q.dtype == _F64:  # it takes the softmax in float32: 1.8e-7 error, beyond float64's tolerance
+        return False
+    if q.dtype == jnp.float16 and _platform(q) == "cpu":
+        # It asks for the F16_F16_F32 dot precision, which XLA's CPU backend rejects when the
+        # kernel is compiled (jit): eager calls fall back, compiled ones fail.
         return False
     return mask is None or q.ndim <= 4 or mask.ndim <= 2
 
@@ -71,11 +82,14 @@ def _4d(x: Any) -> Any:
     return None if x is None else x.reshape((1,) * (4 - x.ndim) + tuple(x.shape))
 
 
+# In bfloat16 it rounds the probabilities to the input dtype before the product with v, as HF's
+# eager attention does (within the tolerance).
 @native(
     "jax",
     "scaled_dot_product_attention",
     kernel="jax.nn.dot_product_attention",
     applies=_sdpa_applies,
+    pure=True,
 )
 def scaled_dot_product_attention(
     xp: Any,
@@ -138,16 +152,11 @@ _RAGGED = jax.lax.RaggedDotDimensionNumbers(
 )
 
 
-def _ragged_applies(x: Any, *_: Any, **__: Any) -> bool:
-    # Traced (jax.jit): the only static-shape way to gather tokens per expert. Eager on the CPU,
-    # XLA lowers ragged_dot to a loop over every group at full size (measured slower than
-    # running all experts densely), so auto takes the gather path with host-side counts there.
-    if isinstance(x, jax.core.Tracer):
-        return True
-    return bool(next(iter(x.devices())).platform != "cpu")
-
-
-@native("jax", "moe_experts", kernel="jax.lax.ragged_dot_general", applies=_ragged_applies)
+# Static shapes (one compiled program per token count, none per routing outcome), no host
+# sync, works under jax.jit. XLA:CPU lowers ragged_dot to a loop over every group at full size
+# (cost ~ X, measured slower than impl="dense" on the CPU); accelerator backends have their
+# own lowerings (not measured here). impl="portable" gathers with host-side counts instead.
+@native("jax", "moe_experts", kernel="jax.lax.ragged_dot_general")
 def moe_experts(
     xp: Any, x: Any, weights: Any, ids: Any, gate: Any, up: Any, down: Any, *,
     act: Any, linear: Any, to_host: Any,

@@ -125,8 +125,10 @@ def checkpoint_tensors(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
                 q = f"{p}block_sparse_moe.experts.{e}."
                 out[q + "w1.weight"] = out[q + "w3.weight"] = (I, E)
                 out[q + "w2.weight"] = (E, I)
-        elif mt == "qwen2_moe" and i not in cfg.get("mlp_only_layers", []) and (
-            (i + 1) % cfg.get("decoder_sparse_step", 1) == 0
+        elif (
+            mt == "qwen2_moe"
+            and i not in cfg.get("mlp_only_layers", [])
+            and ((i + 1) % cfg.get("decoder_sparse_step", 1) == 0)
         ):
             X, I = cfg["num_experts"], cfg["moe_intermediate_size"]  # noqa: E741
             out[p + "mlp.gate.weight"] = (X, E)

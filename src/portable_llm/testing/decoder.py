@@ -75,7 +75,8 @@ def decoder_logits(ids: Any, tensors: dict[str, np.ndarray], cfg: dict[str, Any]
             if n != "v":
                 y = ref.rope(y, positions, base, scaling=scaling, max_position_embeddings=mpe)
             heads.append(y)
-        o = ref.scaled_dot_product_attention(*heads, mask="causal", window=window)  # (H, L, D)
+        q, k, v = heads
+        o = ref.scaled_dot_product_attention(q, k, v, mask="causal", window=window)  # (H, L, D)
         o = o.transpose(1, 0, 2).reshape(L, H * D)
         h = h + ref.linear(o, t[a + "o_proj.weight"], t.get(a + "o_proj.bias"))
         x = ref.rms_norm(h, t[p + "post_attention_layernorm.weight"], eps)
@@ -94,7 +95,9 @@ def decoder_logits(ids: Any, tensors: dict[str, np.ndarray], cfg: dict[str, Any]
         else:
             m = p + "mlp."
             y = ref.linear(
-                ref.ACTIVATIONS[act](ref.linear(x, t[m + "gate_proj.weight"], t.get(m + "gate_proj.bias")))
+                ref.ACTIVATIONS[act](
+                    ref.linear(x, t[m + "gate_proj.weight"], t.get(m + "gate_proj.bias"))
+                )
                 * ref.linear(x, t[m + "up_proj.weight"], t.get(m + "up_proj.bias")),
                 t[m + "down_proj.weight"],
                 t.get(m + "down_proj.bias"),

@@ -1,0 +1,214 @@
+"""``portable-llm bench --model``: a whole checkpoint, per backend, next to transformers and mlx-lm.
+
+A random checkpoint of Qwen2-0.5B's shape (24 layers, E=896, I=4864, H=14, H_kv=2, V=151936,
+tied embeddings; about 494M parameters, 1 GB in bfloat16) is written once into a cache folder.
+Each engine then loads it (timed), and runs greedy generation twice with the same shapes: a
+128-token prompt and ``decode`` new tokens. The first run warms up (JAX compiles each op per
+shape, torch and MLX warm their allocators); the second is reported: prefill tokens/s (prompt
+tokens over the time to the first new token) and decode tokens/s (the later tokens). Every
+engine runs on the same checkpoint, in the same process, one after the other.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+
+from portable_llm.report import UsageError, backend_names, format_table
+from portable_llm.report import load as load_backend
+
+__all__ = ["QWEN2_0_5B", "run_model_bench", "write_bench_checkpoint"]
+
+#: Qwen2-0.5B's config.json, the fields a decoder reads.
+QWEN2_0_5B: dict[str, Any] = {
+    "model_type": "qwen2",
+    "architectures": ["Qwen2ForCausalLM"],
+    "vocab_size": 151936,
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": True,
+    "hidden_act": "silu",
+    "use_sliding_window": False,
+    "sliding_window": 32768,
+    "max_window_layers": 21,
+    "bos_token_id": 151643,
+    "eos_token_id": 151643,
+}
+PREFILL = 128
+DEFAULT_CACHE = Path.home() / ".cache" / "portable_llm" / "bench"
+
+# (prompt ids (1, L), new tokens) -> (prefill seconds, decode seconds of the new tokens after 1)
+Runner = Callable[[np.ndarray, int], tuple[float, float]]
+
+
+def write_bench_checkpoint(
+    cache_dir: str | Path | None = None, config: dict[str, Any] | None = None
+) -> Path:
+    """The benchmark checkpoint folder, written (bfloat16) on first use."""
+    from portable_llm.testing.checkpoints import write_checkpoint
+
+    cfg = config or QWEN2_0_5B
+    name = f"{cfg['model_type']}-L{cfg['num_hidden_layers']}-E{cfg['hidden_size']}-random"
+    folder = Path(cache_dir or DEFAULT_CACHE) / name
+    if not (folder / "model.safetensors").is_file():
+        write_checkpoint(folder, cfg, seed=0, dtype="bfloat16")
+    return folder
+
+
+def _ours(folder: Path, backend: str, dtype: str) -> tuple[float, Runner]:
+    from portable_llm.models.generate import generate
+    from portable_llm.models.loader import load
+
+    start = time.perf_counter()
+    model = load(folder, backend=backend, dtype=dtype)
+    loaded = time.perf_counter() - start
+
+    def run(ids: np.ndarray, n: int) -> tuple[float, float]:
+        gen = generate(model, ids[0], max_new_tokens=n, stop=())
+        for _ in gen:
+            pass
+        return gen.stats.prefill_seconds, gen.stats.decode_seconds
+
+    return loaded, run
+
+
+def _transformers(folder: Path, dtype: str) -> tuple[float, Runner]:
+    import torch
+    import transformers
+
+    start = time.perf_counter()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
+    hf.eval()
+    loaded = time.perf_counter() - start
+
+    @torch.no_grad()
+    def run(ids: np.ndarray, n: int) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        out = hf(torch.from_numpy(ids), use_cache=True)
+        token = out.logits[:, -1, :].argmax(-1, keepdim=True)  # (1, 1)
+        token.item()
+        t1 = time.perf_counter()
+        past = out.past_key_values
+        for _ in range(n - 1):
+            out = hf(token, past_key_values=past, use_cache=True)
+            past, token = out.past_key_values, out.logits[:, -1, :].argmax(-1, keepdim=True)
+            token.item()
+        return t1 - t0, time.perf_counter() - t1
+
+    return loaded, run
+
+
+def _mlx_lm(folder: Path, dtype: str) -> tuple[float, Runner]:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model
+
+    start = time.perf_counter()
+    model, _ = load_model(folder)
+    model.set_dtype(getattr(mx, dtype))
+    mx.eval(model.parameters())
+    loaded = time.perf_counter() - start
+
+    def run(ids: np.ndarray, n: int) -> tuple[float, float]:
+        cache = make_prompt_cache(model)
+        t0 = time.perf_counter()
+        token = mx.argmax(model(mx.array(ids), cache=cache)[:, -1, :], axis=-1, keepdims=True)
+        mx.eval(token)
+        t1 = time.perf_counter()
+        for _ in range(n - 1):
+            token = mx.argmax(model(token, cache=cache)[:, -1, :], axis=-1, keepdims=True)
+            mx.eval(token)
+        return t1 - t0, time.perf_counter() - t1
+
+    return loaded, run
+
+
+def _row(
+    engine: str,
+    backend: str,
+    dtype: str,
+    make: Callable[[], tuple[float, Runner]],
+    decode: int,
+    ids: np.ndarray,
+) -> list[str]:
+    loaded, run = make()
+    first = run(ids, decode)
+    prefill, dec = run(ids, decode)
+    del run
+    gc.collect()
+    return [
+        engine,
+        backend,
+        dtype,
+        f"{loaded:.2f} s",
+        f"{PREFILL / prefill:.1f}",
+        f"{(decode - 1) / dec:.2f}" if decode > 1 and dec > 0 else "-",
+        f"{sum(first):.2f} s",
+    ]
+
+
+_HEADERS = ("engine", "backend", "dtype", "load", f"prefill tok/s (L={PREFILL})", "decode tok/s",
+            "warm-up run")  # fmt: skip
+
+
+def run_model_bench(
+    backends: Sequence[str] | None = None,
+    *,
+    dtype: str = "float32",
+    quick: bool = False,
+    cache_dir: str | Path | None = None,
+    config: dict[str, Any] | None = None,
+    file: TextIO | None = None,
+) -> int:
+    """Benchmark the checkpoint on every selected backend and on the installed oracles."""
+    out = file if file is not None else sys.stdout
+    names = backend_names(backends)
+    decode = 8 if quick else 32
+    start = time.perf_counter()
+    folder = write_bench_checkpoint(cache_dir, config)
+    print(f"checkpoint: {folder} (ready in {time.perf_counter() - start:.1f} s)", file=out)
+    rows: list[list[str]] = []
+    vocab = (config or QWEN2_0_5B)["vocab_size"]
+    ids = np.random.default_rng(0).integers(0, min(vocab, 1000), size=(1, PREFILL))
+    for name in names:
+        bk = load_backend(name, out, x64=False)
+        if bk is None:
+            continue
+        if dtype not in bk.float_dtypes():
+            print(f"   skipped: no {dtype} on {name} ({', '.join(bk.float_dtypes())})", file=out)
+            continue
+        engines = [("portable_llm", partial(_ours, folder, name, dtype))]
+        if name == "torch" and _installed("transformers"):
+            engines.append(("transformers", partial(_transformers, folder, dtype)))
+        if name == "mlx" and _installed("mlx_lm"):
+            engines.append(("mlx-lm", partial(_mlx_lm, folder, dtype)))
+        rows.extend(_row(engine, name, dtype, make, decode, ids) for engine, make in engines)
+    if not rows:
+        raise UsageError("no selected backend is installed")
+    print(format_table(_HEADERS, rows), file=out)
+    print(
+        f"\ngreedy decoding of {decode} tokens after a {PREFILL}-token prompt, twice; the second "
+        "run is reported (the warm-up column is the first: compilation, allocation). "
+        "transformers runs next to the torch backend, mlx-lm next to the mlx backend.",
+        file=out,
+    )
+    return 0
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
