@@ -17,8 +17,8 @@ from portable_llm.cache import KVCache, RotatingKVCache
 from portable_llm.embedding import embedding, unembed
 from portable_llm.linear import intermediate_size, linear, mlp
 from portable_llm.mask import causal_mask
-from portable_llm.moe import moe, route
 from portable_llm.models import Model, generate, load
+from portable_llm.moe import moe, route
 from portable_llm.norm import rms_norm
 from portable_llm.padding import left_pad
 from portable_llm.rope import apply_rope, rope, rope_cos_sin

@@ -197,6 +197,12 @@ def pick(bk: Backend, op: str, impl: str, *args: Any, **options: Any) -> Callabl
         raise ValueError(f"{op}: impl must be one of {known}, got {impl!r}") from None
 
 
+def auto_portable_name(op: str, *args: Any, **options: Any) -> str:
+    """The portable implementation ``impl="auto"`` falls back to for these arguments."""
+    chooser = _AUTO_PORTABLE.get(op)
+    return chooser(*args, **options) if chooser else "portable"
+
+
 def portable_impls(op: str) -> tuple[str, ...]:
     """Names of the portable implementations registered for ``op``."""
     return tuple(_PORTABLE[op])

@@ -21,7 +21,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from portable_llm import reference
-from portable_llm._dispatch import pick
+from portable_llm._dispatch import auto_portable_name, pick
 from portable_llm.activations import activation_op, gelu, gelu_tanh, relu, silu, softmax
 from portable_llm.arrays import asarray, to_numpy
 from portable_llm.attention import attention
@@ -357,16 +357,19 @@ def path_of(bk: Backend, route: Route) -> tuple[str, bool]:
     used = False
     for op, args, options in route:
         nat = bk.native.get(op)
+        fallback = auto_portable_name(op, *args, **options)
         if nat is None:
-            parts.append((op, "portable"))
+            parts.append((op, fallback))
         elif pick(bk, op, "auto", *args, **options) is nat.fn:
             parts.append((op, nat.kernel))
             used = True
         else:
-            parts.append((op, f"portable ({nat.kernel} not taken by auto)"))
+            parts.append((op, f"{fallback} ({nat.kernel} not taken by auto)"))
     if len(parts) == 1:
         return parts[0][1], used
-    return (" + ".join(f"{op}: {k}" for op, k in parts) if used else "portable"), used
+    if not used and all(k == "portable" for _, k in parts):
+        return "portable", used
+    return " + ".join(f"{op}: {k}" for op, k in parts), used
 
 
 def _check(bk: Backend, case: Case, dtype: str, impl: str, path: str, inputs: Inputs) -> Row:

@@ -20,7 +20,7 @@ class MlxBackend(Backend):
 
         self.mx = mx
         self.xp = make_namespace(mx)
-        self.version = mx.__version__
+        self.version = str(getattr(mx, "__version__", "unknown"))
         self._set_dtypes(
             {
                 "float16": mx.float16,
