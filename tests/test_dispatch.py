@@ -188,3 +188,34 @@ def test_impl_selection(backend):
         pl.rms_norm(x, w, impl="fast")
     for impl in IMPLS:
         assert impl in str(info.value)
+
+
+def test_auto_choice_cached_by_dtype_follows_the_dtype(backend):
+    # pick() caches a dtype-only choice per (op, dtype): alternating dtypes must still get
+    # each dtype's own choice, the same as the uncached rule (Native.auto).
+    from portable_llm._dispatch import _portable, pick
+
+    bk = pl.get_backend(backend)
+    nat = bk.native.get("rms_norm")
+    for _ in range(2):
+        for dtype in bk.float_dtypes():
+            x = pl.asarray(np.ones((2, 8)), backend=backend, dtype=dtype)
+            w = pl.asarray(np.ones(8), backend=backend, dtype=dtype)
+            chosen = pick(bk, "rms_norm", "auto", x, w, eps=1e-5)
+            if nat is not None and nat.auto(x, w, eps=1e-5):
+                assert chosen is nat.fn, dtype
+            else:
+                assert chosen is _portable(bk, "rms_norm", "portable"), dtype
+
+
+def test_resolve_pair_matches_resolve(backend):
+    from portable_llm.backends import resolve_pair
+
+    x = pl.asarray(np.ones(3), backend=backend)
+    bk, a, b = resolve_pair("op", None, x, x)
+    assert (bk, (a, b)) == (resolve("op", None, x, x)[0], (x, x))
+    with pytest.raises(TypeError, match="op: no array argument"):
+        resolve_pair("op", None, 1.0, 2.0)
+    if backend != "numpy":  # two libraries without backend=: the TypeError names both
+        with pytest.raises(TypeError, match=f"numpy and {backend}|{backend} and numpy"):
+            resolve_pair("op", None, np.ones(3), x)

@@ -171,13 +171,20 @@ def pick(bk: Backend, op: str, impl: str, *args: Any, **options: Any) -> Callabl
         if nat is not None:
             if nat.plain:
                 return nat.fn
-            if nat.applies is None:  # dtype rule only: one set lookup, no extra call
-                if args[0].dtype in nat._auto_set:
-                    return nat.fn
-            elif nat.auto(*args, **options):
+            if nat.applies is None:  # dtype rule only: one dict lookup once seen
+                key = (op, args[0].dtype)
+                fn = bk.auto_by_dtype.get(key)
+                if fn is None:
+                    if key[1] in nat._auto_set:
+                        fn = bk.auto_by_dtype[key] = nat.fn
+                    else:  # cached only when no chooser looks at the shapes
+                        fn = _auto_portable(bk, op, args, options)
+                        if op not in _AUTO_PORTABLE:
+                            bk.auto_by_dtype[key] = fn
+                return fn
+            if nat.auto(*args, **options):
                 return nat.fn
-        chooser = _AUTO_PORTABLE.get(op)
-        return _portable(bk, op, chooser(*args, **options) if chooser else "portable")
+        return _auto_portable(bk, op, args, options)
     if impl == "native":
         nat = bk.native.get(op)
         if nat is None:
@@ -195,6 +202,12 @@ def pick(bk: Backend, op: str, impl: str, *args: Any, **options: Any) -> Callabl
     except KeyError:
         known = (*IMPLS, *(k for k in _PORTABLE[op] if k not in IMPLS))
         raise ValueError(f"{op}: impl must be one of {known}, got {impl!r}") from None
+
+
+def _auto_portable(
+    bk: Backend, op: str, args: tuple[Any, ...], options: dict[str, Any]
+) -> Callable[..., Any]:
+    return _portable(bk, op, auto_portable_name(op, *args, **options))
 
 
 def auto_portable_name(op: str, *args: Any, **options: Any) -> str:

@@ -6,7 +6,7 @@ from typing import Any
 
 from portable_llm._checks import check_float, check_ndim, float_compute_dtype
 from portable_llm._dispatch import pick, portable
-from portable_llm.backends import Backend, resolve
+from portable_llm.backends import Backend, resolve_pair
 
 __all__ = ["rms_norm"]
 
@@ -52,19 +52,20 @@ def rms_norm(
     -------
     array, shape ``(N.., D)``, x's dtype
     """
-    bk, (x, weight) = resolve("rms_norm", backend, x, weight)
-    # One combined test on the hot path; the detailed checks only run to word the error.
-    floats, dtype = bk.float_set, x.dtype
+    bk, x, weight = resolve_pair("rms_norm", backend, x, weight)
+    # One combined test on the hot path (each attribute read once: on torch every read costs
+    # ~0.1 us, which the 1.3x dispatch budget of a tiny call notices); the detailed checks only
+    # run to word the error. ``weight.shape != shape[-1:]`` covers weight.ndim == 1 as well.
+    floats, dtype, w_dtype, shape = bk.float_set, x.dtype, weight.dtype, x.shape
     if (
         dtype not in floats
-        or weight.dtype not in floats
-        or weight.ndim != 1
-        or x.ndim == 0
-        or weight.shape[0] != x.shape[-1]
+        or w_dtype not in floats
+        or not shape
+        or weight.shape != shape[-1:]
         or not eps >= 0  # also rejects NaN
     ):
         _raise_bad_input(bk, x, weight, eps)
-    if weight.dtype != dtype:
+    if w_dtype != dtype:
         weight = bk.astype(weight, dtype)
     return pick(bk, "rms_norm", impl, x, weight, eps=eps)(bk.xp, x, weight, eps=eps)
 
