@@ -311,3 +311,28 @@ def test_route_rejects_bad_input(backend):
     w64, _ = random_array(0, (X, E), "float64", backend=backend)
     with pytest.raises(TypeError, match="route: arrays must share one dtype"):
         pl.route(a["x"], w64, top_k=2, norm_topk_prob=True)
+
+
+def test_jax_auto_takes_ragged_dot_only_where_it_pays(backend):
+    # XLA:CPU's ragged_dot is slower than the gather: eager CPU calls take the gather, traced
+    # calls (which cannot run the gather) take ragged_dot; impl="native" always runs it.
+    if backend != "jax":
+        pytest.skip("ragged_dot is JAX's")
+    import jax
+
+    from portable_llm._dispatch import _portable, pick
+
+    bk = pl.get_backend("jax")
+    nat = bk.native["moe_experts"]
+    inp = _inputs(6, "float32", "jax", (2, 3), 2)
+    a = inp.arrays
+    x = a["x"].reshape(-1, E)
+    ids = jax.numpy.zeros((6, 2), dtype=jax.numpy.int32)
+    args = (x, ids, ids, a["gate"], a["up"], a["down"])
+    assert pick(bk, "moe_experts", "native", *args) is nat.fn
+    on_cpu = jax.default_backend() == "cpu"
+    eager = pick(bk, "moe_experts", "auto", *args)
+    assert eager is (_portable(bk, "moe_experts", "portable") if on_cpu else nat.fn)
+    seen = []
+    jax.jit(lambda x: seen.append(pick(bk, "moe_experts", "auto", x, *args[1:])) or x)(x)
+    assert seen == [nat.fn]

@@ -46,10 +46,13 @@ class Native:
     ``impl="native"`` is an error. ``auto_dtypes`` (``None``: all) are the dtype names of the
     first array for which ``auto`` takes the kernel: a kernel that computes the op but rounds in
     another order, or at lower precision, than the reference for some dtype leaves it out
-    (``impl="native"`` still runs it). ``kernel`` names the library function, for reports.
+    (``impl="native"`` still runs it). ``prefer(*arrays, **options)`` (``None``: always) says
+    whether ``auto`` should take a kernel that applies, for kernels that are slower than the
+    portable path in some settings (a platform, eager calls). ``kernel`` names the library
+    function, for reports.
     """
 
-    __slots__ = ("_auto_set", "applies", "auto_dtypes", "fn", "kernel", "plain", "pure")
+    __slots__ = ("_auto_set", "applies", "auto_dtypes", "fn", "kernel", "plain", "prefer", "pure")
 
     def __init__(
         self,
@@ -58,14 +61,16 @@ class Native:
         applies: Callable[..., bool] | None = None,
         auto_dtypes: tuple[str, ...] | None = None,
         pure: bool = False,
+        prefer: Callable[..., bool] | None = None,
     ) -> None:
         self.fn = fn
+        self.prefer = prefer
         self.pure = pure
         self.kernel = kernel
         self.applies = applies
         self.auto_dtypes = auto_dtypes
         #: True when auto always takes it: pick() then costs one dict lookup.
-        self.plain = applies is None and auto_dtypes is None
+        self.plain = applies is None and auto_dtypes is None and prefer is None
         self._auto_set: frozenset[Any] = frozenset()
 
     def bind(self, bk: Backend) -> Native:
@@ -82,7 +87,9 @@ class Native:
         """Whether ``impl="auto"`` takes this kernel for these arguments."""
         if self.auto_dtypes is not None and args[0].dtype not in self._auto_set:
             return False
-        return self.applies is None or self.applies(*args, **options)
+        if self.applies is not None and not self.applies(*args, **options):
+            return False
+        return self.prefer is None or self.prefer(*args, **options)
 
 
 def portable(
@@ -138,14 +145,17 @@ def native(
     applies: Callable[..., bool] | None = None,
     auto_dtypes: tuple[str, ...] | None = None,
     pure: bool = False,
+    prefer: Callable[..., bool] | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register ``fn`` as ``backend``'s native kernel for ``op`` (used in native modules).
 
     ``pure``: as for :func:`portable`, the backend may compile it (``Backend.compile``).
+    ``applies``, ``auto_dtypes``, ``prefer``: see :class:`Native`.
     """
 
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
-        _NATIVE.setdefault(backend, {})[op] = Native(fn, kernel, applies, auto_dtypes, pure)
+        nat = Native(fn, kernel, applies, auto_dtypes, pure, prefer)
+        _NATIVE.setdefault(backend, {})[op] = nat
         return fn
 
     return deco
@@ -171,7 +181,7 @@ def pick(bk: Backend, op: str, impl: str, *args: Any, **options: Any) -> Callabl
         if nat is not None:
             if nat.plain:
                 return nat.fn
-            if nat.applies is None:  # dtype rule only: one dict lookup once seen
+            if nat.applies is None and nat.prefer is None:  # dtype rule: one lookup once seen
                 key = (op, args[0].dtype)
                 fn = bk.auto_by_dtype.get(key)
                 if fn is None:

@@ -223,7 +223,8 @@ def moe(
         expert on its own tokens; the per-expert counts are read back to the host (one sync per
         call), so it cannot run under ``jax.jit``. ``"native"``: ``jax.lax.ragged_dot`` (JAX:
         static shapes, works under ``jax.jit``) or ``mx.gather_mm`` (MLX, float32 on the CPU).
-        ``"auto"``: the native kernel where there is one, the portable one otherwise.
+        ``"auto"``: the native kernel where there is one and it is faster (on JAX's CPU,
+        ``ragged_dot`` only under ``jax.jit``), the portable one otherwise.
         ``"dense"``: every expert on every token (static shapes, cost grows with X; the
         baseline the benchmark compares against). The projections use ``impl="portable"``
         under ``"portable"``, ``"auto"`` otherwise.
