@@ -67,7 +67,11 @@ def rms_norm(
         _raise_bad_input(bk, x, weight, eps)
     if w_dtype != dtype:
         weight = bk.astype(weight, dtype)
-    return pick(bk, "rms_norm", impl, x, weight, eps=eps)(bk.xp, x, weight, eps=eps)
+    # auto's choice for a dtype, once pick() has cached it (dtype-only rules), skips the call.
+    fn = bk.auto_by_dtype.get(("rms_norm", dtype)) if impl == "auto" else None
+    if fn is None:
+        fn = pick(bk, "rms_norm", impl, x, weight, eps=eps)
+    return fn(bk.xp, x, weight, eps=eps)
 
 
 def _raise_bad_input(bk: Backend, x: Any, weight: Any, eps: float) -> None:
