@@ -165,3 +165,15 @@ def test_bench_quick_prints_times_and_ratios(backend, capsys):
     gate = [line for line in out.splitlines() if line.startswith("gate rms_norm (1, 896)")]
     assert len(gate) == 1
     assert re.search(r"\d\.\d\d (PASS|FAIL)$" if has_native else r"n/a", gate[0])
+
+
+def test_bench_skips_a_backend_without_the_dtype(monkeypatch, capsys):
+    numpy_bk = get_backend("numpy")
+    monkeypatch.setattr(numpy_bk, "float_dtypes", lambda: ("float32", "float64"))
+    code = main(
+        ["bench", "--quick", "--backend", "numpy", "--op", "rms_norm", "--dtype", "float16"]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "skipped: no float16 on numpy (float32, float64)" in out
+    assert _tables(out) == []

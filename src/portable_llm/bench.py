@@ -27,7 +27,7 @@ from portable_llm.cache import KVCache
 from portable_llm.linear import linear, mlp
 from portable_llm.moe import moe
 from portable_llm.norm import rms_norm
-from portable_llm.report import UsageError, backend_names, format_table, load
+from portable_llm.report import UsageError, backend_names, format_table, load_for_dtype
 from portable_llm.rope import rope
 from portable_llm.sdpa import scaled_dot_product_attention
 from portable_llm.testing import random_array, random_weight
@@ -396,11 +396,8 @@ def run_bench(
     rows: list[list[str]] = []
     gates: list[str] = []
     for name in names:
-        bk = load(name, out, x64=False)
+        bk = load_for_dtype(name, dtype, out)
         if bk is None:
-            continue
-        if dtype not in bk.float_dtypes():
-            print(f"   skipped: no {dtype} on {name} ({', '.join(bk.float_dtypes())})", file=out)
             continue
         direct = DIRECT[name]() if name in DIRECT else {}
         sync = _sync(bk)

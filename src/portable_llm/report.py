@@ -463,6 +463,16 @@ def load(name: str, file: TextIO, *, x64: bool = True) -> Backend | None:
     return bk
 
 
+def load_for_dtype(name: str, dtype: str, file: TextIO) -> Backend | None:
+    """:func:`load` (JAX without x64) for a benchmark in ``dtype``; ``None`` after printing why
+    the backend is skipped (not installed, or ``dtype`` is not among its float dtypes)."""
+    bk = load(name, file, x64=False)
+    if bk is not None and dtype not in bk.float_dtypes():
+        print(f"   skipped: no {dtype} on {name} ({', '.join(bk.float_dtypes())})", file=file)
+        return None
+    return bk
+
+
 _HEADERS = ("op", "dtype", "impl", "path", "max abs err", "max rel err", "rtol/atol", "result")
 
 

@@ -21,8 +21,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from portable_llm.report import UsageError, backend_names, format_table
-from portable_llm.report import load as load_backend
+from portable_llm.report import UsageError, backend_names, format_table, load_for_dtype
 
 __all__ = ["QWEN2_0_5B", "run_model_bench", "write_bench_checkpoint"]
 
@@ -184,11 +183,7 @@ def run_model_bench(
     vocab = (config or QWEN2_0_5B)["vocab_size"]
     ids = np.random.default_rng(0).integers(0, min(vocab, 1000), size=(1, PREFILL))
     for name in names:
-        bk = load_backend(name, out, x64=False)
-        if bk is None:
-            continue
-        if dtype not in bk.float_dtypes():
-            print(f"   skipped: no {dtype} on {name} ({', '.join(bk.float_dtypes())})", file=out)
+        if load_for_dtype(name, dtype, out) is None:
             continue
         engines = [("portable_llm", partial(_ours, folder, name, dtype))]
         if name == "torch" and _installed("transformers"):
