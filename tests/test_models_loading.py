@@ -25,6 +25,7 @@ from portable_llm.models import (
 )
 from portable_llm.models.bench import QWEN2_0_5B, run_model_bench
 from portable_llm.models.tokenizer import read_tokenizer
+from portable_llm.report import UsageError
 from portable_llm.rope_scaling import ROPE_TYPES
 from portable_llm.testing import assert_close
 from portable_llm.testing.checkpoints import (
@@ -301,10 +302,13 @@ def test_generate_command_errors(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "tokenizer.json" in capsys.readouterr().err
 
 
+_SMALL_BENCH = {**QWEN2_0_5B, "num_hidden_layers": 1, "vocab_size": 512, "hidden_size": 32}
+_SMALL_BENCH.update(intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+
+
 def test_model_bench(tmp_path: Path) -> None:
     """The model benchmark on a small checkpoint, NumPy only: one row with positive speeds."""
-    cfg = {**QWEN2_0_5B, "num_hidden_layers": 1, "vocab_size": 512, "hidden_size": 32}
-    cfg.update(intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+    cfg = _SMALL_BENCH
     out = io.StringIO()
     assert run_model_bench(["numpy"], quick=True, cache_dir=tmp_path, config=cfg, file=out) == 0
     rows = [line.split() for line in out.getvalue().splitlines() if line.startswith("portable")]
@@ -312,3 +316,14 @@ def test_model_bench(tmp_path: Path) -> None:
     engine, backend, dtype, load_s, unit, prefill, decode, *_ = rows[0]
     assert (engine, backend, dtype, unit) == ("portable_llm", "numpy", "float32", "s")
     assert float(load_s) >= 0 and float(prefill) > 0 and float(decode) > 0
+
+
+def test_model_bench_without_a_backend_for_the_dtype(tmp_path: Path) -> None:
+    """array-api-strict has no float16 (or is not installed): nothing to run is a usage error."""
+    out = io.StringIO()
+    with pytest.raises(UsageError, match="no selected backend is installed with float16"):
+        run_model_bench(
+            ["array_api_strict"], dtype="float16", quick=True, cache_dir=tmp_path,
+            config=_SMALL_BENCH, file=out,
+        )  # fmt: skip
+    assert "skipped" in out.getvalue()

@@ -192,7 +192,7 @@ def run_model_bench(
             engines.append(("mlx-lm", partial(_mlx_lm, folder, dtype)))
         rows.extend(_row(engine, name, dtype, make, decode, ids) for engine, make in engines)
     if not rows:
-        raise UsageError("no selected backend is installed")
+        raise UsageError(f"no selected backend is installed with {dtype}")
     print(format_table(_HEADERS, rows), file=out)
     print(
         f"\ngreedy decoding of {decode} tokens after a {PREFILL}-token prompt, twice; the second "
