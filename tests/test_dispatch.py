@@ -174,6 +174,27 @@ def test_arrays_stay_on_their_device():
     assert pl.device_of(y) == pl.get_backend(b).device("cpu")
 
 
+def test_converted_inputs_join_the_device_of_the_calls_arrays():
+    """backend= converts a foreign (NumPy) weight onto x's device, not the default device."""
+    pytest.importorskip("array_api_strict")
+    b = "array_api_strict"
+    x_host = random_array(0, (3, 8), "float32")[0]
+    w_host = np.linspace(0.5, 1.5, 8, dtype=np.float32)
+    x = pl.asarray(x_host, backend=b, device="device1")
+    out = pl.rms_norm(x, w_host, backend=b)
+    assert_close(out, reference.rms_norm(x_host, w_host, 1e-5), backend=b, dtype="float32",
+                 device="device1")  # fmt: skip
+    # The weight first: the device still comes from the call's own array, wherever it stands.
+    y = pl.linear(x_host, pl.asarray(np.ones((4, 8), np.float32), backend=b, device="device1"),
+                  backend=b)  # fmt: skip
+    assert pl.device_of(y) == pl.get_backend(b).device("device1")
+    assert_close(y, x_host.astype(np.float64) @ np.ones((8, 4)), backend=b, dtype="float32",
+                 device="device1")  # fmt: skip
+    # With no array of the backend in the call, its default device.
+    z = pl.silu(x_host, backend=b)
+    assert pl.device_of(z) == pl.device_of(pl.asarray([0.0], backend=b))
+
+
 def test_impl_selection(backend):
     x = pl.asarray([[0.5, -1.0, 2.0]], backend=backend, dtype="float32")
     w = pl.asarray([1.0, 2.0, 3.0], backend=backend, dtype="float32")

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import portable_llm as pl
+from portable_llm.testing import assert_close
 
 
 def arr(backend, shape, dtype="float32"):
@@ -51,6 +52,25 @@ def test_rms_norm_scalar_input(backend):
 def test_unary_ops_reject_integers(backend, op):
     with pytest.raises(TypeError, match=f"{op}: x must have a float dtype .*got int32 with shape"):
         getattr(pl, op)(arr(backend, (3,), "int32"))
+
+
+@pytest.mark.parametrize("eps", ["1e-6", None, [1e-6]])
+def test_rms_norm_eps_not_a_number(backend, eps):
+    with pytest.raises(
+        TypeError, match=re.escape(f"rms_norm: eps must be a real number >= 0, got {eps!r}")
+    ):
+        pl.rms_norm(arr(backend, (2, 4)), arr(backend, (4,)), eps=eps)
+
+
+@pytest.mark.parametrize("axis", [True, 1.0, "1", None])
+def test_softmax_axis_not_an_int(backend, axis):
+    with pytest.raises(TypeError, match=re.escape(f"softmax: axis must be an int, got {axis!r}")):
+        pl.softmax(arr(backend, (2, 3)), axis=axis)
+
+
+def test_softmax_axis_accepts_numpy_ints(backend):
+    x = arr(backend, (2, 3))
+    assert_close(pl.softmax(x, axis=np.int64(0)), pl.softmax(x, axis=0))
 
 
 def test_softmax_axis_out_of_range(backend):

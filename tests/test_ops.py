@@ -146,6 +146,35 @@ def test_silu_float16_minus_1e4_is_not_nan(backend):
     assert out[0] == 0.0 and out[1] == 0.0 and out[2] == np.float16(6e4)
 
 
+@pytest.mark.parametrize("impl", ["auto", "portable"])
+def test_rms_norm_float16_accumulates_in_float32(backend, impl):
+    """Values near 300: every square (~9e4) overflows float16 (max 65504), the result does not.
+
+    A mean of squares taken in float16 gives inf, then zeros; float32 accumulation, as the
+    contract says, gives the reference values.
+    """
+    if "float16" not in pl.get_backend(backend).float_dtypes():
+        pytest.skip(f"{backend} has no float16")
+    x, xr = random_array(3, (2, 64), "float16", backend=backend, low=250, high=350)
+    w, wr = random_array(4, (64,), "float16", backend=backend, low=0.5, high=1.5)
+    out = pl.rms_norm(x, w, eps=1e-6, impl=impl)
+    assert_close(out, reference.rms_norm(xr, wr, 1e-6), backend=backend, dtype="float16")
+
+
+@pytest.mark.parametrize("impl", ["auto", "portable"])
+def test_softmax_float16_accumulates_in_float32(backend, impl):
+    """70000 near-equal logits: their exponentials sum past float16's max (65504).
+
+    A float16 sum overflows to inf and every probability rounds to 0; with the float32 sum each
+    is about 1/70000 (1.4e-5, a float16 subnormal), as the float64 reference says.
+    """
+    if "float16" not in pl.get_backend(backend).float_dtypes():
+        pytest.skip(f"{backend} has no float16")
+    x, xr = random_array(5, (1, 70000), "float16", backend=backend, low=-0.01, high=0.01)
+    out = pl.softmax(x, impl=impl)
+    assert_close(out, reference.softmax(xr, -1), backend=backend, dtype="float16")
+    assert np.all(pl.to_numpy(out) > 0)
+
 def test_relu_propagates_nan(backend):
     x = pl.asarray([float("nan"), -1.0, 2.0], backend=backend, dtype="float32")
     out = pl.to_numpy(pl.relu(x))

@@ -6,6 +6,7 @@ Every activation computes in float32 (float64 for float64 input) and returns the
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 from portable_llm._checks import check_float, check_ndim, float_compute_dtype
@@ -163,7 +164,10 @@ def softmax(x: Any, /, *, axis: int = -1, impl: str = "auto", backend: str | Non
     bk, (x,) = resolve("softmax", backend, x)
     check_float("softmax", "x", x, bk)
     check_ndim("softmax", "x", x, 1, "N.. x D")
-    if not isinstance(axis, int) or not -x.ndim <= axis < x.ndim:
+    if isinstance(axis, bool) or not isinstance(axis, numbers.Integral):
+        raise TypeError(f"softmax: axis must be an int, got {axis!r}")
+    axis = int(axis)
+    if not -x.ndim <= axis < x.ndim:
         raise ValueError(f"softmax: axis={axis!r} is out of range for x of shape {tuple(x.shape)}")
     return pick(bk, "softmax", impl, x, axis=axis)(bk.xp, x, axis=axis)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 from portable_llm._checks import check_float, check_ndim, float_compute_dtype
@@ -57,13 +58,17 @@ def rms_norm(
     # ~0.1 us, which the 1.3x dispatch budget of a tiny call notices); the detailed checks only
     # run to word the error. ``weight.shape != shape[-1:]`` covers weight.ndim == 1 as well.
     floats, dtype, w_dtype, shape = bk.float_set, x.dtype, weight.dtype, x.shape
-    if (
-        dtype not in floats
-        or w_dtype not in floats
-        or not shape
-        or weight.shape != shape[-1:]
-        or not eps >= 0  # also rejects NaN
-    ):
+    try:  # a try costs nothing in 3.11 unless it raises
+        bad = (
+            dtype not in floats
+            or w_dtype not in floats
+            or not shape
+            or weight.shape != shape[-1:]
+            or not eps >= 0  # also rejects NaN
+        )
+    except TypeError:  # eps is not a number
+        bad = True
+    if bad:
         _raise_bad_input(bk, x, weight, eps)
     if w_dtype != dtype:
         weight = bk.astype(weight, dtype)
@@ -83,4 +88,6 @@ def _raise_bad_input(bk: Backend, x: Any, weight: Any, eps: float) -> None:
             f"rms_norm: weight must have shape ({x.shape[-1]},) to match the last dimension of x "
             f"(shape {tuple(x.shape)}), got {tuple(weight.shape)}"
         )
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"rms_norm: eps must be a real number >= 0, got {eps!r}")
     raise ValueError(f"rms_norm: eps must be >= 0, got {eps!r}")

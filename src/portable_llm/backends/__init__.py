@@ -163,7 +163,8 @@ def resolve(
 
     ``backend=None``: the backend is inferred from the arrays (Python scalars and ``None``
     ignored); arrays of two different libraries are a ``TypeError`` naming both. A name: arrays
-    of other libraries are converted to that backend (DLPack where it works, NumPy otherwise).
+    of other libraries are converted to that backend (DLPack where it works, NumPy otherwise),
+    onto the device of the call's first array of that backend (its default device if none).
     """
     if backend is None:
         bk: Backend | None = None
@@ -183,9 +184,17 @@ def resolve(
             raise TypeError(f"{op}: no array argument to infer the backend from; pass backend=")
         return bk, arrays
     bk = get_backend(backend)
-    out = []
-    for a in arrays:
-        t = type(a)
-        b = _TYPE_CACHE[t] if t in _TYPE_CACHE else _lookup_type(t, op)
-        out.append(a if b is None or b is bk else bk.convert(a, b))
-    return bk, tuple(out)
+    sources = [
+        _TYPE_CACHE[type(a)] if type(a) in _TYPE_CACHE else _lookup_type(type(a), op)
+        for a in arrays
+    ]
+    if all(b is None or b is bk for b in sources):
+        return bk, arrays
+    # Converted arrays join the call's own arrays on their device (the first one's), never the
+    # backend's default device: a NumPy weight next to a CUDA activation goes to that GPU.
+    own = next((a for a, b in zip(arrays, sources, strict=True) if b is bk), None)
+    device = bk.device_of(own) if own is not None else None
+    return bk, tuple(
+        a if b is None or b is bk else bk.convert(a, b, device)
+        for a, b in zip(arrays, sources, strict=True)
+    )
