@@ -133,3 +133,30 @@ def test_mlp_unknown_activation_lists_known(backend):
 def test_intermediate_size_rejects_bad_values(args, kwargs, msg):
     with pytest.raises(ValueError, match=f"intermediate_size: {msg}"):
         pl.intermediate_size(*args, **kwargs)
+
+
+def test_sdpa_accepts_numpy_scalar_options(backend):
+    """window, softcap, scale and block_size as NumPy scalars mean their Python values."""
+    q = pl.asarray(np.linspace(-1, 1, 2 * 4 * 8).reshape(1, 2, 4, 8), backend=backend,
+                   dtype="float32")  # fmt: skip
+    kw = {"window": 2, "softcap": 5.0, "scale": 0.5, "block_size": 2}
+    np_kw = {"window": np.int64(2), "softcap": np.float32(5.0), "scale": np.float32(0.5),
+             "block_size": np.int32(2)}  # fmt: skip
+    for impl in ("auto", "portable", "tiled"):
+        want = pl.scaled_dot_product_attention(q, q, q, impl=impl, **kw)
+        assert_close(pl.scaled_dot_product_attention(q, q, q, impl=impl, **np_kw), want)
+
+
+_NOT_NUMBERS = [
+    ("window", np.float32(2.0)),
+    ("softcap", "5"),
+    ("scale", True),
+    ("block_size", np.float64(2)),
+]
+
+
+@pytest.mark.parametrize(("option", "value"), _NOT_NUMBERS)
+def test_sdpa_rejects_non_numbers(backend, option, value):
+    q = pl.asarray(np.ones((1, 1, 2, 4)), backend=backend, dtype="float32")
+    with pytest.raises(ValueError, match=f"scaled_dot_product_attention: {option} must be"):
+        pl.scaled_dot_product_attention(q, q, q, **{option: value})

@@ -89,3 +89,10 @@ def test_device_is_honoured():
 def test_bad_arguments(args, kwargs, match):
     with pytest.raises(ValueError, match=match):
         pl.causal_mask(*args, **kwargs)
+
+
+def test_numpy_integer_window_is_an_int_window(backend):
+    want = pl.to_numpy(pl.causal_mask(5, 7, window=2, backend=backend))
+    got = pl.to_numpy(pl.causal_mask(5, 7, window=np.int64(2), backend=backend))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got, reference.causal_mask(5, 7, window=2))

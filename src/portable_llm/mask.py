@@ -10,6 +10,7 @@ sliding-window convention).
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 from portable_llm.backends import get_backend
@@ -37,11 +38,13 @@ def visible(
     return keep
 
 
-def check_window(op: str, window: Any) -> None:
+def check_window(op: str, window: Any) -> int | None:
+    """``window`` as a Python int (NumPy integers accepted), or ``None``; else a ValueError."""
     if window is None:
-        return
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        return None
+    if isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 1:
         raise ValueError(f"{op}: window must be an int >= 1 or None, got {window!r}")
+    return int(window)
 
 
 def causal_mask(
@@ -84,7 +87,7 @@ def causal_mask(
     for name, value in (("L", L), ("S", S)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"causal_mask: {name} must be an int >= 0, got {value!r}")
-    check_window("causal_mask", window)
+    window = check_window("causal_mask", window)
     bk = get_backend(backend if backend is not None else "numpy")
     xp = bk.xp
     dev = bk.device(device) if device is not None else None

@@ -7,6 +7,7 @@ implementation (portable, tiled, native) is called with.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 from portable_llm._checks import check_float, check_same_dtype
@@ -16,6 +17,10 @@ from portable_llm.mask import check_window
 __all__ = ["OP", "check_sdpa", "sdpa_args"]
 
 OP = "scaled_dot_product_attention"
+
+
+def _real(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def _shape(x: Any) -> tuple[int, ...]:
@@ -78,11 +83,11 @@ def check_sdpa(
                 f"{op}: mask of shape {ms} does not broadcast to the scores (B.., H, L, S) = "
                 f"{target} of q {_shape(q)} and k {_shape(k)}"
             )
-    if softcap is not None and not (isinstance(softcap, int | float) and 0 < softcap < math.inf):
+    if softcap is not None and not (_real(softcap) and 0 < softcap < math.inf):
         raise ValueError(f"{op}: softcap must be a positive finite number or None, got {softcap!r}")
     if scale is None:
         return 1.0 / math.sqrt(d)
-    if not (isinstance(scale, int | float) and math.isfinite(scale)):
+    if not (_real(scale) and math.isfinite(scale)):
         raise ValueError(f"{op}: scale must be a finite number or None, got {scale!r}")
     return float(scale)
 
@@ -106,8 +111,15 @@ def sdpa_args(
         if mask != "causal":
             raise ValueError(f"{op}: mask must be None, 'causal' or an array, got {mask!r}")
         mask = None
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+    if (
+        isinstance(block_size, bool)
+        or not isinstance(block_size, numbers.Integral)
+        or block_size < 1
+    ):
         raise ValueError(f"{op}: block_size must be an int >= 1, got {block_size!r}")
+    # NumPy scalars are accepted and become Python numbers (native kernels want those).
+    block_size, window = int(block_size), check_window(op, window)
+    softcap = float(softcap) if _real(softcap) else softcap
     scale = check_sdpa(
         op, bk, q, k, v, mask, causal=causal, window=window, softcap=softcap, scale=scale
     )
