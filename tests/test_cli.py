@@ -146,7 +146,6 @@ def test_python_dash_m_runs_the_report():
 def test_bench_quick_prints_times_and_ratios(backend, capsys):
     code = main(["bench", "--quick", "--repeat", "2", "--backend", backend, "--op", "rms_norm"])
     out = capsys.readouterr().out
-    assert code == 0
     rows = _tables(out)
     assert [r["shapes"] for r in rows] == [
         c.label() for c in bench.BENCH_CASES if c.op == "rms_norm"
@@ -165,6 +164,30 @@ def test_bench_quick_prints_times_and_ratios(backend, capsys):
     gate = [line for line in out.splitlines() if line.startswith("gate rms_norm (1, 896)")]
     assert len(gate) == 1
     assert re.search(r"\d\.\d\d (PASS|FAIL)$" if has_native else r"n/a", gate[0])
+    assert code == (1 if gate[0].endswith("FAIL") else 0), out  # the timing decides which
+
+
+@pytest.mark.parametrize(("ratio", "code"), [(1.0, 0), (1.3, 0), (1.31, 1)])
+def test_bench_exits_1_when_a_gate_fails(monkeypatch, capsys, ratio, code):
+    # A fake native rms_norm on NumPy and a fake measurement: the exit status follows the gate.
+    monkeypatch.setitem(bench.DIRECT, "numpy", lambda: {"rms_norm": ("fake", lambda x, w: x)})
+
+    def measure(variants, sync, repeat, target, budget=0.0):
+        assert set(variants) == {"auto", "portable", "native"}
+        return bench.Timing(dict.fromkeys(variants, 1e-6), {"auto": ratio, "portable": ratio})
+
+    monkeypatch.setattr(bench, "measure", measure)
+    assert main(["bench", "--quick", "--backend", "numpy", "--op", "rms_norm"]) == code
+    out = capsys.readouterr().out
+    verdict = "FAIL" if code else "PASS"
+    name = f"gate rms_norm {bench.BENCH_CASES[0].label()} on numpy"
+    assert f"{name}: impl='auto' within 1.3x of native: {ratio:.2f} {verdict}" in out.splitlines()
+    last = out.rstrip().splitlines()[-1]
+    if code:
+        assert last.startswith(f"FAIL: {name}: auto/native 1.31 > 1.3. Timings are noisy")
+        assert "rerun on an idle machine" in last
+    else:
+        assert last.startswith("gate ")  # no FAIL line after the gates
 
 
 def test_bench_skips_a_backend_without_the_dtype(monkeypatch, capsys):

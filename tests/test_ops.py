@@ -175,6 +175,7 @@ def test_softmax_float16_accumulates_in_float32(backend, impl):
     assert_close(out, reference.softmax(xr, -1), backend=backend, dtype="float16")
     assert np.all(pl.to_numpy(out) > 0)
 
+
 def test_relu_propagates_nan(backend):
     x = pl.asarray([float("nan"), -1.0, 2.0], backend=backend, dtype="float32")
     out = pl.to_numpy(pl.relu(x))

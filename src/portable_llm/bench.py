@@ -45,7 +45,7 @@ class BenchCase:
 
     ``run(*arrays, impl=...)`` returns the thunk that calls the public op; ``DIRECT[backend]
     [op]`` builds the thunk that calls the backend's kernel itself. ``gate``: the largest
-    allowed auto/native ratio, checked and printed as PASS/FAIL.
+    allowed auto/native ratio, checked and printed as PASS/FAIL; a FAIL makes the run exit 1.
     """
 
     op: str
@@ -382,7 +382,10 @@ def run_bench(
     dtype: str = "float32",
     file: TextIO | None = None,
 ) -> int:
-    """Time every selected case on every selected, installed backend and print the table."""
+    """Time every selected case on every selected, installed backend and print the table.
+
+    Return 1 if a gate (:attr:`BenchCase.gate`) FAILs, 0 otherwise.
+    """
     out = file if file is not None else sys.stdout
     known = {c.op for c in BENCH_CASES}
     if ops and set(ops) - known:
@@ -394,7 +397,7 @@ def run_bench(
     target = 0.0005 if quick else 0.001  # seconds per sample, at least
     budget = 0.02 if quick else 1.0  # seconds of rounds per case, at least
     rows: list[list[str]] = []
-    gates: list[str] = []
+    gates: list[tuple[str, str]] = []  # (line, why it failed or "")
     for name in names:
         bk = load_for_dtype(name, dtype, out)
         if bk is None:
@@ -425,14 +428,24 @@ def run_bench(
         f"dtype {dtype}",
         file=out,
     )
-    for line in gates:
+    for line, _ in gates:
         print(line, file=out)
-    return 0
+    failed = [why for _, why in gates if why]
+    if failed:
+        print(
+            f"FAIL: {'; '.join(failed)}. Timings are noisy: rerun on an idle machine before "
+            "reading this as a regression.",
+            file=out,
+        )
+    return 1 if failed else 0
 
 
-def _gate(name: str, case: BenchCase, ratio: float | None) -> str:
-    what = f"gate {case.op} {case.label()} on {name}: impl='auto' within {case.gate}x of native:"
+def _gate(name: str, case: BenchCase, ratio: float | None) -> tuple[str, str]:
+    """The gate's line, and why it FAILed (``""``: PASS, or ``n/a`` without a native kernel)."""
+    gate = f"gate {case.op} {case.label()} on {name}"
+    what = f"{gate}: impl='auto' within {case.gate}x of native:"
     if ratio is None:
-        return f"{what} n/a (no native {case.op} kernel)"
-    verdict = "PASS" if case.gate is not None and ratio <= case.gate else "FAIL"
-    return f"{what} {ratio:.2f} {verdict}"
+        return f"{what} n/a (no native {case.op} kernel)", ""
+    if case.gate is not None and ratio <= case.gate:
+        return f"{what} {ratio:.2f} PASS", ""
+    return f"{what} {ratio:.2f} FAIL", f"{gate}: auto/native {ratio:.2f} > {case.gate}"

@@ -31,7 +31,7 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         help="median times of impl='auto', impl='portable' and the native kernel called directly, "
-        "with their ratios",
+        "with their ratios; exit 1 if the dispatch-overhead gate fails",
     )
     for p in (report, bench):
         p.add_argument(

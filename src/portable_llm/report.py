@@ -34,6 +34,7 @@ from portable_llm.backends import (
     get_backend,
 )
 from portable_llm.backends._base import FLOAT_DTYPES, numpy_bfloat16
+from portable_llm.cache import KVCache
 from portable_llm.embedding import embedding, unembed
 from portable_llm.linear import linear, mlp
 from portable_llm.moe import moe
@@ -41,6 +42,7 @@ from portable_llm.moe import route as moe_route
 from portable_llm.norm import rms_norm
 from portable_llm.rope import rope
 from portable_llm.rope_args import dispatch_args as rope_args
+from portable_llm.sampling import logprobs
 from portable_llm.sdpa import scaled_dot_product_attention, sdpa_args
 from portable_llm.testing import (
     BACKEND_TOLERANCES,
@@ -79,6 +81,8 @@ class Case:
     ``call(*inputs.arrays, impl=impl, **inputs.options)`` and the reference as
     ``reference(*inputs.refs, **inputs.options)``. ``route(inputs)`` lists the dispatched ops
     the call goes through (default: ``op`` itself on the call's arguments), for the path column.
+    ``out_dtype(dtype)`` is the dtype the result must have for inputs in ``dtype`` (default: the
+    same); its tolerance applies.
     """
 
     name: str
@@ -88,6 +92,7 @@ class Case:
     reference: Callable[..., np.ndarray]
     route: Callable[[Inputs], Route] | None = None
     seed: int = 0
+    out_dtype: Callable[[str], str] | None = None
 
 
 def _inputs(*drawn: tuple[Any, np.ndarray], **options: Any) -> Inputs:
@@ -248,6 +253,37 @@ CASES.extend([
 ])  # fmt: skip
 
 
+# -- sampling: the log-probabilities sample() draws from, in float32 (float64 for float64) ----
+
+_LOGITS = (2, 5, 257)  # (B, L, V)
+
+
+def _logprobs_case(**options: Any) -> Callable[[int, str, str], Inputs]:
+    def build(seed: int, dtype: str, backend: str) -> Inputs:
+        return _inputs(random_array(seed, _LOGITS, dtype, backend=backend, scale=3.0), **options)
+
+    return build
+
+
+def _logprobs_reference(logits: np.ndarray, **options: Any) -> np.ndarray:
+    with np.errstate(divide="ignore"):  # a token the filters removed: log 0 = -inf
+        return np.log(reference.sampling_probs(logits, **options))
+
+
+def _compute_dtype(dtype: str) -> str:
+    return "float64" if dtype == "float64" else "float32"
+
+
+CASES.extend([
+    Case("logprobs", "logprobs", _logprobs_case(temperature=0.7),
+         lambda z, *, impl, **o: logprobs(z, **o), _logprobs_reference, seed=170,
+         out_dtype=_compute_dtype),
+    Case("logprobs+top_k", "logprobs", _logprobs_case(temperature=0.7, top_k=20),
+         lambda z, *, impl, **o: logprobs(z, **o), _logprobs_reference, seed=180,
+         out_dtype=_compute_dtype),
+])  # fmt: skip
+
+
 # -- attention: scaled dot-product attention (direct, tiled) and the attention block ----------
 
 _Q, _KV = (2, 4, 6, 16), (2, 2, 6, 16)  # (B, H, L, D), (B, H_kv, S, D): GQA, L == S
@@ -294,10 +330,11 @@ def _attention_case(seed: int, dtype: str, backend: str) -> Inputs:
 
 
 def _attention_call(x: Any, wq: Any, wk: Any, wv: Any, wo: Any, bq: Any, bk: Any, bv: Any,
-                    qn: Any, kn: Any, *, impl: str, offset: int) -> Any:  # fmt: skip
+                    qn: Any, kn: Any, *, impl: str, offset: int = 0,
+                    cache: KVCache | None = None) -> Any:  # fmt: skip
     return attention(x, wq=wq, wk=wk, wv=wv, wo=wo, bq=bq, bk=bk, bv=bv, q_norm=qn, k_norm=kn,
                      num_heads=_BLOCK[3], num_kv_heads=_BLOCK[4], rope={"base": 1e6},
-                     offset=offset, impl=impl)  # fmt: skip
+                     offset=offset, cache=cache, impl=impl)  # fmt: skip
 
 
 def _attention_reference(x: Any, wq: Any, wk: Any, wv: Any, wo: Any, bq: Any, bk: Any, bv: Any,
@@ -307,15 +344,43 @@ def _attention_reference(x: Any, wq: Any, wk: Any, wv: Any, wo: Any, bq: Any, bk
                                offset=offset)  # fmt: skip
 
 
-def _attention_route(inputs: Inputs) -> Route:
+def _attention_route(inputs: Inputs, steps: Sequence[tuple[int, int]] = ((_BLOCK[1], 0),)) -> Route:
+    """The projections, then the attention of each ``(L, S - L)`` step: L queries, S keys."""
     x, wq = inputs.arrays[:2]
-    b, L, _, h, h_kv, d = _BLOCK
+    b, _, _, h, h_kv, d = _BLOCK
     bk = backend_of(x)
     assert bk is not None
-    q = bk.xp.zeros((b, h, L, d), dtype=x.dtype)
-    kv = bk.xp.zeros((b, h_kv, L, d), dtype=x.dtype)
-    sdpa = _sdpa_route(Inputs((q, kv, kv), (), {"mask": "causal"}))
+    sdpa: Route = []
+    for L, past in steps:
+        q = bk.xp.zeros((b, h, L, d), dtype=x.dtype)
+        kv = bk.xp.zeros((b, h_kv, past + L, d), dtype=x.dtype)
+        sdpa += _sdpa_route(Inputs((q, kv, kv), (), {"mask": "causal"}))
     return [("linear", (x, wq, None), {}), *sdpa]
+
+
+# Decoding through a KVCache: a prefill chunk of _PREFILL tokens, then one token at a time.
+_PREFILL = 3
+
+
+def _decode_case(seed: int, dtype: str, backend: str) -> Inputs:
+    return replace(_attention_case(seed, dtype, backend), options={"prefill": _PREFILL})
+
+
+def _decode_call(x: Any, *weights: Any, impl: str, prefill: int) -> Any:
+    bk, cache = backend_of(x), KVCache()
+    assert bk is not None
+    chunks = [x[:, :prefill, :], *(x[:, i : i + 1, :] for i in range(prefill, x.shape[1]))]
+    outs = [_attention_call(c, *weights, impl=impl, cache=cache) for c in chunks]
+    return bk.xp.concat(outs, axis=1)  # (B, L, E)
+
+
+def _decode_reference(*refs: np.ndarray, prefill: int) -> np.ndarray:
+    return _attention_reference(*refs, offset=0)  # the whole sequence in one causal forward
+
+
+def _decode_route(inputs: Inputs) -> Route:
+    p = inputs.options["prefill"]  # the prefill chunk, then one token over the cached keys
+    return _attention_route(inputs, [(p, 0), *((1, s) for s in range(p, _BLOCK[1]))])
 
 
 CASES.extend([
@@ -333,6 +398,8 @@ CASES.extend([
          reference.scaled_dot_product_attention, route=_sdpa_route, seed=150),
     Case("attention", "attention", _attention_case, _attention_call, _attention_reference,
          route=_attention_route, seed=160),
+    Case("attention+cache", "attention", _decode_case, _decode_call, _decode_reference,
+         route=_decode_route, seed=190),
 ])  # fmt: skip
 
 
@@ -365,6 +432,7 @@ def path_of(bk: Backend, route: Route) -> tuple[str, bool]:
             used = True
         else:
             parts.append((op, f"{fallback} ({nat.kernel} not taken by auto)"))
+    parts = list(dict.fromkeys(parts))  # an op called again on the same path is named once
     if len(parts) == 1:
         return parts[0][1], used
     if not used and all(k == "portable" for _, k in parts):
@@ -373,7 +441,8 @@ def path_of(bk: Backend, route: Route) -> tuple[str, bool]:
 
 
 def _check(bk: Backend, case: Case, dtype: str, impl: str, path: str, inputs: Inputs) -> Row:
-    tol = tolerance(dtype, bk.name)  # the one assert_close applies
+    out = case.out_dtype(dtype) if case.out_dtype else dtype
+    tol = tolerance(out, bk.name)  # the one assert_close applies
     row = Row(case.name, dtype, impl, path, tol)
     try:
         desired = case.reference(*inputs.refs, **inputs.options)
@@ -384,7 +453,7 @@ def _check(bk: Backend, case: Case, dtype: str, impl: str, path: str, inputs: In
         errors = compare_values(to_numpy(actual), desired, tol.rtol, tol.atol)
         row = replace(row, max_abs=errors.max_abs, max_rel=errors.max_rel)
     try:
-        assert_close(actual, desired, backend=bk.name, dtype=dtype)
+        assert_close(actual, desired, backend=bk.name, dtype=out)
     except AssertionError as exc:
         return replace(row, result="FAIL", detail=str(exc))
     return row
@@ -478,7 +547,7 @@ _HEADERS = ("op", "dtype", "impl", "path", "max abs err", "max rel err", "rtol/a
 
 def _cells(backend: str, row: Row) -> list[str]:
     err = ["-" if v is None else f"{v:.2e}" for v in (row.max_abs, row.max_rel)]
-    mark = "*" if (backend, row.dtype) in BACKEND_TOLERANCES else ""
+    mark = "*" if row.tol is BACKEND_TOLERANCES.get((backend, row.dtype)) else ""
     tol = f"{row.tol.rtol:g}/{row.tol.atol:g}{mark}"
     return [row.case, row.dtype, row.impl, row.path, *err, tol, row.result]
 
