@@ -10,6 +10,7 @@ reads the config and tensors itself and composes the float64 formulas of
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -174,6 +175,65 @@ def test_generate_stops_at_a_stop_token(checkpoints: dict, backend: str) -> None
     assert stopped.stats.prefill_seconds > 0
 
 
+def _eos_checkpoint(
+    folder: Path, checkpoint: tuple, *, config_eos: object, generation_eos: object
+) -> pl.Model:
+    """The checkpoint rewritten with these ``eos_token_id``s (``None``: the key left out)."""
+    _, cfg, tensors = checkpoint
+    cfg = {k: v for k, v in cfg.items() if k != "eos_token_id"}
+    if config_eos is not None:
+        cfg["eos_token_id"] = config_eos
+    write_checkpoint(folder, cfg, tensors=tensors)
+    generation = {} if generation_eos is None else {"eos_token_id": generation_eos}
+    (folder / "generation_config.json").write_text(json.dumps(generation))
+    return load(folder, dtype="float32")
+
+
+def _free_run(checkpoint: tuple) -> tuple[np.ndarray, list[int], int]:
+    """A prompt, its greedy continuation without stop tokens, and the index of the first new
+    token that differs from the first one (a stop id there must cut the run there)."""
+    model = load(checkpoint[0], dtype="float32")
+    prompt = _ids(6, PROMPT)
+    free = list(pl.generate(model, prompt, max_new_tokens=NEW, stop=()))
+    later = next(i for i, t in enumerate(free) if t != free[0])  # StopIteration: vacuous test
+    return prompt, free, later
+
+
+def test_generate_stops_at_the_generation_config_eos(checkpoints: dict, tmp_path: Path) -> None:
+    """``generation_config.json``'s eos_token_id wins over config.json's; without it, config's."""
+    prompt, free, later = _free_run(checkpoints["mistral"])
+    model = _eos_checkpoint(
+        tmp_path / "both", checkpoints["mistral"], config_eos=free[0], generation_eos=free[later]
+    )
+    assert list(pl.generate(model, prompt, max_new_tokens=NEW)) == free[:later]
+    model = _eos_checkpoint(
+        tmp_path / "config", checkpoints["mistral"], config_eos=free[later], generation_eos=None
+    )
+    assert list(pl.generate(model, prompt, max_new_tokens=NEW)) == free[:later]
+    model = _eos_checkpoint(
+        tmp_path / "none", checkpoints["mistral"], config_eos=None, generation_eos=None
+    )
+    assert list(pl.generate(model, prompt, max_new_tokens=NEW)) == free
+
+
+@pytest.mark.parametrize("where", ["generation_config", "config"])
+def test_generate_stops_at_any_of_a_list_of_eos_ids(
+    checkpoints: dict, tmp_path: Path, where: str
+) -> None:
+    prompt, free, later = _free_run(checkpoints["mistral"])
+    unused = [t for t in range(300) if t not in free][:2]
+    eos = [unused[0], free[later], unused[1]]  # neither the first id nor the last alone
+    model = _eos_checkpoint(
+        tmp_path,
+        checkpoints["mistral"],
+        config_eos=eos if where == "config" else None,
+        generation_eos=eos if where == "generation_config" else None,
+    )
+    stopped = pl.generate(model, prompt, max_new_tokens=NEW)
+    assert list(stopped) == free[:later]
+    assert stopped.stats.generated_tokens == later
+
+
 def test_sampling_is_reproducible_with_a_seed(checkpoints: dict, backend: str) -> None:
     folder, _, _ = checkpoints["mistral"]
     model = load(folder, backend=backend, dtype="float32")
@@ -203,6 +263,16 @@ def test_generate_rejects_bad_prompts(checkpoints: dict) -> None:
         pl.generate(model, [])
     with pytest.raises(ValueError, match="1-D sequence of token ids"):
         pl.generate(model, [[1, 2], [3, 4]])
+    for ragged in ([[1, 2], [3]], [1, [2, 3]], [[1], [2, [3]]]):
+        with pytest.raises(ValueError, match=r"generate: prompt must be a str.*got a ragged"):
+            pl.generate(model, ragged)
+    for other in ([1.0, 2.0], ["a", "b"], [1, None], 7, None):
+        with pytest.raises(ValueError, match=r"generate: prompt must be a str, a 1-D sequence"):
+            pl.generate(model, other)
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 300\).*got -1 to 5"):
+        pl.generate(model, [5, -1])
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 300\).*got 1 to 300"):
+        pl.generate(model, [1, 300])
     with pytest.raises(ValueError, match="max_new_tokens"):
         pl.generate(model, [1, 2], max_new_tokens=-1)
     model.tokenizer = None
@@ -220,3 +290,56 @@ def test_sharded_checkpoint_equals_single_file(
     one = load(folder, backend=backend, dtype="float32")(ids)
     sharded = load(tmp_path, backend=backend, dtype="float32")(ids)
     assert_close(sharded, one, rtol=0.0, atol=0.0)
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+@pytest.mark.parametrize(
+    ("b", "spec"),
+    [
+        pytest.param("array_api_strict", "device1", id="array_api_strict-device1"),
+        pytest.param(
+            "torch",
+            "cuda:0",
+            id="torch-cuda",
+            marks=pytest.mark.skipif(not _has_cuda(), reason="no CUDA GPU here"),
+        ),
+    ],
+)
+def test_load_on_a_device(checkpoints: dict, b: str, spec: str) -> None:
+    """``load(device=...)``: every weight, the inputs and the logits on that device
+    (array-api-strict's second device needs no GPU), with the default device's values."""
+    pytest.importorskip(b)
+    device = pl.get_backend(b).device(spec)
+    folder, _, _ = checkpoints["qwen2_moe"]
+    model = load(folder, backend=b, dtype="float32", device=spec)
+    on_cpu = load(folder, backend=b, dtype="float32")
+    assert model.device == device and on_cpu.device != device
+    arrays = [model.embed, model.norm]
+    for block in model.blocks:
+        arrays += [block.input_norm, block.post_norm]
+        arrays += [v for v in block.attn.values() if isinstance(v, type(model.embed))]
+        assert block.moe is not None
+        arrays += [*block.moe["arrays"], *block.moe["options"]["shared"]]
+        arrays.append(block.moe["options"]["shared_gate"])
+    assert len(arrays) > 20 and all(pl.device_of(a) == device for a in arrays)
+    ids = _ids(8, L)[None]
+    for given in (ids, pl.asarray(ids, backend=b)):  # a host array, a CPU array: moved
+        assert_close(model(given), on_cpu(ids), device=device)
+    prompt = _ids(6, PROMPT)
+    assert list(pl.generate(model, prompt, max_new_tokens=NEW, stop=())) == list(
+        pl.generate(on_cpu, prompt, max_new_tokens=NEW, stop=())
+    )
+
+
+def test_load_on_a_device_the_backend_lacks(checkpoints: dict) -> None:
+    folder, _, _ = checkpoints["llama"]
+    with pytest.raises(ValueError, match=r"load: backend 'numpy' has no device 'gpu'"):
+        load(folder, device="gpu")
+    assert load(folder, device="cpu").device == "cpu"

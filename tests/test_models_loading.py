@@ -193,6 +193,48 @@ def test_missing_shard(tmp_path: Path) -> None:
         load(tmp_path)
 
 
+def _misplace(folder: Path, names: list[str]) -> dict[str, str]:
+    """Point the shard index of ``folder`` at the wrong shard for each of ``names``; return
+    the shards it now names."""
+    index_file = folder / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    for name in names:
+        index["weight_map"][name] = next(f for f in shards if f != index["weight_map"][name])
+    index_file.write_text(json.dumps(index))
+    return {name: index["weight_map"][name] for name in names}
+
+
+def test_index_maps_a_tensor_to_a_shard_without_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each tensor is listed once, with the shard the index wrongly names, beside the other
+    problems; the command line prints the same message, without a traceback."""
+    cfg = tiny_config("mixtral")
+    tensors = random_tensors(cfg)
+    del tensors["model.norm.weight"]
+    write_checkpoint(tmp_path, cfg, tensors=tensors, shards=2)
+    wrong = _misplace(
+        tmp_path,
+        [
+            "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.1.block_sparse_moe.experts.2.w3.weight",
+        ],
+    )
+    with pytest.raises(CheckpointError) as info:
+        load(tmp_path)
+    text = str(info.value)
+    assert "model.safetensors.index.json maps tensors to shards that lack them (2): " in text
+    for name, shard in wrong.items():
+        assert f"{name} (not in {shard})" in text
+    assert text.endswith("; missing tensors (1): model.norm.weight")
+    write_tokenizer(tmp_path, vocab_size=cfg["vocab_size"])
+    assert main(["generate", str(tmp_path), "--prompt", "hi"]) == 1
+    captured = capsys.readouterr()
+    assert captured.err == f"portable-llm generate: error: {text}\n"
+    assert captured.out == ""
+
+
 def test_ignored_tensors(tmp_path: Path) -> None:
     """A tied checkpoint that still stores lm_head, and old rotary buffers, load as HF's do."""
     cfg = tiny_config("qwen2")
@@ -300,6 +342,8 @@ def test_generate_command_errors(tmp_path: Path, capsys: pytest.CaptureFixture[s
     write_checkpoint(tmp_path, tiny_config("llama"))
     assert main(["generate", str(tmp_path), "--prompt", "hi"]) == 1  # no tokenizer.json
     assert "tokenizer.json" in capsys.readouterr().err
+    assert main(["generate", str(tmp_path), "--prompt", "hi", "--device", "gpu"]) == 1
+    assert "load: backend 'numpy' has no device 'gpu'" in capsys.readouterr().err
 
 
 _SMALL_BENCH = {**QWEN2_0_5B, "num_hidden_layers": 1, "vocab_size": 512, "hidden_size": 32}

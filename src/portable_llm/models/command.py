@@ -21,6 +21,9 @@ def add_generate_parser(sub: Any) -> None:
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--backend", default="numpy", help="array library to run on (default numpy)")
     p.add_argument("--dtype", default=None, help="weights dtype (default: the checkpoint's)")
+    p.add_argument(
+        "--device", default=None, help="cpu, gpu, cuda:0, mps, ... (default: the backend's)"
+    )
     p.add_argument("--max-new-tokens", type=int, default=50, metavar="N", help="default 50")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
     p.add_argument("--top-k", type=int, default=None, metavar="K")
@@ -41,7 +44,7 @@ def run_generate(args: argparse.Namespace, out: TextIO | None = None) -> int:
     err = sys.stderr
     try:
         start = time.perf_counter()
-        model = load(args.path, backend=args.backend, dtype=args.dtype)
+        model = load(args.path, backend=args.backend, dtype=args.dtype, device=args.device)
         loaded = time.perf_counter() - start
         prompt = args.prompt
         if args.chat:

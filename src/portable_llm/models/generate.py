@@ -114,6 +114,12 @@ def generate(
         ids = _ids(prompt)
     if not ids:
         raise ValueError("generate: the prompt has no tokens")
+    V = model.config.vocab_size
+    if min(ids) < 0 or max(ids) >= V:
+        raise ValueError(
+            f"generate: prompt token ids must lie in [0, {V}) (vocab_size), got {min(ids)} "
+            f"to {max(ids)}"
+        )
     if (
         isinstance(max_new_tokens, bool)
         or not isinstance(max_new_tokens, int)
@@ -135,11 +141,16 @@ def _ids(prompt: Any) -> list[int]:
         from portable_llm.arrays import to_numpy
 
         prompt = to_numpy(prompt)
-    arr = np.asarray(prompt)
+    accepted = "a str, a 1-D sequence of token ids (ints) or a 1-D integer array"
+    try:
+        arr = np.asarray(prompt)
+    except ValueError:  # ragged nesting: NumPy's "inhomogeneous shape"
+        raise ValueError(
+            f"generate: prompt must be {accepted}, got a ragged nested {type(prompt).__name__}"
+        ) from None
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise ValueError(
-            f"generate: prompt must be a str or a 1-D sequence of token ids, got shape "
-            f"{arr.shape} of {arr.dtype}"
+            f"generate: prompt must be {accepted}, got shape {arr.shape} of {arr.dtype}"
         )
     return [int(i) for i in arr]
 
@@ -157,7 +168,7 @@ def _tokens(
     bk = model.backend
     seeds = np.random.default_rng(seed)
     cache = model.make_cache()
-    step_ids = asarray([ids], backend=bk.name)  # (1, L)
+    step_ids = asarray([ids], backend=bk.name, device=model.device)  # (1, L)
     for step in range(max_new_tokens):
         start = time.perf_counter()
         logits = model(step_ids, cache=cache, last_only=True)[:, -1, :]  # (1, V)
@@ -173,4 +184,4 @@ def _tokens(
             return
         stats.generated_tokens += 1
         yield token
-        step_ids = asarray([[token]], backend=bk.name)  # (1, 1)
+        step_ids = asarray([[token]], backend=bk.name, device=model.device)  # (1, 1)

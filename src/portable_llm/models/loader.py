@@ -18,7 +18,9 @@ __all__ = ["load", "read_generation_config"]
 _SAFETENSORS_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
 
 
-def load(path: str | Path, /, *, backend: str = "numpy", dtype: Any = None) -> Model:
+def load(
+    path: str | Path, /, *, backend: str = "numpy", dtype: Any = None, device: Any = None
+) -> Model:
     """Load a checkpoint folder (``config.json``, ``model.safetensors``, ``tokenizer.json``).
 
     Parameters
@@ -33,6 +35,11 @@ def load(path: str | Path, /, *, backend: str = "numpy", dtype: Any = None) -> M
     dtype : str or dtype, optional
         The float dtype of the weights and activations; default: the checkpoint's own (that of
         ``model.embed_tokens.weight``). Tensors stored in another dtype are cast.
+    device : str or device, optional
+        Where the weights go: ``"cpu"``, ``"gpu"``, ``"cuda:0"``, ``"mps"``, ``"device1"``
+        (array-api-strict) or the library's own device object; default: the backend's default
+        device. Each tensor is read on the host and moved there at once; the model's inputs
+        follow its weights.
 
     Returns
     -------
@@ -43,8 +50,8 @@ def load(path: str | Path, /, *, backend: str = "numpy", dtype: Any = None) -> M
     FileNotFoundError
         No ``config.json``, or no weights file.
     ValueError
-        An unsupported ``model_type`` or rope type (the message lists the supported ones), or a
-        dtype the backend lacks.
+        An unsupported ``model_type`` or rope type (the message lists the supported ones), a
+        dtype the backend lacks (on ``device``), or a device it does not have.
     portable_llm.models.CheckpointError
         Tensors missing, unexpected or of the wrong shape (all of them listed).
     """
@@ -53,14 +60,18 @@ def load(path: str | Path, /, *, backend: str = "numpy", dtype: Any = None) -> M
         raise FileNotFoundError(f"load: {str(path)!r} is not a folder")
     cfg = read_config(folder)
     bk = get_backend(backend)
+    try:
+        dev = None if device is None else bk.device(device)
+    except ValueError as exc:
+        raise ValueError(f"load: {exc}") from None
     name = dtype if dtype is not None else _stored_dtype(folder)
     try:
-        target = bk.dtype(name)
+        target = bk.dtype(name, dev)
     except ValueError as exc:
         raise ValueError(f"load: {exc}; pass dtype= to load the checkpoint in another") from None
     if bk.dtype_name(target) not in FLOAT_DTYPES:
         raise ValueError(f"load: dtype must be a float dtype ({', '.join(FLOAT_DTYPES)})")
-    weights = read_weights(folder, cfg, bk, target)
+    weights = read_weights(folder, cfg, bk, target, dev)
     return Model(
         cfg,
         weights,

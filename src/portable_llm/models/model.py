@@ -125,6 +125,8 @@ class Model:
         self.backend = backend
         self.embed = weights["model.embed_tokens.weight"]  # (V, E)
         self.dtype = self.embed.dtype
+        #: Where the weights live (:func:`portable_llm.load`'s ``device``); inputs go there.
+        self.device = backend.device_of(self.embed)
         self.norm = weights["model.norm.weight"]  # (E,)
         self.lm_head = weights.get("lm_head.weight")  # (V, E); None when tied
         self.blocks = [_block(config, weights, i) for i in range(config.num_hidden_layers)]
@@ -153,6 +155,7 @@ class Model:
         Parameters
         ----------
         ids : integer array of any backend, or nested list, shape ``(B, L)``
+            Converted to the model's backend and moved to its :attr:`device` when elsewhere.
         cache : list of caches, one per layer, optional
             From :meth:`make_cache`: the ``L`` tokens follow those the caches hold, and their
             keys and values are added to them.
@@ -169,8 +172,8 @@ class Model:
         array, shape ``(B, L, V)`` (``(B, 1, V)`` with ``last_only``), the model's dtype
         """
         bk = self.backend
-        if backend_of(ids) is not bk:
-            ids = asarray(ids, backend=bk.name)
+        if backend_of(ids) is not bk or bk.device_of(ids) != self.device:
+            ids = asarray(ids, backend=bk.name, device=self.device)
         if ids.ndim != 2:
             raise ValueError(f"model: ids must have shape (B, L), got {tuple(ids.shape)}")
         if cache is not None:

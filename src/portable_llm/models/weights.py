@@ -177,9 +177,18 @@ def _shape_of(files: dict[str, Path], name: str, handles: dict[Path, Any]) -> tu
     return tuple(handles[files[name]].get_slice(name).get_shape())
 
 
-def _check(src: _Sources, handles: dict[Path, Any], path: Path) -> None:
+def _check(src: _Sources, handles: dict[Path, Any], path: Path, misplaced: dict[str, str]) -> None:
+    """Raise :class:`CheckpointError` listing every problem; ``misplaced``: the tensors the
+    shard index maps to a file that lacks them (name -> file), reported once, not as missing."""
     problems = []
-    missing = src.missing()
+    if misplaced:
+        shown = [f"{name} (not in {file})" for name, file in misplaced.items()]
+        problems.append(
+            f"model.safetensors.index.json maps tensors to shards that lack them "
+            f"({len(shown)}): {_listed(shown)}"
+        )
+    listed = {_canonical(name) for name in misplaced}
+    missing = [name for name in src.missing() if name not in listed]
     if missing:
         problems.append(f"missing tensors ({len(missing)}): {_listed(missing)}")
     unexpected = src.unexpected + src.extra_pieces()
@@ -205,13 +214,17 @@ def _check(src: _Sources, handles: dict[Path, Any], path: Path) -> None:
         raise CheckpointError(f"load: checkpoint {str(path)!r}: " + "; ".join(problems))
 
 
-def read_weights(path: str | Path, cfg: DecoderConfig, bk: Backend, dtype: Any) -> dict[str, Any]:
+def read_weights(
+    path: str | Path, cfg: DecoderConfig, bk: Backend, dtype: Any, device: Any = None
+) -> dict[str, Any]:
     """Check the checkpoint in ``path`` against ``cfg``, then read it into ``bk``'s arrays.
 
-    Returns a dict from the names of :func:`expected_shapes` to arrays of ``dtype``, except that
-    each ``mlp.experts.gate_up_proj`` comes split in its halves, ``mlp.experts.gate_proj`` and
+    Returns a dict from the names of :func:`expected_shapes` to arrays of ``dtype`` on
+    ``device`` (the backend's default when ``None``), except that each
+    ``mlp.experts.gate_up_proj`` comes split in its halves, ``mlp.experts.gate_proj`` and
     ``mlp.experts.up_proj`` ``(X, I, E)``. Raises :class:`CheckpointError` listing every
-    missing, unexpected or misshapen tensor.
+    missing, unexpected or misshapen tensor, and every tensor that the shard index maps to a
+    file without it.
     """
     from safetensors import safe_open
 
@@ -222,9 +235,13 @@ def read_weights(path: str | Path, cfg: DecoderConfig, bk: Backend, dtype: Any) 
             file: stack.enter_context(safe_open(file, framework="numpy"))
             for file in sorted(set(files.values()))
         }
-        src = _Sources(cfg, files)
-        _check(src, handles, path)
-        return {name: _to_backend(host, bk, dtype) for name, host in _host_tensors(src, handles)}
+        held = {file: set(h.keys()) for file, h in handles.items()}
+        misplaced = {n: f.name for n, f in files.items() if n not in held[f]}
+        src = _Sources(cfg, {n: f for n, f in files.items() if n not in misplaced})
+        _check(src, handles, path, misplaced)
+        return {
+            name: _to_backend(host, bk, dtype, device) for name, host in _host_tensors(src, handles)
+        }
 
 
 def _host_tensors(src: _Sources, handles: dict[Path, Any]) -> Iterator[tuple[str, np.ndarray]]:
@@ -264,14 +281,15 @@ def _stack(
     return np.stack([read(pieces[e, kind]) for e in range(n)])  # (X, I, E) or (X, E, I)
 
 
-def _to_backend(host: np.ndarray, bk: Backend, dtype: Any) -> Any:
-    """The backend's array in ``dtype``: cast there, or on the host when it lacks the stored
-    dtype (bfloat16 on array-api-strict, float64 on JAX without x64)."""
+def _to_backend(host: np.ndarray, bk: Backend, dtype: Any, device: Any) -> Any:
+    """The backend's array in ``dtype`` on ``device``: cast there, or on the host when the
+    device lacks the stored dtype (bfloat16 on array-api-strict, float64 on JAX without x64 or
+    on an MPS or MLX GPU)."""
     stored = "bfloat16" if host.dtype == numpy_bfloat16() else host.dtype.name
     if stored not in FLOAT_DTYPES:
         raise CheckpointError(f"load: expected float tensors, got {host.dtype}")
-    if stored not in bk.float_dtypes():
+    if stored not in bk.float_dtypes(device):
         name = bk.dtype_name(dtype)
         host = host.astype(numpy_bfloat16() if name == "bfloat16" else np.dtype(name))
-    arr = bk.from_numpy(host)
+    arr = bk.from_numpy(host, device)
     return arr if arr.dtype == dtype else bk.astype(arr, dtype)
