@@ -385,6 +385,27 @@ def test_chunk_checks(backend):
         cache.update_and_fetch(k_other, k_other)
 
 
+@pytest.mark.parametrize("bound", [False, True], ids=["fresh", "bound"])
+@pytest.mark.parametrize("make", [KVCache, lambda: RotatingKVCache(4)], ids=["full", "rotating"])
+def test_caches_are_eager_only(backend, make, bound):
+    if backend != "jax":
+        pytest.skip("tracing (jax.jit) is JAX's")
+    import jax
+
+    cache = make()
+    k = _kv("jax", (1, 2, 1, 4))
+    if bound:
+        cache.update_and_fetch(k, k)
+    name = type(cache).__name__
+    with pytest.raises(
+        ValueError, match=rf"{name}.update_and_fetch: k and v are traced .* eager-only"
+    ):
+        jax.jit(cache.update_and_fetch)(k, k)
+    assert cache.offset == int(bound)  # a refused chunk changes nothing
+    cache.update_and_fetch(k, k)  # still usable eagerly
+    assert cache.offset == int(bound) + 1
+
+
 @pytest.mark.parametrize("make", [KVCache, lambda: RotatingKVCache(8)], ids=["full", "rotating"])
 def test_trim_checks(backend, make):
     cache = make()

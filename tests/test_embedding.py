@@ -48,6 +48,44 @@ def test_embedding_rejects_out_of_range_ids(backend, bad):
         pl.embedding(ids, table)
 
 
+INT_DTYPES = [f"{sign}int{bits}" for sign in ("", "u") for bits in (8, 16, 32, 64)]
+
+
+def _int_ids(values: list[int], id_dtype: str, backend: str):
+    """``values`` as ids of ``id_dtype`` on ``backend``; skips where the backend lacks it."""
+    try:
+        ids = pl.asarray(np.array(values, dtype=id_dtype), backend=backend)
+    except (TypeError, ValueError) as e:
+        pytest.skip(f"{backend} has no {id_dtype}: {e}")
+    if np.dtype(pl.to_numpy(ids).dtype) != np.dtype(id_dtype):
+        pytest.skip(f"{backend} has no {id_dtype} (got {pl.to_numpy(ids).dtype})")
+    return ids
+
+
+@pytest.mark.parametrize("id_dtype", INT_DTYPES)
+def test_embedding_takes_every_integer_width(backend, id_dtype):
+    # torch's index_select wants int32/int64 and has no min/max for uint16..uint64.
+    table, table_r = random_array(0, (100, 3), "float32", backend=backend)
+    ids = _int_ids([[0, 99, 7], [42, 0, 99]], id_dtype, backend)
+    out = pl.to_numpy(pl.embedding(ids, table)).astype(np.float64)
+    np.testing.assert_array_equal(out, table_r[np.array([[0, 99, 7], [42, 0, 99]])])
+
+
+@pytest.mark.parametrize(
+    ("id_dtype", "bad"),
+    [("int8", -1), ("uint8", 100), ("uint16", 65535), ("uint32", 2**31), ("uint32", 2**32 - 1),
+     ("uint64", 2**63), ("uint64", 2**64 - 1), ("int64", 2**62)],
+)  # fmt: skip
+def test_embedding_rejects_out_of_range_ids_of_every_width(backend, id_dtype, bad):
+    # An unsigned id beyond the signed range must not wrap onto another row; the message quotes
+    # the id as given.
+    table, _ = random_array(0, (100, 3), "float32", backend=backend)
+    ids = _int_ids([3, bad], id_dtype, backend)
+    lo, hi = min(3, bad), max(3, bad)
+    with pytest.raises(ValueError, match=rf"ids must lie in \[0, 100\).*\[{lo}, {hi}\]"):
+        pl.embedding(ids, table)
+
+
 @pytest.mark.parametrize("ids", [np.array([0.0, 1.0]), np.array([True, False])], ids=["f", "b"])
 def test_embedding_rejects_non_integer_ids(backend, ids):
     table, _ = random_array(0, (5, 3), "float32", backend=backend)
@@ -81,6 +119,20 @@ def test_embedding_under_jit_masks_out_of_range_ids(backend):
     out = pl.to_numpy(jax.jit(pl.embedding)(ids, table)).astype(np.float64)
     np.testing.assert_array_equal(out[[0, 3]], table_r[[0, 3]])
     assert np.isnan(out[[1, 2]]).all()  # never another token's row, never a wrap-around
+
+
+@pytest.mark.parametrize("id_dtype", ["uint8", "uint32", "uint64"])
+def test_embedding_under_jit_masks_unsigned_ids(backend, id_dtype):
+    if backend != "jax":
+        pytest.skip("tracing (jax.jit) is JAX's")
+    import jax
+
+    table, table_r = random_array(0, (4, 3), "float32", backend="jax")
+    big = np.iinfo(id_dtype).max  # uint32/uint64: -1 once read as the signed type of its width
+    ids = _int_ids([0, 4, big, 3], id_dtype, "jax")
+    out = pl.to_numpy(jax.jit(pl.embedding)(ids, table)).astype(np.float64)
+    np.testing.assert_array_equal(out[[0, 3]], table_r[[0, 3]])
+    assert np.isnan(out[[1, 2]]).all()
 
 
 @given(lead=st.sampled_from([(1,), (2, 3)]), vocab=st.sampled_from([1, 30]),

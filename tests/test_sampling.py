@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import portable_llm as pl
 from portable_llm import reference
+from portable_llm.sampling import GREEDY_BELOW
 from portable_llm.testing import assert_close, random_array
 from portable_llm.testing.strategies import seeds
 
@@ -219,6 +220,60 @@ def test_draws_fit_the_target_distribution(backend, dtype, options):
     assert p_value > ALPHA, (stat, counts, target)
 
 
+# -- infinite and NaN logits, tiny temperatures ------------------------------------------------
+
+
+def test_plus_inf_logits_share_the_mass(backend, dtype):
+    # softmax's limit: the +inf tokens are equally likely, every other token impossible.
+    row = [1.0, math.inf, 2.0, -math.inf, math.inf, 0.0]
+    x = pl.asarray(np.tile(np.array(row, dtype), (ROWS, 1)), backend=backend)
+    ids, lp = pl.sample(x, key=0, return_logprobs=True, temperature=0.7)
+    ids = pl.to_numpy(ids)
+    assert set(ids.tolist()) == {1, 4}  # both drawn, nothing else
+    ninf, half = -math.inf, math.log(0.5)
+    float_out = "float64" if dtype == "float64" else "float32"
+    want = np.array([[ninf, half, ninf, ninf, half, ninf]])
+    assert_close(lp[:1, ...], want, backend=backend, dtype=float_out)
+    one = np.array([[ninf, 0.0, ninf, ninf, ninf, ninf]])
+    np.testing.assert_array_equal(pl.to_numpy(pl.logprobs(x[:1, ...], top_k=1)), one)
+    assert (pl.to_numpy(pl.greedy(x)) == 1).all()  # ties: the lower id
+
+
+def test_a_row_without_a_distribution_gives_id_minus_one(backend, dtype):
+    # A NaN logit, or every logit -inf: no token to draw. Reading the logits back to raise would
+    # sync the device on every step, so the row is marked on the device instead: id -1 (which
+    # pl.embedding rejects) and NaN log-probs; the other rows are unaffected.
+    x = pl.asarray(np.array([[0.0, math.nan, 1.0, 2.0], [-math.inf] * 4, [0.0, 3.0, 1.0, 2.0]],
+                            dtype), backend=backend)  # fmt: skip
+    for t in (1.0, 0.0):
+        ids, lp = pl.sample(x, key=0, temperature=t, top_k=2, return_logprobs=True)
+        np.testing.assert_array_equal(pl.to_numpy(ids), [-1, -1, 1])
+        lp = pl.to_numpy(lp)
+        assert np.isnan(lp[:2]).all() and not np.isnan(lp[2]).any()
+    np.testing.assert_array_equal(pl.to_numpy(pl.greedy(x)), [-1, -1, 1])
+    assert np.isnan(pl.to_numpy(pl.logprobs(x))[:2]).all()
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-30, 9.9e-6])
+def test_a_temperature_below_greedy_below_is_greedy(backend, dtype, temperature):
+    # x / 1e-45 overflows float32: without the threshold the draw would be NaN or random.
+    assert temperature < GREEDY_BELOW
+    x, x_r = random_array(0, (ROWS, V), dtype, backend=backend, low=-4, high=4)
+    want = np.argmax(x_r, axis=-1)
+    ids, lp = pl.sample(x, temperature=temperature, top_p=0.5, return_logprobs=True)  # no key
+    np.testing.assert_array_equal(pl.to_numpy(ids), want)
+    np.testing.assert_array_equal(pl.to_numpy(lp), pl.to_numpy(pl.logprobs(x, temperature=0)))
+
+
+def test_a_small_temperature_above_the_threshold_does_not_overflow(backend, dtype):
+    # (x - max) / T <= 0: a large gap gives a very negative log-prob (or -inf), never +inf/NaN.
+    x = pl.asarray(np.array([[-3.0e4, 1.0, 3.0, 2.0, -math.inf]], dtype), backend=backend)
+    ids, lp = pl.sample(x, temperature=1e-5, key=0, return_logprobs=True)
+    assert int(pl.to_numpy(ids)[0]) == 2
+    lp = pl.to_numpy(lp).astype(np.float64)[0]
+    assert lp[2] == 0 and (lp[[0, 1, 3, 4]] < -9e4).all() and lp[4] == -np.inf
+
+
 # -- bad input ---------------------------------------------------------------------------------
 
 
@@ -234,6 +289,7 @@ def test_draws_fit_the_target_distribution(backend, dtype, options):
         ({"min_p": 1.1}, ValueError, r"min_p must be in \[0, 1\]"),
         ({"temperature": -1.0}, ValueError, "temperature must be finite and >= 0"),
         ({"temperature": math.nan}, ValueError, "temperature must be finite and >= 0"),
+        ({"temperature": math.inf}, ValueError, "temperature must be finite and >= 0"),
         ({"key": "seed"}, TypeError, "sample: key must be None, an int seed or"),
         ({"key": -1}, ValueError, r"sample: key: an int seed must be in \[0, 2\*\*63\)"),
     ],

@@ -78,6 +78,12 @@ class _Cache:
     def _bind(self, k: Any, v: Any) -> tuple[Backend, Any, Any]:
         op = f"{type(self).__name__}.update_and_fetch"
         bk, (k, v) = resolve(op, None, k, v)
+        if bk.is_traced(k) or bk.is_traced(v):
+            raise ValueError(
+                f"{op}: k and v are traced (jax.jit or another transform); the caches are "
+                "eager-only (they keep Python state and grow their buffers on the host's "
+                "schedule), so call update_and_fetch outside the traced function"
+            )
         for name, a in (("k", k), ("v", v)):
             check_float(op, name, a, bk)
         if k.ndim != 4 or k.shape[2] < 1:

@@ -12,6 +12,8 @@ from portable_llm.backends import Backend, backend_of, resolve
 __all__ = ["embedding", "unembed"]
 
 _INT_DTYPES = frozenset(f"{sign}int{bits}" for sign in ("", "u") for bits in (8, 16, 32, 64))
+#: The index dtypes every library's take accepts (torch's index_select takes no other).
+_INDEX_DTYPES = frozenset({"int32", "int64"})
 
 
 @portable("embedding", pure=True)
@@ -30,13 +32,31 @@ def _embedding_masked(xp: Any, ids: Any, table: Any) -> Any:
     return xp.where(valid[..., None], rows, xp.full_like(rows, xp.nan))
 
 
-def _check_ids(bk: Backend, ids: Any, vocab: int) -> None:
-    """The range check: one min and one max reduction, read back to the host (a sync)."""
+def _as_index(bk: Backend, ids: Any, name: str, vocab: int) -> Any:
+    """``ids`` as int32 or int64, the index dtypes every library's take (and min/max) accepts.
+
+    Narrower ids widen exactly to int32. Unsigned 32- and 64-bit ids are reinterpreted as the
+    signed type of their width (uint32 as int64 when the table has more than 2**31 rows): an id
+    beyond the signed range wraps to a negative one, which the range check (or, under tracing,
+    the mask) then rejects, so it never lands on another token's row.
+    """
+    if name in _INDEX_DTYPES:
+        return ids
+    wide = name == "uint64" or (name == "uint32" and vocab > 2**31)
+    return bk.xp.astype(ids, bk.dtype("int64" if wide else "int32"))
+
+
+def _check_ids(bk: Backend, ids: Any, index: Any, vocab: int) -> None:
+    """The range check on ``index`` (``ids`` as an index dtype): one min and one max reduction,
+    read back to the host (a sync). The message quotes the values of ``ids`` themselves."""
     if math.prod(ids.shape) == 0:
         return
     xp = bk.xp
-    lo, hi = bk.to_numpy(xp.stack([xp.min(ids), xp.max(ids)])).tolist()
+    lo, hi = bk.to_numpy(xp.stack([xp.min(index), xp.max(index)])).tolist()
     if lo < 0 or hi >= vocab:
+        if index is not ids:  # an unsigned id may have wrapped: quote the ids as given
+            host = bk.to_numpy(ids)
+            lo, hi = host.min().item(), host.max().item()
         raise ValueError(
             f"embedding: ids must lie in [0, {vocab}) (the rows of table), got ids in "
             f"[{lo}, {hi}] (ids shape {tuple(ids.shape)})"
@@ -49,7 +69,8 @@ def embedding(ids: Any, table: Any, /, *, backend: str | None = None) -> Any:
     Parameters
     ----------
     ids : array, shape ``(B.., L)``, integer dtype
-        Token ids in ``[0, V)``.
+        Token ids in ``[0, V)``, of any signed or unsigned integer width the library has (ids
+        that are not int32/int64 are cast to one first: torch's ``index_select`` takes no other).
     table : array, shape ``(V, E)``, float dtype
         The embedding matrix (HF ``embed_tokens.weight``).
     backend : str, optional
@@ -82,10 +103,11 @@ def embedding(ids: Any, table: Any, /, *, backend: str | None = None) -> Any:
     check_float("embedding", "table", table, bk)
     if table.ndim != 2:
         raise ValueError(f"embedding: table must have shape (V, E), got {tuple(table.shape)}")
+    index = _as_index(bk, ids, name, table.shape[0])
     if bk.is_traced(ids):
-        return pick(bk, "embedding", "masked")(bk.xp, ids, table)
-    _check_ids(bk, ids, table.shape[0])
-    return pick(bk, "embedding", "portable")(bk.xp, ids, table)
+        return pick(bk, "embedding", "masked")(bk.xp, index, table)
+    _check_ids(bk, ids, index, table.shape[0])
+    return pick(bk, "embedding", "portable")(bk.xp, index, table)
 
 
 def unembed(h: Any, table: Any, /, *, impl: str = "auto", backend: str | None = None) -> Any:

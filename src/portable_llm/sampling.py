@@ -20,6 +20,11 @@ from portable_llm.backends import Backend, resolve
 
 __all__ = ["greedy", "logprobs", "sample"]
 
+#: A temperature below this is greedy, as 0 is (vLLM's ``_SAMPLING_EPS``). Logits this close to
+#: the top one would otherwise be a coin flip decided by float32 rounding, and ``x / T``
+#: overflows float32 for a subnormal ``T``.
+GREEDY_BELOW = 1e-5
+
 
 def _check(
     op: str,
@@ -64,11 +69,20 @@ def _filtered(
     """``(order, logp)``: token ids by descending logit, and the filtered log-probs in that order.
 
     Both ``(B.., V)``; ``logp`` in float32 (float64 for float64 logits), ``-inf`` where removed.
+    A row with no distribution (a NaN logit, or every logit ``-inf``) is NaN throughout.
     """
-    z = xp.astype(logits, float_compute_dtype(xp, logits.dtype)) / temperature
-    order = xp.argsort(z, axis=-1, descending=True, stable=True)  # (B.., V)
-    logp = xp.take_along_axis(z, order, axis=-1)  # (B.., V), descending
-    neg_inf = xp.full_like(logp, -math.inf)
+    x = xp.astype(logits, float_compute_dtype(xp, logits.dtype))
+    order = xp.argsort(x, axis=-1, descending=True, stable=True)  # (B.., V)
+    xs = xp.take_along_axis(x, order, axis=-1)  # (B.., V), descending
+    top = xs[..., :1]  # (B.., 1), the row maximum
+    # Scaled relative to the maximum: z <= 0, so nothing overflows to +inf. A +inf maximum: the
+    # +inf tokens share the mass and the rest get none (softmax's limit, never inf - inf). No
+    # maximum (a NaN, or every logit -inf): NaN, so the row has no distribution.
+    finite = (top > -math.inf) & (top < math.inf)
+    neg_inf = xp.full_like(xs, -math.inf)
+    z = (xs - xp.where(finite, top, xp.zeros_like(top))) / temperature  # (B.., V)
+    at_inf = xp.where(xs == top, xp.zeros_like(xs), neg_inf)
+    logp = xp.where(finite, z, xp.where(top == math.inf, at_inf, xp.full_like(xs, math.nan)))
     if top_k is not None:
         logp = xp.where(_ranks(xp, logp) < top_k, logp, neg_inf)
     logp = _log_softmax(xp, logp)
@@ -85,7 +99,7 @@ def _filtered(
 
 
 def _log_softmax(xp: Any, zs: Any) -> Any:
-    # zs is sorted descending, so its first entry is the row maximum (finite: rank 0 is kept).
+    # zs is sorted descending, so its first entry is the row maximum (0: rank 0 is kept).
     shifted = zs - zs[..., :1]
     return shifted - xp.log(xp.sum(xp.exp(shifted), axis=-1, keepdims=True))
 
@@ -104,7 +118,8 @@ def _ranks(xp: Any, like: Any) -> Any:
 def _one_hot_logprobs(xp: Any, ids: Any, logits: Any) -> Any:
     zero = xp.zeros_like(logits, dtype=float_compute_dtype(xp, logits.dtype))  # (B.., V)
     hit = _ranks(xp, zero) == xp.astype(ids, zero.dtype)[..., None]
-    return xp.where(hit, zero, xp.full_like(zero, -math.inf))
+    out = xp.where(hit, zero, xp.full_like(zero, -math.inf))
+    return xp.where(ids[..., None] < 0, xp.full_like(zero, math.nan), out)  # id -1: NaN row
 
 
 def _index_dtype(xp: Any) -> Any:
@@ -114,7 +129,10 @@ def _index_dtype(xp: Any) -> Any:
 
 @portable("greedy", pure=True)
 def _greedy(xp: Any, logits: Any) -> Any:
-    return xp.astype(xp.argmax(logits, axis=-1), _index_dtype(xp))
+    ids = xp.astype(xp.argmax(logits, axis=-1), _index_dtype(xp))  # (B..)
+    # No token when the row has a NaN or is all -inf: id -1, marked on the device (no sync).
+    some = xp.any(logits > -math.inf, axis=-1) & ~xp.any(xp.isnan(logits), axis=-1)  # (B..)
+    return xp.where(some, ids, xp.full_like(ids, -1))
 
 
 # Not pure=True (compiled on JAX): the float options would be static, one compilation per value.
@@ -123,7 +141,7 @@ def _logprobs(
     xp: Any, logits: Any, *, temperature: float, top_k: int | None, top_p: float | None,
     min_p: float | None,
 ) -> Any:  # fmt: skip
-    if temperature == 0:
+    if temperature < GREEDY_BELOW:
         return _one_hot_logprobs(xp, _greedy(xp, logits), logits)
     order, logp = _filtered(xp, logits, temperature, top_k, top_p, min_p)
     return _unsort(xp, order, logp)
@@ -135,7 +153,7 @@ def _sample(
     top_p: float | None, min_p: float | None, return_logprobs: bool,
 ) -> Any:  # fmt: skip
     """Inverse-CDF draw at the uniforms ``u`` ``(B.., 1)``; ``(ids, logprobs)`` if asked."""
-    if temperature == 0:
+    if temperature < GREEDY_BELOW:
         ids = _greedy(xp, logits)
         return (ids, _one_hot_logprobs(xp, ids, logits)) if return_logprobs else ids
     order, logp = _filtered(xp, logits, temperature, top_k, top_p, min_p)
@@ -144,10 +162,12 @@ def _sample(
     t = xp.astype(u, p.dtype) * cdf[..., -1:]
     idx = order.dtype
     j = xp.sum(xp.astype(cdf <= t, idx), axis=-1, keepdims=True)  # (B.., 1): first cdf > t
-    # Guard against rounding: never past the last token of positive probability.
+    # Guard against rounding: never past the last token of positive probability (and never
+    # before the first: a NaN row has none).
     last = xp.sum(xp.astype(p > 0, idx), axis=-1, keepdims=True) - 1
-    j = xp.minimum(j, last)
+    j = xp.maximum(xp.minimum(j, last), xp.zeros_like(j))
     ids = xp.astype(xp.take_along_axis(order, j, axis=-1)[..., 0], _index_dtype(xp))  # (B..)
+    ids = xp.where(xp.isnan(logp[..., 0]), xp.full_like(ids, -1), ids)  # no distribution: -1
     return (ids, _unsort(xp, order, logp)) if return_logprobs else ids
 
 
@@ -162,7 +182,8 @@ def greedy(logits: Any, /, *, backend: str | None = None) -> Any:
     Returns
     -------
     array, shape ``(B..)``, the backend's default integer dtype
-        int64; int32 on MLX and on JAX without ``jax_enable_x64``.
+        int64; int32 on MLX and on JAX without ``jax_enable_x64``. ``-1`` for a row with a NaN
+        logit or with every logit ``-inf`` (marked on the device: no host sync).
     """
     bk, (logits,) = resolve("greedy", backend, logits)
     _check("greedy", bk, logits, 1.0, None, None, None)
@@ -183,8 +204,9 @@ def logprobs(
 
     ``log_softmax(logits / temperature)`` after the filters (top-k, then top-p, then min-p, each
     renormalising); removed tokens get ``-inf``. With no filters and ``temperature=1`` this is
-    the model's own ``log_softmax(logits)``; with ``temperature=0`` the distribution is the point
-    mass on :func:`greedy`'s token (0 there, ``-inf`` elsewhere).
+    the model's own ``log_softmax(logits)``; with ``temperature=0`` (or below ``1e-5``) the
+    distribution is the point mass on :func:`greedy`'s token (0 there, ``-inf`` elsewhere; NaN
+    throughout where greedy gives ``-1``).
 
     Parameters
     ----------
@@ -233,7 +255,8 @@ def sample(
     ----------
     logits : array, shape ``(B.., V)``, float dtype
     temperature : float, >= 0
-        ``0`` means :func:`greedy` (the filters and ``key`` are then unused).
+        ``0``, or anything below :data:`GREEDY_BELOW` (``1e-5``), means :func:`greedy` (the
+        filters and ``key`` are then unused).
     top_k : int in ``[1, V]``, optional
     top_p : float in ``(0, 1]``, optional
     min_p : float in ``[0, 1]``, optional
@@ -259,11 +282,14 @@ def sample(
     Notes
     -----
     No step reads values back to the host, so ``sample`` traces under ``jax.jit`` (with the
-    options static and the key an argument).
+    options static and the key an argument). For the same reason bad logits are not an error:
+    ``+inf`` logits share the mass equally (softmax's limit); a row with a NaN logit, or with
+    every logit ``-inf``, has no distribution and gives id ``-1`` and NaN log-probs, which
+    :func:`~portable_llm.embedding` rejects at the next step.
     """
     bk, (logits,) = resolve("sample", backend, logits)
     _check("sample", bk, logits, temperature, top_k, top_p, min_p)
-    if temperature == 0:
+    if temperature < GREEDY_BELOW:
         u = None
     else:
         try:
