@@ -280,6 +280,17 @@ def test_generate_rejects_bad_prompts(checkpoints: dict) -> None:
         pl.generate(model, "hello")
 
 
+def test_generate_stops_with_an_error_on_nan_logits(checkpoints: dict) -> None:
+    """NaN logits (here: a NaN final-norm weight) are a clear error, not a token id of -1."""
+    folder, _, _ = checkpoints["qwen2"]
+    model = load(folder, backend="numpy", dtype="float32")
+    model.norm = np.full_like(model.norm, np.nan)
+    with pytest.raises(
+        ValueError, match=r"generate: the logits of step 0 \(after 2 tokens\) are NaN"
+    ):
+        list(pl.generate(model, [1, 2], max_new_tokens=3, stop=()))
+
+
 def test_sharded_checkpoint_equals_single_file(
     checkpoints: dict, tmp_path: Path, backend: str
 ) -> None:

@@ -174,6 +174,11 @@ def _tokens(
         logits = model(step_ids, cache=cache, last_only=True)[:, -1, :]  # (1, V)
         key = None if options["temperature"] == 0 else int(seeds.integers(0, 2**63))
         token = int(bk.to_numpy(sample(logits, key=key, **options))[0])
+        if token < 0:  # sample's mark for a row with no distribution (NaN or all -inf logits)
+            raise ValueError(
+                f"generate: the logits of step {step} (after {len(ids) + step} tokens) are NaN "
+                "or all -inf; the weights or the dtype overflowed"
+            )
         elapsed = time.perf_counter() - start
         if step == 0:
             stats.prefill_seconds = elapsed
