@@ -174,6 +174,19 @@ def test_tiled_matches_direct(backend, p, block):
     assert_close(tiled, direct)
 
 
+def test_tiled_compiles_one_block_step_not_one_program_per_block(backend):
+    # 384 one-key blocks, a causal window and a mask. Compiled as one program, the Python loop
+    # over blocks unrolls (JAX: minutes for this call); compiled block by block, it reuses one
+    # compilation of the block step for every block (well under a second).
+    (q, _), (k, _), (v, _), (mask, _) = (
+        random_array(s, shape, "float32", backend=backend)
+        for s, shape in enumerate([(2, 4, 3, 8), (2, 2, 384, 8), (2, 2, 384, 8), (2, 1, 3, 384)])
+    )
+    kw = {"mask": mask, "window": 300, "softcap": 20.0}
+    tiled = pl.scaled_dot_product_attention(q, k, v, impl="tiled", block_size=1, **kw)
+    assert_close(tiled, pl.scaled_dot_product_attention(q, k, v, impl="portable", **kw))
+
+
 def test_auto_takes_tiled_for_long_sequences_without_a_fused_kernel():
     bk = pl.get_backend("numpy")
     n = int(TILED_MIN_SCORES**0.5)

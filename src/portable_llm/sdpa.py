@@ -13,8 +13,7 @@ from typing import Any
 
 from portable_llm._checks import float_compute_dtype
 from portable_llm._dispatch import auto_portable, pick, portable
-from portable_llm.backends import resolve
-from portable_llm.mask import visible
+from portable_llm.backends import backend_of, resolve
 from portable_llm.sdpa_args import OP, sdpa_args
 
 __all__ = ["OP", "TILED_MIN_SCORES", "scaled_dot_product_attention", "sdpa_args"]
@@ -28,50 +27,69 @@ def _device(x: Any) -> Any:
     return getattr(x, "device", None)  # MLX arrays have none (unified memory)
 
 
+def _grid(q: Any, k: Any) -> tuple[int, ...]:
+    """``(B.., H_kv, G, L)``: the grouped layout of the query rows."""
+    *batch, h, n_q, _ = q.shape
+    h_kv = k.shape[-3]
+    return (*batch, h_kv, h // h_kv, n_q)
+
+
 def _group(xp: Any, q: Any, k: Any, mask: Any) -> tuple[Any, Any, tuple[int, ...]]:
     """q as ``(B.., H_kv, G*L, D)``; the mask's head axis split as ``(H_kv, G)`` to match."""
-    *batch, h, n_q, d = q.shape
-    h_kv = k.shape[-3]
-    g = h // h_kv
+    grid = _grid(q, k)
+    *batch, h_kv, g, n_q = grid
+    h, d = q.shape[-3], q.shape[-1]
     qg = xp.reshape(q, (*batch, h_kv, g * n_q, d))  # (B.., H_kv, G*L, D)
     if mask is not None:  # (.., H | 1, L | 1, S | 1) -> (.., H_kv | 1, G | 1, L | 1, S | 1)
         m = xp.reshape(mask, (1,) * (q.ndim - mask.ndim) + tuple(mask.shape))
         mh, ml, ms = m.shape[-3:]
         heads = (h_kv, g) if mh == h else (1, 1)
         mask = xp.reshape(m, (*m.shape[:-3], *heads, ml, ms))
-    return qg, mask, (*batch, h_kv, g, n_q)
+    return qg, mask, grid
 
 
 def _block_scores(
     xp: Any,
     qg: Any,
-    k: Any,
-    mask: Any,
-    grid: tuple[int, ...],
-    start: int,
-    stop: int,
-    S: int,
+    kb: Any,
+    mb: Any,
+    shift: Any,
     *,
+    grid: tuple[int, ...],
     causal: bool,
     window: int | None,
     softcap: float | None,
 ) -> Any:
-    """Masked scores of keys ``start..stop-1``: ``(B.., H_kv, G*L, stop - start)``, float32."""
-    kb = xp.astype(k[..., start:stop, :], qg.dtype, copy=False)
+    """Masked scores of one block of keys: ``(B.., H_kv, G*L, n)``, float32.
+
+    ``kb``: the block's keys ``(B.., H_kv, n, D)``; ``mb``: the mask's columns for the block (or
+    ``None``). ``shift``: the block's first key position minus the first query's, ``start - (S -
+    L)``, so key ``j`` of the block is visible to query ``i`` iff ``j + shift <= i`` (and
+    ``> i - window``). It is an argument, not baked in, so a compiled block serves every block.
+    """
+    kb = xp.astype(kb, qg.dtype, copy=False)
     s = xp.matmul(qg, xp.matrix_transpose(kb))  # (B.., H_kv, G*L, n)
     if softcap is not None:
         s = softcap * xp.tanh(s / softcap)
-    if mask is None and not causal:
+    if mb is None and not causal:
         return s
-    n = stop - start
+    n = kb.shape[-2]
     s = xp.reshape(s, (*grid, n))  # (B.., H_kv, G, L, n)
-    if mask is not None:
-        m = mask if mask.shape[-1] == 1 else mask[..., start:stop]
-        s = xp.where(m, s, -math.inf) if m.dtype == xp.bool else s + xp.astype(m, s.dtype)
+    if mb is not None:
+        s = xp.where(mb, s, -math.inf) if mb.dtype == xp.bool else s + xp.astype(mb, s.dtype)
     if causal:
-        keep = visible(xp, grid[-1], S, window, start, stop, device=_device(s))  # (L, n)
+        dev = _device(s)
+        i = xp.reshape(xp.arange(grid[-1], device=dev), (grid[-1], 1))  # query index (L, 1)
+        j = xp.reshape(xp.arange(n, device=dev), (1, n)) + shift  # key, from query 0 (1, n)
+        keep = j <= i  # (L, n)
+        if window is not None:
+            keep = xp.logical_and(keep, j > i - window)
         s = xp.where(keep, s, -math.inf)
     return xp.reshape(s, (*grid[:-2], grid[-2] * grid[-1], n))
+
+
+def _mask_block(mask: Any, start: int, stop: int) -> Any:
+    return mask if mask is None or mask.shape[-1] == 1 else mask[..., start:stop]
 
 
 def _safe_max(xp: Any, s: Any) -> Any:
@@ -106,14 +124,67 @@ def _sdpa_direct(
     block_size: int,
 ) -> Any:
     qg, mask, grid = _prepare(xp, q, k, mask, scale)
-    S = k.shape[-2]
-    s = _block_scores(xp, qg, k, mask, grid, 0, S, S, causal=causal, window=window, softcap=softcap)
+    shift = q.shape[-2] - k.shape[-2]  # key 0 minus query 0's position: L - S
+    s = _block_scores(
+        xp, qg, k, mask, shift, grid=grid, causal=causal, window=window, softcap=softcap
+    )
     p = xp.exp(s - _safe_max(xp, s))  # (B.., H_kv, G*L, S)
     total = xp.sum(p, axis=-1, keepdims=True)
     return _finish(xp, xp.matmul(p, xp.astype(v, qg.dtype, copy=False)), total, q)
 
 
-@portable(OP, "tiled", pure=True)
+# The tiled path is a Python loop over key blocks, so it is not one compiled program: JAX would
+# unroll the loop, and compile time would grow with S / block_size. Its three steps are pure and
+# compiled (Backend.compile) each on its own, once per block shape and option set: a call runs
+# the start, one compiled block step per key block (every full block shares one compilation, a
+# ragged last block adds one), and the finish.
+_TILED = OP + ".tiled"
+
+
+@portable(_TILED, "start", pure=True)
+def _tiled_start(xp: Any, q: Any, k: Any, mask: Any, *, scale: float) -> tuple[Any, ...]:
+    """The grouped, scaled queries, the grouped mask and the empty running state."""
+    qg, mask, _ = _prepare(xp, q, k, mask, scale)
+    run_max = xp.full_like(qg[..., :1], -math.inf)  # (B.., H_kv, G*L, 1)
+    return qg, mask, run_max, xp.zeros_like(run_max), xp.zeros_like(qg)  # acc: (B.., H_kv, G*L, D)
+
+
+@portable(_TILED, "block", pure=True)
+def _tiled_block(
+    xp: Any,
+    qg: Any,
+    kb: Any,
+    vb: Any,
+    mb: Any,
+    run_max: Any,
+    total: Any,
+    acc: Any,
+    shift: Any,
+    *,
+    grid: tuple[int, ...],
+    causal: bool,
+    window: int | None,
+    softcap: float | None,
+) -> tuple[Any, Any, Any]:
+    """One online-softmax step over a block of keys: the updated ``run_max, total, acc``."""
+    s = _block_scores(
+        xp, qg, kb, mb, shift, grid=grid, causal=causal, window=window, softcap=softcap
+    )
+    new_max = xp.maximum(run_max, xp.max(s, axis=-1, keepdims=True))
+    shift_max = xp.where(new_max == -math.inf, 0.0, new_max)
+    alpha = xp.exp(run_max - shift_max)  # 0 while no key was seen (run_max = -inf)
+    p = xp.exp(s - shift_max)
+    total = alpha * total + xp.sum(p, axis=-1, keepdims=True)
+    acc = alpha * acc + xp.matmul(p, xp.astype(vb, qg.dtype, copy=False))
+    return new_max, total, acc
+
+
+@portable(_TILED, "finish", pure=True)
+def _tiled_finish(xp: Any, acc: Any, total: Any, q: Any) -> Any:
+    return _finish(xp, acc, total, q)
+
+
+@portable(OP, "tiled")
 def _sdpa_tiled(
     xp: Any,
     q: Any,
@@ -133,26 +204,22 @@ def _sdpa_tiled(
     ``total = a * total + rowsum(p)``, ``acc = a * acc + p @ v_block``; at the end
     ``acc / total``. Blocks that no query can see (left of every sliding window) are skipped.
     """
-    qg, mask, grid = _prepare(xp, q, k, mask, scale)
+    bk = backend_of(q)  # q is an array: never None
+    assert bk is not None
+    start_fn, block_fn, finish_fn = (pick(bk, _TILED, n) for n in ("start", "block", "finish"))
+    qg, mask, run_max, total, acc = start_fn(xp, q, k, mask, scale=scale)
+    grid = _grid(q, k)
     L, S = q.shape[-2], k.shape[-2]
     first = max(0, S - L - window + 1) if window is not None else 0
-    run_max = xp.full_like(qg[..., :1], -math.inf)  # (B.., H_kv, G*L, 1)
-    total = xp.zeros_like(run_max)
-    acc = xp.zeros_like(qg)  # (B.., H_kv, G*L, D)
+    opts = {"grid": grid, "causal": causal, "window": window, "softcap": softcap}
     for start in range(first, S, block_size):
         stop = min(start + block_size, S)
-        s = _block_scores(
-            xp, qg, k, mask, grid, start, stop, S, causal=causal, window=window, softcap=softcap
+        kb, vb = k[..., start:stop, :], v[..., start:stop, :]  # (B.., H_kv, n, D)
+        mb = _mask_block(mask, start, stop)
+        run_max, total, acc = block_fn(
+            xp, qg, kb, vb, mb, run_max, total, acc, start - (S - L), **opts
         )
-        new_max = xp.maximum(run_max, xp.max(s, axis=-1, keepdims=True))
-        shift = xp.where(new_max == -math.inf, 0.0, new_max)
-        alpha = xp.exp(run_max - shift)  # 0 while no key was seen (run_max = -inf)
-        p = xp.exp(s - shift)
-        total = alpha * total + xp.sum(p, axis=-1, keepdims=True)
-        vb = xp.astype(v[..., start:stop, :], qg.dtype, copy=False)
-        acc = alpha * acc + xp.matmul(p, vb)
-        run_max = new_max
-    return _finish(xp, acc, total, q)
+    return finish_fn(xp, acc, total, q)
 
 
 @auto_portable(OP)
