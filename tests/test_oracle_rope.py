@@ -190,3 +190,85 @@ def test_rope_matches_mlx_lm(name):
     got = pl.rope(x, offset=5, base=THETA, scaling=params, max_position_embeddings=mpe)
     assert_close(got, want)
     mx.eval(got)
+
+
+# -- long positions: ours and HF against the float64 formula -------------------------------------
+
+# (HF config class, rope_theta, D, rope_parameters, max_position_embeddings)
+LONG_CASES = {
+    "qwen2": ("Qwen2Config", 1e6, 64, {"rope_type": "default"}, 32768),
+    "llama3.1": (
+        "LlamaConfig",
+        5e5,
+        128,
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        131072,
+    ),
+    "dynamic_grown": ("Qwen2Config", 1e6, 64, {"rope_type": "dynamic", "factor": 2.0}, 512),
+    "default_d80": ("Qwen2Config", 1e4, 80, {"rope_type": "default"}, 32768),  # 2i/80 inexact
+}
+LONG_START, LONG_STOP = 800, 4001
+
+
+@pytest.mark.parametrize("name", list(LONG_CASES))
+def test_rope_at_long_positions_is_within_the_float32_angle_bound(name):
+    """Float32 angles ``m * theta_i`` lose accuracy in proportion to the position ``m``.
+
+    Our table follows HF's float32 formula op for op, with a correctly rounded ``pow``: relative
+    error ``k_i * u`` (u = 2^-24) with ``k_i = ln(base) * e_i`` for the rounding of the float32
+    exponent ``e_i = 2i / D`` (exact when D is a power of two), plus one u each for ``pow``, the
+    reciprocal and the angle's float32 product ``m * theta^``, plus up to three for the scaling
+    kinds' own float32 steps (llama3's divide and blend, dynamic's float32 base). Rotating a
+    pair ``(a, b)`` by an angle off by ``k_i * u * m * theta_i`` moves it by at most
+    ``hypot(a, b)`` times that. Everything else (cos, sin, two products and a sum in float32) is
+    position-independent and covered by the float32 entry of TOLERANCES. Where HF's ``pow``
+    rounds correctly too (the default and llama3 tables, measured) the result is HF's to the bit.
+    """
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama import modeling_llama
+    from transformers.models.qwen2 import modeling_qwen2
+
+    from portable_llm import reference
+
+    transformers.logging.set_verbosity_error()
+    config_cls, theta, dims, params, mpe = LONG_CASES[name]
+    config = getattr(transformers, config_cls)(
+        hidden_size=2 * dims,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=dims,
+        max_position_embeddings=mpe,
+        rope_parameters={**params, "rope_theta": theta},
+    )
+    module = modeling_llama if config_cls == "LlamaConfig" else modeling_qwen2
+    prefix = "Llama" if config_cls == "LlamaConfig" else "Qwen2"
+    emb = getattr(module, f"{prefix}RotaryEmbedding")(config)
+    positions = np.arange(LONG_START, LONG_STOP)
+    x, x64 = random_array(6, (1, 2, len(positions), dims), "float32", backend="torch")
+    cos, sin = emb(x, torch.from_numpy(positions)[None])
+    theirs = module.apply_rotary_pos_emb(x, x, cos, sin)[0].numpy().astype(np.float64)
+    opts = {"base": theta, "scaling": params, "max_position_embeddings": mpe}
+    ours = pl.rope(x, offset=LONG_START, **opts).numpy().astype(np.float64)
+    want = reference.rope(x64, positions, **opts)
+
+    u = np.finfo(np.float32).eps / 2
+    freqs, attention = reference.rope_frequencies(dims, theta, params, mpe, LONG_STOP)
+    half = dims // 2
+    e = np.arange(0, dims, 2) / dims
+    k = 6 + np.log(theta) * e * (dims & (dims - 1) != 0)  # (D/2,): see the docstring
+    radius = np.hypot(x64[..., :half], x64[..., half:]) * attention  # (1, 2, L, D/2)
+    angle_err = k * u * positions[:, None] * freqs  # (L, D/2)
+    drift = np.concatenate([radius * angle_err] * 2, axis=-1)  # both halves of each pair
+    tol = tolerance("float32")
+    bound = tol.atol + tol.rtol * np.abs(want) + drift
+    err = np.abs(ours - want)
+    assert (err <= bound).all(), f"max excess {(err - bound).max():.3g}"
+    if params["rope_type"] in ("default", "llama3") and dims & (dims - 1) == 0:
+        assert np.mean(ours == theirs) >= 0.99, np.mean(ours == theirs)

@@ -2,9 +2,9 @@
 
 HF transformers builds its table (``inv_freq``) in float32 with torch, from Python floats; here it
 is built on the host with NumPy, op for op in the same order and dtype (float32; float64 for
-float64 inputs), so the angles ``position * theta_i`` match HF's to the bit wherever NumPy's
-``pow`` rounds like torch's (about 98% of entries; elsewhere they differ by one ulp). Tables are
-small (``dims / 2`` entries) and cached.
+float64 inputs), with ``pow`` correctly rounded (:func:`_pow`), so the table matches HF's to the
+bit wherever torch's float32 ``pow`` is correctly rounded too (all but about 1% of entries,
+measured; elsewhere one ulp). Tables are small (``dims / 2`` entries) and cached.
 """
 
 from __future__ import annotations
@@ -209,7 +209,7 @@ def _table(spec: RopeSpec, dims: int, dtype: str, seq_len: int | None) -> np.nda
     elif kind == "yarn":
         out = _yarn_table(spec, dims, dt, exponent)
     else:
-        out = 1.0 / (base**exponent)
+        out = 1.0 / _pow(base, exponent)
         if kind == "linear":
             out = out / factor
         elif kind == "llama3":
@@ -217,6 +217,16 @@ def _table(spec: RopeSpec, dims: int, dtype: str, seq_len: int | None) -> np.nda
     out = np.asarray(out, dtype=dt)
     out.flags.writeable = False
     return out
+
+
+def _pow(base: Any, exponent: np.ndarray) -> np.ndarray:
+    """``base ** exponent`` correctly rounded to the exponent's dtype (float64, rounded once).
+
+    NumPy's float32 ``pow`` and torch's round differently in up to a fifth of the entries of a
+    table; torch's is (nearly) correctly rounded, so this matches HF's ``inv_freq`` in all but
+    about one entry in a hundred (measured for bases 1e4, 5e5, 1e6 and D = 64, 80, 96, 128).
+    """
+    return (np.float64(base) ** exponent.astype(np.float64)).astype(exponent.dtype)
 
 
 def _rdiv(scalar: float, t: np.ndarray) -> np.ndarray:
@@ -234,7 +244,7 @@ def _dynamic(
     else:  # HF's forward: seq_len is a tensor, so the new base is computed in float32
         grown = (factor * dt(seq_len) / mpe - (factor - 1)) ** (dims / (dims - 2))
         base = spec.base * grown
-    return 1.0 / (base**exponent)
+    return 1.0 / _pow(base, exponent)
 
 
 def _llama3(spec: RopeSpec, inv_freq: np.ndarray) -> np.ndarray:
@@ -263,7 +273,7 @@ def _yarn_table(spec: RopeSpec, dims: int, dt: Any, exponent: np.ndarray) -> np.
     low, high = max(low, 0), min(high, dims - 1)
     if low == high:
         high += 0.001  # HF: prevent a singularity
-    pos_freqs = base**exponent
+    pos_freqs = _pow(base, exponent)
     extrapolation = 1.0 / pos_freqs
     interpolation = 1.0 / (factor * pos_freqs)
     ramp = np.clip((np.arange(dims // 2, dtype=dt) - low) / (high - low), 0, 1)
