@@ -82,7 +82,9 @@ def chunkings(draw: st.DrawFn, total: int = T, largest: int = 6) -> list[int]:
 
 
 CACHES = {
-    "full": (lambda: KVCache(step=4), {}),
+    "full": (lambda: KVCache(step=4, static_shapes=False), {}),
+    # fixed-size views (JAX's default): capacity - 1 keys, the slots past the offset masked
+    "full-static": (lambda: KVCache(step=4, static_shapes=True), {}),
     "rotating": (lambda: RotatingKVCache(4, step=2), {"window": 4}),
     "rotating-keep": (lambda: RotatingKVCache(5, keep=2, step=3), {"keep": 2, "ring": 3}),
 }
@@ -132,7 +134,7 @@ def test_trim_then_redecode_equals_never_decoded(backend, kind, prefix, wrong, c
     cache = make()
     head = decode(x, kw, cache, [prefix])
     # A rotating cache can rewind past one token only while nothing was evicted.
-    trimmable = kind == "full" or prefix + wrong <= cache.max_size or wrong == 1
+    trimmable = kind.startswith("full") or prefix + wrong <= cache.max_size or wrong == 1
     for i in range(wrong):  # draft tokens one by one, as speculative decoding does
         attention(bad[:, i : i + 1, :], cache=cache, **kw)
     if not trimmable:
@@ -151,7 +153,9 @@ def check_batched(backend: str, dtype: str, kind: str, lengths: list[int], steps
     """A left-padded batch, prefilled then decoded token by token, equals each row alone."""
 
     def make(pad=None):
-        return KVCache(left_padding=pad) if kind == "full" else RotatingKVCache(4, left_padding=pad)
+        if kind == "rotating":
+            return RotatingKVCache(4, left_padding=pad)
+        return KVCache(left_padding=pad, step=3, static_shapes=kind == "full-static")
 
     kw, _ = block(seed, dtype, backend)
     rng = np.random.default_rng(seed)
@@ -173,14 +177,14 @@ def check_batched(backend: str, dtype: str, kind: str, lengths: list[int], steps
                      err_msg=f"row {b} of lengths {lengths}")  # fmt: skip
 
 
-@pytest.mark.parametrize("kind", ["full", "rotating"])
+@pytest.mark.parametrize("kind", ["full", "full-static", "rotating"])
 @given(lengths=st.lists(st.integers(1, 4), min_size=2, max_size=2), steps=st.integers(1, 2),
        seed=seeds())  # fmt: skip
 def test_batched_unequal_lengths_equal_each_sequence_alone(backend, kind, lengths, steps, seed):
     check_batched(backend, "float32", kind, lengths, steps, seed)
 
 
-@pytest.mark.parametrize("kind", ["full", "rotating"])
+@pytest.mark.parametrize("kind", ["full", "full-static", "rotating"])
 def test_batched_decode_in_every_dtype(backend, dtype, kind):
     check_batched(backend, dtype, kind, [4, 1], steps=2, seed=11)
 
@@ -213,7 +217,7 @@ def check_chunks(backend: str, dtype: str, chunks: list[int], step: int, seed: i
     """update_and_fetch returns every key and value so far, bit for bit."""
     k, kr = random_array(seed, (2, 3, 12, 4), dtype, backend=backend)
     v, vr = random_array(seed + 1, (2, 3, 12, 4), dtype, backend=backend)
-    cache, t, held = KVCache(step=step), 0, []
+    cache, t, held = KVCache(step=step, static_shapes=False), 0, []
     for n in chunks:
         k_all, v_all = cache.update_and_fetch(k[:, :, t : t + n, :], v[:, :, t : t + n, :])
         t += n
@@ -303,10 +307,42 @@ def test_set_slice_writes_the_block(backend):
     np.testing.assert_array_equal(pl.to_numpy(out).astype(np.float64), want)
 
 
+def test_static_shapes_fetch_fixed_size_views(backend):
+    """static_shapes: the fetched length changes only when the buffers grow (every step tokens),
+    the first offset keys are the ones written, and the mask hides the slots past the offset."""
+    k, kr = random_array(0, (1, 2, 10, 4), "float32", backend=backend)
+    cache, lengths = KVCache(step=4, static_shapes=True), []
+    for t in range(10):
+        k_all, _ = cache.update_and_fetch(k[:, :, t : t + 1, :], k[:, :, t : t + 1, :])
+        S = k_all.shape[2]
+        assert S == cache.capacity - 1 >= cache.offset == t + 1
+        np.testing.assert_array_equal(pl.to_numpy(k_all)[:, :, : t + 1].astype(np.float64),
+                                      kr[:, :, : t + 1])  # fmt: skip
+        mask, window = cache.make_mask()
+        if t + 1 == S:  # the view ends at the offset: plain causal
+            assert (mask, window) == ("causal", None)
+        else:
+            assert window is None
+            np.testing.assert_array_equal(pl.to_numpy(mask)[0, 0, 0], np.arange(S) <= t)
+        lengths.append(S)
+    assert lengths == [3] * 3 + [7] * 4 + [11] * 3  # capacity 4, 8, 12: one key is kept free
+
+
+def test_static_shapes_default_follows_the_backend(backend):
+    k, _ = random_array(0, (1, 2, 3, 4), "float32", backend=backend)
+    cache = KVCache()
+    k_all, _ = cache.update_and_fetch(k, k)
+    static = pl.get_backend(backend).static_shapes
+    assert k_all.shape[2] == (cache.capacity - 1 if static else 3)
+    assert isinstance(cache.make_mask()[0], str) is not static
+    with pytest.raises(TypeError, match="KVCache: static_shapes must be None or a bool"):
+        KVCache(static_shapes="yes")
+
+
 @pytest.mark.parametrize("kind", ["full", "rotating"])
 def test_make_mask_keeps_the_plain_causal_form(backend, kind):
     """Without padding or eviction the cache asks for ``mask="causal"`` (native kernels apply)."""
-    cache = KVCache() if kind == "full" else RotatingKVCache(8)
+    cache = KVCache(static_shapes=False) if kind == "full" else RotatingKVCache(8)
     k, _ = random_array(0, (1, 2, 3, 4), "float32", backend=backend)
     cache.update_and_fetch(k, k)
     assert cache.make_mask(window=2) == ("causal", 2)

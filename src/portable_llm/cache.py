@@ -37,10 +37,18 @@ class KVCache(_Cache):
         Pad tokens at the start of each row (see :func:`~portable_llm.left_pad`): their keys
         are masked out, and the attention block gives row ``b`` RoPE positions from
         ``column - left_padding[b]``.
+    static_shapes : bool, optional
+        ``True``: :meth:`update_and_fetch` returns fixed-size views of ``capacity - 1`` keys
+        (the same shape for ``step`` tokens in a row), and :meth:`make_mask` hides the slots
+        past :attr:`offset`; for libraries that compile per shape, where a new key length per
+        decode step would compile every attention op again. ``None`` (default): the backend's
+        :attr:`~portable_llm.backends.Backend.static_shapes` (JAX: ``True``, others ``False``).
     """
 
-    def __init__(self, *, step: int = 256, left_padding: Any = None) -> None:
-        super().__init__(step, left_padding)
+    def __init__(
+        self, *, step: int = 256, left_padding: Any = None, static_shapes: bool | None = None
+    ) -> None:
+        super().__init__(step, left_padding, static_shapes)
 
     def update_and_fetch(self, k: Any, v: Any, /) -> tuple[Any, Any]:
         """Append a chunk; return every key and value so far.
@@ -53,16 +61,19 @@ class KVCache(_Cache):
 
         Returns
         -------
-        (k_all, v_all) : arrays, shape ``(B, H_kv, offset, D)``
+        (k_all, v_all) : arrays, shape ``(B, H_kv, S, D)``
             Slices of the cache's buffers: use them before the next update (copy to keep them).
+            ``S = offset``, or ``capacity - 1 >= offset`` with ``static_shapes`` (the slots
+            past the offset hold zeros or stale keys: use :meth:`make_mask`).
         """
         _, k, v = self._bind(k, v)
         start, L = self._offset, k.shape[2]
         self._reserve(start + L + 1)  # + 1: a slot stays free, so the slice is never the buffer
         self._write(start, k, v)
         self._offset = start + L
-        self._last = (L, None)
-        return self._k[:, :, : self._offset, :], self._v[:, :, : self._offset, :]
+        S = self.capacity - 1 if self._static else self._offset
+        self._last = (L, None if self._offset == S else np.arange(S))
+        return self._k[:, :, :S, :], self._v[:, :, :S, :]
 
 
 class RotatingKVCache(_Cache):

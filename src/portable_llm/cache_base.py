@@ -33,9 +33,13 @@ def _count(name: str, value: Any, low: int) -> int:
 class _Cache:
     """Buffers, checks, trim and masks shared by both caches; subclasses place the tokens."""
 
-    def __init__(self, step: int, left_padding: Any) -> None:
+    def __init__(self, step: int, left_padding: Any, static_shapes: bool | None = None) -> None:
         name = type(self).__name__
         self.step = _count(f"{name}: step", step, 1)
+        if static_shapes is not None and not isinstance(static_shapes, bool):
+            raise TypeError(f"{name}: static_shapes must be None or a bool, got {static_shapes!r}")
+        self._static_opt = static_shapes
+        self._static = False  # resolved against the backend at the first update
         self._pad: Any = None
         if left_padding is not None:
             pad = left_padding if backend_of(left_padding) is not None else np.asarray(left_padding)
@@ -106,6 +110,7 @@ class _Cache:
                     )
             self._bk, self._dims, self._dtype = bk, dims, k.dtype
             self._device = bk.device_of(k)
+            self._static = bk.static_shapes if self._static_opt is None else self._static_opt
         elif bk is not self._bk:
             raise TypeError(f"{op}: the cache holds {self._bk.name} arrays, got {bk.name} arrays")
         elif dims != self._dims:
@@ -185,12 +190,16 @@ class _Cache:
         return self._mask(*self._last, window)
 
     def _mask(self, L: int, cols: np.ndarray | None, window: int | None) -> tuple[Any, int | None]:
-        """``cols``: the host columns of the returned keys; ``None``: ``0 .. offset - 1``."""
-        if self._pad is None:
+        """``cols``: the host columns of the returned keys; ``None``: ``0 .. offset - 1``.
+
+        Here (a :class:`KVCache`) the columns are always ``0 .. S - 1``; ``S > offset`` in a
+        fixed-size view, whose slots past the offset the causal rule hides.
+        """
+        if self._pad is None and cols is None:
             return "causal", window
         assert self._bk is not None
         xp, dev = self._bk.xp, self._device
-        k_pos = xp.arange(self._offset, device=dev)
+        k_pos = xp.arange(self._offset if cols is None else cols.shape[0], device=dev)
         mask = visible(xp, self._offset - L, L, k_pos, window=window, pad=self._pad, device=dev)
         return mask, None
 

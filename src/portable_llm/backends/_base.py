@@ -27,6 +27,10 @@ class Backend:
     """
 
     name: str = ""
+    #: True for libraries that compile per shape (JAX): a :class:`~portable_llm.KVCache` then
+    #: returns its keys in fixed-size views (growing ``step`` slots at a time, the unused slots
+    #: masked) instead of one more key per decode step, so a step reuses the compiled programs.
+    static_shapes: bool = False
     #: The Array API namespace of the library (array-api-compat's, or a shim for MLX).
     xp: Any
     #: The library's version string.

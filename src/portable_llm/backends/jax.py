@@ -12,6 +12,7 @@ from portable_llm.backends._base import FLOAT_DTYPES, Backend, seed_value
 
 class JaxBackend(Backend):
     name = "jax"
+    static_shapes = True
 
     def __init__(self) -> None:
         super().__init__()
