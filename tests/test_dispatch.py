@@ -240,3 +240,19 @@ def test_resolve_pair_matches_resolve(backend):
     if backend != "numpy":  # two libraries without backend=: the TypeError names both
         with pytest.raises(TypeError, match=f"numpy and {backend}|{backend} and numpy"):
             resolve_pair("op", None, np.ones(3), x)
+
+
+def test_host_arrays_go_to_torchs_default_device():
+    """NumPy input to torch lands on torch's default device (torch.set_default_device), as
+    torch.asarray does, through DLPack or not; "meta" stands in for a GPU here."""
+    torch = pytest.importorskip("torch")
+    before = torch.get_default_device()
+    torch.set_default_device("meta")
+    try:
+        for host in (np.ones((2, 3), np.float32), random_array(0, (2, 3), "bfloat16")[0]):
+            assert pl.asarray(host, backend="torch").device.type == "meta"
+        x = torch.ones(2, 3)  # created on the default device
+        assert pl.rms_norm(x, np.ones(3, np.float32), backend="torch").device.type == "meta"
+        assert pl.asarray(np.ones(3), backend="torch", device="cpu").device.type == "cpu"
+    finally:
+        torch.set_default_device(before)

@@ -178,11 +178,12 @@ class Backend:
         try:
             out = self.from_dlpack(x)
         except Exception:  # DLPack is not supported for this pair, dtype or device.
-            out = self.from_numpy(source.to_numpy(x), device)
-        else:
-            if device is not None:
-                out = self.to_device(out, device)
-        return out
+            return self.from_numpy(source.to_numpy(x), device)
+        # DLPack keeps the source's device (a host array stays on the host): move it to the one
+        # asked for, else to this backend's default device (a GPU where the library defaults
+        # to one), as from_numpy does.
+        target = device if device is not None else self.device(None)
+        return self.to_device(out, target) if target is not None else out
 
 
 #: Int seeds accepted by every backend's generator: ``0 <= seed < 2**63``.

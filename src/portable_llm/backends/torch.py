@@ -79,7 +79,8 @@ class TorchBackend(Backend):
             t = torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
         else:
             t = torch.from_numpy(np.ascontiguousarray(a))
-        return t.to(self.device(device)) if device is not None else t
+        # device=None: torch's default device (torch.set_default_device), like torch.asarray.
+        return t.to(self.device(device))
 
     def from_dlpack(self, x: Any) -> Any:
         return self.torch.from_dlpack(x)
