@@ -37,6 +37,7 @@ SCENARIOS = [
     ((1,), 3, 3, 1, 7, 4, "bool+window", 4, None),
     ((1,), 4, 1, 9, 9, 1, "causal", None, None),
     ((1,), 4, 1, 9, 9, 1, "additive", None, 5.0),
+    ((2,), 4, 2, 1, 6, 8, "causal", None, None),  # a decode step: its query sees every key
 ]
 # Longer key sequences for the tiled path: several blocks, a ragged last one.
 LONG_SCENARIOS = [
@@ -152,6 +153,17 @@ def test_native_matches_portable(backend, dtype, p):
         assert auto is portable_fn and dtype == "float64"
         f32 = TOLERANCES["float32"]
         assert_close(out, portable, rtol=f32.rtol, atol=f32.atol, err_msg=nat.kernel)
+
+
+def test_native_decode_step_matches_portable(backend):
+    """One query over S keys with mask="causal" (the decode step every cache makes)."""
+    nat = _native(backend)
+    p = {"batch": (2,), "h": 4, "h_kv": 2, "L": 1, "S": 6, "D": 8, "seed": 3}
+    (q, _), (k, _), (v, _) = qkv(p, "float32", backend)
+    got = pl.scaled_dot_product_attention(q, k, v, mask="causal", impl="native")
+    want = pl.scaled_dot_product_attention(q, k, v, mask="causal", impl="portable")
+    assert_close(got, want, err_msg=nat.kernel)
+    assert_close(want, pl.scaled_dot_product_attention(q, k, v, impl="portable"))
 
 
 def test_native_declines_what_it_cannot_express(backend):

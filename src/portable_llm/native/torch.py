@@ -101,9 +101,11 @@ def scaled_dot_product_attention(
     L, S = q.shape[-2], k.shape[-2]
     # enable_gqa only when needed: torch < 2.5 has no such argument (MHA still runs there).
     gqa: dict[str, Any] = {"enable_gqa": True} if q.shape[-3] != k.shape[-3] else {}
-    if causal and window is None and mask is None and L == S:
-        # torch's is_causal is top-left aligned: the same as bottom-right only when L == S.
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, **gqa)
+    if causal and window is None and mask is None:
+        if L == S:  # torch's is_causal is top-left aligned: bottom-right only when L == S
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, **gqa)
+        if L == 1:  # a decode step: bottom-right causal lets its one query see every key
+            return F.scaled_dot_product_attention(q, k, v, scale=scale, **gqa)
     attn = mask
     if causal:
         i = torch.arange(L, device=q.device)[:, None] + (S - L)
