@@ -71,26 +71,33 @@ HF_CASES = {
 DTYPES = ["float32", "float64", "bfloat16"]
 
 
-def _hf(name: str):
-    torch = pytest.importorskip("torch")
+def _hf_rotary(config_cls: str, theta: float, dims: int, heads: int, kv_heads: int,
+               params: dict, mpe: int):  # fmt: skip
+    """HF's rotary embedding module for this config, and its ``apply_rotary_pos_emb``."""
+    pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama import modeling_llama
     from transformers.models.qwen2 import modeling_qwen2
 
     transformers.logging.set_verbosity_error()
-    config_cls, params, mpe = HF_CASES[name]
     config = getattr(transformers, config_cls)(
-        hidden_size=H * D,
-        num_attention_heads=H,
-        num_key_value_heads=H_KV,
-        head_dim=D,
+        hidden_size=heads * dims,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=dims,
         max_position_embeddings=mpe,
-        rope_parameters={**params, "rope_theta": THETA},
+        rope_parameters={**params, "rope_theta": theta},
     )
     module = modeling_llama if config_cls == "LlamaConfig" else modeling_qwen2
     prefix = "Llama" if config_cls == "LlamaConfig" else "Qwen2"
-    emb = getattr(module, f"{prefix}RotaryEmbedding")(config)
-    return torch, emb, module.apply_rotary_pos_emb, params, mpe
+    return getattr(module, f"{prefix}RotaryEmbedding")(config), module.apply_rotary_pos_emb
+
+
+def _hf(name: str):
+    torch = pytest.importorskip("torch")
+    config_cls, params, mpe = HF_CASES[name]
+    emb, apply = _hf_rotary(config_cls, THETA, D, H, H_KV, params, mpe)
+    return torch, emb, apply, params, mpe
 
 
 def _tol(dtype: str):
@@ -231,29 +238,14 @@ def test_rope_at_long_positions_is_within_the_float32_angle_bound(name):
     rounds correctly too (the default and llama3 tables, measured) the result is HF's to the bit.
     """
     torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    from transformers.models.llama import modeling_llama
-    from transformers.models.qwen2 import modeling_qwen2
-
     from portable_llm import reference
 
-    transformers.logging.set_verbosity_error()
     config_cls, theta, dims, params, mpe = LONG_CASES[name]
-    config = getattr(transformers, config_cls)(
-        hidden_size=2 * dims,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=dims,
-        max_position_embeddings=mpe,
-        rope_parameters={**params, "rope_theta": theta},
-    )
-    module = modeling_llama if config_cls == "LlamaConfig" else modeling_qwen2
-    prefix = "Llama" if config_cls == "LlamaConfig" else "Qwen2"
-    emb = getattr(module, f"{prefix}RotaryEmbedding")(config)
+    emb, apply = _hf_rotary(config_cls, theta, dims, 2, 2, params, mpe)
     positions = np.arange(LONG_START, LONG_STOP)
     x, x64 = random_array(6, (1, 2, len(positions), dims), "float32", backend="torch")
     cos, sin = emb(x, torch.from_numpy(positions)[None])
-    theirs = module.apply_rotary_pos_emb(x, x, cos, sin)[0].numpy().astype(np.float64)
+    theirs = apply(x, x, cos, sin)[0].numpy().astype(np.float64)
     opts = {"base": theta, "scaling": params, "max_position_embeddings": mpe}
     ours = pl.rope(x, offset=LONG_START, **opts).numpy().astype(np.float64)
     want = reference.rope(x64, positions, **opts)

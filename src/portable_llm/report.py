@@ -344,17 +344,28 @@ def _attention_reference(x: Any, wq: Any, wk: Any, wv: Any, wo: Any, bq: Any, bk
                                offset=offset)  # fmt: skip
 
 
-def _attention_route(inputs: Inputs, steps: Sequence[tuple[int, int]] = ((_BLOCK[1], 0),)) -> Route:
-    """The projections, then the attention of each ``(L, S - L)`` step: L queries, S keys."""
+def _attention_route(inputs: Inputs, steps: Sequence[int] | None = None) -> Route:
+    """The projections, then the attention of each step (its number of new tokens), with the
+    keys and mask a :class:`KVCache` hands it (``steps``), or of one causal forward (``None``)."""
     x, wq = inputs.arrays[:2]
-    b, _, _, h, h_kv, d = _BLOCK
+    b, L, _, h, h_kv, d = _BLOCK
     bk = backend_of(x)
     assert bk is not None
+    xp = bk.xp
+    if steps is None:
+        kv = xp.zeros((b, h_kv, L, d), dtype=x.dtype)
+        q = xp.zeros((b, h, L, d), dtype=x.dtype)
+        return [
+            ("linear", (x, wq, None), {}),
+            *_sdpa_route(Inputs((q, kv, kv), (), {"mask": "causal"})),
+        ]
     sdpa: Route = []
-    for L, past in steps:
-        q = bk.xp.zeros((b, h, L, d), dtype=x.dtype)
-        kv = bk.xp.zeros((b, h_kv, past + L, d), dtype=x.dtype)
-        sdpa += _sdpa_route(Inputs((q, kv, kv), (), {"mask": "causal"}))
+    cache = KVCache()  # as the case's call makes it: the same views and masks on every backend
+    for n in steps:
+        k, v = cache.update_and_fetch(*(xp.zeros((b, h_kv, n, d), dtype=x.dtype),) * 2)
+        mask, window = cache.make_mask()
+        q = xp.zeros((b, h, n, d), dtype=x.dtype)
+        sdpa += _sdpa_route(Inputs((q, k, v), (), {"mask": mask, "window": window}))
     return [("linear", (x, wq, None), {}), *sdpa]
 
 
@@ -380,7 +391,7 @@ def _decode_reference(*refs: np.ndarray, prefill: int) -> np.ndarray:
 
 def _decode_route(inputs: Inputs) -> Route:
     p = inputs.options["prefill"]  # the prefill chunk, then one token over the cached keys
-    return _attention_route(inputs, [(p, 0), *((1, s) for s in range(p, _BLOCK[1]))])
+    return _attention_route(inputs, [p] + [1] * (_BLOCK[1] - p))
 
 
 CASES.extend([
