@@ -1,7 +1,8 @@
 """scaled_dot_product_attention: reference values, native == portable == tiled, properties, errors.
 
 Every case runs on each backend and each float dtype it supports, against the independent
-float64 NumPy formula in ``portable_llm.reference`` (K/V repeated with ``np.repeat``, explicit
+float64 NumPy formula in ``portable_llm.testing.reference``
+(K/V repeated with ``np.repeat``, explicit
 masks, a loop over query rows), on the same (rounded) inputs.
 """
 
@@ -15,10 +16,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import portable_llm as pl
-from portable_llm import reference
-from portable_llm._dispatch import pick
-from portable_llm.sdpa import OP, TILED_MIN_SCORES, sdpa_args
-from portable_llm.testing import TOLERANCES, assert_close, random_array, random_weight
+from portable_llm.attn.sdpa import OP, TILED_MIN_SCORES, sdpa_args
+from portable_llm.core.dispatch import dispatcher, pick
+from portable_llm.testing import TOLERANCES, assert_close, random_array, random_weight, reference
 from portable_llm.testing.strategies import seeds
 
 # The scenarios the Hypothesis tests draw from; the values (seeds) vary freely. A fixed catalogue,
@@ -121,7 +121,7 @@ def test_scale_and_float32_accumulation(backend, dtype):
 
 
 def _native(backend: str):
-    nat = pl.get_backend(backend).native.get(OP)
+    nat = dispatcher(pl.get_backend(backend)).native.get(OP)
     if nat is None:
         pytest.skip(f"{backend} has no native attention kernel")
     return nat

@@ -2,7 +2,8 @@
 
 Every test runs on each backend (and the float dtypes it supports where numbers are compared).
 The attention block's full causal forward (sliding-window for a rotating cache) is the property's
-other side; a float64 NumPy composition of :mod:`portable_llm.reference` formulas checks both.
+other side; a float64 NumPy composition of :mod:`portable_llm.testing.reference`
+formulas checks both.
 """
 
 from __future__ import annotations
@@ -15,11 +16,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import portable_llm as pl
-from portable_llm import reference
-from portable_llm.attention import attention
-from portable_llm.cache import KVCache, RotatingKVCache
-from portable_llm.padding import left_pad
-from portable_llm.testing import assert_close, random_array, random_weight
+from portable_llm.attn.block import attention
+from portable_llm.attn.padding import left_pad
+from portable_llm.caches.kv import KVCache, RotatingKVCache
+from portable_llm.testing import assert_close, random_array, random_weight, reference
 from portable_llm.testing.strategies import seeds
 
 E, H, H_KV, D = 16, 4, 2, 4

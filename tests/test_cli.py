@@ -10,9 +10,11 @@ import sys
 import numpy as np
 import pytest
 
-from portable_llm import bench, reference, report
 from portable_llm.backends import get_backend
-from portable_llm.cli import main
+from portable_llm.core.dispatch import dispatcher
+from portable_llm.testing import reference
+from portable_llm.tools import bench, report
+from portable_llm.tools.cli import main
 
 
 def _tables(out: str) -> list[dict[str, str]]:
@@ -77,11 +79,11 @@ def test_report_on_backend(backend, capsys):
         if _native_ran(auto["path"]):
             assert extra == ["portable"], auto["path"]
         else:
-            assert extra in ([], ["native"]) and (extra == [] or case.op in bk.native)
+            assert extra in ([], ["native"]) and (extra == [] or case.op in dispatcher(bk).native)
         for impl in extra:
             assert rows[(case.name, "float32", impl)]["result"] == "ok"
-        if case.op in bk.native:
-            assert bk.native[case.op].kernel in auto["path"]
+        if case.op in dispatcher(bk).native:
+            assert dispatcher(bk).native[case.op].kernel in auto["path"]
 
 
 def test_report_marks_a_wrong_reference_and_exits_1(monkeypatch, capsys):

@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 
 import portable_llm as pl
-from portable_llm import reference
-from portable_llm._dispatch import IMPLS
 from portable_llm.backends import BACKENDS, resolve
-from portable_llm.testing import assert_close, random_array
+from portable_llm.core.dispatch import IMPLS, dispatcher
+from portable_llm.testing import assert_close, random_array, reference
 
 
 def test_import_loads_no_backend_library():
@@ -200,7 +199,7 @@ def test_impl_selection(backend):
     w = pl.asarray([1.0, 2.0, 3.0], backend=backend, dtype="float32")
     portable = pl.rms_norm(x, w, impl="portable")
     assert_close(pl.rms_norm(x, w, impl="auto"), portable)
-    if "rms_norm" in pl.get_backend(backend).native:
+    if "rms_norm" in dispatcher(pl.get_backend(backend)).native:
         assert_close(pl.rms_norm(x, w, impl="native"), portable)
     else:
         with pytest.raises(ValueError, match=f"rms_norm: backend '{backend}' has no native"):
@@ -214,10 +213,10 @@ def test_impl_selection(backend):
 def test_auto_choice_cached_by_dtype_follows_the_dtype(backend):
     # pick() caches a dtype-only choice per (op, dtype): alternating dtypes must still get
     # each dtype's own choice, the same as the uncached rule (Native.auto).
-    from portable_llm._dispatch import _portable, pick
+    from portable_llm.core.dispatch import dispatcher, pick
 
     bk = pl.get_backend(backend)
-    nat = bk.native.get("rms_norm")
+    nat = dispatcher(bk).native.get("rms_norm")
     for _ in range(2):
         for dtype in bk.float_dtypes():
             x = pl.asarray(np.ones((2, 8)), backend=backend, dtype=dtype)
@@ -226,7 +225,7 @@ def test_auto_choice_cached_by_dtype_follows_the_dtype(backend):
             if nat is not None and nat.auto(x, w, eps=1e-5):
                 assert chosen is nat.fn, dtype
             else:
-                assert chosen is _portable(bk, "rms_norm", "portable"), dtype
+                assert chosen is dispatcher(bk).portable_impl("rms_norm", "portable"), dtype
 
 
 def test_resolve_pair_matches_resolve(backend):

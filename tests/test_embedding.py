@@ -8,8 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import portable_llm as pl
-from portable_llm import reference
-from portable_llm.testing import assert_close, random_array, random_weight
+from portable_llm.testing import assert_close, random_array, random_weight, reference
 from portable_llm.testing.strategies import seeds
 
 

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import portable_llm as pl
-from portable_llm import reference
+from portable_llm.testing import reference
 
 # A few sizes (JAX compiles each shape once), including empty, single and L > S.
 sizes = st.sampled_from([0, 1, 2, 3, 5, 8])

@@ -4,7 +4,7 @@ The checkpoints are written here with NumPy and ``safetensors`` alone
 (:mod:`portable_llm.testing.checkpoints`): one tiny model per supported family, random weights
 under HF's tensor names. The reference (:func:`portable_llm.testing.decoder.decoder_logits`)
 reads the config and tensors itself and composes the float64 formulas of
-:mod:`portable_llm.reference`. Checkpoint errors, configs and tokenizers:
+:mod:`portable_llm.testing.reference`. Checkpoint errors, configs and tokenizers:
 ``test_models_loading.py``.
 """
 
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import portable_llm as pl
+from portable_llm.attn.padding import left_pad
 from portable_llm.models import load
-from portable_llm.padding import left_pad
 from portable_llm.testing import MODEL_TOLERANCES, assert_close
 from portable_llm.testing.checkpoints import tiny_config, write_checkpoint, write_tokenizer
 from portable_llm.testing.decoder import decoder_logits

@@ -12,12 +12,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import portable_llm as pl
-from portable_llm import reference
 from portable_llm.backends import backend_of
-from portable_llm.testing import assert_close, random_array, random_weight, tolerance
+from portable_llm.core.dispatch import dispatcher
+from portable_llm.testing import assert_close, random_array, random_weight, reference, tolerance
 from portable_llm.testing.strategies import seeds
 
-moe_module = importlib.import_module("portable_llm.moe")  # pl.moe is the function
+moe_module = importlib.import_module("portable_llm.ops.moe")  # pl.moe is the function
 
 X, INTER, E, INTER_SHARED = 4, 12, 8, 6  # X experts, I, E, the shared I; one set of sizes:
 # JAX compiles each op once per shape.
@@ -119,13 +119,13 @@ def test_route_ties_go_to_the_lower_expert(backend, impl):
 
 def test_native_top_k_equals_portable(backend):
     bk = pl.get_backend(backend)
-    if "top_k" not in bk.native:
+    if "top_k" not in dispatcher(bk).native:
         pytest.skip(f"{backend} has no native top_k (torch.topk and mx.topk do not order ties)")
     ties = np.repeat(np.array([[0.0, 1.0, 0.5, 1.0, 1.0, 0.5]], np.float32), 3, axis=0)
     rand, _ = random_array(0, (3, 6), "float32", backend=backend)
     for probs in (pl.asarray(ties, backend=backend), rand):
         for k in (1, 3, 6):
-            native = bk.native["top_k"].fn(bk.xp, probs, k=k)
+            native = dispatcher(bk).native["top_k"].fn(bk.xp, probs, k=k)
             portable = moe_module._top_k(bk.xp, probs, k=k)
             np.testing.assert_array_equal(pl.to_numpy(native[1]), pl.to_numpy(portable[1]))
             assert_close(native[0], portable[0])
@@ -221,7 +221,7 @@ def test_impls_equal_the_portable_gather(backend, dtype, impl, shared):
     bk = pl.get_backend(backend)
     inp = _inputs(4, dtype, backend, (2, 5), 2)
     if impl == "native":
-        nat = bk.native.get("moe_experts")
+        nat = dispatcher(bk).native.get("moe_experts")
         if nat is None:
             pytest.skip(f"{backend} has no native MoE kernel")
         if nat.applies is not None and not nat.applies(inp.arrays["x"]):
@@ -320,10 +320,10 @@ def test_jax_auto_takes_ragged_dot_only_where_it_pays(backend):
         pytest.skip("ragged_dot is JAX's")
     import jax
 
-    from portable_llm._dispatch import _portable, pick
+    from portable_llm.core.dispatch import dispatcher, pick
 
     bk = pl.get_backend("jax")
-    nat = bk.native["moe_experts"]
+    nat = dispatcher(bk).native["moe_experts"]
     inp = _inputs(6, "float32", "jax", (2, 3), 2)
     a = inp.arrays
     x = a["x"].reshape(-1, E)
@@ -332,7 +332,7 @@ def test_jax_auto_takes_ragged_dot_only_where_it_pays(backend):
     assert pick(bk, "moe_experts", "native", *args) is nat.fn
     on_cpu = jax.default_backend() == "cpu"
     eager = pick(bk, "moe_experts", "auto", *args)
-    assert eager is (_portable(bk, "moe_experts", "portable") if on_cpu else nat.fn)
+    assert eager is (dispatcher(bk).portable_impl("moe_experts", "portable") if on_cpu else nat.fn)
     seen = []
     jax.jit(lambda x: seen.append(pick(bk, "moe_experts", "auto", x, *args[1:])) or x)(x)
     assert seen == [nat.fn]

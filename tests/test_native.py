@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 
 import portable_llm as pl
+from portable_llm.core.dispatch import dispatcher
 from portable_llm.testing import assert_close, random_array, random_weight
 from portable_llm.testing.strategies import seeds, shapes
 
@@ -17,7 +18,7 @@ UNARY = ["silu", "gelu", "gelu_tanh", "relu", "softmax"]
 
 
 def _native_or_skip(backend: str, op: str) -> None:
-    if op not in pl.get_backend(backend).native:
+    if op not in dispatcher(pl.get_backend(backend)).native:
         pytest.skip(f"{backend} has no native {op}")
 
 
@@ -52,13 +53,13 @@ def test_linear_native_matches_portable(backend, dtype, shape, seed):
 
 def test_auto_takes_the_native_kernel_where_it_is_preferred(backend, dtype):
     """auto runs the native kernel unless its applies/prefer predicate turns it down."""
-    from portable_llm._dispatch import pick
+    from portable_llm.core.dispatch import pick
 
     bk = pl.get_backend(backend)
     x, _ = random_array(0, (2, 8), dtype, backend=backend)
     w, _ = random_array(1, (8,), dtype, backend=backend)
     for op, args, opts in [("rms_norm", (x, w), {"eps": 1e-5}), ("softmax", (x,), {"axis": -1})]:
-        nat = bk.native.get(op)
+        nat = dispatcher(bk).native.get(op)
         chosen = pick(bk, op, "auto", *args, **opts)
         if nat is None:
             assert chosen is not None and chosen is pick(bk, op, "portable", *args, **opts)

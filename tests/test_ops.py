@@ -1,7 +1,7 @@
 """silu, gelu, gelu_tanh, relu, softmax, rms_norm, linear, mlp: values, shapes, dtypes, properties.
 
 Every case runs on each backend and each float dtype it supports, against the independent
-float64 NumPy formulas in ``portable_llm.reference``, on the same (rounded) inputs.
+float64 NumPy formulas in ``portable_llm.testing.reference``, on the same (rounded) inputs.
 """
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import portable_llm as pl
-from portable_llm import reference
-from portable_llm.testing import assert_close, random_array, random_weight, tolerance
+from portable_llm.testing import assert_close, random_array, random_weight, reference, tolerance
 from portable_llm.testing.strategies import seeds, shapes, sizes
 
 ACTS = ["silu", "gelu", "gelu_tanh", "relu"]

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import portable_llm as pl
-from portable_llm.attention import attention
-from portable_llm.cache import KVCache, RotatingKVCache
-from portable_llm.padding import left_pad
+from portable_llm.attn.block import attention
+from portable_llm.attn.padding import left_pad
+from portable_llm.caches.kv import KVCache, RotatingKVCache
 from portable_llm.testing import assert_close
 
 pytestmark = pytest.mark.oracle

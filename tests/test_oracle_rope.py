@@ -129,7 +129,7 @@ def test_rope_table_matches_hf_inv_freq(name):
     # HF builds theta in float32 with torch; ours is built op for op with NumPy: equal but where
     # the two libraries' float32 pow round differently (a few ulps).
     _, emb, _, params, mpe = _hf(name)
-    from portable_llm.rope_scaling import inv_freq_table, rope_spec
+    from portable_llm.rotary.scaling import inv_freq_table, rope_spec
 
     spec = rope_spec("rope", {**params, "rope_theta": THETA}, max_position_embeddings=mpe)
     seq_len = int(OFFSETS.max()) + L
@@ -238,7 +238,7 @@ def test_rope_at_long_positions_is_within_the_float32_angle_bound(name):
     rounds correctly too (the default and llama3 tables, measured) the result is HF's to the bit.
     """
     torch = pytest.importorskip("torch")
-    from portable_llm import reference
+    from portable_llm.testing import reference
 
     config_cls, theta, dims, params, mpe = LONG_CASES[name]
     emb, apply = _hf_rotary(config_cls, theta, dims, 2, 2, params, mpe)

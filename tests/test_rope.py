@@ -17,10 +17,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import portable_llm as pl
-from portable_llm import reference
-from portable_llm._dispatch import pick
-from portable_llm.rope import dispatch_args
-from portable_llm.testing import assert_close, random_array, tolerance
+from portable_llm.core.dispatch import dispatcher, pick
+from portable_llm.rotary.rope import dispatch_args
+from portable_llm.testing import assert_close, random_array, reference, tolerance
 from portable_llm.testing.strategies import seeds
 
 MPE = 16  # max_position_embeddings: dynamic scaling grows its base beyond it
@@ -234,7 +233,7 @@ def test_rope_partial_dims_leave_the_tail_untouched(backend, dtype, traditional,
 
 
 def _native_rope(backend: str):
-    nat = pl.get_backend(backend).native.get("rope")
+    nat = dispatcher(pl.get_backend(backend)).native.get("rope")
     if nat is None:
         pytest.skip(f"{backend} has no native rope kernel (the portable path is used)")
     return nat
@@ -249,7 +248,7 @@ def test_native_rope_matches_portable(backend, dtype):
         opts |= {"dims": 16, "max_position_embeddings": MPE}
         case = f"{kind}, traditional={traditional}, offset={offset}"
         bk, arrays, options = dispatch_args(x, **opts)
-        nat = bk.native["rope"]
+        nat = dispatcher(bk).native["rope"]
         # The kernel has no factor on cos/sin (yarn's attention factor here), and its angles
         # are float32: auto leaves it out for float64, impl="native" still runs it there.
         expressible = not kind.startswith("yarn")
@@ -277,7 +276,7 @@ def test_native_rope_on_two_dimensional_input(backend):
 
 
 def test_impl_native_without_kernel_is_an_error(backend):
-    if pl.get_backend(backend).native.get("rope") is not None:
+    if dispatcher(pl.get_backend(backend)).native.get("rope") is not None:
         pytest.skip(f"{backend} has a native rope kernel")
     x, _ = _x(0, (2, 4), "float32", backend)
     with pytest.raises(ValueError, match="no native kernel"):

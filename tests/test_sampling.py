@@ -1,6 +1,6 @@
 """greedy, sample, logprobs: argmax, the filters' supports, reproducible draws, chi-square fit.
 
-Draws are checked against :func:`portable_llm.reference.sampling_probs`, the filtered
+Draws are checked against :func:`portable_llm.testing.reference.sampling_probs`, the filtered
 distribution computed row by row in float64 from the same (rounded) logits.
 """
 
@@ -14,9 +14,8 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import portable_llm as pl
-from portable_llm import reference
-from portable_llm.sampling import GREEDY_BELOW
-from portable_llm.testing import assert_close, random_array
+from portable_llm.ops.sampling import GREEDY_BELOW
+from portable_llm.testing import assert_close, random_array, reference
 from portable_llm.testing.strategies import seeds
 
 V = 12  # vocabulary of the property tests (one shape: JAX compiles each op once per shape)

@@ -4,26 +4,35 @@ Runs on NumPy (the float64 reference), PyTorch, MLX, JAX and array-api-strict. I
 package imports no array library besides NumPy; a backend is loaded when first used.
 """
 
-from portable_llm.activations import ACTIVATIONS, activation, gelu, gelu_tanh, relu, silu, softmax
-from portable_llm.arrays import asarray, device_of, to_numpy
-from portable_llm.attention import attention
+from portable_llm.attn.block import attention
+from portable_llm.attn.mask import causal_mask
+from portable_llm.attn.padding import left_pad
+from portable_llm.attn.sdpa import scaled_dot_product_attention
 from portable_llm.backends import (
     BACKENDS,
     BackendNotInstalledError,
     available_backends,
     get_backend,
 )
-from portable_llm.cache import KVCache, RotatingKVCache
-from portable_llm.embedding import embedding, unembed
-from portable_llm.linear import intermediate_size, linear, mlp
-from portable_llm.mask import causal_mask
+from portable_llm.caches.kv import KVCache, RotatingKVCache
+from portable_llm.core.arrays import asarray, device_of, to_numpy
+from portable_llm.core.dispatch import Trace, TraceEntry, trace
 from portable_llm.models import Model, generate, load
-from portable_llm.moe import moe, route
-from portable_llm.norm import rms_norm
-from portable_llm.padding import left_pad
-from portable_llm.rope import apply_rope, rope, rope_cos_sin
-from portable_llm.sampling import greedy, logprobs, sample
-from portable_llm.sdpa import scaled_dot_product_attention
+from portable_llm.ops.activations import (
+    ACTIVATIONS,
+    activation,
+    gelu,
+    gelu_tanh,
+    relu,
+    silu,
+    softmax,
+)
+from portable_llm.ops.embedding import embedding, unembed
+from portable_llm.ops.linear import intermediate_size, linear, mlp
+from portable_llm.ops.moe import moe, route
+from portable_llm.ops.norm import rms_norm
+from portable_llm.ops.sampling import greedy, logprobs, sample
+from portable_llm.rotary.rope import apply_rope, rope, rope_cos_sin
 
 __version__ = "0.1.0"
 
@@ -34,6 +43,8 @@ __all__ = [
     "KVCache",
     "Model",
     "RotatingKVCache",
+    "Trace",
+    "TraceEntry",
     "__version__",
     "activation",
     "apply_rope",
@@ -65,5 +76,6 @@ __all__ = [
     "silu",
     "softmax",
     "to_numpy",
+    "trace",
     "unembed",
 ]

@@ -91,10 +91,6 @@ def get_backend(name: str | Backend) -> Backend:
                 f"({exc}); install it with: pip install 'portable-llm[{_EXTRAS[canonical]}]'"
             ) from exc
         _LOADED[canonical] = bk
-        # Native kernels are registered when the backend is first loaded.
-        from portable_llm import _dispatch
-
-        _dispatch.load_native(bk)
     bk = _LOADED[canonical]
     _LOADED[name] = bk
     return bk

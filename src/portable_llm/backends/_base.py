@@ -39,19 +39,9 @@ class Backend:
     dtypes: dict[str, Any]
     #: Set of the library's float dtype objects, for a one-hash check in the ops.
     float_set: frozenset[Any]
-    #: Native kernels registered for this backend: op name -> portable_llm._dispatch.Native.
-    native: dict[str, Any]
-    #: (op, impl name) -> the portable implementation as this backend runs it.
-    portable: dict[tuple[str, str], Any]
-    #: (op, dtype object) -> what ``impl="auto"`` runs, for ops whose choice depends on the
-    #: first array's dtype alone (filled by portable_llm._dispatch.pick).
-    auto_by_dtype: dict[tuple[str, Any], Any]
 
     def __init__(self) -> None:
         self.dtypes = {}
-        self.native = {}
-        self.portable = {}
-        self.auto_by_dtype = {}
         self.float_set = frozenset()
 
     def _set_dtypes(self, dtypes: dict[str, Any]) -> None:

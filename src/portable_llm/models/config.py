@@ -15,8 +15,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from portable_llm.activations import ACTIVATIONS
-from portable_llm.rope_scaling import ROPE_TYPES
+from portable_llm.ops.activations import ACTIVATIONS
+from portable_llm.rotary.scaling import ROPE_TYPES
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "DecoderConfig", "read_config"]
 
@@ -41,7 +41,7 @@ class DecoderConfig:
     """A Llama-style decoder, with the options the supported families need.
 
     Read one with :meth:`from_dict` (an HF ``config.json`` as a dict) or :func:`read_config`.
-    ``rope`` holds the options of :func:`portable_llm.rope` (``base``, ``scaling``,
+    ``rope`` holds the options of :func:`portable_llm.rotary.rope` (``base``, ``scaling``,
     ``max_position_embeddings``); ``layer_types[i]`` is ``"full_attention"`` or
     ``"sliding_attention"`` (then ``sliding_window`` applies); ``moe_layers[i]`` says whether
     layer i is a mixture of experts.

@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from portable_llm.arrays import asarray
 from portable_llm.backends import backend_of
+from portable_llm.core.arrays import asarray
 from portable_llm.models.model import Model
-from portable_llm.sampling import sample
+from portable_llm.ops.sampling import sample
 
 __all__ = ["Generation", "GenerationStats", "generate", "stop_tokens"]
 
@@ -138,7 +138,7 @@ def generate(
 
 def _ids(prompt: Any) -> list[int]:
     if backend_of(prompt) is not None:
-        from portable_llm.arrays import to_numpy
+        from portable_llm.core.arrays import to_numpy
 
         prompt = to_numpy(prompt)
     accepted = "a str, a 1-D sequence of token ids (ints) or a 1-D integer array"

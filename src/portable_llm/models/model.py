@@ -10,15 +10,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from portable_llm.arrays import asarray
-from portable_llm.attention import attention
+from portable_llm.attn.block import attention
 from portable_llm.backends import Backend, backend_of
-from portable_llm.cache import KVCache, RotatingKVCache
-from portable_llm.embedding import embedding, unembed
-from portable_llm.linear import linear, mlp
+from portable_llm.caches.kv import KVCache, RotatingKVCache
+from portable_llm.core.arrays import asarray
 from portable_llm.models.config import DecoderConfig
-from portable_llm.moe import moe
-from portable_llm.norm import rms_norm
+from portable_llm.ops.embedding import embedding, unembed
+from portable_llm.ops.linear import linear, mlp
+from portable_llm.ops.moe import moe
+from portable_llm.ops.norm import rms_norm
 
 __all__ = ["Block", "Model"]
 
@@ -29,11 +29,11 @@ class Block:
 
     input_norm: Any  # (E,)
     post_norm: Any  # (E,)
-    attn: dict[str, Any]  # keyword arguments of portable_llm.attention
+    attn: dict[str, Any]  # keyword arguments of portable_llm.attn.block
     o_bias: Any  # (E,) or None
     mlp: tuple[Any, ...] | None  # (w_gate, w_up, w_down) of a dense layer
     mlp_options: dict[str, Any]  # act and biases: keyword arguments of portable_llm.mlp
-    moe: dict[str, Any] | None  # arrays and keyword arguments of portable_llm.moe
+    moe: dict[str, Any] | None  # arrays and keyword arguments of portable_llm.ops.moe
 
     def __call__(self, h: Any, *, cache: Any, left_padding: Any, eps: float) -> Any:
         r = rms_norm(h, self.input_norm, eps=eps)

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from portable_llm._dispatch import native
+from portable_llm.core.dispatch import native
 
 _F64 = jnp.dtype(jnp.float64)
 

@@ -9,7 +9,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from portable_llm._dispatch import native
+from portable_llm.core.dispatch import native
 
 # mx.fast kernels and mx.erf compute float64 input at float32 precision (measured); auto keeps
 # the portable path for float64, where MLX's float64 arithmetic is exact.

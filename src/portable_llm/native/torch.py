@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from portable_llm._dispatch import native
+from portable_llm.core.dispatch import native
 
 _HALF = (torch.float16, torch.bfloat16)
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from portable_llm.arrays import asarray, to_numpy
 from portable_llm.backends import backend_of, get_backend
 from portable_llm.backends._base import FLOAT_DTYPES, numpy_bfloat16
+from portable_llm.core.arrays import asarray, to_numpy
 
 __all__ = [
     "BACKEND_TOLERANCES",

@@ -1,7 +1,8 @@
 """A float64 NumPy forward pass of a checkpoint: the reference the model tests compare against.
 
 It reads the HF ``config.json`` dict and the tensors by their HF names itself, and composes the
-textbook formulas of :mod:`portable_llm.reference` (no dispatch, no dtype rules, no code shared
+textbook formulas of :mod:`portable_llm.testing.reference`
+(no dispatch, no dtype rules, no code shared
 with :mod:`portable_llm.models`): a bias is used when its tensor exists, a layer is a mixture of
 experts when its router exists, a layer's window comes from the config the way HF's modeling
 files read it. One sequence at a time, every position.
@@ -13,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from portable_llm import reference as ref
+from portable_llm.testing import reference as ref
 
 __all__ = ["decoder_logits"]
 

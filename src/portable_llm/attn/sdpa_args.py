@@ -10,9 +10,9 @@ import math
 import numbers
 from typing import Any
 
-from portable_llm._checks import check_float, check_same_dtype
+from portable_llm.attn.mask import check_window
 from portable_llm.backends import Backend
-from portable_llm.mask import check_window
+from portable_llm.core.checks import check_float, check_same_dtype
 
 __all__ = ["OP", "check_sdpa", "sdpa_args"]
 

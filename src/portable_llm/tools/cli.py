@@ -8,8 +8,8 @@ import sys
 from collections.abc import Sequence
 
 from portable_llm import __version__
-from portable_llm.models.command import add_generate_parser, run_generate
-from portable_llm.report import UsageError, run_report
+from portable_llm.tools.generate import add_generate_parser, run_generate
+from portable_llm.tools.report import UsageError, run_report
 
 __all__ = ["main"]
 
@@ -77,13 +77,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "generate":
             return run_generate(args)
         if args.command == "bench" and args.model:
-            from portable_llm.models.bench import run_model_bench
+            from portable_llm.tools.model_bench import run_model_bench
 
             return run_model_bench(
                 args.backend, dtype=args.dtype, quick=args.quick, cache_dir=args.cache_dir
             )
         if args.command == "bench":
-            from portable_llm.bench import run_bench
+            from portable_llm.tools.bench import run_bench
 
             if args.repeat is not None and args.repeat < 1:
                 parser.error(f"--repeat must be >= 1, got {args.repeat}")

@@ -6,7 +6,7 @@ Keys and values live in preallocated buffers ``(B, H_kv, capacity, D)`` that gro
 array-api-strict, a donated ``lax.dynamic_update_slice`` on JAX (immutable arrays). One slot is
 always left free, so what ``update_and_fetch`` returns is a slice of the buffer, never the
 buffer itself. Positions here are *columns* of the (left-padded) batch; see
-:mod:`portable_llm.padding`.
+:mod:`portable_llm.attn.padding`.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from portable_llm._checks import check_float
-from portable_llm.arrays import to_numpy
+from portable_llm.attn.padding import visible
 from portable_llm.backends import Backend, backend_of, resolve
-from portable_llm.padding import visible
+from portable_llm.core.arrays import to_numpy
+from portable_llm.core.checks import check_float
 
 __all__ = ["block_kv_mask", "block_offset"]
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from portable_llm._checks import check_float, check_ndim, float_compute_dtype
-from portable_llm._dispatch import pick, portable
 from portable_llm.backends import Backend, resolve
+from portable_llm.core.checks import check_float, check_ndim, float_compute_dtype
+from portable_llm.core.dispatch import pick, portable
 
 __all__ = ["greedy", "logprobs", "sample"]
 
@@ -285,7 +285,7 @@ def sample(
     options static and the key an argument). For the same reason bad logits are not an error:
     ``+inf`` logits share the mass equally (softmax's limit); a row with a NaN logit, or with
     every logit ``-inf``, has no distribution and gives id ``-1`` and NaN log-probs, which
-    :func:`~portable_llm.embedding` rejects at the next step.
+    :func:`~portable_llm.ops.embedding` rejects at the next step.
     """
     bk, (logits,) = resolve("sample", backend, logits)
     _check("sample", bk, logits, temperature, top_k, top_p, min_p)

@@ -4,7 +4,7 @@
 The order of operations is HF transformers' (``Qwen2RotaryEmbedding`` + ``apply_rotary_pos_emb``):
 angles ``position * theta_i`` in float32 (float64 for float64 input), their cos and sin times
 the scaling's attention factor, cast to x's dtype, then ``x * cos + rotate_half(x) * sin`` in x's
-dtype. The frequency tables ``theta_i`` come from :mod:`portable_llm.rope_scaling`.
+dtype. The frequency tables ``theta_i`` come from :mod:`portable_llm.rotary.scaling`.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from portable_llm._checks import check_float, check_ndim
-from portable_llm._dispatch import pick, portable
 from portable_llm.backends import resolve
 from portable_llm.backends._base import FLOAT_DTYPES
-from portable_llm.rope_args import (
+from portable_llm.core.checks import check_float, check_ndim
+from portable_llm.core.dispatch import pick, portable
+from portable_llm.rotary.args import (
     OP,
     check_dims_arg,
     check_positions,
@@ -24,7 +24,7 @@ from portable_llm.rope_args import (
     dispatch_args,
     max_position,
 )
-from portable_llm.rope_scaling import DEFAULT_BASE, check_dims, rope_spec
+from portable_llm.rotary.scaling import DEFAULT_BASE, check_dims, rope_spec
 
 __all__ = ["apply_rope", "rope", "rope_cos_sin"]
 

@@ -21,7 +21,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from portable_llm.report import UsageError, backend_names, format_table, load_for_dtype
+from portable_llm.tools.report import UsageError, backend_names, format_table, load_for_dtype
 
 __all__ = ["QWEN2_0_5B", "run_model_bench", "write_bench_checkpoint"]
 

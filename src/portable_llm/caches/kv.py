@@ -1,7 +1,7 @@
 """KV caches for decoding: :class:`KVCache` keeps every key, :class:`RotatingKVCache` a window.
 
 Both preallocate ``(B, H_kv, capacity, D)`` buffers grown ``step`` slots at a time and write only
-the new tokens (:mod:`portable_llm.cache_base`), so a decode step costs ``O(1)`` copying on NumPy,
+the new tokens (:mod:`portable_llm.caches.base`), so a decode step costs ``O(1)`` copying on NumPy,
 torch, MLX and array-api-strict, and one donated ``dynamic_update_slice`` on JAX.
 
 :class:`RotatingKVCache`'s slot layout: the first ``keep`` columns stay in slots
@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from portable_llm.cache_base import _Cache, _count
-from portable_llm.padding import visible
+from portable_llm.attn.padding import visible
+from portable_llm.caches.base import _Cache, _count
 
 __all__ = ["KVCache", "RotatingKVCache"]
 

@@ -3,7 +3,7 @@
 Both portable paths fold the ``G = H / H_kv`` query heads that share a key/value head into the
 query axis, ``(B.., H, L, D) -> (B.., H_kv, G * L, D)``, so grouped-query attention is one plain
 batched matmul against ``(B.., H_kv, S, D)``: K and V are never repeated. The argument checks
-live in :mod:`portable_llm.sdpa_args`.
+live in :mod:`portable_llm.attn.sdpa_args`.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from portable_llm._checks import float_compute_dtype
-from portable_llm._dispatch import auto_portable, pick, portable
+from portable_llm.attn.sdpa_args import OP, sdpa_args
 from portable_llm.backends import backend_of, resolve
-from portable_llm.sdpa_args import OP, sdpa_args
+from portable_llm.core.checks import float_compute_dtype
+from portable_llm.core.dispatch import auto_portable, pick, portable
 
 __all__ = ["OP", "TILED_MIN_SCORES", "scaled_dot_product_attention", "sdpa_args"]
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from portable_llm._checks import check_float, check_ndim, check_same_dtype, float_compute_dtype
-from portable_llm._dispatch import pick, portable
-from portable_llm.activations import _sigmoid, activation_op
 from portable_llm.backends import Backend, resolve
-from portable_llm.linear import mlp
+from portable_llm.core.checks import check_float, check_ndim, check_same_dtype, float_compute_dtype
+from portable_llm.core.dispatch import pick, portable
+from portable_llm.ops.activations import _sigmoid, activation_op
+from portable_llm.ops.linear import mlp
 
 __all__ = ["moe", "route"]
 

@@ -2,7 +2,8 @@
 
 For each backend, op (a :class:`Case` of :data:`CASES`) and float dtype the backend supports, the
 op runs on inputs from :func:`~portable_llm.testing.random_array` with a fixed seed; the result
-is compared with :mod:`portable_llm.reference` evaluated in float64 on the same rounded inputs,
+is compared with :mod:`portable_llm.testing.reference`
+evaluated in float64 on the same rounded inputs,
 with :func:`~portable_llm.testing.assert_close` and the tolerance of
 :data:`~portable_llm.testing.TOLERANCES`. ``impl="auto"`` is reported with the path it took
 (native kernel or portable) and beside it the path it did not take: ``impl="portable"`` when
@@ -20,11 +21,8 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from portable_llm import reference
-from portable_llm._dispatch import auto_portable_name, pick
-from portable_llm.activations import activation_op, gelu, gelu_tanh, relu, silu, softmax
-from portable_llm.arrays import asarray, to_numpy
-from portable_llm.attention import attention
+from portable_llm.attn.block import attention
+from portable_llm.attn.sdpa import scaled_dot_product_attention
 from portable_llm.backends import (
     _ALIASES,
     BACKENDS,
@@ -34,30 +32,29 @@ from portable_llm.backends import (
     get_backend,
 )
 from portable_llm.backends._base import FLOAT_DTYPES, numpy_bfloat16
-from portable_llm.cache import KVCache
-from portable_llm.embedding import embedding, unembed
-from portable_llm.linear import linear, mlp
-from portable_llm.moe import moe
-from portable_llm.moe import route as moe_route
-from portable_llm.norm import rms_norm
-from portable_llm.rope import rope
-from portable_llm.rope_args import dispatch_args as rope_args
-from portable_llm.sampling import logprobs
-from portable_llm.sdpa import scaled_dot_product_attention, sdpa_args
+from portable_llm.caches.kv import KVCache
+from portable_llm.core.arrays import asarray, to_numpy
+from portable_llm.core.dispatch import TraceEntry, dispatcher, trace
+from portable_llm.ops.activations import gelu, gelu_tanh, relu, silu, softmax
+from portable_llm.ops.embedding import embedding, unembed
+from portable_llm.ops.linear import linear, mlp
+from portable_llm.ops.moe import moe
+from portable_llm.ops.moe import route as moe_route
+from portable_llm.ops.norm import rms_norm
+from portable_llm.ops.sampling import logprobs
+from portable_llm.rotary.rope import rope
 from portable_llm.testing import (
     BACKEND_TOLERANCES,
     Tolerance,
     assert_close,
     compare_values,
     random_array,
+    reference,
     tolerance,
 )
 from portable_llm.testing import random_weight as _weight
 
 __all__ = ["CASES", "Case", "Inputs", "Row", "UsageError", "format_table", "run_report"]
-
-#: The dispatched ops of one call: ``(op, arrays, options)`` as ``pick`` sees them.
-Route = list[tuple[str, tuple[Any, ...], dict[str, Any]]]
 
 
 class UsageError(ValueError):
@@ -79,8 +76,8 @@ class Case:
 
     ``build(seed, dtype, backend)`` draws the inputs; the op runs as
     ``call(*inputs.arrays, impl=impl, **inputs.options)`` and the reference as
-    ``reference(*inputs.refs, **inputs.options)``. ``route(inputs)`` lists the dispatched ops
-    the call goes through (default: ``op`` itself on the call's arguments), for the path column.
+    ``reference(*inputs.refs, **inputs.options)``. The path column is what the dispatcher
+    recorded while the call ran.
     ``out_dtype(dtype)`` is the dtype the result must have for inputs in ``dtype`` (default: the
     same); its tolerance applies.
     """
@@ -90,7 +87,6 @@ class Case:
     build: Callable[[int, str, str], Inputs]
     call: Callable[..., Any]
     reference: Callable[..., np.ndarray]
-    route: Callable[[Inputs], Route] | None = None
     seed: int = 0
     out_dtype: Callable[[str], str] | None = None
 
@@ -139,12 +135,6 @@ def _mlp(seed: int, dtype: str, backend: str) -> Inputs:
     return _inputs(x, w_gate, w_up, w_down, act="silu")
 
 
-def _mlp_route(inputs: Inputs) -> Route:
-    x, w_gate = inputs.arrays[:2]
-    act = activation_op(inputs.options["act"])
-    return [("linear", (x, w_gate, None), {}), (act, (linear(x, w_gate),), {})]
-
-
 def _rope(seed: int, dtype: str, backend: str) -> Inputs:
     # Qwen2-0.5B's head_dim and rope_theta; positions 5..12 keep float32 angles exact to ~1e-6.
     x = random_array(seed, (2, 4, 8, 64), dtype, backend=backend, low=-1.0, high=1.0)
@@ -153,11 +143,6 @@ def _rope(seed: int, dtype: str, backend: str) -> Inputs:
 
 def _rope_reference(x: np.ndarray, *, offset: int, **options: Any) -> np.ndarray:
     return reference.rope(x, np.arange(offset, offset + x.shape[-2]), **options)
-
-
-def _rope_route(inputs: Inputs) -> Route:
-    _, arrays, options = rope_args(*inputs.arrays, **inputs.options)
-    return [("rope", arrays, options)]
 
 
 #: The ops of the report, in table order. Later ops append one entry each.
@@ -170,8 +155,8 @@ CASES: list[Case] = [
     Case("rms_norm", "rms_norm", _rms_norm, rms_norm, reference.rms_norm, seed=30),
     Case("linear", "linear", _linear(False), linear, reference.linear, seed=40),
     Case("linear+bias", "linear", _linear(True), linear, reference.linear, seed=50),
-    Case("mlp", "mlp", _mlp, mlp, reference.mlp, route=_mlp_route, seed=60),
-    Case("rope", "rope", _rope, rope, _rope_reference, route=_rope_route, seed=70),
+    Case("mlp", "mlp", _mlp, mlp, reference.mlp, seed=60),
+    Case("rope", "rope", _rope, rope, _rope_reference, seed=70),
 ]
 
 
@@ -235,21 +220,13 @@ def _moe_reference(x: Any, w: Any, g: Any, u: Any, d: Any, sg: Any, su: Any, sd:
                          shared=(sg, su, sd), shared_gate=sgate)  # fmt: skip
 
 
-def _moe_route(inputs: Inputs) -> Route:
-    x, w = inputs.arrays[:2]
-    return [("linear", (x, w, None), {}), ("top_k", (x,), {"k": _TOP_K}),
-            ("moe_experts", (x,), {})]  # fmt: skip
-
-
 CASES.extend([
     Case("embedding", "embedding", _embedding, lambda ids, table, *, impl: embedding(ids, table),
          reference.embedding, seed=80),
-    Case("unembed", "unembed", _unembed, unembed, reference.unembed, seed=90,
-         route=lambda inp: [("linear", (*inp.arrays, None), {})]),
+    Case("unembed", "unembed", _unembed, unembed, reference.unembed, seed=90),
     Case("route", "route", _route_case, _route_weights,
-         lambda x, w, **o: reference.route(x, w, **o)[0], seed=100,
-         route=lambda inp: _moe_route(inp)[:2]),
-    Case("moe", "moe", _moe_case, _moe_call, _moe_reference, route=_moe_route, seed=110),
+         lambda x, w, **o: reference.route(x, w, **o)[0], seed=100),
+    Case("moe", "moe", _moe_case, _moe_call, _moe_reference, seed=110),
 ])  # fmt: skip
 
 
@@ -302,18 +279,6 @@ def _sdpa_case(q_shape: tuple[int, ...] = _Q, kv_shape: tuple[int, ...] = _KV,
     return build
 
 
-def _sdpa_route(inputs: Inputs) -> Route:
-    q, k, v = inputs.arrays
-    bk = backend_of(q)
-    assert bk is not None
-    args, opts = sdpa_args(
-        "report", bk, q, k, v, inputs.options.get("mask"), scale=None,
-        window=inputs.options.get("window"), softcap=inputs.options.get("softcap"),
-        block_size=256,
-    )  # fmt: skip
-    return [("scaled_dot_product_attention", args, opts)]
-
-
 _BLOCK = (2, 5, 64, 4, 2, 16)  # (B, L, E, H, H_kv, D)
 
 
@@ -344,31 +309,6 @@ def _attention_reference(x: Any, wq: Any, wk: Any, wv: Any, wo: Any, bq: Any, bk
                                offset=offset)  # fmt: skip
 
 
-def _attention_route(inputs: Inputs, steps: Sequence[int] | None = None) -> Route:
-    """The projections, then the attention of each step (its number of new tokens), with the
-    keys and mask a :class:`KVCache` hands it (``steps``), or of one causal forward (``None``)."""
-    x, wq = inputs.arrays[:2]
-    b, L, _, h, h_kv, d = _BLOCK
-    bk = backend_of(x)
-    assert bk is not None
-    xp = bk.xp
-    if steps is None:
-        kv = xp.zeros((b, h_kv, L, d), dtype=x.dtype)
-        q = xp.zeros((b, h, L, d), dtype=x.dtype)
-        return [
-            ("linear", (x, wq, None), {}),
-            *_sdpa_route(Inputs((q, kv, kv), (), {"mask": "causal"})),
-        ]
-    sdpa: Route = []
-    cache = KVCache()  # as the case's call makes it: the same views and masks on every backend
-    for n in steps:
-        k, v = cache.update_and_fetch(*(xp.zeros((b, h_kv, n, d), dtype=x.dtype),) * 2)
-        mask, window = cache.make_mask()
-        q = xp.zeros((b, h, n, d), dtype=x.dtype)
-        sdpa += _sdpa_route(Inputs((q, k, v), (), {"mask": mask, "window": window}))
-    return [("linear", (x, wq, None), {}), *sdpa]
-
-
 # Decoding through a KVCache: a prefill chunk of _PREFILL tokens, then one token at a time.
 _PREFILL = 3
 
@@ -389,28 +329,19 @@ def _decode_reference(*refs: np.ndarray, prefill: int) -> np.ndarray:
     return _attention_reference(*refs, offset=0)  # the whole sequence in one causal forward
 
 
-def _decode_route(inputs: Inputs) -> Route:
-    p = inputs.options["prefill"]  # the prefill chunk, then one token over the cached keys
-    return _attention_route(inputs, [p] + [1] * (_BLOCK[1] - p))
-
-
 CASES.extend([
     Case("sdpa", "scaled_dot_product_attention", _sdpa_case(mask="causal"),
-         scaled_dot_product_attention, reference.scaled_dot_product_attention,
-         route=_sdpa_route, seed=120),
+         scaled_dot_product_attention, reference.scaled_dot_product_attention, seed=120),
     Case("sdpa+window", "scaled_dot_product_attention", _sdpa_case(window=3),
-         scaled_dot_product_attention, reference.scaled_dot_product_attention,
-         route=_sdpa_route, seed=130),
+         scaled_dot_product_attention, reference.scaled_dot_product_attention, seed=130),
     Case("sdpa+softcap", "scaled_dot_product_attention", _sdpa_case(mask="causal", softcap=5.0),
-         scaled_dot_product_attention, reference.scaled_dot_product_attention,
-         route=_sdpa_route, seed=140),
+         scaled_dot_product_attention, reference.scaled_dot_product_attention, seed=140),
     Case("sdpa long", "scaled_dot_product_attention",
          _sdpa_case(_Q_LONG, _KV_LONG, mask="causal"), scaled_dot_product_attention,
-         reference.scaled_dot_product_attention, route=_sdpa_route, seed=150),
+         reference.scaled_dot_product_attention, seed=150),
     Case("attention", "attention", _attention_case, _attention_call, _attention_reference,
-         route=_attention_route, seed=160),
-    Case("attention+cache", "attention", _decode_case, _decode_call, _decode_reference,
-         route=_decode_route, seed=190),
+         seed=160),
+    Case("attention+cache", "attention", _decode_case, _decode_call, _decode_reference, seed=190),
 ])  # fmt: skip
 
 
@@ -429,21 +360,23 @@ class Row:
     detail: str = ""
 
 
-def path_of(bk: Backend, route: Route) -> tuple[str, bool]:
-    """What ``impl="auto"`` runs for ``route`` on ``bk``, and whether any native kernel ran."""
+def path_of(bk: Backend, entries: Sequence[TraceEntry]) -> tuple[str, bool]:
+    """The path column for what one call recorded in a :func:`~portable_llm.trace`, and whether
+    any native kernel ran."""
+    d = dispatcher(bk)
     parts: list[tuple[str, str]] = []
-    used = False
-    for op, args, options in route:
-        nat = bk.native.get(op)
-        fallback = auto_portable_name(op, *args, **options)
-        if nat is None:
-            parts.append((op, fallback))
-        elif pick(bk, op, "auto", *args, **options) is nat.fn:
-            parts.append((op, nat.kernel))
-            used = True
+    for e in entries:
+        nat = d.native.get(e.op)
+        if e.impl == "native":
+            parts.append((e.op, e.kernel))
+        elif nat is None:
+            parts.append((e.op, e.impl))
         else:
-            parts.append((op, f"{fallback} ({nat.kernel} not taken by auto)"))
+            parts.append((e.op, f"{e.impl} ({nat.kernel} not taken by auto)"))
+    used = any(e.impl == "native" for e in entries)
     parts = list(dict.fromkeys(parts))  # an op called again on the same path is named once
+    if not parts:
+        return "-", used
     if len(parts) == 1:
         return parts[0][1], used
     if not used and all(k == "portable" for _, k in parts):
@@ -473,20 +406,27 @@ def _check(bk: Backend, case: Case, dtype: str, impl: str, path: str, inputs: In
 def check_case(bk: Backend, case: Case, dtype: str) -> list[Row]:
     """The rows of one case on one backend and dtype: ``auto``, then the path it did not take.
 
-    ``portable`` when ``auto`` ran a native kernel; ``native`` when a kernel exists that can
-    compute these arguments but ``auto`` passed it over (its ``prefer`` predicate).
+    The path column is what the dispatcher recorded while ``auto`` ran (:func:`portable_llm.trace`).
+    ``portable`` follows when ``auto`` ran a native kernel; ``native`` when the call goes
+    through one op whose native kernel ``auto`` passed over (its ``prefer`` or dtype rule) and
+    that kernel can compute these arguments.
     """
     inputs = case.build(case.seed, dtype, bk.name)
-    route = case.route(inputs) if case.route else [(case.op, inputs.arrays, inputs.options)]
-    path, native_ran = path_of(bk, route)
-    rows = [_check(bk, case, dtype, "auto", path, inputs)]
+    with trace() as t:
+        auto = _check(bk, case, dtype, "auto", "", inputs)
+    # Entries of an implementation's own pieces ("scaled_dot_product_attention.tiled") are
+    # part of the impl that called them.
+    path, native_ran = path_of(bk, [e for e in t if e.backend == bk.name and "." not in e.op])
+    rows = [replace(auto, path=path)]
     if native_ran:
         rows.append(_check(bk, case, dtype, "portable", "portable", inputs))
-    elif len(route) == 1 and route[0][0] in bk.native:
-        op, args, options = route[0]
-        nat = bk.native[op]
-        if nat.applies is None or nat.applies(*args, **options):
-            rows.append(_check(bk, case, dtype, "native", nat.kernel, inputs))
+        return rows
+    ops = {e.op for e in t}
+    nat = dispatcher(bk).native.get(case.op) if ops == {case.op} else None
+    if nat is not None:
+        row = _check(bk, case, dtype, "native", nat.kernel, inputs)
+        if not (row.result == "ERROR" and "cannot express" in row.detail):
+            rows.append(row)
     return rows
 
 

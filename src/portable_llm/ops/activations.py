@@ -9,9 +9,9 @@ import math
 import numbers
 from typing import Any
 
-from portable_llm._checks import check_float, check_ndim, float_compute_dtype
-from portable_llm._dispatch import pick, portable
 from portable_llm.backends import resolve
+from portable_llm.core.checks import check_float, check_ndim, float_compute_dtype
+from portable_llm.core.dispatch import pick, portable
 
 __all__ = ["ACTIVATIONS", "activation", "gelu", "gelu_tanh", "relu", "silu", "softmax"]
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from portable_llm.arrays import to_numpy
 from portable_llm.backends import Backend, backend_of, get_backend, resolve
+from portable_llm.core.arrays import to_numpy
 
 __all__ = ["left_pad"]
 
@@ -46,7 +46,7 @@ def left_pad(
         ``L`` is the longest length; row ``b`` is ``[pad_id] * pad_b + sequences[b]``.
     left_padding : array, shape ``(B,)``, int64
         ``pad_b = L - len(sequences[b])``. Pass it to :class:`~portable_llm.KVCache` (or to
-        :func:`~portable_llm.attention` as ``left_padding=`` without a cache); HF's
+        :func:`~portable_llm.attn.block` as ``left_padding=`` without a cache); HF's
         ``attention_mask`` is ``arange(L) >= left_padding[:, None]``.
     """
     op = "left_pad"

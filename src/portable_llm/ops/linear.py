@@ -6,10 +6,10 @@ import math
 from fractions import Fraction
 from typing import Any
 
-from portable_llm._checks import check_float, check_ndim, check_same_dtype, is_half
-from portable_llm._dispatch import pick, portable
-from portable_llm.activations import activation_op
 from portable_llm.backends import Backend, resolve
+from portable_llm.core.checks import check_float, check_ndim, check_same_dtype, is_half
+from portable_llm.core.dispatch import pick, portable
+from portable_llm.ops.activations import activation_op
 
 __all__ = ["intermediate_size", "linear", "mlp"]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from portable_llm._checks import check_float, check_ndim, check_same_dtype
-from portable_llm._dispatch import pick, portable
 from portable_llm.backends import Backend, backend_of, resolve
+from portable_llm.core.checks import check_float, check_ndim, check_same_dtype
+from portable_llm.core.dispatch import pick, portable
 
 __all__ = ["embedding", "unembed"]
 
@@ -113,7 +113,7 @@ def embedding(ids: Any, table: Any, /, *, backend: str | None = None) -> Any:
 def unembed(h: Any, table: Any, /, *, impl: str = "auto", backend: str | None = None) -> Any:
     """The tied LM head: logits ``h @ table.T`` with the embedding matrix as the weight.
 
-    The projection is :func:`~portable_llm.linear` (same kernels, same float32 accumulation for
+    The projection is :func:`~portable_llm.ops.linear` (same kernels, same float32 accumulation for
     half-precision inputs).
 
     Parameters

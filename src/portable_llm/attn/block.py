@@ -1,8 +1,8 @@
 """The attention block of Llama/Qwen/Mistral: projections, q/k RMSNorm, RoPE, attention, output.
 
-The pieces are the ops of :mod:`portable_llm.linear`, :mod:`portable_llm.norm`,
-:mod:`portable_llm.rope` and :mod:`portable_llm.sdpa`, picked once per call through the dispatch
-table on the backend resolved once for the whole block.
+The pieces are the ops of :mod:`portable_llm.ops.linear`, :mod:`portable_llm.ops.norm`,
+:mod:`portable_llm.rotary.rope` and :mod:`portable_llm.attn.sdpa`, picked once per call through
+the dispatch table on the backend resolved once for the whole block.
 """
 
 from __future__ import annotations
@@ -11,21 +11,21 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-from portable_llm._checks import check_float, check_same_dtype
-from portable_llm._dispatch import IMPLS, pick
+from portable_llm.attn.padding import nonnegative, row_offsets
+from portable_llm.attn.sdpa import OP as SDPA
+from portable_llm.attn.sdpa import sdpa_args
 from portable_llm.backends import resolve
-from portable_llm.cache_base import block_kv_mask, block_offset
-from portable_llm.linear import _check_linear
-from portable_llm.padding import nonnegative, row_offsets
-from portable_llm.rope import dispatch_args as rope_args
-from portable_llm.sdpa import OP as SDPA
-from portable_llm.sdpa import sdpa_args
+from portable_llm.caches.base import block_kv_mask, block_offset
+from portable_llm.core.checks import check_float, check_same_dtype
+from portable_llm.core.dispatch import IMPLS, pick
+from portable_llm.ops.linear import _check_linear
+from portable_llm.rotary.args import dispatch_args as rope_dispatch_args
 
 __all__ = ["ROPE_OPTIONS", "attention"]
 
 OP = "attention"
 
-#: The keys a ``rope=`` dict may hold: the options of :func:`portable_llm.rope`.
+#: The keys a ``rope=`` dict may hold: the options of :func:`portable_llm.rotary.rope`.
 ROPE_OPTIONS: tuple[str, ...] = (
     "base",
     "traditional",
@@ -101,10 +101,10 @@ def attention(
     norm_eps : float
         HF ``rms_norm_eps`` for ``q_norm``/``k_norm``.
     rope : dict or None
-        Options of :func:`portable_llm.rope` (keys :data:`ROPE_OPTIONS`: ``base``,
+        Options of :func:`portable_llm.rotary.rope` (keys :data:`ROPE_OPTIONS`: ``base``,
         ``traditional``, ``scaling``, ``dims``, ``max_position_embeddings``), e.g.
         ``{"base": config.rope_theta, "scaling": config.rope_scaling}``. The default ``{}`` is
-        RoPE with :func:`~portable_llm.rope`'s defaults (base 10000, HF's rotate-half pairs).
+        RoPE with :func:`~portable_llm.rotary.rope`'s defaults (base 10000, HF's rotate-half pairs).
         ``None``: no rotary embedding.
     mask, window, softcap, scale, block_size
         As in :func:`scaled_dot_product_attention`; the default ``mask="causal"`` is a decoder's.
@@ -113,7 +113,8 @@ def attention(
         Position of the first token (per sequence for an array); only RoPE reads it. With a
         cache, positions start at ``cache.offset`` (leave ``offset`` at 0).
     cache : KVCache or RotatingKVCache, optional
-        The layer's cache (:mod:`portable_llm.cache`): k and v (after RoPE) are stored in it, and
+        The layer's cache (:mod:`portable_llm.caches.kv`): k and v (after RoPE) are stored in
+        it, and
         the queries attend to every key it returns, with the mask it builds
         (:meth:`~portable_llm.KVCache.make_mask`: bottom-right causal, the sliding window of a
         rotating cache or of ``window``, its left padding). An array ``mask`` then covers the
@@ -205,7 +206,7 @@ def attention(
     rows = None if pad is None else row_offsets(OP, be, offset, pad, x.shape[0])  # (B,)
     if rope is not None:  # one frequency table for q and k
         start = offset if rows is None else nonnegative(xp, rows)
-        _, (q, offsets, inv), ropts = rope_args(q, start, **rope, backend=be)
+        _, (q, offsets, inv), ropts = rope_dispatch_args(q, start, **rope, backend=be)
         offsets = offsets if rows is None else rows  # < 0 only on pad columns, masked out
         q = pick(be, "rope", sub, q, offsets, inv, **ropts)(xp, q, offsets, inv, **ropts)
         k = pick(be, "rope", sub, k, offsets, inv, **ropts)(xp, k, offsets, inv, **ropts)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-from portable_llm._checks import check_float, check_ndim, float_compute_dtype
-from portable_llm._dispatch import pick, portable
 from portable_llm.backends import Backend, resolve_pair
+from portable_llm.core.checks import check_float, check_ndim, float_compute_dtype
+from portable_llm.core.dispatch import pick, portable
 
 __all__ = ["rms_norm"]
 
@@ -72,11 +72,7 @@ def rms_norm(
         _raise_bad_input(bk, x, weight, eps)
     if w_dtype != dtype:
         weight = bk.astype(weight, dtype)
-    # auto's choice for a dtype, once pick() has cached it (dtype-only rules), skips the call.
-    fn = bk.auto_by_dtype.get(("rms_norm", dtype)) if impl == "auto" else None
-    if fn is None:
-        fn = pick(bk, "rms_norm", impl, x, weight, eps=eps)
-    return fn(bk.xp, x, weight, eps=eps)
+    return pick(bk, "rms_norm", impl, x, weight, eps=eps)(bk.xp, x, weight, eps=eps)
 
 
 def _raise_bad_input(bk: Backend, x: Any, weight: Any, eps: float) -> None:

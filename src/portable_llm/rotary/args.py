@@ -1,6 +1,6 @@
 """RoPE's arguments: the checks, and the arrays and options its kernels take.
 
-:func:`dispatch_args` validates a :func:`~portable_llm.rope` call once and returns what every
+:func:`dispatch_args` validates a :func:`~portable_llm.rotary.rope` call once and returns what every
 implementation of the ``"rope"`` op receives: ``x``, the per-sequence ``offsets`` (or ``None``)
 and the frequency table on x's device, with the options ``offset``, ``dims``, ``traditional``
 and ``attention`` (the factor on cos and sin). The attention block calls it once for q and k.
@@ -13,9 +13,15 @@ from typing import Any
 
 import numpy as np
 
-from portable_llm._checks import check_float, check_ndim
 from portable_llm.backends import Backend, backend_of, resolve
-from portable_llm.rope_scaling import DEFAULT_BASE, RopeSpec, check_dims, inv_freq_table, rope_spec
+from portable_llm.core.checks import check_float, check_ndim
+from portable_llm.rotary.scaling import (
+    DEFAULT_BASE,
+    RopeSpec,
+    check_dims,
+    inv_freq_table,
+    rope_spec,
+)
 
 __all__ = ["check_dims_arg", "check_positions", "device_table", "dispatch_args", "max_position"]
 

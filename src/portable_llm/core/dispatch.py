@@ -1,0 +1,344 @@
+"""Choosing an implementation: the portable (pure Array API) one or a backend's native kernel.
+
+Each op registers its portable implementation here (``@portable("rms_norm")``); each backend's
+native module (``portable_llm.native.<backend>``) registers kernels with ``@native("rms_norm")``.
+Every implementation has the same signature, ``fn(xp, *arrays, **options)``, so the public op
+calls whichever is picked the same way.
+
+``impl="auto"`` takes the native kernel when the backend has one and it keeps the op's meaning
+for these arguments (its ``applies`` predicate), the portable one otherwise; ``"portable"``
+always takes the portable one; ``"native"`` requires the native kernel. Ops may register extra
+named portable implementations (``"tiled"``), and a chooser (``@auto_portable(op)``) that names
+the portable implementation ``auto`` falls back to for given arguments (default ``"portable"``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, NamedTuple
+
+from portable_llm.backends._base import Backend
+
+__all__ = [
+    "IMPLS",
+    "Dispatcher",
+    "Native",
+    "Trace",
+    "TraceEntry",
+    "auto_portable",
+    "dispatcher",
+    "native",
+    "pick",
+    "portable",
+    "trace",
+]
+
+#: The ``impl=`` values every op accepts.
+IMPLS: tuple[str, ...] = ("auto", "portable", "native")
+
+_PORTABLE: dict[str, dict[str, Callable[..., Any]]] = {}
+# op -> chooser(*arrays, **options) naming the portable impl that ``auto`` falls back to.
+_AUTO_PORTABLE: dict[str, Callable[..., str]] = {}
+_PURE: set[Callable[..., Any]] = set()
+# backend name -> op -> Native; filled when the backend's native module is imported.
+_NATIVE: dict[str, dict[str, Native]] = {}
+_NATIVE_MODULES = {
+    "torch": "portable_llm.native.torch",
+    "mlx": "portable_llm.native.mlx",
+    "jax": "portable_llm.native.jax",
+}
+
+
+class Native:
+    """A backend's native kernel for an op.
+
+    ``applies(*arrays, **options)`` says whether the kernel computes the op's exact meaning for
+    these arguments (``None``: always); when it does not, ``auto`` uses the portable path and
+    ``impl="native"`` is an error. ``auto_dtypes`` (``None``: all) are the dtype names of the
+    first array for which ``auto`` takes the kernel: a kernel that computes the op but rounds in
+    another order, or at lower precision, than the reference for some dtype leaves it out
+    (``impl="native"`` still runs it). ``prefer(*arrays, **options)`` (``None``: always) says
+    whether ``auto`` should take a kernel that applies, for kernels that are slower than the
+    portable path in some settings (a platform, eager calls). ``kernel`` names the library
+    function, for reports.
+    """
+
+    __slots__ = ("_auto_set", "applies", "auto_dtypes", "fn", "kernel", "plain", "prefer", "pure")
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        kernel: str,
+        applies: Callable[..., bool] | None = None,
+        auto_dtypes: tuple[str, ...] | None = None,
+        pure: bool = False,
+        prefer: Callable[..., bool] | None = None,
+    ) -> None:
+        self.fn = fn
+        self.prefer = prefer
+        self.pure = pure
+        self.kernel = kernel
+        self.applies = applies
+        self.auto_dtypes = auto_dtypes
+        #: True when auto always takes it: pick() then costs one dict lookup.
+        self.plain = applies is None and auto_dtypes is None and prefer is None
+        self._auto_set: frozenset[Any] = frozenset()
+
+    def bind(self, bk: Backend) -> Native:
+        """Resolve ``auto_dtypes`` to ``bk``'s dtype objects and compile a pure kernel (once,
+        at backend load)."""
+        if self.pure:
+            self.fn = bk.compile(self.fn)
+            self.pure = False
+        if self.auto_dtypes is not None:
+            self._auto_set = frozenset(bk.dtypes[n] for n in self.auto_dtypes if n in bk.dtypes)
+        return self
+
+    def auto(self, *args: Any, **options: Any) -> bool:
+        """Whether ``impl="auto"`` takes this kernel for these arguments."""
+        if self.auto_dtypes is not None and args[0].dtype not in self._auto_set:
+            return False
+        if self.applies is not None and not self.applies(*args, **options):
+            return False
+        return self.prefer is None or self.prefer(*args, **options)
+
+
+def portable(
+    op: str, name: str = "portable", *, pure: bool = False
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register ``fn`` as the portable implementation ``name`` of ``op``.
+
+    ``pure=True`` declares ``fn`` a pure function of its positional arrays, with hashable
+    keyword-only options and no data-dependent Python control flow: a backend that compiles
+    (JAX: ``jax.jit``, options static) may then run it compiled (``Backend.compile``).
+    """
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        _PORTABLE.setdefault(op, {})[name] = fn
+        if pure:
+            _PURE.add(fn)
+        return fn
+
+    return deco
+
+
+def auto_portable(op: str) -> Callable[[Callable[..., str]], Callable[..., str]]:
+    """Register ``chooser(*arrays, **options) -> name``: the portable impl ``auto`` falls back to.
+
+    Consulted only when no native kernel applies; ops without a chooser fall back to
+    ``"portable"``.
+    """
+
+    def deco(fn: Callable[..., str]) -> Callable[..., str]:
+        _AUTO_PORTABLE[op] = fn
+        return fn
+
+    return deco
+
+
+def native(
+    backend: str,
+    op: str,
+    *,
+    kernel: str,
+    applies: Callable[..., bool] | None = None,
+    auto_dtypes: tuple[str, ...] | None = None,
+    pure: bool = False,
+    prefer: Callable[..., bool] | None = None,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register ``fn`` as ``backend``'s native kernel for ``op`` (used in native modules).
+
+    ``pure``: as for :func:`portable`, the backend may compile it (``Backend.compile``).
+    ``applies``, ``auto_dtypes``, ``prefer``: see :class:`Native`.
+    """
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        nat = Native(fn, kernel, applies, auto_dtypes, pure, prefer)
+        _NATIVE.setdefault(backend, {})[op] = nat
+        return fn
+
+    return deco
+
+
+class Dispatcher:
+    """One backend's dispatch state: its native kernels, its portable implementations as it runs
+    them (compiled where the backend compiles) and ``auto``'s per-dtype choices.
+
+    Get it with :func:`dispatcher`; ops call :func:`pick`. Nothing else reads these tables.
+    """
+
+    __slots__ = ("_auto_by_dtype", "_labels", "_portable", "backend", "native")
+
+    def __init__(self, bk: Backend) -> None:
+        self.backend = bk
+        module = _NATIVE_MODULES.get(bk.name)
+        if module is not None:
+            importlib.import_module(module)
+        #: op -> the backend's native kernel (bound: dtype sets resolved, pure kernels compiled).
+        self.native: dict[str, Native] = {
+            op: nat.bind(bk) for op, nat in _NATIVE.get(bk.name, {}).items()
+        }
+        self._portable: dict[tuple[str, str], Callable[..., Any]] = {}
+        # (op, dtype object) -> what ``auto`` runs, for ops whose choice depends on the first
+        # array's dtype alone.
+        self._auto_by_dtype: dict[tuple[str, Any], Callable[..., Any]] = {}
+        # implementation -> (impl name, kernel name), for traces.
+        self._labels: dict[Callable[..., Any], tuple[str, str]] = {
+            nat.fn: ("native", nat.kernel) for nat in self.native.values()
+        }
+
+    def __repr__(self) -> str:
+        return f"Dispatcher({self.backend.name!r}, native={sorted(self.native)})"
+
+    def portable_impl(self, op: str, name: str = "portable") -> Callable[..., Any]:
+        """The portable implementation ``name`` of ``op`` as this backend runs it (compiled when
+        it is pure and the backend compiles)."""
+        try:
+            return self._portable[op, name]
+        except KeyError:
+            pass
+        fn = _PORTABLE[op][name]
+        run = self.backend.compile(fn) if fn in _PURE else fn
+        self._portable[op, name] = run
+        self._labels[run] = (name, f"{fn.__module__}.{fn.__qualname__}")
+        return run
+
+    def label(self, fn: Callable[..., Any]) -> tuple[str, str]:
+        """``(impl, kernel)`` of an implementation this dispatcher handed out."""
+        return self._labels.get(fn, ("portable", getattr(fn, "__qualname__", repr(fn))))
+
+    def pick(self, op: str, impl: str, *args: Any, **options: Any) -> Callable[..., Any]:
+        """The implementation of ``op`` that ``impl`` selects for these arguments."""
+        if impl == "auto":
+            nat = self.native.get(op)
+            if nat is not None:
+                if nat.plain:
+                    return nat.fn
+                if nat.applies is None and nat.prefer is None:  # dtype rule: one lookup
+                    key = (op, args[0].dtype)
+                    fn = self._auto_by_dtype.get(key)
+                    if fn is None:
+                        if key[1] in nat._auto_set:
+                            fn = self._auto_by_dtype[key] = nat.fn
+                        else:  # cached only when no chooser looks at the shapes
+                            fn = self._fallback(op, args, options)
+                            if op not in _AUTO_PORTABLE:
+                                self._auto_by_dtype[key] = fn
+                    return fn
+                if nat.auto(*args, **options):
+                    return nat.fn
+            return self._fallback(op, args, options)
+        if impl == "native":
+            nat = self.native.get(op)
+            if nat is None:
+                raise ValueError(
+                    f"{op}: backend {self.backend.name!r} has no native kernel; "
+                    "use impl='auto' or 'portable'"
+                )
+            if nat.applies is not None and not nat.applies(*args, **options):
+                raise ValueError(
+                    f"{op}: the native kernel {nat.kernel} of backend {self.backend.name!r} "
+                    f"cannot express these options ({_describe(options)}); "
+                    "use impl='auto' or 'portable'"
+                )
+            return nat.fn
+        try:
+            return self.portable_impl(op, impl)
+        except KeyError:
+            known = (*IMPLS, *(k for k in _PORTABLE[op] if k not in IMPLS))
+            raise ValueError(f"{op}: impl must be one of {known}, got {impl!r}") from None
+
+    def _fallback(
+        self, op: str, args: tuple[Any, ...], options: dict[str, Any]
+    ) -> Callable[..., Any]:
+        chooser = _AUTO_PORTABLE.get(op)
+        return self.portable_impl(op, chooser(*args, **options) if chooser else "portable")
+
+
+_DISPATCHERS: dict[Backend, Dispatcher] = {}
+
+
+def dispatcher(bk: Backend) -> Dispatcher:
+    """The dispatcher of a loaded backend (its native module is imported on first use)."""
+    try:
+        return _DISPATCHERS[bk]
+    except KeyError:
+        d = _DISPATCHERS[bk] = Dispatcher(bk)
+        return d
+
+
+# -- tracing ------------------------------------------------------------------------------------
+class TraceEntry(NamedTuple):
+    """One implementation chosen by the dispatcher: ``op``, ``backend``, ``impl``, ``kernel``."""
+
+    op: str
+    backend: str
+    impl: str
+    kernel: str
+
+
+class Trace(list[TraceEntry]):
+    """The entries recorded inside one ``with trace() as t:`` block, in call order."""
+
+    def ops(self, op: str) -> list[TraceEntry]:
+        """The entries of one op."""
+        return [e for e in self if e.op == op]
+
+
+_TRACES: list[Trace] = []
+
+
+@contextmanager
+def trace() -> Iterator[Trace]:
+    """Record which implementation each op call takes.
+
+    Every choice the dispatcher makes inside the block (including those of the ops a composite
+    op such as ``attention`` calls) is appended as a :class:`TraceEntry` with the fields ``op``,
+    ``backend``, ``impl`` (``"native"``, ``"portable"``, ``"tiled"``, ...) and ``kernel`` (the
+    library function, e.g. ``torch.nn.functional.scaled_dot_product_attention``, or the portable
+    function's qualified name). Blocks nest; each sees the calls made while it is open.
+
+    Examples
+    --------
+    >>> import numpy as np, portable_llm as pl
+    >>> with pl.trace() as t:
+    ...     _ = pl.rms_norm(np.ones((2, 4)), np.ones(4))
+    >>> t[0].op, t[0].impl
+    ('rms_norm', 'portable')
+    """
+    t = Trace()
+    _TRACES.append(t)
+    try:
+        yield t
+    finally:
+        _TRACES.remove(t)
+
+
+def _record(d: Dispatcher, op: str, fn: Callable[..., Any]) -> None:
+    impl, kernel = d.label(fn)
+    entry = TraceEntry(op, d.backend.name, impl, kernel)
+    for t in _TRACES:
+        t.append(entry)
+
+
+def pick(bk: Backend, op: str, impl: str, *args: Any, **options: Any) -> Callable[..., Any]:
+    """The implementation of ``op`` that ``impl`` selects on ``bk`` for these arguments."""
+    try:
+        d = _DISPATCHERS[bk]
+    except KeyError:
+        d = dispatcher(bk)
+    fn = d.pick(op, impl, *args, **options)
+    if _TRACES:
+        _record(d, op, fn)
+    return fn
+
+
+def portable_impls(op: str) -> tuple[str, ...]:
+    """Names of the portable implementations registered for ``op``."""
+    return tuple(_PORTABLE[op])
+
+
+def _describe(options: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in options.items())
