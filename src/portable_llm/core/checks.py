@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 from portable_llm.backends._base import FLOAT_DTYPES, Backend
+from portable_llm.core.types import Array
 
 
 def float_compute_dtype(xp: Any, dtype: Any) -> Any:
@@ -51,3 +54,86 @@ def canonical_float(name: str) -> str:
     if name not in FLOAT_DTYPES:
         raise ValueError(f"expected a float dtype ({', '.join(FLOAT_DTYPES)}), got {name!r}")
     return name
+
+
+# -- scalar arguments: one policy everywhere ----------------------------------------------------
+# Integers: a Python ``int`` or a NumPy integer scalar (``np.int64(3)``), never a ``bool``, a
+# float (``3.0``) or an array. Reals: any of those plus Python/NumPy floats. Both come back as
+# Python numbers, so later code (and a JAX trace) never sees a NumPy scalar.
+
+
+def check_int(
+    op: str, name: str, value: Any, *, low: int | None = None, high: int | None = None
+) -> int:
+    """``value`` as a Python int, or ``TypeError``/``ValueError`` naming ``op`` and ``name``.
+
+    ``low``/``high`` are inclusive bounds (``None``: unbounded).
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__} {value!r}")
+    v = int(value)
+    if (low is not None and v < low) or (high is not None and v > high):
+        lo = "" if low is None else f">= {low}"
+        hi = "" if high is None else f"<= {high}"
+        raise ValueError(f"{op}: {name} must be {' and '.join(s for s in (lo, hi) if s)}, got {v}")
+    return v
+
+
+def check_optional_int(
+    op: str, name: str, value: Any, *, low: int | None = None, high: int | None = None
+) -> int | None:
+    """:func:`check_int` that lets ``None`` through."""
+    return None if value is None else check_int(op, name, value, low=low, high=high)
+
+
+def check_real(
+    op: str,
+    name: str,
+    value: Any,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    finite: bool = True,
+) -> float:
+    """``value`` as a Python float, or ``TypeError``/``ValueError`` naming ``op`` and ``name``.
+
+    Bounds are inclusive unless ``low_open``; NaN is always refused, infinities when ``finite``.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{op}: {name} must be a real number, got {type(value).__name__} {value!r}")
+    v = float(value)
+    bad = math.isnan(v) or (finite and math.isinf(v))
+    if low is not None:
+        bad = bad or (v <= low if low_open else v < low)
+    if high is not None:
+        bad = bad or v > high
+    if bad:
+        parts = ["finite" if finite else "not NaN"]
+        if low is not None:
+            parts.append(f"{'>' if low_open else '>='} {low}")
+        if high is not None:
+            parts.append(f"<= {high}")
+        raise ValueError(f"{op}: {name} must be {' and '.join(parts)}, got {value!r}")
+    return v
+
+
+# -- mixed precision: one rule for every op that takes weights ---------------------------------
+
+
+def match_weight(op: str, name: str, w: Array, x: Array, bk: Backend) -> Array:
+    """A float weight ``w`` in the activations' dtype: cast when its float dtype differs.
+
+    The rule of every op that takes weights (``rms_norm``, ``linear``, ``mlp``, ``attention``,
+    ``moe``, ``embedding``/``unembed``): the computation runs in ``x``'s dtype, as mlx-lm's
+    modules do with float32 weights and float16 activations. Non-float weights are a
+    ``TypeError`` (``check_float``); arrays of two libraries never reach here (``resolve``).
+    ``None`` passes through.
+    """
+    if w is None:
+        return w
+    dtype = w.dtype
+    if dtype == x.dtype:
+        return w
+    check_float(op, name, w, bk)
+    return bk.astype(w, x.dtype)
