@@ -78,6 +78,10 @@ class JaxBackend(Backend):
         return devices[i]
 
     def device_of(self, x: Any) -> Any:
+        """The array's device; ``None`` (the default placement) for a tracer of ``jax.jit`` or
+        ``jax.grad``, which has no device while it is traced."""
+        if isinstance(x, self.jax.core.Tracer):
+            return None
         return next(iter(x.devices()))
 
     def to_numpy(self, x: Any) -> np.ndarray:
