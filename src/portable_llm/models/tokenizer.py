@@ -2,16 +2,18 @@
 
 :class:`Tokenizer` encodes text to ids, decodes ids to text, and streams text while ids arrive
 (:meth:`Tokenizer.stream`): a piece is released only once its bytes form whole characters, so a
-character split over several byte-level tokens is never shown half-done. The chat template of
-``tokenizer_config.json`` is applied with ``jinja2`` when it is installed.
+character split over several byte-level tokens is never shown half-done. The chat template
+(``chat_template.jinja``, or ``tokenizer_config.json``'s) is rendered in a Jinja sandbox
+(:mod:`portable_llm.models.chat_template`) when ``jinja2`` is installed.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from portable_llm.models.files import CheckpointError, checkpoint_file, read_json
 
 __all__ = ["Tokenizer", "read_tokenizer"]
 
@@ -23,13 +25,30 @@ class Tokenizer:
     ----------
     tok : tokenizers.Tokenizer
     config : dict
-        ``tokenizer_config.json`` (``chat_template``, ``bos_token``, ``eos_token``,
-        ``add_bos_token``), possibly empty.
+        ``tokenizer_config.json`` (``chat_template``, ``bos_token``, ``eos_token``, ...),
+        possibly empty.
+    chat_template : str, optional
+        The chat template's source; default: ``config["chat_template"]`` (the ``"default"``
+        one of named templates).
+    origin : str, optional
+        The file the template came from, named in its errors.
     """
 
-    def __init__(self, tok: Any, config: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        tok: Any,
+        config: Mapping[str, Any] | None = None,
+        *,
+        chat_template: str | None = None,
+        origin: str | None = None,
+    ) -> None:
         self._tok = tok
         self.config = dict(config or {})
+        if chat_template is None:
+            chat_template = _default_template(self.config.get("chat_template"))
+            origin = origin or "tokenizer_config.json"
+        self._template = chat_template
+        self._origin = origin or "the chat template"
 
     @property
     def vocab_size(self) -> int:
@@ -67,51 +86,128 @@ class Tokenizer:
         if text.startswith(shown) and len(text) > len(shown):
             yield text[len(shown) :]
 
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template's source (``None`` when the checkpoint has none)."""
+        return self._template
+
     def apply_chat_template(
-        self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        **variables: Any,
     ) -> str:
         """The prompt text of ``messages`` (``[{"role": "user", "content": ...}]``).
 
-        Needs ``chat_template`` in ``tokenizer_config.json`` and the ``jinja2`` package.
+        Renders the checkpoint's chat template as transformers' ``apply_chat_template(...,
+        tokenize=False)`` does, in a sandbox (:mod:`portable_llm.models.chat_template`), with
+        the special tokens of ``tokenizer_config.json`` (``bos_token``, ``eos_token``, ...) and
+        ``variables`` (e.g. ``enable_thinking=False``) as template variables. Needs ``jinja2``.
+
+        Raises
+        ------
+        ValueError
+            No chat template, or the template fails (a syntax error, a sandbox refusal, an
+            undefined name, its own ``raise_exception``): the message names its file.
         """
-        template = self.config.get("chat_template")
-        if isinstance(template, list):  # named templates: take the default one
-            named = {t.get("name"): t.get("template") for t in template}
-            template = named.get("default")
-        if not template:
-            raise ValueError("apply_chat_template: tokenizer_config.json has no chat_template")
-        try:
-            import jinja2
-        except ImportError as exc:
-            raise ImportError("apply_chat_template needs jinja2: pip install jinja2") from exc
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        from portable_llm.models.chat_template import compile_chat_template, render_chat_template
 
-        def raise_exception(message: str) -> None:
-            raise ValueError(f"chat template: {message}")
-
-        env.globals["raise_exception"] = raise_exception
-        specials = {k: _token_text(self.config.get(k)) for k in ("bos_token", "eos_token")}
-        return str(
-            env.from_string(template).render(
-                messages=list(messages), add_generation_prompt=add_generation_prompt, **specials
+        if self._template is None:
+            raise ValueError(
+                "apply_chat_template: the checkpoint has no chat template (none in "
+                f"{', '.join(_TEMPLATE_FILES)})"
             )
+        template = compile_chat_template(self._template, self._origin)
+        if not isinstance(messages, Sequence) or isinstance(messages, str):
+            raise TypeError("apply_chat_template: messages must be a list of dicts")
+        chat = []
+        for m in messages:
+            if not isinstance(m, Mapping):
+                raise TypeError(f"apply_chat_template: each message must be a dict, got {m!r}")
+            chat.append({k: v for k, v in m.items() if v is not None})  # as transformers
+        texts = {k: _token_text(self.config.get(k)) for k in _SPECIAL_TOKENS}
+        specials = {k: text for k, text in texts.items() if text is not None}
+        return render_chat_template(
+            template,
+            self._origin,
+            {
+                "messages": chat,
+                "tools": None,
+                "documents": None,
+                "add_generation_prompt": bool(add_generation_prompt),
+                **specials,
+                **variables,
+            },
         )
 
 
-def _token_text(token: Any) -> str:
-    if isinstance(token, dict):  # {"content": "<s>", ...} in older configs
-        return str(token.get("content", ""))
-    return "" if token is None else str(token)
+#: Where a checkpoint's chat template is read from, first found first (transformers 5's order).
+_TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json", "chat_template.json")
+#: transformers' ``SPECIAL_TOKENS_ATTRIBUTES``: passed to the template when the config has them.
+_SPECIAL_TOKENS = (
+    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+)  # fmt: skip
+
+
+def _token_text(token: Any) -> str | None:
+    if isinstance(token, Mapping):  # {"content": "<s>", ...}: a serialised AddedToken
+        token = token.get("content")
+    return token if isinstance(token, str) else None
+
+
+def _default_template(value: Any) -> Any:
+    """A ``chat_template`` value: a string, or named templates (a list of ``{"name",
+    "template"}`` or a dict), of which the default is taken."""
+    if isinstance(value, list):
+        value = {t.get("name"): t.get("template") for t in value if isinstance(t, Mapping)}
+    if isinstance(value, Mapping):
+        value = value.get("default")
+    return value
 
 
 def read_tokenizer(path: str | Path) -> Tokenizer | None:
-    """The tokenizer of a checkpoint folder, or ``None`` when it has no ``tokenizer.json``."""
+    """The tokenizer of a checkpoint folder, or ``None`` when it has no ``tokenizer.json``.
+
+    The chat template is read from ``chat_template.jinja`` (transformers 5 saves it there),
+    else ``tokenizer_config.json``'s ``chat_template``, else ``chat_template.json`` (older
+    processors), as transformers reads it.
+
+    Raises
+    ------
+    CheckpointError
+        A malformed ``tokenizer.json``, ``tokenizer_config.json`` or ``chat_template.json``
+        (the message names it), or one of them outside the folder.
+    """
     folder = Path(path)
-    file = folder / "tokenizer.json"
+    file = checkpoint_file(folder, "tokenizer.json")
     if not file.is_file():
         return None
     from tokenizers import Tokenizer as HFTokenizer
 
-    config_file = folder / "tokenizer_config.json"
-    config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
-    return Tokenizer(HFTokenizer.from_file(str(file)), config)
+    try:
+        tok = HFTokenizer.from_file(str(file))
+    except Exception as exc:  # tokenizers raises a bare Exception
+        raise CheckpointError(f"load: {str(file)!r} is not a valid tokenizer: {exc}") from None
+    config_file = checkpoint_file(folder, "tokenizer_config.json")
+    config = read_json(config_file) if config_file.is_file() else {}
+    specials_file = checkpoint_file(folder, "special_tokens_map.json")  # legacy: merged under
+    if specials_file.is_file():
+        config = {**read_json(specials_file), **config}
+    template, origin = None, None
+    for name in _TEMPLATE_FILES:
+        source = checkpoint_file(folder, name)
+        if not source.is_file():
+            continue
+        if name.endswith(".jinja"):
+            try:
+                template = source.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise CheckpointError(f"load: cannot read {str(source)!r}: {exc}") from None
+        else:
+            d = config if name == "tokenizer_config.json" else read_json(source)
+            template = _default_template(d.get("chat_template"))
+        if template is not None:
+            origin = str(source)
+            break
+    return Tokenizer(tok, config, chat_template=template, origin=origin)

@@ -4,8 +4,11 @@
 :func:`write_checkpoint` writes a folder as ``save_pretrained`` would: ``config.json``,
 ``generation_config.json`` and random weights under HF's tensor names (``model.safetensors``,
 or shards with ``model.safetensors.index.json``). :func:`write_tokenizer` adds a byte-level BPE
-``tokenizer.json`` trained with the ``tokenizers`` library on a few sentences. The tests, the
-model benchmark and users checking their own loaders use them.
+``tokenizer.json`` trained with the ``tokenizers`` library on a few sentences.
+:func:`save_hf_tokenizer` (the one helper that needs transformers) saves that tokenizer with
+transformers' own ``save_pretrained``, as the pinned transformers 5 writes real checkpoints
+(the chat template in ``chat_template.jinja``). :data:`CHAT_TEMPLATES` holds templates shaped
+like real ones. The tests, the model benchmark and users checking their own loaders use them.
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ import numpy as np
 from portable_llm.backends._base import numpy_bfloat16
 
 __all__ = [
+    "CHAT_TEMPLATES",
     "SENTENCES",
     "checkpoint_tensors",
     "random_tensors",
+    "save_hf_tokenizer",
     "tiny_config",
     "write_checkpoint",
     "write_tokenizer",
@@ -244,3 +249,108 @@ def write_tokenizer(path: str | Path, /, *, vocab_size: int, eos: str = "<|endof
     }
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     return tok
+
+
+#: Chat templates written like real checkpoints' (ChatML with tools as Qwen2.5's; Llama 3.1's
+#: header tokens, ``namespace``, ``raise_exception`` and ``tojson(indent=4)``; a loop-control
+#: one with ``{% generation %}`` blocks), using the special tokens :func:`write_tokenizer` has.
+CHAT_TEMPLATES: dict[str, str] = {
+    "chatml": (
+        "{%- if tools %}\n"
+        "{{- '<s>system\\n' }}\n"
+        "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}"
+        "{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}\n"
+        "{{- '\\n\\n# Tools\\n<tools>' }}\n"
+        "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}\n"
+        "{{- '\\n</tools><|endoftext|>\\n' }}\n"
+        "{%- else %}\n"
+        "{%- if messages[0]['role'] == 'system' %}\n"
+        "{{- '<s>system\\n' + messages[0]['content'] + '<|endoftext|>\\n' }}\n"
+        "{%- else %}\n"
+        "{{- '<s>system\\nYou are a helpful assistant.<|endoftext|>\\n' }}\n"
+        "{%- endif %}\n"
+        "{%- endif %}\n"
+        "{%- for message in messages %}\n"
+        "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) "
+        "or (message.role == 'assistant' and not message.tool_calls) %}\n"
+        "{{- '<s>' + message.role + '\\n' + message.content + '<|endoftext|>' + '\\n' }}\n"
+        "{%- elif message.role == 'assistant' %}\n"
+        "{{- '<s>' + message.role }}\n"
+        "{%- for tool_call in message.tool_calls %}\n"
+        "{{- '\\n<tool_call>\\n' }}{{- tool_call | tojson }}{{- '\\n</tool_call>' }}\n"
+        "{%- endfor %}\n"
+        "{{- '<|endoftext|>\\n' }}\n"
+        "{%- endif %}\n"
+        "{%- endfor %}\n"
+        "{%- if add_generation_prompt %}\n"
+        "{{- '<s>assistant\\n' }}\n"
+        "{%- endif %}\n"
+    ),
+    "llama3": (
+        "{{- bos_token }}\n"
+        "{%- if messages[0]['role'] == 'system' %}\n"
+        "    {%- set system_message = messages[0]['content']|trim %}\n"
+        "    {%- set messages = messages[1:] %}\n"
+        "{%- else %}\n"
+        "    {%- set system_message = '' %}\n"
+        "{%- endif %}\n"
+        "{%- set ns = namespace(turns=0) %}\n"
+        "{{- '<pad>system<pad>\\n\\n' }}\n"
+        "{%- if tools is not none %}\n"
+        "    {%- for t in tools %}{{- t | tojson(indent=4) }}{{- '\\n\\n' }}{%- endfor %}\n"
+        "{%- endif %}\n"
+        "{{- system_message }}\n"
+        "{{- '<|endoftext|>' }}\n"
+        "{%- for message in messages %}\n"
+        "    {%- if (message['role'] == 'user') != (ns.turns % 2 == 0) %}\n"
+        "        {{- raise_exception('Conversation roles must alternate user/assistant') }}\n"
+        "    {%- endif %}\n"
+        "    {%- set ns.turns = ns.turns + 1 %}\n"
+        "    {{- '<pad>' + message['role'] + '<pad>\\n\\n' + message['content'] | trim "
+        "+ '<|endoftext|>' }}\n"
+        "{%- endfor %}\n"
+        "{%- if add_generation_prompt %}\n"
+        "    {{- '<pad>assistant<pad>\\n\\n' }}\n"
+        "{%- endif %}\n"
+    ),
+    "loops": (
+        "{% for message in messages %}"
+        "{% if message['role'] == 'system' %}{% continue %}{% endif %}"
+        "{% if loop.index > 8 %}{% break %}{% endif %}"
+        "{{ loop.index }}/{{ loop.length }} {{ message['role'] | upper }}: "
+        "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] }}"
+        "{% endgeneration %}{% else %}{{ message['content'] }}{% endif %}{{ eos_token }}\n"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}ASSISTANT: {% endif %}"
+    ),
+}
+
+
+def save_hf_tokenizer(
+    path: str | Path,
+    /,
+    *,
+    vocab_size: int,
+    chat_template: str | None = CHAT_TEMPLATES["chatml"],
+    eos: str = "<|endoftext|>",
+) -> Any:
+    """Save :func:`write_tokenizer`'s tokenizer into ``path`` with transformers'
+    ``save_pretrained``, as the pinned transformers (5.x) saves a real checkpoint's: a
+    ``tokenizers``-backed tokenizer (built offline, nothing downloads), with ``chat_template``
+    written to ``chat_template.jinja`` and none in ``tokenizer_config.json``.
+
+    Returns the transformers tokenizer (its ``apply_chat_template`` is the oracle).
+    """
+    import tempfile
+
+    from transformers import PreTrainedTokenizerFast
+
+    with tempfile.TemporaryDirectory() as scratch:
+        tok = write_tokenizer(scratch, vocab_size=vocab_size, eos=eos)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token=eos, pad_token="<pad>"
+    )
+    if chat_template is not None:
+        hf.chat_template = chat_template
+    hf.save_pretrained(str(path))
+    return hf
