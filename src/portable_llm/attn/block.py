@@ -11,11 +11,11 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
+from portable_llm.attn.kv_glue import block_kv_mask, block_offset
 from portable_llm.attn.padding import nonnegative, row_offsets
 from portable_llm.attn.sdpa import OP as SDPA
 from portable_llm.attn.sdpa import sdpa_args
 from portable_llm.backends import resolve
-from portable_llm.caches.base import block_kv_mask, block_offset
 from portable_llm.core.checks import check_float, check_same_dtype
 from portable_llm.core.dispatch import IMPLS, pick
 from portable_llm.ops.linear import _check_linear

@@ -4,47 +4,20 @@ Query ``i`` (of ``L``) and key ``j`` (of ``S``) sit at absolute positions ``i + 
 the last query aligns with the last key, as when ``L`` new tokens follow ``S - L`` cached ones.
 Query ``i`` may attend key ``j`` iff ``j <= i + S - L`` and, with a window ``W``, also
 ``j > i + S - L - W`` (the ``W`` most recent positions, itself included: the HF and mlx-lm
-sliding-window convention).
+sliding-window convention). The rule itself is :func:`portable_llm.attn.visibility.visible`.
 """
 
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any
 
+from portable_llm.attn.sdpa_args import check_window, int_option
+from portable_llm.attn.visibility import visible
 from portable_llm.backends import get_backend
 from portable_llm.backends._base import FLOAT_DTYPES
 
 __all__ = ["causal_mask"]
-
-
-def visible(
-    xp: Any,
-    L: int,
-    S: int,
-    window: int | None,
-    start: int = 0,
-    stop: int | None = None,
-    device: Any = None,
-) -> Any:
-    """Boolean ``(L, stop - start)``: may query ``i`` attend key ``j``, for keys start..stop-1."""
-    stop = S if stop is None else stop
-    i = xp.reshape(xp.arange(L, device=device), (L, 1)) + (S - L)  # absolute query position
-    j = xp.reshape(xp.arange(start, stop, device=device), (1, stop - start))
-    keep = j <= i
-    if window is not None:
-        keep = xp.logical_and(keep, j > i - window)
-    return keep
-
-
-def check_window(op: str, window: Any) -> int | None:
-    """``window`` as a Python int (NumPy integers accepted), or ``None``; else a ValueError."""
-    if window is None:
-        return None
-    if isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 1:
-        raise ValueError(f"{op}: window must be an int >= 1 or None, got {window!r}")
-    return int(window)
 
 
 def causal_mask(
@@ -67,7 +40,7 @@ def causal_mask(
     Parameters
     ----------
     L, S : int, >= 0
-        Number of queries and of keys.
+        Number of queries and of keys (Python or NumPy integers).
     window : int, >= 1, optional
         Sliding window: each query sees at most its ``W`` most recent positions, itself included.
     dtype : str or dtype, optional
@@ -84,14 +57,12 @@ def causal_mask(
     array, shape ``(L, S)``
         Broadcasts against scores ``(B.., H, L, S)``.
     """
-    for name, value in (("L", L), ("S", S)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"causal_mask: {name} must be an int >= 0, got {value!r}")
+    L, S = (int_option("causal_mask", name, n, low=0) for name, n in (("L", L), ("S", S)))
     window = check_window("causal_mask", window)
     bk = get_backend(backend if backend is not None else "numpy")
     xp = bk.xp
     dev = bk.device(device) if device is not None else None
-    keep = visible(xp, L, S, window, device=dev)  # (L, S)
+    keep = visible(xp, L, S, window=window, device=dev)  # (L, S)
     if dtype is None or dtype == "bool" or dtype == bk.dtypes["bool"]:
         return keep
     try:

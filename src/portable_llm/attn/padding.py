@@ -3,7 +3,8 @@
 Row ``b`` of a left-padded batch holds ``pad_b`` pad tokens, then its prompt, so every row ends
 in the last column and each decode step appends one column to all rows. Column ``c`` of row
 ``b`` is token ``c - pad_b`` of that prompt: its RoPE position. Masks are written in columns
-(a cache's *slots* hold columns): key column ``j`` is visible to row ``b`` iff ``j >= pad_b``.
+(a cache's *slots* hold columns): key column ``j`` is visible to row ``b`` iff ``j >= pad_b``
+(:func:`portable_llm.attn.visibility.visible`'s ``pad=``).
 """
 
 from __future__ import annotations
@@ -74,40 +75,6 @@ def left_pad(
         ids[b, pad[b] :] = a
     dev = bk.device(device) if device is not None else None
     return bk.from_numpy(ids, dev), bk.from_numpy(pad, dev)
-
-
-def visible(
-    xp: Any,
-    start: int,
-    L: int,
-    k_pos: Any,
-    *,
-    window: int | None = None,
-    ring: int | None = None,
-    keep: int = 0,
-    pad: Any = None,
-    device: Any = None,
-) -> Any:
-    """Boolean ``(1 | B, 1, L, S)``: may query ``i`` (column ``start + i``) attend key ``j``.
-
-    ``k_pos`` (``(S,)``, integer, on the device) holds each key's column. Key ``j`` is visible
-    iff ``k_pos[j] <= start + i`` (causal), and ``k_pos[j] > start + i - window`` (a sliding
-    window), and ``k_pos[j] < keep or k_pos[j] > start + i - ring`` (a rotating cache: the
-    first ``keep`` columns and the last ``ring``), and ``k_pos[j] >= pad[b]`` (left padding).
-    """
-    S = k_pos.shape[0]
-    q = xp.reshape(xp.arange(start, start + L, device=device), (L, 1))  # query columns
-    k = xp.reshape(k_pos, (1, S))
-    ok = k <= q  # (L, S)
-    if window is not None:
-        ok = xp.logical_and(ok, k > q - window)
-    if ring is not None:
-        ok = xp.logical_and(ok, xp.logical_or(k > q - ring, k < keep))
-    ok = xp.reshape(ok, (1, 1, L, S))
-    if pad is None:
-        return ok
-    real = k >= xp.reshape(pad, (pad.shape[0], 1))  # (B, S)
-    return xp.logical_and(ok, xp.reshape(real, (pad.shape[0], 1, 1, S)))  # (B, 1, L, S)
 
 
 def row_offsets(op: str, bk: Backend, offset: Any, pad: Any, batch: int) -> Any:

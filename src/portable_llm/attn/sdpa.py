@@ -11,12 +11,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from portable_llm.attn.sdpa_args import OP, sdpa_args
+from portable_llm.attn.sdpa_args import OP, SdpaOptions, sdpa_args
+from portable_llm.attn.visibility import visible
 from portable_llm.backends import backend_of, resolve
 from portable_llm.core.checks import float_compute_dtype
 from portable_llm.core.dispatch import auto_portable, pick, portable
 
-__all__ = ["OP", "TILED_MIN_SCORES", "scaled_dot_product_attention", "sdpa_args"]
+__all__ = ["OP", "TILED_MIN_SCORES", "SdpaOptions", "scaled_dot_product_attention", "sdpa_args"]
 
 #: ``impl="auto"`` without an applicable native kernel takes the tiled path once one head's
 #: score matrix has this many entries (``L * S >= 2**20``, 4 MiB in float32 per batch and head).
@@ -49,41 +50,28 @@ def _group(xp: Any, q: Any, k: Any, mask: Any) -> tuple[Any, Any, tuple[int, ...
 
 
 def _block_scores(
-    xp: Any,
-    qg: Any,
-    kb: Any,
-    mb: Any,
-    shift: Any,
-    *,
-    grid: tuple[int, ...],
-    causal: bool,
-    window: int | None,
-    softcap: float | None,
+    xp: Any, qg: Any, kb: Any, mb: Any, shift: Any, *, grid: tuple[int, ...], opts: SdpaOptions
 ) -> Any:
     """Masked scores of one block of keys: ``(B.., H_kv, G*L, n)``, float32.
 
     ``kb``: the block's keys ``(B.., H_kv, n, D)``; ``mb``: the mask's columns for the block (or
     ``None``). ``shift``: the block's first key position minus the first query's, ``start - (S -
-    L)``, so key ``j`` of the block is visible to query ``i`` iff ``j + shift <= i`` (and
-    ``> i - window``). It is an argument, not baked in, so a compiled block serves every block.
+    L)``, so the block's keys sit at columns ``0 .. n - 1`` and the queries at ``-shift ..``. It
+    is an argument, not baked in, so a compiled block serves every block.
     """
     kb = xp.astype(kb, qg.dtype, copy=False)
     s = xp.matmul(qg, xp.matrix_transpose(kb))  # (B.., H_kv, G*L, n)
-    if softcap is not None:
-        s = softcap * xp.tanh(s / softcap)
-    if mb is None and not causal:
+    if opts.softcap is not None:
+        s = opts.softcap * xp.tanh(s / opts.softcap)
+    if mb is None and not opts.causal:
         return s
     n = kb.shape[-2]
     s = xp.reshape(s, (*grid, n))  # (B.., H_kv, G, L, n)
     if mb is not None:
         s = xp.where(mb, s, -math.inf) if mb.dtype == xp.bool else s + xp.astype(mb, s.dtype)
-    if causal:
-        dev = _device(s)
-        i = xp.reshape(xp.arange(grid[-1], device=dev), (grid[-1], 1))  # query index (L, 1)
-        j = xp.reshape(xp.arange(n, device=dev), (1, n)) + shift  # key, from query 0 (1, n)
-        keep = j <= i  # (L, n)
-        if window is not None:
-            keep = xp.logical_and(keep, j > i - window)
+    if opts.causal:
+        L = grid[-1]
+        keep = visible(xp, L, n, q_start=-shift, window=opts.window, device=_device(s))  # (L, n)
         s = xp.where(keep, s, -math.inf)
     return xp.reshape(s, (*grid[:-2], grid[-2] * grid[-1], n))
 
@@ -117,17 +105,11 @@ def _sdpa_direct(
     v: Any,
     mask: Any,
     *,
-    scale: float,
-    causal: bool,
-    window: int | None,
-    softcap: float | None,
-    block_size: int,
+    opts: SdpaOptions,
 ) -> Any:
-    qg, mask, grid = _prepare(xp, q, k, mask, scale)
+    qg, mask, grid = _prepare(xp, q, k, mask, opts.scale)
     shift = q.shape[-2] - k.shape[-2]  # key 0 minus query 0's position: L - S
-    s = _block_scores(
-        xp, qg, k, mask, shift, grid=grid, causal=causal, window=window, softcap=softcap
-    )
+    s = _block_scores(xp, qg, k, mask, shift, grid=grid, opts=opts)
     p = xp.exp(s - _safe_max(xp, s))  # (B.., H_kv, G*L, S)
     total = xp.sum(p, axis=-1, keepdims=True)
     return _finish(xp, xp.matmul(p, xp.astype(v, qg.dtype, copy=False)), total, q)
@@ -162,14 +144,10 @@ def _tiled_block(
     shift: Any,
     *,
     grid: tuple[int, ...],
-    causal: bool,
-    window: int | None,
-    softcap: float | None,
+    opts: SdpaOptions,
 ) -> tuple[Any, Any, Any]:
     """One online-softmax step over a block of keys: the updated ``run_max, total, acc``."""
-    s = _block_scores(
-        xp, qg, kb, mb, shift, grid=grid, causal=causal, window=window, softcap=softcap
-    )
+    s = _block_scores(xp, qg, kb, mb, shift, grid=grid, opts=opts)
     new_max = xp.maximum(run_max, xp.max(s, axis=-1, keepdims=True))
     shift_max = xp.where(new_max == -math.inf, 0.0, new_max)
     alpha = xp.exp(run_max - shift_max)  # 0 while no key was seen (run_max = -inf)
@@ -192,11 +170,7 @@ def _sdpa_tiled(
     v: Any,
     mask: Any,
     *,
-    scale: float,
-    causal: bool,
-    window: int | None,
-    softcap: float | None,
-    block_size: int,
+    opts: SdpaOptions,
 ) -> Any:
     """Flash-attention's online softmax over key blocks: memory O(G*L x block_size) per head.
 
@@ -207,17 +181,18 @@ def _sdpa_tiled(
     bk = backend_of(q)  # q is an array: never None
     assert bk is not None
     start_fn, block_fn, finish_fn = (pick(bk, _TILED, n) for n in ("start", "block", "finish"))
-    qg, mask, run_max, total, acc = start_fn(xp, q, k, mask, scale=scale)
+    qg, mask, run_max, total, acc = start_fn(xp, q, k, mask, scale=opts.scale)
     grid = _grid(q, k)
-    L, S = q.shape[-2], k.shape[-2]
+    L, S, window = q.shape[-2], k.shape[-2], opts.window
     first = max(0, S - L - window + 1) if window is not None else 0
-    opts = {"grid": grid, "causal": causal, "window": window, "softcap": softcap}
-    for start in range(first, S, block_size):
-        stop = min(start + block_size, S)
+    # The block step reads only causal, window and softcap: one compilation serves every scale.
+    step = SdpaOptions(scale=1.0, causal=opts.causal, window=window, softcap=opts.softcap)
+    for start in range(first, S, opts.block_size):
+        stop = min(start + opts.block_size, S)
         kb, vb = k[..., start:stop, :], v[..., start:stop, :]  # (B.., H_kv, n, D)
         mb = _mask_block(mask, start, stop)
         run_max, total, acc = block_fn(
-            xp, qg, kb, vb, mb, run_max, total, acc, start - (S - L), **opts
+            xp, qg, kb, vb, mb, run_max, total, acc, start - (S - L), grid=grid, opts=step
         )
     return finish_fn(xp, acc, total, q)
 
@@ -252,6 +227,7 @@ def scaled_dot_product_attention(
     scale : float, optional
         Multiplies the scores; default ``1 / sqrt(D)``.
     mask : None, "causal", or array broadcastable to ``(B.., H, L, S)``
+        Broadcast as NumPy does: a ``(S,)`` mask is one row shared by every query.
         ``"causal"``: bottom-right aligned (see :func:`causal_mask`; needs ``L <= S``). A boolean
         array: ``True`` where attending is allowed. A float array: added to the scores (``-inf``
         forbids).
@@ -273,7 +249,9 @@ def scaled_dot_product_attention(
     -------
     array, shape ``(B.., H, L, D)``, q's dtype
         Scores, softmax and the weighted sum in float32 (float64 for float64 input), rounded
-        once. A query row that sees no key (all masked) returns zeros, not NaN.
+        once. A query row that sees no key (all masked) returns zeros, not NaN. An empty ``q``
+        (``L``, ``H``, ``D`` or a batch dimension 0) gives an empty result of that shape on
+        every backend; ``S = 0`` (no keys) is a ValueError.
     """
     arrays = (q, k, v) if isinstance(mask, str) or mask is None else (q, k, v, mask)
     bk, arrays = resolve(OP, backend, *arrays)
@@ -282,4 +260,12 @@ def scaled_dot_product_attention(
     args, opts = sdpa_args(
         OP, bk, q, k, v, mask, scale=scale, window=window, softcap=softcap, block_size=block_size
     )
-    return pick(bk, OP, impl, *args, **opts)(bk.xp, *args, **opts)
+    fn = pick(bk, OP, impl, *args, **opts)
+    if empty(q):  # L, H, D or a batch dim is 0: nothing to compute
+        return bk.xp.zeros(q.shape, dtype=q.dtype, device=bk.device_of(q))
+    return fn(bk.xp, *args, **opts)
+
+
+def empty(x: Any) -> bool:
+    """Whether ``x`` has a zero-size dimension."""
+    return any(n == 0 for n in x.shape)

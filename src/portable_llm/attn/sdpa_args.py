@@ -1,26 +1,109 @@
 """Argument checks of scaled dot-product attention, shared by the op and the attention block.
 
 :func:`sdpa_args` turns the public arguments into the ``(arrays, options)`` every
-implementation (portable, tiled, native) is called with.
+implementation (portable, tiled, native) is called with: ``fn(xp, q, k, v, mask, opts=o)``,
+``o`` one :class:`SdpaOptions`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import numbers
 from typing import Any
 
-from portable_llm.attn.mask import check_window
+from portable_llm.attn.visibility import visible, zero_unseen
 from portable_llm.backends import Backend
-from portable_llm.core.checks import check_float, check_same_dtype
+from portable_llm.core.checks import check_float, check_int, check_real, check_same_dtype
+from portable_llm.core.types import Array
 
-__all__ = ["OP", "check_sdpa", "sdpa_args"]
+__all__ = [
+    "OP",
+    "SdpaOptions",
+    "check_sdpa",
+    "check_window",
+    "int_option",
+    "real_option",
+    "sdpa_args",
+]
 
 OP = "scaled_dot_product_attention"
 
 
-def _real(x: Any) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+@dataclasses.dataclass(frozen=True)
+class SdpaOptions:
+    """The checked options of one attention call, as every implementation receives them.
+
+    Frozen and hashable: a backend that compiles (JAX) keys its compilations on it.
+
+    Attributes
+    ----------
+    scale : float
+        Multiplies the scores (the default ``1 / sqrt(D)`` already resolved).
+    causal : bool
+        The bottom-right causal rule applies (``mask="causal"`` or ``window=``).
+    window : int >= 1 or None
+        Sliding window (only with ``causal``).
+    softcap : float > 0 or None
+        ``softcap * tanh(scores / softcap)``.
+    block_size : int >= 1
+        Keys per block of the tiled path.
+    """
+
+    scale: float
+    causal: bool = False
+    window: int | None = None
+    softcap: float | None = None
+    block_size: int = 256
+
+    # The native kernels (a lower layer than attn/) reach the one visibility rule through the
+    # record they are given: these two methods.
+    def combined_mask(self, xp: Any, mask: Array | None, L: int, S: int, device: Any) -> Any:
+        """``mask`` and-ed with the causal/window rule (``None`` when there is neither).
+
+        A boolean mask stays boolean; an additive one gets ``-inf`` where the rule forbids.
+        """
+        if not self.causal:
+            return mask
+        keep = visible(xp, L, S, window=self.window, device=device)  # (L, S)
+        if mask is None:
+            return keep
+        if mask.dtype == xp.bool:
+            return xp.logical_and(mask, keep)
+        return xp.where(keep, mask, xp.full_like(mask, -math.inf))
+
+    @staticmethod
+    def zero_unseen(xp: Any, out: Array, mask: Array) -> Array:
+        """:func:`portable_llm.attn.visibility.zero_unseen`: zeros in rows that see no key."""
+        return zero_unseen(xp, out, mask)
+
+
+def int_option(op: str, name: str, value: Any, *, low: int, optional: bool = False) -> Any:
+    """``value`` as a Python int ``>= low`` (``None`` too when ``optional``), else a ValueError.
+
+    :func:`~portable_llm.core.checks.check_int`'s policy (NumPy integers accepted, bools and
+    floats refused), with the ValueError these options always raised.
+    """
+    if optional and value is None:
+        return None
+    try:
+        return check_int(op, name, value, low=low)
+    except (TypeError, ValueError):
+        either = " or None" if optional else ""
+        raise ValueError(f"{op}: {name} must be an int >= {low}{either}, got {value!r}") from None
+
+
+def check_window(op: str, window: Any) -> int | None:
+    """``window`` as a Python int >= 1 (NumPy integers accepted), or ``None``; else ValueError."""
+    return int_option(op, "window", window, low=1, optional=True)
+
+
+def real_option(op: str, name: str, value: Any, what: str, *, low: float | None = None) -> float:
+    """``value`` as a finite Python float (``> low``), else ``ValueError: {op}: {name} must be
+    {what}``."""
+    try:
+        return check_real(op, name, value, low=low, low_open=True)
+    except (TypeError, ValueError):
+        raise ValueError(f"{op}: {name} must be {what}, got {value!r}") from None
 
 
 def _shape(x: Any) -> tuple[int, ...]:
@@ -36,11 +119,11 @@ def check_sdpa(
     mask: Any,
     *,
     causal: bool,
-    window: Any,
-    softcap: Any,
+    window: int | None,
+    softcap: float | None,
     scale: Any,
 ) -> float:
-    """Validate the arguments of an attention call; return the scale to use."""
+    """Validate the arrays of an attention call (and softcap, scale); return the scale to use."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_float(op, name, x, bk)
         if x.ndim < 3:
@@ -63,7 +146,6 @@ def check_sdpa(
         )
     if S == 0:
         raise ValueError(f"{op}: k and v have no keys (S = 0), shape {_shape(k)}")
-    check_window(op, window)
     if causal and L > S:
         raise ValueError(
             f"{op}: a causal mask (mask='causal' or window=) needs L <= S, got L={L} queries "
@@ -83,13 +165,11 @@ def check_sdpa(
                 f"{op}: mask of shape {ms} does not broadcast to the scores (B.., H, L, S) = "
                 f"{target} of q {_shape(q)} and k {_shape(k)}"
             )
-    if softcap is not None and not (_real(softcap) and 0 < softcap < math.inf):
-        raise ValueError(f"{op}: softcap must be a positive finite number or None, got {softcap!r}")
+    if softcap is not None:
+        real_option(op, "softcap", softcap, "a positive finite number or None", low=0.0)
     if scale is None:
-        return 1.0 / math.sqrt(d)
-    if not (_real(scale) and math.isfinite(scale)):
-        raise ValueError(f"{op}: scale must be a finite number or None, got {scale!r}")
-    return float(scale)
+        return 1.0 / math.sqrt(d) if d else 1.0  # D = 0: every score is 0 whatever the scale
+    return real_option(op, "scale", scale, "a finite number or None")
 
 
 def sdpa_args(
@@ -104,24 +184,32 @@ def sdpa_args(
     window: Any,
     softcap: Any,
     block_size: Any,
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The ``(arrays, options)`` every implementation of the op is called with."""
+) -> tuple[tuple[Any, ...], dict[str, SdpaOptions]]:
+    """The ``(arrays, {"opts": SdpaOptions})`` every implementation of the op is called with.
+
+    An array mask of fewer than 2 dimensions (``(S,)``: one row for every query) is given the
+    query axis, ``(1, S)``: the NumPy broadcasting the docs promise, which fused kernels do not
+    all follow.
+    """
     causal = isinstance(mask, str) or window is not None
     if isinstance(mask, str):
         if mask != "causal":
             raise ValueError(f"{op}: mask must be None, 'causal' or an array, got {mask!r}")
         mask = None
-    if (
-        isinstance(block_size, bool)
-        or not isinstance(block_size, numbers.Integral)
-        or block_size < 1
-    ):
-        raise ValueError(f"{op}: block_size must be an int >= 1, got {block_size!r}")
-    # NumPy scalars are accepted and become Python numbers (native kernels want those).
-    block_size, window = int(block_size), check_window(op, window)
-    softcap = float(softcap) if _real(softcap) else softcap
+    block_size = int_option(op, "block_size", block_size, low=1)
+    window = check_window(op, window)
+    if softcap is not None:
+        softcap = real_option(op, "softcap", softcap, "a positive finite number or None", low=0.0)
     scale = check_sdpa(
         op, bk, q, k, v, mask, causal=causal, window=window, softcap=softcap, scale=scale
     )
-    opts = dict(scale=scale, causal=causal, window=window, softcap=softcap, block_size=block_size)
-    return (q, k, v, mask), opts
+    if mask is not None and mask.ndim < 2:
+        mask = bk.xp.reshape(mask, (1,) * (2 - mask.ndim) + _shape(mask))  # (S,) -> (1, S)
+    opts = SdpaOptions(
+        scale=scale,
+        causal=causal,
+        window=window,
+        softcap=softcap,
+        block_size=block_size,
+    )
+    return (q, k, v, mask), {"opts": opts}

@@ -11,17 +11,16 @@ buffer itself. Positions here are *columns* of the (left-padded) batch; see
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 
-from portable_llm.attn.padding import visible
+from portable_llm.attn.visibility import visible
 from portable_llm.backends import Backend, backend_of, resolve
 from portable_llm.core.arrays import to_numpy
 from portable_llm.core.checks import check_float
 
-__all__ = ["block_kv_mask", "block_offset"]
+__all__: list[str] = []
 
 
 def _count(name: str, value: Any, low: int) -> int:
@@ -199,69 +198,7 @@ class _Cache:
             return "causal", window
         assert self._bk is not None
         xp, dev = self._bk.xp, self._device
-        k_pos = xp.arange(self._offset if cols is None else cols.shape[0], device=dev)
-        mask = visible(xp, self._offset - L, L, k_pos, window=window, pad=self._pad, device=dev)
-        return mask, None
-
-
-# -- the attention block's side ------------------------------------------------------------------
-
-
-def block_offset(op: str, cache: Any, offset: Any, left_padding: Any) -> int:
-    """Check the block's ``cache=`` (and what may come with it); return its RoPE offset."""
-    if not isinstance(cache, _Cache):
-        raise TypeError(
-            f"{op}: cache must be a KVCache or RotatingKVCache, got {type(cache).__name__}"
-        )
-    if left_padding is not None:
-        raise ValueError(f"{op}: with a cache, give left_padding to the cache, not to {op}")
-    if (
-        isinstance(offset, bool)
-        or not isinstance(offset, int | np.integer)
-        or offset
-        not in (
-            0,
-            cache.offset,
-        )
-    ):
-        raise ValueError(
-            f"{op}: with a cache, positions start at cache.offset ({cache.offset}); leave offset "
-            f"at 0, got {offset!r}"
-        )
-    return cache.offset
-
-
-def block_kv_mask(
-    op: str, xp: Any, cache: Any, pad: Any, k: Any, v: Any, mask: Any, window: Any, device: Any
-) -> tuple[Any, Any, Any, int | None]:
-    """Store the chunk in ``cache`` (if any); the keys, values, ``mask`` and ``window`` to attend.
-
-    Without a cache, ``pad`` (the left padding) masks the padded keys of ``k``. An array
-    ``mask`` (over the ``S`` keys returned) is and-ed with the cache's or the padding's mask.
-    """
-    if (isinstance(mask, str) and mask != "causal") or mask is None:
-        raise ValueError(
-            f"{op}: with a cache or left_padding, mask must be 'causal' or an array, got {mask!r}"
-        )
-    L = k.shape[2]
-    if cache is not None:
-        k, v = cache.update_and_fetch(k, v)
-        base, window = cache.make_mask(window=window)
-    else:
-        cols = xp.arange(L, device=device)
-        base, window = visible(xp, 0, L, cols, window=window, pad=pad, device=device), None
-    if isinstance(mask, str):
-        return k, v, base, window
-    S = k.shape[2]
-    if mask.ndim < 2 or mask.shape[-1] not in (1, S) or mask.shape[-2] not in (1, L):
-        raise ValueError(
-            f"{op}: the mask of shape {tuple(mask.shape)} must broadcast to (B, H, L, S) = "
-            f"(.., .., {L}, {S}): the {L} queries over the {S} keys the cache returned"
-        )
-    if base is None:
-        return k, v, mask, None
-    if isinstance(base, str):  # bottom-right causal, with the window
-        base = visible(xp, S - L, L, xp.arange(S, device=device), window=window, device=device)
-    if mask.dtype == xp.bool:
-        return k, v, xp.logical_and(base, mask), None
-    return k, v, xp.where(base, mask, -math.inf), None
+        S = self._offset if cols is None else cols.shape[0]
+        q0 = self._offset - L  # column of the first query; keys at columns 0 .. S - 1
+        mask = visible(xp, L, S, q_start=q0, window=window, pad=self._pad, device=dev)
+        return (mask if self._pad is not None else xp.reshape(mask, (1, 1, L, S))), None

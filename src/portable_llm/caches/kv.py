@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from portable_llm.attn.padding import visible
+from portable_llm.attn.visibility import visible
 from portable_llm.caches.base import _Cache, _count
 
 __all__ = ["KVCache", "RotatingKVCache"]
@@ -205,10 +205,12 @@ class RotatingKVCache(_Cache):
         assert self._bk is not None
         k_pos = self._bk.from_numpy(cols, self._device)
         xp, dev = self._bk.xp, self._device
+        S = cols.shape[0]
         mask = visible(
-            xp, start, L, k_pos, window=window, ring=R, keep=keep, pad=self._pad, device=dev
-        )
-        return mask, None
+            xp, L, S, q_start=start, k_pos=k_pos, window=window, ring=R, keep=keep,
+            pad=self._pad, device=dev,
+        )  # fmt: skip
+        return (mask if self._pad is not None else xp.reshape(mask, (1, 1, L, S))), None
 
 
 def _consecutive(cols: np.ndarray) -> bool:

@@ -5,7 +5,7 @@ from portable_llm.models.generate import Generation, GenerationStats, generate
 from portable_llm.models.loader import load
 from portable_llm.models.model import Model
 from portable_llm.models.tokenizer import Tokenizer
-from portable_llm.models.weights import CheckpointError
+from portable_llm.models.files import CheckpointError
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",

@@ -21,7 +21,7 @@ import operator
 from collections.abc import Iterable, Iterator, Mapping
 from datetime import datetime
 from functools import lru_cache
-from typing import Any, ClassVar
+from typing import Any
 
 __all__ = ["MAX_LOOP_STEPS", "MAX_SIZE", "compile_chat_template", "render_chat_template"]
 
@@ -122,7 +122,7 @@ def _environment() -> Any:
     class Generation(jinja2.ext.Extension):
         """``{% generation %}...{% endgeneration %}`` (assistant-mask markers): the body."""
 
-        tags: ClassVar[set[str]] = {"generation"}
+        tags = {"generation"}  # noqa: RUF012 (jinja2 declares it a plain set)
 
         def parse(self, parser: Any) -> Any:
             lineno = next(parser.stream).lineno

@@ -8,17 +8,18 @@ resolves the difference once, into plain fields the model reads without knowing 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from portable_llm.core.checks import check_int, check_real
+from portable_llm.models.files import CheckpointError, checkpoint_file, read_json
 from portable_llm.ops.activations import ACTIVATIONS
-from portable_llm.rotary.scaling import ROPE_TYPES
+from portable_llm.rotary.scaling import ROPE_TYPES, rope_spec
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "DecoderConfig", "read_config"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "DecoderConfig", "config_path", "read_config"]
 
 #: The ``model_type`` values :func:`portable_llm.load` reads.
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = (
@@ -89,8 +90,12 @@ class DecoderConfig:
         ------
         ValueError
             An unsupported ``model_type`` (the message lists the supported ones), an unknown
-            rope type or layer type, or a missing or inconsistent size.
+            rope type or layer type, a missing or inconsistent size, or a value of the wrong
+            type or range (``rms_norm_eps < 0``, a token id that is not an int, a flag that is
+            not a bool, ...).
         """
+        if not isinstance(d, Mapping):
+            raise ValueError(f"config.json: expected an object ({{...}}), got {type(d).__name__}")
         mt = d.get("model_type")
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -107,12 +112,17 @@ class DecoderConfig:
                 f"num_key_value_heads={H_kv}"
             )
         head_dim = _int(d, "head_dim") or _DEFAULT_HEAD_DIM.get(mt) or E // H
+        if head_dim < 1:
+            raise ValueError(
+                f"config.json: head_dim must be >= 1; hidden_size={E} // num_attention_heads={H} "
+                "is 0 (give head_dim)"
+            )
         act = d.get("hidden_act", "silu")
-        if act not in ACTIVATIONS:
+        if not isinstance(act, str) or act not in ACTIVATIONS:
             raise ValueError(
                 f"config.json: unknown hidden_act {act!r}; known: {', '.join(sorted(ACTIVATIONS))}"
             )
-        bias = bool(d.get("attention_bias", False))
+        bias = _bool(d, "attention_bias")
         moe = _moe(mt, d, n)
         window, layer_types = _windows(mt, d, n)
         return cls(
@@ -124,14 +134,14 @@ class DecoderConfig:
             num_attention_heads=H,
             num_key_value_heads=H_kv,
             head_dim=head_dim,
-            rms_norm_eps=float(d.get("rms_norm_eps", _DEFAULT_EPS.get(mt, 1e-6))),
+            rms_norm_eps=_real(d, "rms_norm_eps", _DEFAULT_EPS.get(mt, 1e-6), low=0.0),
             hidden_act=act,
             max_position_embeddings=_int(d, "max_position_embeddings"),
             rope=MappingProxyType(_rope(mt, d)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qkv_bias={"qwen2": True, "qwen2_moe": bool(d.get("qkv_bias", True))}.get(mt, bias),
+            tie_word_embeddings=_bool(d, "tie_word_embeddings"),
+            qkv_bias={"qwen2": True, "qwen2_moe": _bool(d, "qkv_bias", True)}.get(mt, bias),
             o_bias=bias if mt in ("llama", "qwen3") else False,
-            mlp_bias=bool(d.get("mlp_bias", False)) if mt == "llama" else False,
+            mlp_bias=_bool(d, "mlp_bias") if mt == "llama" else False,
             qk_norm=mt == "qwen3",
             sliding_window=window,
             layer_types=layer_types,
@@ -141,9 +151,9 @@ class DecoderConfig:
             moe_intermediate_size=moe.get("size", 0),
             shared_expert_intermediate_size=moe.get("shared", 0),
             moe_layers=moe.get("layers", (False,) * n),
-            bos_token_id=_token(d.get("bos_token_id")),
-            eos_token_id=_tokens(d.get("eos_token_id")),
-            pad_token_id=_token(d.get("pad_token_id")),
+            bos_token_id=_token(d, "bos_token_id"),
+            eos_token_id=_tokens(d, "eos_token_id"),
+            pad_token_id=_token(d, "pad_token_id", low=None),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -153,38 +163,104 @@ class DecoderConfig:
         return out
 
 
-def read_config(path: str | Path) -> DecoderConfig:
-    """Read ``config.json`` of a checkpoint folder; ``FileNotFoundError`` when there is none."""
-    file = Path(path) / "config.json"
+def config_path(path: str | Path) -> Path:
+    """``config.json`` of a checkpoint folder; ``FileNotFoundError`` when there is none."""
+    file = checkpoint_file(path, "config.json")
     if not file.is_file():
         raise FileNotFoundError(
             f"load: no config.json in {str(path)!r} (a Hugging Face checkpoint folder holds "
             "config.json next to model.safetensors)"
         )
-    return DecoderConfig.from_dict(json.loads(file.read_text(encoding="utf-8")))
+    return file
 
 
-def _int(d: Mapping[str, Any], key: str, *, required: bool = False) -> Any:
+def read_config(
+    path: str | Path, /, *, layers: int | None = None, experts: int | None = None
+) -> DecoderConfig:
+    """Read ``config.json`` of a checkpoint folder.
+
+    ``layers``/``experts``: how many decoder layers and experts the weights hold
+    (:class:`~portable_llm.models.weights.SafetensorsFiles`); a config that asks for more is
+    refused before anything is built from it (``num_hidden_layers: 10**7`` fails at once).
+
+    Raises
+    ------
+    FileNotFoundError
+        No ``config.json``.
+    CheckpointError
+        ``config.json`` is not a JSON object, or :meth:`DecoderConfig.from_dict` refuses it, or
+        it asks for more layers or experts than the weights hold: the message names the file.
+    """
+    file = config_path(path)
+    d = read_json(file)
+    counts = {"num_hidden_layers": layers}
+    if d.get("model_type") in ("mixtral", "qwen2_moe"):
+        counts["num_local_experts" if d.get("model_type") == "mixtral" else "num_experts"] = experts
+    for key, held in counts.items():
+        value = d.get(key)
+        if held is None or isinstance(value, bool) or not isinstance(value, int):
+            continue  # from_dict reports a value of the wrong type
+        if value > held:
+            what = "layers" if key == "num_hidden_layers" else "experts"
+            raise CheckpointError(
+                f"load: {str(file)!r}: {key}={value} but the weights hold {held} {what}"
+            )
+    try:
+        return DecoderConfig.from_dict(d)
+    except ValueError as exc:
+        message = str(exc).removeprefix("config.json: ")
+        raise CheckpointError(f"load: {str(file)!r}: {message}") from None
+
+
+def _int(d: Mapping[str, Any], key: str, *, required: bool = False, low: int = 1) -> Any:
     value = d.get(key)
     if value is None:
         if required:
             raise ValueError(f"config.json: {key} is missing")
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"config.json: {key} must be an int >= 1, got {value!r}")
+    try:
+        return check_int("config.json", key, value, low=low)
+    except TypeError as exc:  # a config value of the wrong type is a ValueError, as the rest
+        raise ValueError(str(exc)) from None
+
+
+def _real(d: Mapping[str, Any], key: str, default: float, *, low: float, **opts: Any) -> float:
+    value = d.get(key)
+    if value is None:
+        return default
+    try:
+        return check_real("config.json", key, value, low=low, **opts)
+    except TypeError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _bool(d: Mapping[str, Any], key: str, default: bool = False) -> bool:
+    value = d.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValueError(f"config.json: {key} must be true or false, got {value!r}")
     return value
 
 
-def _token(value: Any) -> int | None:
+def _token(d: Mapping[str, Any], key: str, *, low: int | None = 0) -> int | None:
+    value = d.get(key)
     if isinstance(value, list | tuple):  # some configs list one id
-        return int(value[0]) if value else None
-    return None if value is None else int(value)
+        value = value[0] if value else None
+    if value is None:
+        return None
+    try:
+        return check_int("config.json", key, value, low=low)
+    except TypeError as exc:
+        raise ValueError(str(exc)) from None
 
 
-def _tokens(value: Any) -> tuple[int, ...]:
+def _tokens(d: Mapping[str, Any], key: str) -> tuple[int, ...]:
+    value = d.get(key)
     if value is None:
         return ()
-    return tuple(int(v) for v in value) if isinstance(value, list | tuple) else (int(value),)
+    values = value if isinstance(value, list | tuple) else [value]
+    return tuple(_token({key: v}, key) or 0 for v in values)
 
 
 def _rope(mt: str, d: Mapping[str, Any]) -> dict[str, Any]:
@@ -205,51 +281,56 @@ def _rope(mt: str, d: Mapping[str, Any]) -> dict[str, Any]:
             f"config.json: unknown rope type {kind!r}; supported: {', '.join(ROPE_TYPES)}"
         )
     theta = scaling.get("rope_theta", d.get("rope_theta", _DEFAULT_THETA.get(mt, 10000.0)))
-    scaling.update(rope_type=kind, rope_theta=float(theta))
+    theta = _real({"rope_theta": theta}, "rope_theta", 0.0, low=1.0, low_open=True)
+    scaling.update(rope_type=kind, rope_theta=theta)
     prf = d.get("partial_rotary_factor")
     if prf is not None:
         scaling.setdefault("partial_rotary_factor", prf)
     mpe = d.get("max_position_embeddings")
     if kind in ("llama3", "yarn") and mpe is not None:
         scaling.setdefault("original_max_position_embeddings", mpe)
-    out: dict[str, Any] = {"base": float(theta), "scaling": MappingProxyType(scaling)}
+    out: dict[str, Any] = {"base": theta, "scaling": MappingProxyType(scaling)}
     if kind == "dynamic":
         out["max_position_embeddings"] = mpe
+    rope_spec(
+        "config.json",
+        out["scaling"],
+        base=theta,
+        max_position_embeddings=out.get("max_position_embeddings"),
+    )  # every field checked now, not at the first forward
     return out
 
 
 def _windows(mt: str, d: Mapping[str, Any], n: int) -> tuple[int | None, tuple[str, ...]]:
     """``(sliding_window, layer_types)`` by each family's rule (HF's ``__post_init__``)."""
-    window = d.get("sliding_window")
+    window = _int(d, "sliding_window", low=0) or None  # 0: no window, as HF's sliding mask
     if mt in ("mistral", "mixtral"):  # the window (when set) applies to every layer
         kinds = ["sliding_attention" if window else "full_attention"] * n
     elif mt == "llama":
         window, kinds = None, ["full_attention"] * n
     else:  # qwen2, qwen3, qwen2_moe: use_sliding_window switches the window on
-        if not d.get("use_sliding_window", False):
+        if not _bool(d, "use_sliding_window"):
             window = None
         given = d.get("layer_types")
+        mwl = _int(d, "max_window_layers", low=0)
+        mwl = 28 if mwl is None else mwl
         if given is not None:
+            if not isinstance(given, list | tuple):
+                raise ValueError(f"config.json: layer_types must be a list, got {given!r}")
             kinds = list(given)
         elif mt == "qwen2_moe":
-            mwl = d.get("max_window_layers", 28)
             kinds = [
                 "sliding_attention" if window and (i + 1) % 2 and i < mwl else "full_attention"
                 for i in range(n)
             ]
         else:
-            mwl = d.get("max_window_layers", 28)
             kinds = [
                 "sliding_attention" if window and i >= mwl else "full_attention" for i in range(n)
             ]
-    if len(kinds) != n or any(k not in LAYER_TYPES for k in kinds):
+    if len(kinds) != n or any(not isinstance(k, str) or k not in LAYER_TYPES for k in kinds):
         raise ValueError(
             f"config.json: layer_types must list {n} entries from {LAYER_TYPES}, got {kinds!r}"
         )
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
-        raise ValueError(f"config.json: sliding_window must be an int or null, got {window!r}")
-    if not window:  # HF's sliding mask with no window is the full causal one
-        window = None
     return window, tuple(kinds)
 
 
@@ -265,9 +346,13 @@ def _moe(mt: str, d: Mapping[str, Any], n: int) -> dict[str, Any]:
         }
     if mt != "qwen2_moe":
         return {}
-    x = d.get("num_experts", 60)
+    x = _int(d, "num_experts", low=0)
+    x = 60 if x is None else x
     step = _int(d, "decoder_sparse_step") or 1
-    dense = set(d.get("mlp_only_layers") or ())
+    only = d.get("mlp_only_layers") or []
+    if not isinstance(only, list | tuple):
+        raise ValueError(f"config.json: mlp_only_layers must be a list of ints, got {only!r}")
+    dense = {_int({"mlp_only_layers": i}, "mlp_only_layers", low=0) for i in only}
     layers = tuple(x > 0 and i not in dense and (i + 1) % step == 0 for i in range(n))
     top_k = _int(d, "num_experts_per_tok") or 4
     if x > 0 and top_k > x:
@@ -275,7 +360,7 @@ def _moe(mt: str, d: Mapping[str, Any], n: int) -> dict[str, Any]:
     return {
         "num_experts": x,
         "top_k": top_k,
-        "norm": bool(d.get("norm_topk_prob", False)),
+        "norm": _bool(d, "norm_topk_prob"),
         "size": _int(d, "moe_intermediate_size") or 1408,
         "shared": _int(d, "shared_expert_intermediate_size") or 5632,
         "layers": layers,

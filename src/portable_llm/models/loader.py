@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from portable_llm.backends import get_backend
 from portable_llm.backends._base import FLOAT_DTYPES
-from portable_llm.models.config import read_config
+from portable_llm.core.checks import check_int
+from portable_llm.models.config import config_path, read_config
+from portable_llm.models.files import CheckpointError, checkpoint_file, read_json
 from portable_llm.models.model import Model
 from portable_llm.models.tokenizer import read_tokenizer
-from portable_llm.models.weights import read_weights
+from portable_llm.models.weights import SafetensorsFiles, read_weights
 
 __all__ = ["load", "read_generation_config"]
-
-_SAFETENSORS_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
 
 
 def load(
@@ -28,7 +27,9 @@ def load(
     path : str or Path
         A local folder as ``save_pretrained`` writes it (or a Hub snapshot): ``config.json``,
         ``model.safetensors`` or ``model.safetensors.index.json`` with its shards; optionally
-        ``tokenizer.json``, ``tokenizer_config.json`` and ``generation_config.json``.
+        ``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja`` and
+        ``generation_config.json``. Every file must lie inside the folder (a Hub snapshot's
+        symlinks into its repository's ``blobs/`` excepted).
     backend : str
         The array library to run on (``"numpy"``, ``"torch"``, ``"mlx"``, ``"jax"``,
         ``"array_api_strict"``).
@@ -48,65 +49,61 @@ def load(
     Raises
     ------
     FileNotFoundError
-        No ``config.json``, or no weights file.
+        No ``config.json``, or no weights file (or a shard the index names).
     ValueError
-        An unsupported ``model_type`` or rope type (the message lists the supported ones), a
-        dtype the backend lacks (on ``device``), or a device it does not have.
+        A dtype the backend lacks (on ``device``), or a device it does not have.
     portable_llm.models.CheckpointError
-        Tensors missing, unexpected or of the wrong shape (all of them listed).
+        (a ``ValueError``) Anything wrong with the folder's files, named in the message: a
+        malformed JSON file, safetensors file or ``tokenizer.json``; a path out of the folder;
+        a config value of the wrong type or range, an unsupported ``model_type`` or rope type
+        (the message lists the supported ones), more layers or experts than the weights hold;
+        tensors missing, unexpected, of the wrong shape or not float (all of them listed).
     """
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"load: {str(path)!r} is not a folder")
-    cfg = read_config(folder)
-    bk = get_backend(backend)
-    try:
-        dev = None if device is None else bk.device(device)
-    except ValueError as exc:
-        raise ValueError(f"load: {exc}") from None
-    name = dtype if dtype is not None else _stored_dtype(folder)
-    try:
-        target = bk.dtype(name, dev)
-    except ValueError as exc:
-        raise ValueError(f"load: {exc}; pass dtype= to load the checkpoint in another") from None
-    if bk.dtype_name(target) not in FLOAT_DTYPES:
-        raise ValueError(f"load: dtype must be a float dtype ({', '.join(FLOAT_DTYPES)})")
-    weights = read_weights(folder, cfg, bk, target, dev)
-    return Model(
-        cfg,
-        weights,
-        bk,
-        tokenizer=read_tokenizer(folder),
-        generation_config=read_generation_config(folder),
-    )
+    config_path(folder)  # a folder without config.json says so before anything else
+    with SafetensorsFiles(folder) as st:  # headers only: names, shapes, dtypes
+        cfg = read_config(folder, layers=st.layers, experts=st.experts)
+        tokenizer = read_tokenizer(folder)
+        generation_config = read_generation_config(folder)
+        bk = get_backend(backend)
+        try:
+            dev = None if device is None else bk.device(device)
+        except ValueError as exc:
+            raise ValueError(f"load: {exc}") from None
+        name = dtype if dtype is not None else st.stored_dtype("model.embed_tokens.weight")
+        try:
+            target = bk.dtype(name or "float32", dev)  # no embeddings: the check reports them
+        except ValueError as exc:
+            raise ValueError(
+                f"load: {exc}; pass dtype= to load the checkpoint in a dtype the backend has "
+                f'(e.g. dtype="float32")'
+            ) from None
+        if bk.dtype_name(target) not in FLOAT_DTYPES:
+            raise ValueError(f"load: dtype must be a float dtype ({', '.join(FLOAT_DTYPES)})")
+        weights = read_weights(st, cfg, bk, target, dev)
+    return Model(cfg, weights, bk, tokenizer=tokenizer, generation_config=generation_config)
 
 
 def read_generation_config(path: str | Path) -> dict[str, Any]:
-    """``generation_config.json`` of a folder as a dict (empty when there is none)."""
-    file = Path(path) / "generation_config.json"
-    return json.loads(file.read_text(encoding="utf-8")) if file.is_file() else {}
+    """``generation_config.json`` of a folder as a dict (empty when there is none).
 
-
-def _stored_dtype(folder: Path) -> str:
-    """The dtype ``model.embed_tokens.weight`` is stored in (read from the header only)."""
-    from safetensors import safe_open
-
-    name = "model.embed_tokens.weight"
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        file = folder / json.loads(index.read_text(encoding="utf-8"))["weight_map"].get(
-            name, "model.safetensors"
-        )
-    else:
-        file = folder / "model.safetensors"
+    Raises :class:`~portable_llm.models.CheckpointError` naming the file when it is not a JSON
+    object, or its ``eos_token_id`` (the default stop tokens) is not an int >= 0 or a list of
+    them.
+    """
+    file = checkpoint_file(path, "generation_config.json")
     if not file.is_file():
-        raise FileNotFoundError(
-            f"load: no model.safetensors or model.safetensors.index.json in {str(folder)!r}"
-        )
-    with safe_open(file, framework="numpy") as f:
-        if name not in f.keys():  # noqa: SIM118 (safe_open has no __contains__)
-            return "float32"  # the weight check reports the missing tensor
-        kind = f.get_slice(name).get_dtype()
-    if kind not in _SAFETENSORS_DTYPES:
-        raise ValueError(f"load: {name} is stored as {kind}, not a float dtype")
-    return _SAFETENSORS_DTYPES[kind]
+        return {}
+    config: dict[str, Any] = read_json(file)
+    eos = config.get("eos_token_id")
+    for token in eos if isinstance(eos, list) else [] if eos is None else [eos]:
+        try:
+            check_int("eos_token_id", "each id", token, low=0)
+        except (TypeError, ValueError):
+            raise CheckpointError(
+                f"load: {str(file)!r}: eos_token_id must be an int >= 0 or a list of them, "
+                f"got {eos!r}"
+            ) from None
+    return config

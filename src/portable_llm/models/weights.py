@@ -1,8 +1,10 @@
 """Reading a checkpoint's ``model.safetensors`` (or its shards) into a backend's arrays.
 
-Every tensor is checked against the config *before* any data is read: the names the config
-implies, with their shapes, against the names and shapes in the safetensors headers. Then each
-tensor is read on its own (safetensors memory-maps the file; NumPy holds one tensor at a time,
+:class:`SafetensorsFiles` opens the files (every path checked to lie inside the folder) and
+reads their headers only; a file that is not valid safetensors is a :class:`CheckpointError`
+naming it. Every tensor is checked against the config *before* any data is read: the names the
+config implies, with their shapes and a float dtype, against the headers. Then each tensor is
+read on its own (safetensors memory-maps the file; NumPy holds one tensor at a time,
 bfloat16 as ml_dtypes') and handed to the backend, so the model is never held twice in memory.
 
 Names are HF transformers' (``model.layers.0.self_attn.q_proj.weight``). Stacked experts are
@@ -14,7 +16,6 @@ checkpoints hold (``mlp.experts.{e}.gate_proj.weight``; Mixtral's
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -26,18 +27,22 @@ import numpy as np
 from portable_llm.backends import Backend
 from portable_llm.backends._base import FLOAT_DTYPES, numpy_bfloat16
 from portable_llm.models.config import DecoderConfig
+from portable_llm.models.files import CheckpointError, checkpoint_file, read_json
 
-__all__ = ["CheckpointError", "expected_shapes", "read_weights"]
+__all__ = ["CheckpointError", "SafetensorsFiles", "expected_shapes", "read_weights"]
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+#: safetensors dtype codes of the float dtypes a checkpoint may store.
+SAFETENSORS_FLOATS = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 # Tensors some checkpoints carry that the model recomputes: never reported as unexpected.
 _IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
 _MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _LEGACY_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)_proj\.weight$")
 _LIST_AT_MOST = 12
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder whose tensors disagree with its config.json."""
 
 
 def expected_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
@@ -85,27 +90,137 @@ def _mlp(out: dict[str, tuple[int, ...]], p: str, E: int, I: int, bias: bool) ->
             out[f"{p}{name}_proj.bias"] = shape[:1]
 
 
-def _files(path: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        files = {name: path / file for name, file in weight_map.items()}
-        absent = sorted({f.name for f in files.values() if not f.is_file()})
-        if absent:
-            raise FileNotFoundError(
-                f"load: {index} names shard files that are not in the folder: {', '.join(absent)}"
-            )
-        return files
-    single = path / "model.safetensors"
-    if not single.is_file():
-        raise FileNotFoundError(
-            f"load: no model.safetensors or model.safetensors.index.json in {str(path)!r}"
-        )
-    from safetensors import safe_open
+class SafetensorsFiles:
+    """The safetensors files of a checkpoint folder, opened, their headers read (no data).
 
-    with safe_open(single, framework="numpy") as f:
-        return dict.fromkeys(f.keys(), single)
+    ``files`` maps each tensor name to the file holding it (the shard index's word for a
+    sharded checkpoint), ``shapes``/``dtypes`` give the headers' shape and dtype code
+    (``"BF16"``) of the tensors the files hold, ``misplaced`` the tensors the index maps to a
+    shard that lacks them (name -> shard). Use it as a context manager (it holds the files
+    open), or through :func:`read_weights`.
+
+    Raises
+    ------
+    FileNotFoundError
+        No ``model.safetensors`` nor ``model.safetensors.index.json``, or a shard the index
+        names is not in the folder.
+    CheckpointError
+        An index that is not JSON or has no ``weight_map``, a path that leads out of the
+        folder, or a file that is not valid safetensors (truncated, garbage, a header whose
+        offsets lie): the message names the file.
+    """
+
+    def __init__(self, folder: str | Path) -> None:
+        from safetensors import safe_open
+
+        self.folder = Path(folder)
+        self.index, index_map, paths = _layout(self.folder)
+        self.handles: dict[Path, Any] = {}
+        header: dict[Path, dict[str, tuple[tuple[int, ...], str]]] = {}
+        self._stack = ExitStack()
+        try:
+            for file in paths:
+                try:
+                    h = self._stack.enter_context(safe_open(file, framework="numpy"))
+                    slices = {name: h.get_slice(name) for name in h.keys()}  # noqa: SIM118
+                    header[file] = {
+                        name: (tuple(p.get_shape()), str(p.get_dtype()))
+                        for name, p in slices.items()
+                    }
+                except Exception as exc:  # safetensors' SafetensorError, an OSError, ...
+                    raise CheckpointError(
+                        f"load: {str(file)!r} is not a valid safetensors file ({exc})"
+                    ) from None
+                self.handles[file] = h
+        except BaseException:
+            self._stack.close()
+            raise
+        #: Tensor name -> the file holding it (as the index says, for a sharded checkpoint).
+        self.files: dict[str, Path] = (
+            index_map if index_map is not None else dict.fromkeys(header[paths[0]], paths[0])
+        )
+        #: The tensors the index maps to a shard that lacks them (name -> shard file name).
+        self.misplaced = {n: f.name for n, f in self.files.items() if n not in header[f]}
+        held = [(n, header[f][n]) for n, f in self.files.items() if n not in self.misplaced]
+        self.shapes: dict[str, tuple[int, ...]] = {n: shape for n, (shape, _) in held}
+        self.dtypes: dict[str, str] = {n: kind for n, (_, kind) in held}
+
+    def __enter__(self) -> SafetensorsFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._stack.close()
+
+    @property
+    def layers(self) -> int:
+        """How many decoder layers the files hold tensors of (``model.layers.{i}.``)."""
+        found = [int(m[1]) for name in self.files if (m := _LAYER.match(name))]
+        return max(found) + 1 if found else 0
+
+    @property
+    def experts(self) -> int:
+        """How many experts the files hold: per-expert tensors' indices, or the leading
+        dimension of stacked ones (0 for a dense model)."""
+        found = [int(m[1]) + 1 for name in self.files if (m := _EXPERT.search(name))]
+        found += [
+            self.shapes[name][0]
+            for name in self.files
+            if name.endswith((".experts.gate_up_proj", ".experts.down_proj"))
+            and len(self.shapes.get(name, ())) == 3
+        ]
+        return max(found, default=0)
+
+    def stored_dtype(self, name: str) -> str | None:
+        """The float dtype ``name`` is stored in (``None`` when the files lack it);
+        :class:`CheckpointError` naming it and its file when it is not a float."""
+        kind = self.dtypes.get(name)
+        if kind is None:
+            return None
+        if kind not in SAFETENSORS_FLOATS:
+            raise CheckpointError(
+                f"load: {name} in {str(self.files[name])!r} is stored as {kind}, not a float "
+                f"dtype ({', '.join(SAFETENSORS_FLOATS)})"
+            )
+        return SAFETENSORS_FLOATS[kind]
+
+    def read(self, name: str) -> np.ndarray:
+        """Tensor ``name`` as a NumPy array; :class:`CheckpointError` when it cannot be read."""
+        file = self.files[name]
+        try:
+            return self.handles[file].get_tensor(name)
+        except Exception as exc:
+            raise CheckpointError(f"load: cannot read {name} from {str(file)!r} ({exc})") from None
+
+
+def _layout(folder: Path) -> tuple[Path | None, dict[str, Path] | None, list[Path]]:
+    """``(index file, tensor name -> shard, files to open)``; the first two ``None`` for a
+    single ``model.safetensors``. Every path is checked to lie inside ``folder``."""
+    index = checkpoint_file(folder, INDEX)
+    if not index.is_file():
+        single = checkpoint_file(folder, SINGLE)
+        if not single.is_file():
+            raise FileNotFoundError(f"load: no {SINGLE} or {INDEX} in {str(folder)!r}")
+        return None, None, [single]
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise CheckpointError(
+            f"load: {str(index)!r} has no weight_map (an object from tensor names to shard "
+            f"file names); got {type(weight_map).__name__}"
+        )
+    shards = {
+        f: checkpoint_file(folder, f, named_by=str(index)) for f in sorted(set(weight_map.values()))
+    }
+    absent = [f for f, path in shards.items() if not path.is_file()]
+    if absent:
+        raise FileNotFoundError(
+            f"load: {index} names shard files that are not in the folder: {', '.join(absent)}"
+        )
+    return index, {name: shards[f] for name, f in weight_map.items()}, list(shards.values())
 
 
 def _canonical(name: str) -> str:
@@ -173,83 +288,78 @@ def _listed(names: list[str]) -> str:
     return shown + (f", ... ({more} more)" if more > 0 else "")
 
 
-def _shape_of(files: dict[str, Path], name: str, handles: dict[Path, Any]) -> tuple[int, ...]:
-    return tuple(handles[files[name]].get_slice(name).get_shape())
-
-
-def _check(src: _Sources, handles: dict[Path, Any], path: Path, misplaced: dict[str, str]) -> None:
-    """Raise :class:`CheckpointError` listing every problem; ``misplaced``: the tensors the
-    shard index maps to a file that lacks them (name -> file), reported once, not as missing."""
+def _check(src: _Sources, st: SafetensorsFiles) -> None:
+    """Raise :class:`CheckpointError` listing every problem; the tensors the shard index maps
+    to a file that lacks them are reported once, not as missing."""
     problems = []
-    if misplaced:
-        shown = [f"{name} (not in {file})" for name, file in misplaced.items()]
+    if st.misplaced:
+        shown = [f"{name} (not in {file})" for name, file in st.misplaced.items()]
         problems.append(
-            f"model.safetensors.index.json maps tensors to shards that lack them "
-            f"({len(shown)}): {_listed(shown)}"
+            f"{INDEX} maps tensors to shards that lack them ({len(shown)}): {_listed(shown)}"
         )
-    listed = {_canonical(name) for name in misplaced}
+    listed = {_canonical(name) for name in st.misplaced}
     missing = [name for name in src.missing() if name not in listed]
     if missing:
         problems.append(f"missing tensors ({len(missing)}): {_listed(missing)}")
     unexpected = src.unexpected + src.extra_pieces()
     if unexpected:
         problems.append(f"unexpected tensors ({len(unexpected)}): {_listed(unexpected)}")
-    bad = []
-    for name, file_name in src.direct.items():
-        got, want = _shape_of(src.files, file_name, handles), src.expected[name]
-        if got != want:
-            bad.append(f"{file_name} {got} (config implies {want})")
+    bad, kinds = [], []
+    used = [(st.shapes[f], src.expected[name], f) for name, f in src.direct.items()]
     for stem, pieces in src.pieces.items():
         _, two_i, E = src.expected[stem + ".gate_up_proj"]
         want_piece = {"gate": (two_i // 2, E), "up": (two_i // 2, E), "down": (E, two_i // 2)}
-        for (_, kind), file_name in sorted(pieces.items()):
-            got = _shape_of(src.files, file_name, handles)
-            if got != want_piece[kind]:
-                bad.append(f"{file_name} {got} (config implies {want_piece[kind]})")
+        used += [(st.shapes[f], want_piece[kind], f) for (_, kind), f in sorted(pieces.items())]
+    for got, want, file_name in used:
+        if got != want:
+            bad.append(f"{file_name} {got} (config implies {want})")
+        if st.dtypes[file_name] not in SAFETENSORS_FLOATS:
+            kinds.append(f"{file_name} ({st.dtypes[file_name]})")
     if bad:
         problems.append(
             f"tensors whose shape disagrees with config.json ({len(bad)}): {_listed(bad)}"
         )
+    if kinds:
+        problems.append(
+            f"tensors that are not float ({', '.join(SAFETENSORS_FLOATS)}) ({len(kinds)}): "
+            f"{_listed(kinds)}"
+        )
     if problems:
-        raise CheckpointError(f"load: checkpoint {str(path)!r}: " + "; ".join(problems))
+        raise CheckpointError(f"load: checkpoint {str(st.folder)!r}: " + "; ".join(problems))
 
 
 def read_weights(
-    path: str | Path, cfg: DecoderConfig, bk: Backend, dtype: Any, device: Any = None
+    path: str | Path | SafetensorsFiles,
+    cfg: DecoderConfig,
+    bk: Backend,
+    dtype: Any,
+    device: Any = None,
 ) -> dict[str, Any]:
     """Check the checkpoint in ``path`` against ``cfg``, then read it into ``bk``'s arrays.
 
-    Returns a dict from the names of :func:`expected_shapes` to arrays of ``dtype`` on
-    ``device`` (the backend's default when ``None``), except that each
-    ``mlp.experts.gate_up_proj`` comes split in its halves, ``mlp.experts.gate_proj`` and
-    ``mlp.experts.up_proj`` ``(X, I, E)``. Raises :class:`CheckpointError` listing every
-    missing, unexpected or misshapen tensor, and every tensor that the shard index maps to a
-    file without it.
+    ``path``: the folder, or its :class:`SafetensorsFiles` already open. Returns a dict from
+    the names of :func:`expected_shapes` to arrays of ``dtype`` on ``device`` (the backend's
+    default when ``None``), except that each ``mlp.experts.gate_up_proj`` comes split in its
+    halves, ``mlp.experts.gate_proj`` and ``mlp.experts.up_proj`` ``(X, I, E)``. Raises
+    :class:`CheckpointError` listing every missing, unexpected, misshapen or non-float tensor,
+    and every tensor that the shard index maps to a file without it.
     """
-    from safetensors import safe_open
-
-    path = Path(path)
-    files = _files(path)
-    with ExitStack() as stack:
-        handles = {
-            file: stack.enter_context(safe_open(file, framework="numpy"))
-            for file in sorted(set(files.values()))
-        }
-        held = {file: set(h.keys()) for file, h in handles.items()}
-        misplaced = {n: f.name for n, f in files.items() if n not in held[f]}
-        src = _Sources(cfg, {n: f for n, f in files.items() if n not in misplaced})
-        _check(src, handles, path, misplaced)
-        return {
-            name: _to_backend(host, bk, dtype, device) for name, host in _host_tensors(src, handles)
-        }
+    if not isinstance(path, SafetensorsFiles):
+        with SafetensorsFiles(path) as st:
+            return read_weights(st, cfg, bk, dtype, device)
+    st = path
+    src = _Sources(cfg, {n: f for n, f in st.files.items() if n not in st.misplaced})
+    _check(src, st)
+    return {
+        name: _to_backend(name, host, bk, dtype, device)
+        for name, host in _host_tensors(src, st.read)
+    }
 
 
-def _host_tensors(src: _Sources, handles: dict[Path, Any]) -> Iterator[tuple[str, np.ndarray]]:
+def _host_tensors(
+    src: _Sources, read: Callable[[str], np.ndarray]
+) -> Iterator[tuple[str, np.ndarray]]:
     """``(name, numpy array)`` for every expected tensor, one at a time."""
-
-    def read(file_name: str) -> np.ndarray:
-        return handles[src.files[file_name]].get_tensor(file_name)
-
     for name in src.expected:
         stem, _, proj = name.rpartition(".")
         if proj == "gate_up_proj":  # split, so the backend never holds the fused tensor
@@ -281,13 +391,13 @@ def _stack(
     return np.stack([read(pieces[e, kind]) for e in range(n)])  # (X, I, E) or (X, E, I)
 
 
-def _to_backend(host: np.ndarray, bk: Backend, dtype: Any, device: Any) -> Any:
+def _to_backend(name: str, host: np.ndarray, bk: Backend, dtype: Any, device: Any) -> Any:
     """The backend's array in ``dtype`` on ``device``: cast there, or on the host when the
     device lacks the stored dtype (bfloat16 on array-api-strict, float64 on JAX without x64 or
     on an MPS or MLX GPU)."""
     stored = "bfloat16" if host.dtype == numpy_bfloat16() else host.dtype.name
     if stored not in FLOAT_DTYPES:
-        raise CheckpointError(f"load: expected float tensors, got {host.dtype}")
+        raise CheckpointError(f"load: {name} is stored as {host.dtype}, not a float dtype")
     if stored not in bk.float_dtypes(device):
         name = bk.dtype_name(dtype)
         host = host.astype(numpy_bfloat16() if name == "bfloat16" else np.dtype(name))

@@ -6,7 +6,6 @@ dispatch per primitive in eager mode).
 
 from __future__ import annotations
 
-import math
 from functools import partial
 from typing import Any
 
@@ -66,8 +65,8 @@ def _platform(x: Any) -> str:
         return str(jax.default_backend())
 
 
-def _sdpa_applies(q: Any, k: Any, v: Any, mask: Any, *, softcap: Any, **_: Any) -> bool:
-    if softcap is not None:  # no score hook
+def _sdpa_applies(q: Any, k: Any, v: Any, mask: Any, *, opts: Any) -> bool:
+    if opts.softcap is not None:  # no score hook
         return False
     if q.dtype == _F64:  # it takes the softmax in float32: 1.8e-7 error, beyond float64's tolerance
         return False
@@ -98,39 +97,30 @@ def scaled_dot_product_attention(
     v: Any,
     mask: Any,
     *,
-    scale: float,
-    causal: bool,
-    window: int | None,
-    softcap: float | None,
-    block_size: int,
+    opts: Any,
 ) -> Any:
+    # ``opts`` is an attn.sdpa_args.SdpaOptions; its methods hold the one visibility rule.
     shape = q.shape
-    L, S = q.shape[-2], k.shape[-2]
+    L, S, window = q.shape[-2], k.shape[-2], opts.window
     # (B.., H, L, D) -> (B, L, H, D): JAX's layout is BTNH.
     q, k, v = (a.reshape(-1, *a.shape[-3:]).transpose(0, 2, 1, 3) for a in (q, k, v))
-    opts: dict[str, Any] = {}
-    keep = None
-    if causal and mask is None and L == S:
+    kw: dict[str, Any] = {}
+    if opts.causal and mask is None and L == S:
         # is_causal and local_window_size are top-left aligned: bottom-right only when L == S.
-        opts["is_causal"] = True
+        kw["is_causal"] = True
         if window is not None:
-            opts["local_window_size"] = (window - 1, 0)
-    elif causal:
-        i = jnp.arange(L)[:, None] + (S - L)
-        j = jnp.arange(S)[None, :]
-        keep = j <= i if window is None else (j <= i) & (j > i - window)  # (L, S)
-    bias = None
-    if mask is not None and mask.dtype != jnp.bool_:
-        bias = mask if keep is None else jnp.where(keep, mask, -math.inf)
-        keep = None
-        sees = (bias > -math.inf).any(-1)
-    elif mask is not None:
-        keep = mask if keep is None else mask & keep
-        sees = keep.any(-1)
-    out = jax.nn.dot_product_attention(q, k, v, bias=_4d(bias), mask=_4d(keep), scale=scale, **opts)
+            kw["local_window_size"] = (window - 1, 0)
+        attn = None
+    else:
+        attn = opts.combined_mask(jnp, mask, L, S, None)
+    if attn is not None and attn.dtype != jnp.bool_:
+        kw["bias"] = _4d(attn)
+    elif attn is not None:
+        kw["mask"] = _4d(attn)
+    out = jax.nn.dot_product_attention(q, k, v, scale=opts.scale, **kw)
     out = out.transpose(0, 2, 1, 3).reshape(shape)  # (B.., H, L, D)
     if mask is not None:  # rows that see no key: JAX averages them (or NaN); ours are zeros
-        out = jnp.where(sees[..., None], out, 0.0)
+        out = opts.zero_unseen(jnp, out, attn)
     return out
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import mlx.core as mx
@@ -49,8 +48,8 @@ def linear(xp: Any, x: Any, weight: Any, bias: Any = None) -> Any:
 _HALF = (mx.float16, mx.bfloat16)
 
 
-def _sdpa_applies(q: Any, k: Any, v: Any, mask: Any, *, softcap: Any, **_: Any) -> bool:
-    if softcap is not None:  # no score hook in the fused kernel
+def _sdpa_applies(q: Any, k: Any, v: Any, mask: Any, *, opts: Any) -> bool:
+    if opts.softcap is not None:  # no score hook in the fused kernel
         return False
     if q.dtype in _HALF and mx.default_device() == mx.cpu:
         # On the CPU it computes the scores in q's dtype (as HF's eager attention does): at
@@ -79,33 +78,20 @@ def scaled_dot_product_attention(
     v: Any,
     mask: Any,
     *,
-    scale: float,
-    causal: bool,
-    window: int | None,
-    softcap: float | None,
-    block_size: int,
+    opts: Any,
 ) -> Any:
     shape = q.shape
     if q.ndim != 4:  # the kernel takes exactly (B, H, L, D)
         q, k, v = (a.reshape(-1, *a.shape[-3:]) for a in (q, k, v))
+    # ``opts`` is an attn.sdpa_args.SdpaOptions; its methods hold the one visibility rule.
     L, S = q.shape[-2], k.shape[-2]
-    attn: Any = mask
-    if causal and window is None and mask is None:
-        attn = "causal"  # MLX's "causal" is bottom-right aligned, as ours
-    elif causal:
-        i = mx.arange(L)[:, None] + (S - L)
-        j = mx.arange(S)[None, :]
-        keep = j <= i if window is None else (j <= i) & (j > i - window)  # (L, S)
-        if attn is None:
-            attn = keep
-        elif attn.dtype == mx.bool_:
-            attn = attn & keep
-        else:
-            attn = mx.where(keep, attn, -math.inf)
-    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=attn)
+    if opts.causal and opts.window is None and mask is None:
+        attn: Any = "causal"  # MLX's "causal" is bottom-right aligned, as ours
+    else:
+        attn = opts.combined_mask(xp, mask, L, S, None)
+    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=opts.scale, mask=attn)
     if mask is not None:  # rows that see no key: MLX gives NaN or a mean; ours are zeros
-        sees = attn.any(-1) if attn.dtype == mx.bool_ else (attn > -math.inf).any(-1)
-        out = mx.where(sees[..., None], out, 0.0)
+        out = opts.zero_unseen(xp, out, attn)
     return out.reshape(shape)
 
 

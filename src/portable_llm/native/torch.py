@@ -71,8 +71,8 @@ def _probe_enable_gqa() -> bool:
 _HAS_GQA = _probe_enable_gqa()
 
 
-def _sdpa_applies(q: Any, k: Any, v: Any, mask: Any, *, softcap: Any, **_: Any) -> bool:
-    if softcap is not None:  # no score hook in the fused kernel
+def _sdpa_applies(q: Any, k: Any, v: Any, mask: Any, *, opts: Any) -> bool:
+    if opts.softcap is not None:  # no score hook in the fused kernel
         return False
     if mask is not None and mask.dtype != torch.bool and mask.dtype != q.dtype:
         return False  # torch would round an additive mask to q's dtype
@@ -92,33 +92,38 @@ def scaled_dot_product_attention(
     v: Any,
     mask: Any,
     *,
-    scale: float,
-    causal: bool,
-    window: int | None,
-    softcap: float | None,
-    block_size: int,
+    opts: Any,
 ) -> Any:
-    L, S = q.shape[-2], k.shape[-2]
+    # ``opts`` is an attn.sdpa_args.SdpaOptions; its methods hold the one visibility rule.
+    L, S, scale = q.shape[-2], k.shape[-2], opts.scale
     # enable_gqa only when needed: torch < 2.5 has no such argument (MHA still runs there).
     gqa: dict[str, Any] = {"enable_gqa": True} if q.shape[-3] != k.shape[-3] else {}
-    if causal and window is None and mask is None:
-        if L == S:  # torch's is_causal is top-left aligned: bottom-right only when L == S
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, **gqa)
-        if L == 1:  # a decode step: bottom-right causal lets its one query see every key
-            return F.scaled_dot_product_attention(q, k, v, scale=scale, **gqa)
-    attn = mask
-    if causal:
-        i = torch.arange(L, device=q.device)[:, None] + (S - L)
-        j = torch.arange(S, device=q.device)[None, :]
-        keep = j <= i if window is None else (j <= i) & (j > i - window)  # (L, S)
-        if attn is None:
-            attn = keep
-        elif attn.dtype == torch.bool:
-            attn = attn & keep
-        else:
-            attn = torch.where(keep, attn, -math.inf)
+    if mask is None and opts.window is None and (not opts.causal or L == 1 or L == S):
+        if opts.causal and L == S > 1:  # is_causal is top-left aligned: bottom-right if L == S
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, **gqa)
+            return _keep_nan(q, k, out)
+        # Every query sees every key (a decode step's one query, too). The (1, 1) mask keeps
+        # the kernel's speed (measured) and NaN: without a mask, torch's CPU kernel returns
+        # zeros for a NaN query.
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=_all(q), scale=scale, **gqa)
+    attn = opts.combined_mask(xp, mask, L, S, q.device)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn, scale=scale, **gqa)
-    if mask is not None:  # rows that see no key are zeros, as in the portable path
-        sees = attn.any(-1) if attn.dtype == torch.bool else (attn > -math.inf).any(-1)
-        out = torch.where(sees[..., None], out, 0.0)
-    return out
+    return out if mask is None else opts.zero_unseen(xp, out, attn)
+
+
+def _all(q: Any) -> Any:
+    return torch.ones((1, 1), dtype=torch.bool, device=q.device)
+
+
+def _keep_nan(q: Any, k: Any, out: Any) -> Any:
+    """NaN in the causal rows whose every visible score is NaN, as the portable path gives.
+
+    With ``is_causal=True`` torch's CPU kernel returns zeros there (rows of a NaN query, and
+    row ``i`` when keys ``0 .. i`` are all NaN). One pass over q and k: O((H + H_kv) L D),
+    small beside the O(H L^2 D) attention.
+    """
+    bad = torch.isnan(q).any(-1)  # (B.., H, L)
+    k_nan = torch.isnan(k).any(-1).to(torch.uint8)  # (B.., H_kv, S = L)
+    prefix = torch.cummin(k_nan, dim=-1).values.bool()  # keys 0 .. i all NaN
+    bad = bad | prefix.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-2)
+    return torch.where(bad[..., None], torch.full_like(out, math.nan), out)
