@@ -255,3 +255,40 @@ def test_host_arrays_go_to_torchs_default_device():
         assert pl.asarray(np.ones(3), backend="torch", device="cpu").device.type == "cpu"
     finally:
         torch.set_default_device(before)
+
+
+def test_synchronize_returns_its_argument_computed(backend):
+    bk = pl.get_backend(backend)
+    x, xr = random_array(0, (3, 8), "float32", backend=backend)
+    y = pl.silu(x)
+    assert bk.synchronize(y) is y
+    pair = (y, pl.relu(x))
+    assert bk.synchronize(pair) is pair
+    assert_close(y, reference.silu(xr), backend=backend, dtype="float32")
+    # Lazy or asynchronous libraries need it; NumPy and array-api-strict never do; torch on
+    # CUDA and MPS only.
+    if backend == "torch":
+        assert bk.asynchronous() is (bk.device(None).type in ("cuda", "mps"))
+        assert bk.asynchronous("cpu") is False
+    else:
+        assert bk.asynchronous() is (backend in ("mlx", "jax"))
+
+
+def test_enable_float64_makes_float64_available(backend):
+    bk = pl.get_backend(backend)
+    assert bk.enable_float64() is True  # every backend here has float64 on the CPU
+    assert "float64" in bk.float_dtypes()
+    y = pl.asarray(np.array([1.0 + 2.0**-40]), backend=backend, dtype="float64")
+    assert pl.to_numpy(y).dtype == np.float64 and pl.to_numpy(y)[0] == 1.0 + 2.0**-40
+
+
+def test_enable_float64_turns_on_jax_x64_in_a_fresh_process():
+    pytest.importorskip("jax")
+    code = (
+        "import portable_llm as pl\n"
+        "bk = pl.get_backend('jax')\n"
+        "before = 'float64' in bk.float_dtypes()\n"
+        "print(before, bk.enable_float64(), 'float64' in bk.float_dtypes())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True", "True"]

@@ -16,7 +16,13 @@ from portable_llm.backends import (
 )
 from portable_llm.caches.kv import KVCache, RotatingKVCache
 from portable_llm.core.arrays import asarray, device_of, to_numpy
-from portable_llm.core.dispatch import Trace, TraceEntry, trace
+from portable_llm.core.dispatch import (
+    Trace,
+    TraceEntry,
+    register_kernel,
+    trace,
+    unregister_kernel,
+)
 from portable_llm.models import Model, generate, load
 from portable_llm.ops.activations import (
     ACTIVATIONS,
@@ -66,6 +72,7 @@ __all__ = [
     "logprobs",
     "mlp",
     "moe",
+    "register_kernel",
     "relu",
     "rms_norm",
     "rope",
@@ -78,4 +85,5 @@ __all__ = [
     "to_numpy",
     "trace",
     "unembed",
+    "unregister_kernel",
 ]

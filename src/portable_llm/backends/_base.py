@@ -90,6 +90,25 @@ class Backend:
         """Compile a pure portable implementation for this library (identity by default)."""
         return fn
 
+    def synchronize(self, x: Any) -> Any:
+        """Block until ``x`` (an array, or a tuple/list of arrays) is computed; return ``x``.
+
+        Libraries that run lazily or asynchronously (MLX, JAX, torch on CUDA/MPS) wait here, so
+        a timer around a call measures the work. A no-op for synchronous libraries (NumPy,
+        array-api-strict, torch on the CPU).
+        """
+        return x
+
+    def asynchronous(self, device: Any = None) -> bool:
+        """Whether work on ``device`` (default: the default device) may still run after a call
+        returns, so that a timer needs :meth:`synchronize` (``False``: it is a no-op there)."""
+        return False
+
+    def enable_float64(self) -> bool:
+        """Make float64 available where the library needs a switch for it (JAX's process-wide
+        ``jax_enable_x64``); return whether float64 is available on the default device."""
+        return "float64" in self.float_dtypes()
+
     def set_slice(self, buf: Any, start: tuple[int, ...], value: Any) -> Any:
         """Write ``value`` into ``buf[start[0]:start[0] + value.shape[0], ...]``; return the buffer.
 

@@ -51,6 +51,17 @@ class JaxBackend(Backend):
         ]
         return self.jax.jit(fn, static_argnums=(0,), static_argnames=static)
 
+    def synchronize(self, x: Any) -> Any:
+        return self.jax.block_until_ready(x)
+
+    def asynchronous(self, device: Any = None) -> bool:
+        return True  # dispatch is asynchronous on every JAX device
+
+    def enable_float64(self) -> bool:
+        # Process-wide: arrays made before keep their dtypes; float64 inputs stay float64 after.
+        self.jax.config.update("jax_enable_x64", True)
+        return True
+
     def set_slice(self, buf: Any, start: tuple[int, ...], value: Any) -> Any:
         # JAX arrays are immutable: lax.dynamic_update_slice, jitted once per shape with the
         # start traced, and with buf donated so XLA writes into buf's memory instead of copying

@@ -63,6 +63,13 @@ class MlxBackend(Backend):
             return mx.Device(mx.gpu)
         raise ValueError(f"backend 'mlx' has no device {spec!r}; use 'cpu' or 'gpu'")
 
+    def synchronize(self, x: Any) -> Any:
+        self.mx.eval(x)  # MLX is lazy: this computes x (and every array it depends on)
+        return x
+
+    def asynchronous(self, device: Any = None) -> bool:
+        return True  # lazy: nothing is computed until evaluated
+
     def device_of(self, x: Any) -> Any:
         # MLX arrays live in unified memory; work runs on the default device.
         return self.mx.default_device()

@@ -65,6 +65,18 @@ class TorchBackend(Backend):
     def device_of(self, x: Any) -> Any:
         return x.device
 
+    def asynchronous(self, device: Any = None) -> bool:
+        return bool(self.device(device).type in ("cuda", "mps"))
+
+    def synchronize(self, x: Any) -> Any:
+        # CUDA and MPS kernels run asynchronously; CPU ones have finished on return.
+        for dev in {t.device for t in (x if isinstance(x, tuple | list) else (x,))}:
+            if dev.type == "cuda":
+                self.torch.cuda.synchronize(dev)
+            elif dev.type == "mps":
+                self.torch.mps.synchronize()
+        return x
+
     def to_numpy(self, x: Any) -> np.ndarray:
         x = x.detach()
         if x.dtype == self.torch.bfloat16:

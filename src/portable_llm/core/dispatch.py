@@ -15,10 +15,11 @@ the portable implementation ``auto`` falls back to for given arguments (default 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
+from portable_llm.backends import _ALIASES, BACKENDS
 from portable_llm.backends._base import Backend
 
 __all__ = [
@@ -32,7 +33,9 @@ __all__ = [
     "native",
     "pick",
     "portable",
+    "register_kernel",
     "trace",
+    "unregister_kernel",
 ]
 
 #: The ``impl=`` values every op accepts.
@@ -44,6 +47,8 @@ _AUTO_PORTABLE: dict[str, Callable[..., str]] = {}
 _PURE: set[Callable[..., Any]] = set()
 # backend name -> op -> Native; filled when the backend's native module is imported.
 _NATIVE: dict[str, dict[str, Native]] = {}
+# backend name -> op -> Native registered by users (register_kernel); these win over _NATIVE.
+_USER_NATIVE: dict[str, dict[str, Native]] = {}
 _NATIVE_MODULES = {
     "torch": "portable_llm.native.torch",
     "mlx": "portable_llm.native.mlx",
@@ -176,9 +181,11 @@ class Dispatcher:
         module = _NATIVE_MODULES.get(bk.name)
         if module is not None:
             importlib.import_module(module)
-        #: op -> the backend's native kernel (bound: dtype sets resolved, pure kernels compiled).
+        #: op -> the backend's native kernel (bound: dtype sets resolved, pure kernels compiled);
+        #: a kernel registered with :func:`register_kernel` replaces the package's own.
         self.native: dict[str, Native] = {
-            op: nat.bind(bk) for op, nat in _NATIVE.get(bk.name, {}).items()
+            op: nat.bind(bk)
+            for op, nat in {**_NATIVE.get(bk.name, {}), **_USER_NATIVE.get(bk.name, {})}.items()
         }
         self._portable: dict[tuple[str, str], Callable[..., Any]] = {}
         # (op, dtype object) -> what ``auto`` runs, for ops whose choice depends on the first
@@ -191,6 +198,18 @@ class Dispatcher:
 
     def __repr__(self) -> str:
         return f"Dispatcher({self.backend.name!r}, native={sorted(self.native)})"
+
+    def install(self, op: str, nat: Native | None) -> None:
+        """Make ``nat`` the native kernel of ``op`` (``None``: no native kernel) and forget
+        ``auto``'s cached choices for ``op``, so the next call chooses again."""
+        old = self.native.pop(op, None)
+        if old is not None and all(n.fn is not old.fn for n in self.native.values()):
+            self._labels.pop(old.fn, None)
+        if nat is not None:
+            self.native[op] = nat.bind(self.backend)
+            self._labels[nat.fn] = ("native", nat.kernel)
+        for key in [k for k in self._auto_by_dtype if k[0] == op]:
+            del self._auto_by_dtype[key]
 
     def portable_impl(self, op: str, name: str = "portable") -> Callable[..., Any]:
         """The portable implementation ``name`` of ``op`` as this backend runs it (compiled when
@@ -267,6 +286,110 @@ def dispatcher(bk: Backend) -> Dispatcher:
     except KeyError:
         d = _DISPATCHERS[bk] = Dispatcher(bk)
         return d
+
+
+# -- kernels registered by users --------------------------------------------------------------
+def register_kernel(
+    backend: str,
+    op: str,
+    fn: Callable[..., Any],
+    /,
+    *,
+    kernel: str | None = None,
+    applies: Callable[..., bool] | None = None,
+    auto_dtypes: Sequence[str] | None = None,
+) -> Callable[..., Any]:
+    """Register ``fn`` as ``backend``'s native kernel for ``op``, without editing the package.
+
+    ``fn(xp, *arrays, **options)`` takes the namespace and the same arguments as ``op``'s
+    portable implementation (the public op validates them first) and returns the same result.
+    It replaces the package's own native kernel for ``op`` on ``backend``, if any, from the next
+    call on: ``impl="native"`` runs it, ``impl="auto"`` takes it where it applies,
+    :func:`trace` records it and ``portable-llm report`` checks it (and the portable path beside
+    it) against the float64 reference. Undo with :func:`unregister_kernel`.
+
+    Parameters
+    ----------
+    backend : str
+        A backend name (``"torch"``, ``"mlx"``, ``"jax"``, ``"numpy"``, ``"array_api_strict"``).
+        Its library is not imported here.
+    op : str
+        The op (``"rms_norm"``, ``"linear"``, ``"scaled_dot_product_attention"``, ...).
+    fn : callable
+        The kernel.
+    kernel : str, optional
+        Its name in traces and reports (default: ``fn``'s module and qualified name).
+    applies : callable, optional
+        ``applies(*arrays, **options) -> bool``: whether ``fn`` computes ``op``'s exact meaning
+        for these arguments (default: always). When it does not, ``auto`` takes the portable
+        path and ``impl="native"`` is a ``ValueError``.
+    auto_dtypes : sequence of str, optional
+        dtype names of the first array for which ``auto`` takes ``fn`` (default: all). Leave out
+        a dtype in which ``fn`` is less accurate than the portable path; ``impl="native"`` still
+        runs it there.
+
+    Returns
+    -------
+    callable
+        ``fn``.
+
+    Examples
+    --------
+    >>> import numpy as np, portable_llm as pl
+    >>> def my_rms_norm(xp, x, w, *, eps):
+    ...     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+    >>> _ = pl.register_kernel("numpy", "rms_norm", my_rms_norm, kernel="my_rms_norm")
+    >>> with pl.trace() as t:
+    ...     _ = pl.rms_norm(np.ones((2, 4)), np.ones(4))
+    >>> t[0].impl, t[0].kernel
+    ('native', 'my_rms_norm')
+    >>> pl.unregister_kernel("numpy", "rms_norm")
+    """
+    name = _backend_name(backend, "register_kernel")
+    if op not in _PORTABLE:
+        raise ValueError(
+            f"register_kernel: unknown op {op!r}; known: {', '.join(sorted(_PORTABLE))}"
+        )
+    if not callable(fn):
+        raise TypeError(f"register_kernel: fn must be callable, got {type(fn).__name__}")
+    if applies is not None and not callable(applies):
+        raise TypeError(f"register_kernel: applies must be callable, got {type(applies).__name__}")
+    if kernel is None:
+        named = fn if hasattr(fn, "__qualname__") else type(fn)  # a callable object: its class
+        kernel = f"{named.__module__}.{named.__qualname__}"
+    if auto_dtypes is not None:
+        if isinstance(auto_dtypes, str) or not all(isinstance(d, str) for d in auto_dtypes):
+            raise TypeError(
+                f"register_kernel: auto_dtypes must be a sequence of dtype names, got "
+                f"{auto_dtypes!r}"
+            )
+        auto_dtypes = tuple(auto_dtypes)
+    spec = (fn, kernel, applies, auto_dtypes)
+    _USER_NATIVE.setdefault(name, {})[op] = Native(*spec)
+    for bk, d in _DISPATCHERS.items():
+        if bk.name == name:
+            d.install(op, Native(*spec))
+    return fn
+
+
+def unregister_kernel(backend: str, op: str) -> None:
+    """Remove the kernel :func:`register_kernel` registered for ``op`` on ``backend``; the
+    package's own native kernel for ``op`` (if any) is used again. ``ValueError`` when none is
+    registered."""
+    name = _backend_name(backend, "unregister_kernel")
+    if op not in _USER_NATIVE.get(name, {}):
+        raise ValueError(f"unregister_kernel: no kernel registered for {op!r} on {name!r}")
+    del _USER_NATIVE[name][op]
+    for bk, d in _DISPATCHERS.items():
+        if bk.name == name:
+            d.install(op, _NATIVE.get(name, {}).get(op))
+
+
+def _backend_name(backend: str, where: str) -> str:
+    name = _ALIASES.get(backend, backend) if isinstance(backend, str) else backend
+    if name not in BACKENDS:
+        raise ValueError(f"{where}: unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
+    return str(name)
 
 
 # -- tracing ------------------------------------------------------------------------------------

@@ -4,8 +4,8 @@ directly, timed in one run, as times and as ratios to the native kernel.
 Each variant is timed as a zero-argument call (timeit style: warm-up, calls per sample chosen so
 a sample lasts at least a millisecond, median over many samples). The samples of the three
 variants are interleaved, so load from other processes falls on all three alike; a ratio is the
-median of per-round ratios. MLX results are evaluated (``mx.eval``) and JAX results waited for
-(``block_until_ready``) inside the timed region.
+median of per-round ratios. Where the library runs asynchronously (MLX, JAX, torch on CUDA or
+MPS), each result is waited for inside the timed region (``Backend.synchronize``).
 
 A new op adds one :class:`BenchCase` to :data:`BENCH_CASES`, with its native kernels in
 :data:`DIRECT`.
@@ -276,17 +276,7 @@ DIRECT: dict[str, Callable[[], dict[str, tuple[str, Callable[..., Thunk]]]]] = {
 
 def _sync(bk: Backend) -> Callable[[Any], Any] | None:
     """What makes a result ready inside the timed region (``None``: the call is synchronous)."""
-    if bk.name == "mlx":
-        import mlx.core as mx
-
-        return mx.eval
-    if bk.name == "jax":
-        return lambda y: y.block_until_ready()
-    if bk.name == "torch" and getattr(bk.device(None), "type", "cpu") == "cuda":
-        import torch
-
-        return lambda y: torch.cuda.synchronize()
-    return None
+    return bk.synchronize if bk.asynchronous() else None
 
 
 def _per_call(fn: Thunk, sync: Callable[[Any], Any] | None, number: int) -> float:

@@ -464,22 +464,22 @@ def backend_names(names: Sequence[str] | None) -> list[str]:
 def load(name: str, file: TextIO, *, x64: bool = True) -> Backend | None:
     """The backend, or ``None`` after printing why it is skipped (its library is missing).
 
-    ``x64``: turn on JAX's float64 (process-wide) when ``name`` is ``"jax"``.
+    ``x64``: make float64 available where the library needs a switch for it
+    (:meth:`Backend.enable_float64`: JAX's process-wide ``jax_enable_x64``).
     """
     try:
         bk = get_backend(name)
     except BackendNotInstalledError as exc:
         print(f"== {name}: skipped, not installed ({exc})\n", file=file)
         return None
-    if name == "jax" and x64:  # float64 rows need it; JAX's setting is process-wide
-        import jax
-
-        jax.config.update("jax_enable_x64", True)
+    had_float64 = "float64" in bk.float_dtypes()
+    if x64:  # float64 rows need it
+        bk.enable_float64()
     dev = bk.device(None)
     dev = dev if dev is not None else bk.device_of(bk.xp.asarray(0.0))
-    print(f"== {name} {bk.version}, default device {dev}", file=file)
-    if name == "jax" and x64:
-        print("   (jax_enable_x64 turned on for this process, so float64 runs on JAX)", file=file)
+    print(f"== {name} {bk.version}, default device {dev}", file=file, flush=True)
+    if not had_float64 and "float64" in bk.float_dtypes():
+        print(f"   (float64 turned on for this process, so it runs on {name})", file=file)
     return bk
 
 
