@@ -44,12 +44,18 @@ _MODULES = {
 }
 
 
-def _marks(name: str) -> list[pytest.MarkDecorator]:
+def skip_reason(name: str) -> str | None:
+    """Why backend ``name`` does not run here (not selected, not installed), or None."""
     if name not in _SELECTED:
-        return [pytest.mark.skip(reason=f"{name} not selected (PORTABLE_LLM_BACKENDS)")]
+        return f"{name} not selected (PORTABLE_LLM_BACKENDS)"
     if importlib.util.find_spec(_MODULES[name]) is None:
-        return [pytest.mark.skip(reason=f"{name} is not installed")]
-    return []
+        return f"{name} is not installed"
+    return None
+
+
+def _marks(name: str) -> list[pytest.MarkDecorator]:
+    reason = skip_reason(name)
+    return [] if reason is None else [pytest.mark.skip(reason=reason)]
 
 
 BACKEND_PARAMS = [pytest.param(name, marks=_marks(name), id=name) for name in BACKENDS]
