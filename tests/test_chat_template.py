@@ -9,6 +9,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import portable_llm as pl
@@ -150,6 +151,15 @@ def test_budget_is_per_render_and_fits_real_loops() -> None:
     tok = _tokenizer("{% for i in range(100000) %}{% endfor %}{{ 3 * 4 }}{{ 'ab' * 2 }}")
     for _ in range(12):  # 12 x 100000 > MAX_LOOP_STEPS: would fail if the budget carried over
         assert tok.apply_chat_template(HI) == "12abab"
+
+
+def test_variables_reach_the_template_as_plain_data() -> None:
+    """NumPy scalars become Python numbers (np.bool_(False) stays falsy); other objects a
+    placeholder naming their type, so a template never calls their methods (as transformers)."""
+    tok = _tokenizer("{{ n + 1 }} {{ 'yes' if flag else 'no' }} {{ obj }} {{ messages[0].x }}")
+    messages = [{"role": "user", "content": "hi", "x": np.float32(0.5)}]
+    out = tok.apply_chat_template(messages, n=np.int64(2), flag=np.bool_(False), obj=Path("/"))
+    assert out == f"3 no <{type(Path('/')).__name__}> 0.5"
 
 
 # -- errors name the file ------------------------------------------------------------------------

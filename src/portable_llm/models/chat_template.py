@@ -23,6 +23,8 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
+import numpy as np
+
 __all__ = ["MAX_LOOP_STEPS", "MAX_SIZE", "compile_chat_template", "render_chat_template"]
 
 #: Loop iterations one render may run, over all its ``{% for %}`` loops together.
@@ -228,8 +230,8 @@ def _plain(value: Any) -> Any:
     template never sees a subclass or foreign object with methods of its own."""
     if value is None or type(value) in (str, int, float, bool):
         return value
-    if isinstance(value, bool):
-        return bool(value)
+    if isinstance(value, np.generic):  # np.bool_(False) must stay falsy
+        return _plain(value.item())
     if isinstance(value, str):
         return str.__str__(value)
     if isinstance(value, numbers.Integral):
