@@ -180,7 +180,7 @@ def read_config(
     """Read ``config.json`` of a checkpoint folder.
 
     ``layers``/``experts``: how many decoder layers and experts the weights hold
-    (:class:`~portable_llm.models.weights.SafetensorsFiles`); a config that asks for more is
+    (:class:`~portable_llm.models.shards.SafetensorsFiles`); a config that asks for more is
     refused before anything is built from it (``num_hidden_layers: 10**7`` fails at once).
 
     Raises

@@ -11,14 +11,21 @@ from portable_llm.core.checks import check_int
 from portable_llm.models.config import config_path, read_config
 from portable_llm.models.files import CheckpointError, checkpoint_file, read_json
 from portable_llm.models.model import Model
+from portable_llm.models.shards import SafetensorsFiles
 from portable_llm.models.tokenizer import read_tokenizer
-from portable_llm.models.weights import SafetensorsFiles, read_weights
+from portable_llm.models.weights import read_weights
 
 __all__ = ["load", "read_generation_config"]
 
 
 def load(
-    path: str | Path, /, *, backend: str = "numpy", dtype: Any = None, device: Any = None
+    path: str | Path,
+    /,
+    *,
+    backend: str = "numpy",
+    dtype: Any = None,
+    device: Any = None,
+    dequantize: bool = False,
 ) -> Model:
     """Load a checkpoint folder (``config.json``, ``model.safetensors``, ``tokenizer.json``).
 
@@ -41,6 +48,10 @@ def load(
         (array-api-strict) or the library's own device object; default: the backend's default
         device. Each tensor is read on the host and moved there at once; the model's inputs
         follow its weights.
+    dequantize : bool
+        A ``.gguf`` file (:mod:`portable_llm.models.gguf`): every weight as floats in
+        ``dtype`` (transformers' reading) rather than kept quantized where the block type is
+        exactly MLX's affine format.
 
     Returns
     -------
@@ -60,6 +71,12 @@ def load(
         tensors missing, unexpected, of the wrong shape or not float (all of them listed).
     """
     folder = Path(path)
+    if folder.suffix == ".gguf" and folder.is_file():
+        from portable_llm.models.gguf import load_gguf
+
+        return load_gguf(
+            folder, backend=backend, dtype=dtype, device=device, dequantize=dequantize
+        )
     if not folder.is_dir():
         raise FileNotFoundError(f"load: {str(path)!r} is not a folder")
     config_path(folder)  # a folder without config.json says so before anything else

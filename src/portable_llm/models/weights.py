@@ -1,14 +1,15 @@
 """Reading a checkpoint's ``model.safetensors`` (or its shards) into a backend's arrays.
 
-:class:`SafetensorsFiles` opens the files (every path checked to lie inside the folder) and
-reads their headers only; a file that is not valid safetensors is a :class:`CheckpointError`
-naming it. Every tensor is checked against the config *before* any data is read: the names the
-config implies, with their shapes and a float dtype, against the headers. Then each tensor is
-read on its own (safetensors memory-maps the file; NumPy holds one tensor at a time,
-bfloat16 as ml_dtypes') and handed to the backend, so the model is never held twice in memory.
+:class:`~portable_llm.models.shards.SafetensorsFiles` opens the files (every path checked to lie
+inside the folder) and reads their headers only; a file that is not valid safetensors is a
+:class:`CheckpointError` naming it. Every tensor is checked against the config *before* any data
+is read: the names the config implies, with their shapes and a float dtype, against the headers.
+Then each tensor is read on its own (safetensors memory-maps the file; NumPy holds one tensor at
+a time, bfloat16 as ml_dtypes') and handed to the backend, so the model is never held twice in
+memory.
 
-Names are HF transformers' (``model.layers.0.self_attn.q_proj.weight``). Stacked experts are
-HF v5's (``mlp.experts.gate_up_proj`` ``(X, 2I, E)``, ``mlp.experts.down_proj`` ``(X, E, I)``),
+Names are HF transformers' (``model.layers.0.self_attn.q_proj.weight``). Stacked experts are HF
+v5's (``mlp.experts.gate_up_proj`` ``(X, 2I, E)``, ``mlp.experts.down_proj`` ``(X, E, I)``),
 also read from the per-expert layout that ``save_pretrained`` writes by default and Hub
 checkpoints hold (``mlp.experts.{e}.gate_proj.weight``; Mixtral's
 ``block_sparse_moe.experts.{e}.w1/w3/w2.weight``).
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -27,16 +27,11 @@ import numpy as np
 from portable_llm.backends import Backend
 from portable_llm.backends._base import FLOAT_DTYPES, numpy_bfloat16
 from portable_llm.models.config import DecoderConfig
-from portable_llm.models.files import CheckpointError, checkpoint_file, read_json
+from portable_llm.models.files import CheckpointError
+from portable_llm.models.shards import INDEX, SAFETENSORS_FLOATS, SafetensorsFiles
 
 __all__ = ["CheckpointError", "SafetensorsFiles", "expected_shapes", "read_weights"]
 
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
-#: safetensors dtype codes of the float dtypes a checkpoint may store.
-SAFETENSORS_FLOATS = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 # Tensors some checkpoints carry that the model recomputes: never reported as unexpected.
 _IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
@@ -88,139 +83,6 @@ def _mlp(out: dict[str, tuple[int, ...]], p: str, E: int, I: int, bias: bool) ->
         out[f"{p}{name}_proj.weight"] = shape
         if bias:
             out[f"{p}{name}_proj.bias"] = shape[:1]
-
-
-class SafetensorsFiles:
-    """The safetensors files of a checkpoint folder, opened, their headers read (no data).
-
-    ``files`` maps each tensor name to the file holding it (the shard index's word for a
-    sharded checkpoint), ``shapes``/``dtypes`` give the headers' shape and dtype code
-    (``"BF16"``) of the tensors the files hold, ``misplaced`` the tensors the index maps to a
-    shard that lacks them (name -> shard). Use it as a context manager (it holds the files
-    open), or through :func:`read_weights`.
-
-    Raises
-    ------
-    FileNotFoundError
-        No ``model.safetensors`` nor ``model.safetensors.index.json``, or a shard the index
-        names is not in the folder.
-    CheckpointError
-        An index that is not JSON or has no ``weight_map``, a path that leads out of the
-        folder, or a file that is not valid safetensors (truncated, garbage, a header whose
-        offsets lie): the message names the file.
-    """
-
-    def __init__(self, folder: str | Path) -> None:
-        from safetensors import safe_open
-
-        self.folder = Path(folder)
-        self.index, index_map, paths = _layout(self.folder)
-        self.handles: dict[Path, Any] = {}
-        header: dict[Path, dict[str, tuple[tuple[int, ...], str]]] = {}
-        self._stack = ExitStack()
-        try:
-            for file in paths:
-                try:
-                    h = self._stack.enter_context(safe_open(file, framework="numpy"))
-                    slices = {name: h.get_slice(name) for name in h.keys()}  # noqa: SIM118
-                    header[file] = {
-                        name: (tuple(p.get_shape()), str(p.get_dtype()))
-                        for name, p in slices.items()
-                    }
-                except Exception as exc:  # safetensors' SafetensorError, an OSError, ...
-                    raise CheckpointError(
-                        f"load: {str(file)!r} is not a valid safetensors file ({exc})"
-                    ) from None
-                self.handles[file] = h
-        except BaseException:
-            self._stack.close()
-            raise
-        #: Tensor name -> the file holding it (as the index says, for a sharded checkpoint).
-        self.files: dict[str, Path] = (
-            index_map if index_map is not None else dict.fromkeys(header[paths[0]], paths[0])
-        )
-        #: The tensors the index maps to a shard that lacks them (name -> shard file name).
-        self.misplaced = {n: f.name for n, f in self.files.items() if n not in header[f]}
-        held = [(n, header[f][n]) for n, f in self.files.items() if n not in self.misplaced]
-        self.shapes: dict[str, tuple[int, ...]] = {n: shape for n, (shape, _) in held}
-        self.dtypes: dict[str, str] = {n: kind for n, (_, kind) in held}
-
-    def __enter__(self) -> SafetensorsFiles:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self._stack.close()
-
-    @property
-    def layers(self) -> int:
-        """How many decoder layers the files hold tensors of (``model.layers.{i}.``)."""
-        found = [int(m[1]) for name in self.files if (m := _LAYER.match(name))]
-        return max(found) + 1 if found else 0
-
-    @property
-    def experts(self) -> int:
-        """How many experts the files hold: per-expert tensors' indices, or the leading
-        dimension of stacked ones (0 for a dense model)."""
-        found = [int(m[1]) + 1 for name in self.files if (m := _EXPERT.search(name))]
-        found += [
-            self.shapes[name][0]
-            for name in self.files
-            if name.endswith((".experts.gate_up_proj", ".experts.down_proj"))
-            and len(self.shapes.get(name, ())) == 3
-        ]
-        return max(found, default=0)
-
-    def stored_dtype(self, name: str) -> str | None:
-        """The float dtype ``name`` is stored in (``None`` when the files lack it);
-        :class:`CheckpointError` naming it and its file when it is not a float."""
-        kind = self.dtypes.get(name)
-        if kind is None:
-            return None
-        if kind not in SAFETENSORS_FLOATS:
-            raise CheckpointError(
-                f"load: {name} in {str(self.files[name])!r} is stored as {kind}, not a float "
-                f"dtype ({', '.join(SAFETENSORS_FLOATS)})"
-            )
-        return SAFETENSORS_FLOATS[kind]
-
-    def read(self, name: str) -> np.ndarray:
-        """Tensor ``name`` as a NumPy array; :class:`CheckpointError` when it cannot be read."""
-        file = self.files[name]
-        try:
-            return self.handles[file].get_tensor(name)
-        except Exception as exc:
-            raise CheckpointError(f"load: cannot read {name} from {str(file)!r} ({exc})") from None
-
-
-def _layout(folder: Path) -> tuple[Path | None, dict[str, Path] | None, list[Path]]:
-    """``(index file, tensor name -> shard, files to open)``; the first two ``None`` for a
-    single ``model.safetensors``. Every path is checked to lie inside ``folder``."""
-    index = checkpoint_file(folder, INDEX)
-    if not index.is_file():
-        single = checkpoint_file(folder, SINGLE)
-        if not single.is_file():
-            raise FileNotFoundError(f"load: no {SINGLE} or {INDEX} in {str(folder)!r}")
-        return None, None, [single]
-    weight_map = read_json(index).get("weight_map")
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-    ):
-        raise CheckpointError(
-            f"load: {str(index)!r} has no weight_map (an object from tensor names to shard "
-            f"file names); got {type(weight_map).__name__}"
-        )
-    shards = {
-        f: checkpoint_file(folder, f, named_by=str(index)) for f in sorted(set(weight_map.values()))
-    }
-    absent = [f for f, path in shards.items() if not path.is_file()]
-    if absent:
-        raise FileNotFoundError(
-            f"load: {index} names shard files that are not in the folder: {', '.join(absent)}"
-        )
-    return index, {name: shards[f] for name, f in weight_map.items()}, list(shards.values())
 
 
 def _canonical(name: str) -> str:
