@@ -42,9 +42,29 @@ def _report(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
 
 
 def _native_ran(path: str) -> bool:
-    """Whether a report path names a kernel that ran (not a portable impl, not one passed over)."""
-    kernels = [part.split(": ")[-1] for part in path.split(" + ")]
-    return any(k.split(" ")[0] not in ("portable", "tiled") for k in kernels)
+    """Whether a report's path column says a native kernel ran (``native``, ``native+portable``)."""
+    return "native" in path.split("+")
+
+
+def _kernels(out: str) -> dict[str, str]:
+    """The "what auto ran" lines under the tables: ``case`` or ``case (dtypes)`` -> the path,
+    its wrapped continuation lines joined."""
+    found: dict[str, str] = {}
+    key = None
+    for line in out.splitlines():
+        if line.startswith("         ") and key is not None:
+            found[key] += " " + line.strip()
+        elif line.startswith("     ") and not line.startswith("      ") and ": " in line:
+            key, _, path = line.strip().partition(": ")
+            found[key] = path
+        else:
+            key = None
+    return found
+
+
+def _check_width(out: str) -> None:
+    wide = [line for line in out.splitlines() if len(line) > report.WIDTH]
+    assert not wide, f"{len(wide)} line(s) wider than {report.WIDTH}: {wide[:3]}"
 
 
 def test_report_is_the_default_command_and_covers_every_op_on_numpy(capsys):
@@ -54,12 +74,18 @@ def test_report_is_the_default_command_and_covers_every_op_on_numpy(capsys):
     assert code == 0, out
     dtypes = get_backend("numpy").float_dtypes()
     assert {(c.name, d, "auto") for c in report.CASES for d in dtypes} == set(rows)
+    _check_width(out)
     for (name, dtype, _), row in rows.items():
         assert row["result"] == "ok" and not _native_ran(row["path"]), row
+        assert 0 <= float(row["err/tol"]) <= 1, row
         # auto's portable choice: tiled for the long attention case (L * S = 2**20), else direct
         assert row["path"] == ("tiled" if name == "sdpa long" else "portable")
         if dtype == "float64":  # NumPy float64 is the reference's own arithmetic
             assert float(row["max abs err"]) < 1e-13
+    assert _kernels(out) == {}  # every path is portable_llm's own: nothing to list
+    # Progress: a line when the backend starts and one when it ends, with its time.
+    assert re.search(r"^== numpy \S+, default device cpu$", out, re.M)
+    assert re.search(rf"^== numpy: {len(rows)} rows in \d+\.\d s, all ok$", out, re.M)
     assert out.rstrip().endswith("all within tolerance")
 
 
@@ -67,11 +93,20 @@ def test_report_on_backend(backend, capsys):
     # float32 only: every op on every backend, in seconds (JAX compiles per dtype).
     code, out, rows = _report(["--backend", backend, "--dtype", "float32"], capsys)
     assert code == 0, out
+    _check_width(out)
     bk = get_backend(backend)
+    kernels = _kernels(out)
     for case in report.CASES:
         auto = rows[(case.name, "float32", "auto")]
         assert auto["result"] == "ok"
         assert float(auto["max abs err"]) < 1e-4
+        assert float(auto["err/tol"]) <= 1
+        # Under the table, the kernels behind the path column (one dtype here: no dtype list),
+        # listed wherever a native kernel ran or was passed over.
+        listed = kernels.get(case.name, "")
+        assert auto["path"] in ("portable", "tiled") or listed, (case.name, auto["path"])
+        if _native_ran(auto["path"]):
+            assert any(k in listed for k in (n.kernel for n in dispatcher(bk).native.values()))
         # Beside auto, the path it did not take: portable when a native kernel ran, native
         # when auto passed a kernel over ("portable (<kernel> not taken by auto)")
         # (or nothing when the kernel cannot express the arguments).
@@ -83,7 +118,7 @@ def test_report_on_backend(backend, capsys):
         for impl in extra:
             assert rows[(case.name, "float32", impl)]["result"] == "ok"
         if case.op in dispatcher(bk).native:
-            assert dispatcher(bk).native[case.op].kernel in auto["path"]
+            assert dispatcher(bk).native[case.op].kernel in listed
 
 
 def test_report_marks_a_wrong_reference_and_exits_1(monkeypatch, capsys):
@@ -99,8 +134,11 @@ def test_report_marks_a_wrong_reference_and_exits_1(monkeypatch, capsys):
     for dtype in get_backend("numpy").float_dtypes():
         assert rows[("relu", dtype, "auto")]["result"] == "FAIL"
         assert float(rows[("relu", dtype, "auto")]["max abs err"]) == 0.5
+        assert float(rows[("relu", dtype, "auto")]["err/tol"]) > 1
         assert rows[("silu", dtype, "auto")]["result"] == "ok"
-    assert re.search(r"^FAIL: numpy relu float32 impl=auto: .*differ beyond", out, re.M)
+    _check_width(out)
+    flat = re.sub(r"\n {4}", " ", out)  # the failure lines, unwrapped
+    assert re.search(r"^FAIL: numpy relu float32 impl=auto: .*differ beyond", flat, re.M)
     assert out.rstrip().endswith("row(s) outside tolerance")
 
 
@@ -114,6 +152,7 @@ def test_report_marks_a_crash_as_error_and_exits_1(monkeypatch, capsys):
     assert code == 1
     assert rows[("gelu", "float64", "auto")]["result"] == "ERROR"
     assert "RuntimeError: kernel exploded" in out
+    _check_width(out)
 
 
 def test_report_without_ml_dtypes_skips_bfloat16_with_a_note(monkeypatch, capsys):

@@ -9,12 +9,22 @@ with :func:`~portable_llm.testing.assert_close` and the tolerance of
 (native kernel or portable) and beside it the path it did not take: ``impl="portable"`` when
 it ran a native kernel, ``impl="native"`` when it passed one over.
 
+The output fits 100 columns. Per backend: a start line, one line that explains the error
+columns, the table (its path column is the short form, ``native``, ``portable``, ``tiled`` or
+``native+portable``, of what :func:`portable_llm.trace` recorded), the tolerances, the kernels
+behind each path (one line per case and path, listing the dtypes where paths differ), and an end
+line with the backend's time. ``err/tol`` is the worst element's error over the error allowed
+there (``atol + rtol |ref|``): a row is within tolerance when it is at most 1. (A relative error
+alone can exceed 1 on an "ok" row, where the reference is near zero and ``atol`` decides.)
+
 A new op adds one :class:`Case` to :data:`CASES`.
 """
 
 from __future__ import annotations
 
 import sys
+import textwrap
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TextIO
@@ -356,8 +366,20 @@ class Row:
     tol: Tolerance
     max_abs: float | None = None
     max_rel: float | None = None
+    #: max |actual - desired| / (atol + rtol * |desired|): the row is within tolerance when <= 1.
+    err_tol: float | None = None
     result: str = "ok"  # "ok", "FAIL" or "ERROR"
     detail: str = ""
+    #: The path column's short form: "native", "portable", "tiled", "native+portable", ...
+    short: str = ""
+
+
+def short_path(entries: Sequence[TraceEntry]) -> str:
+    """The path column of the table: the impls that ran (``"native"`` for every native kernel),
+    in call order, without repeats: ``"native"``, ``"portable"``, ``"tiled"``,
+    ``"native+portable"``. The kernels are listed under the table."""
+    impls = dict.fromkeys(e.impl for e in entries)
+    return "+".join(impls) if impls else "-"
 
 
 def path_of(bk: Backend, entries: Sequence[TraceEntry]) -> tuple[str, bool]:
@@ -394,13 +416,26 @@ def _check(bk: Backend, case: Case, dtype: str, impl: str, path: str, inputs: In
     except Exception as exc:  # a crash is reported as a row, not a traceback
         return replace(row, result="ERROR", detail=f"{type(exc).__name__}: {exc}")
     if tuple(actual.shape) == np.shape(desired):
-        errors = compare_values(to_numpy(actual), desired, tol.rtol, tol.atol)
-        row = replace(row, max_abs=errors.max_abs, max_rel=errors.max_rel)
+        got = to_numpy(actual)
+        errors = compare_values(got, desired, tol.rtol, tol.atol)
+        ratio = _err_tol(got, desired, tol)
+        row = replace(row, max_abs=errors.max_abs, max_rel=errors.max_rel, err_tol=ratio)
     try:
         assert_close(actual, desired, backend=bk.name, dtype=out)
     except AssertionError as exc:
         return replace(row, result="FAIL", detail=str(exc))
     return row
+
+
+def _err_tol(actual: np.ndarray, desired: np.ndarray, tol: Tolerance) -> float:
+    """max ``|actual - desired| / (atol + rtol |desired|)`` over the finite elements (NaN and
+    infinities are checked by position in :func:`~portable_llm.testing.assert_close`)."""
+    a, d = actual.astype(np.float64), np.asarray(desired, np.float64)
+    finite = np.isfinite(a) & np.isfinite(d)
+    if not finite.any():
+        return 0.0
+    a, d = a[finite], d[finite]
+    return float((np.abs(a - d) / (tol.atol + tol.rtol * np.abs(d))).max())
 
 
 def check_case(bk: Backend, case: Case, dtype: str) -> list[Row]:
@@ -416,15 +451,17 @@ def check_case(bk: Backend, case: Case, dtype: str) -> list[Row]:
         auto = _check(bk, case, dtype, "auto", "", inputs)
     # Entries of an implementation's own pieces ("scaled_dot_product_attention.tiled") are
     # part of the impl that called them.
-    path, native_ran = path_of(bk, [e for e in t if e.backend == bk.name and "." not in e.op])
-    rows = [replace(auto, path=path)]
+    entries = [e for e in t if e.backend == bk.name and "." not in e.op]
+    path, native_ran = path_of(bk, entries)
+    rows = [replace(auto, path=path, short=short_path(entries))]
     if native_ran:
-        rows.append(_check(bk, case, dtype, "portable", "portable", inputs))
+        rows.append(replace(_check(bk, case, dtype, "portable", "portable", inputs),
+                            short="portable"))  # fmt: skip
         return rows
     ops = {e.op for e in t}
     nat = dispatcher(bk).native.get(case.op) if ops == {case.op} else None
     if nat is not None:
-        row = _check(bk, case, dtype, "native", nat.kernel, inputs)
+        row = replace(_check(bk, case, dtype, "native", nat.kernel, inputs), short="native")
         if not (row.result == "ERROR" and "cannot express" in row.detail):
             rows.append(row)
     return rows
@@ -493,14 +530,52 @@ def load_for_dtype(name: str, dtype: str, file: TextIO) -> Backend | None:
     return bk
 
 
-_HEADERS = ("op", "dtype", "impl", "path", "max abs err", "max rel err", "rtol/atol", "result")
+_HEADERS = ("op", "dtype", "impl", "path", "max abs err", "err/tol", "result")
+#: Lines of the report fit this many columns; longer notes are wrapped.
+WIDTH = 100
+_COLUMNS = (
+    "   err = |out - float64 ref|; max abs err = max err; "
+    "err/tol = max err/(atol + rtol |ref|), ok <= 1"
+)
 
 
-def _cells(backend: str, row: Row) -> list[str]:
-    err = ["-" if v is None else f"{v:.2e}" for v in (row.max_abs, row.max_rel)]
-    mark = "*" if row.tol is BACKEND_TOLERANCES.get((backend, row.dtype)) else ""
-    tol = f"{row.tol.rtol:g}/{row.tol.atol:g}{mark}"
-    return [row.case, row.dtype, row.impl, row.path, *err, tol, row.result]
+def _cells(row: Row) -> list[str]:
+    err = "-" if row.max_abs is None else f"{row.max_abs:.2e}"
+    ratio = "-" if row.err_tol is None else f"{row.err_tol:.2f}"
+    return [row.case, row.dtype, row.impl, row.short or row.path, err, ratio, row.result]
+
+
+def _wrap(text: str, indent: str, hang: str) -> list[str]:
+    return textwrap.wrap(text, WIDTH, initial_indent=indent, subsequent_indent=hang,
+                         break_on_hyphens=False)  # fmt: skip
+
+
+def _notes(backend: str, rows: Sequence[Row]) -> list[str]:
+    """The lines under a backend's table: tolerances, then the kernels behind the path column."""
+    tols: dict[str, Tolerance] = {}
+    for r in rows:
+        tols.setdefault(r.dtype if r.tol is not BACKEND_TOLERANCES.get((backend, r.dtype))
+                        else f"{r.dtype}*", r.tol)  # fmt: skip
+    listed = ", ".join(f"{d} {t.rtol:g}/{t.atol:g}" for d, t in tols.items())
+    lines = _wrap(f"tolerance (rtol/atol) by dtype: {listed}", "   ", "     ")
+    for d in tols:
+        if d.endswith("*"):
+            why = BACKEND_TOLERANCES[(backend, d[:-1])].why
+            lines += _wrap(f"* {d[:-1]} on {backend}: the backend's own tolerance. {why}",
+                           "   ", "     ")  # fmt: skip
+    # case -> full path -> dtypes, for the auto rows whose path names more than the column
+    paths: dict[str, dict[str, list[str]]] = {}
+    for r in rows:
+        if r.impl == "auto" and r.path not in ("portable", "tiled", "-"):
+            paths.setdefault(r.case, {}).setdefault(r.path, []).append(r.dtype)
+    if paths:
+        lines.append("   what auto ran (portable, tiled: portable_llm's own Array API code):")
+        for case, by_path in paths.items():
+            for path, dts in by_path.items():
+                every = len(by_path) == 1
+                label = case if every else f"{case} ({', '.join(dts)})"
+                lines += _wrap(f"{label}: {path}", "     ", "         ")
+    return lines
 
 
 def run_report(
@@ -529,21 +604,22 @@ def run_report(
             file=out,
         )
     for name in names:
+        start = time.perf_counter()
         bk = load(name, out)
         if bk is None:
             continue
         run = [d for d in bk.float_dtypes() if (not dtypes or d in dtypes) and d not in skip]
         rows = [row for case in cases for dtype in run for row in check_case(bk, case, dtype)]
-        print(format_table(_HEADERS, [_cells(name, r) for r in rows]), file=out)
-        for dtype in run:
-            if (name, dtype) in BACKEND_TOLERANCES:
-                why = BACKEND_TOLERANCES[(name, dtype)].why
-                print(f"   * {dtype} on {name}: the backend's own tolerance. {why}", file=out)
-        print(file=out)
-        failed.extend((name, r) for r in rows if r.result != "ok")
-    for name, row in failed:
-        print(
-            f"{row.result}: {name} {row.case} {row.dtype} impl={row.impl}: {row.detail}", file=out
-        )
+        print(_COLUMNS, file=out)
+        print(format_table(_HEADERS, [_cells(r) for r in rows]) + "\n", file=out)
+        print("\n".join(_notes(name, rows)), file=out)
+        bad = [r for r in rows if r.result != "ok"]
+        verdict = f"{len(bad)} outside tolerance" if bad else "all ok"
+        took = time.perf_counter() - start
+        print(f"== {name}: {len(rows)} rows in {took:.1f} s, {verdict}\n", file=out, flush=True)
+        failed.extend((name, r) for r in bad)
+    for name, row in failed:  # wrapped, continuation lines indented by 4
+        line = f"{row.result}: {name} {row.case} {row.dtype} impl={row.impl}: {row.detail}"
+        print("\n".join(_wrap(line, "", "    ")), file=out)
     print(f"{len(failed)} row(s) outside tolerance" if failed else "all within tolerance", file=out)
     return 1 if failed else 0
