@@ -613,11 +613,11 @@ def run_report(
         print(_COLUMNS, file=out)
         print(format_table(_HEADERS, [_cells(r) for r in rows]) + "\n", file=out)
         print("\n".join(_notes(name, rows)), file=out)
-        bad = [r for r in rows if r.result != "ok"]
-        verdict = f"{len(bad)} outside tolerance" if bad else "all ok"
+        outside = [r for r in rows if r.result != "ok"]
+        verdict = f"{len(outside)} outside tolerance" if outside else "all ok"
         took = time.perf_counter() - start
         print(f"== {name}: {len(rows)} rows in {took:.1f} s, {verdict}\n", file=out, flush=True)
-        failed.extend((name, r) for r in bad)
+        failed.extend((name, r) for r in outside)
     for name, row in failed:  # wrapped, continuation lines indented by 4
         line = f"{row.result}: {name} {row.case} {row.dtype} impl={row.impl}: {row.detail}"
         print("\n".join(_wrap(line, "", "    ")), file=out)
