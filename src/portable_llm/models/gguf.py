@@ -1,0 +1,433 @@
+"""GGUF files (llama.cpp's format) as a :class:`~portable_llm.models.Model`.
+
+Read with the ``gguf`` package's ``GGUFReader`` (the file is memory-mapped; one tensor is
+decoded at a time):
+
+- the metadata (``{arch}.block_count``, ``{arch}.attention.head_count``, ...) becomes a
+  :class:`~portable_llm.models.DecoderConfig`, through the same ``from_dict`` as ``config.json``;
+- the tensors (``blk.{i}.attn_q.weight``, ...) get HF's names (``model.layers.{i}.self_attn.
+  q_proj.weight``); for the ``llama`` architecture, the rows of ``attn_q``/``attn_k`` that
+  llama.cpp's converter permuted for its rotary layout are put back (as transformers does);
+- quantized tensors stay quantized (:class:`~portable_llm.ops.quant.QuantizedWeight`, MLX's
+  affine layout) where the block type is exactly affine per group of 32
+  (:data:`~portable_llm.models.gguf_blocks.AFFINE_BITS`), and are dequantized otherwise, or
+  everywhere with ``dequantize=True``;
+- the tokenizer (``tokenizer.ggml.*``) becomes a ``tokenizers.Tokenizer`` built as
+  transformers builds it from the same file; ``tokenizer.chat_template`` and the EOS ids come
+  with it.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from portable_llm.backends import Backend, get_backend
+from portable_llm.backends._base import FLOAT_DTYPES
+from portable_llm.models.config import DecoderConfig
+from portable_llm.models.files import CheckpointError
+from portable_llm.models.gguf_blocks import (
+    AFFINE_BITS,
+    BLOCK_SIZES,
+    affine_parts,
+    dequantize_blocks,
+    pack_codes,
+)
+from portable_llm.models.model import Model
+from portable_llm.models.tokenizer import Tokenizer
+from portable_llm.models.weights import expected_shapes
+
+__all__ = ["GGUF_ARCHITECTURES", "gguf_config", "gguf_tokenizer", "load_gguf"]
+
+#: The ``general.architecture`` values :func:`load_gguf` reads.
+GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
+# llama.cpp's LlamaModel converter (Mistral's too) permutes q/k rows; Qwen's do not.
+_PERMUTED = ("llama", "mistral")
+_GLOBAL = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+# transformers' split regexes per ``tokenizer.ggml.pre`` (others: GPT-2's, in ByteLevel).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLITS = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "dbrx", "smaug-bpe"), _LLAMA3_SPLIT),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
+}
+_CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
+
+
+def hf_name(name: str) -> str | None:
+    """HF's name of a GGUF tensor (``blk.0.attn_q.weight`` -> ``model.layers.0.self_attn.
+    q_proj.weight``), or ``None`` for a name outside the decoder's vocabulary."""
+    stem, _, suffix = name.rpartition(".")
+    if stem in _GLOBAL and suffix == "weight":
+        return f"{_GLOBAL[stem]}.weight"
+    m = _BLK.match(name)
+    if m and m[2] in _LAYER:
+        return f"model.layers.{m[1]}.{_LAYER[m[2]]}.{m[3]}"
+    return None
+
+
+class _Meta:
+    """The metadata of a reader, with errors that name the file and the key."""
+
+    def __init__(self, reader: Any, file: Path) -> None:
+        self.fields = reader.fields
+        self.file = file
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self.fields.get(key)
+        return default if field is None else field.contents()
+
+    def need(self, key: str) -> Any:
+        if key not in self.fields:
+            raise CheckpointError(f"load: {str(self.file)!r}: GGUF metadata key {key} is missing")
+        return self.get(key)
+
+
+def gguf_config(meta: _Meta, tensors: dict[str, Any]) -> DecoderConfig:
+    """The :class:`DecoderConfig` a GGUF file's metadata describes (transformers' reading)."""
+    arch = meta.need("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise CheckpointError(
+            f"load: {str(meta.file)!r}: unsupported GGUF architecture {arch!r} "
+            f"(general.architecture); supported: {', '.join(GGUF_ARCHITECTURES)}"
+        )
+    head_dim = meta.get(f"{arch}.attention.key_length")
+    if head_dim is None and arch in _PERMUTED:
+        head_dim = meta.get(f"{arch}.rope.dimension_count")
+    embed = tensors.get("token_embd.weight")
+    vocab = int(embed.shape[1]) if embed is not None else meta.get(f"{arch}.vocab_size")
+    d: dict[str, Any] = {
+        "model_type": arch,
+        "vocab_size": vocab,
+        "hidden_size": meta.need(f"{arch}.embedding_length"),
+        "intermediate_size": meta.need(f"{arch}.feed_forward_length"),
+        "num_hidden_layers": meta.need(f"{arch}.block_count"),
+        "num_attention_heads": meta.need(f"{arch}.attention.head_count"),
+        "num_key_value_heads": _one(meta, f"{arch}.attention.head_count_kv"),
+        "head_dim": head_dim,
+        "rms_norm_eps": meta.need(f"{arch}.attention.layer_norm_rms_epsilon"),
+        "rope_theta": meta.get(f"{arch}.rope.freq_base", 10000.0),
+        "max_position_embeddings": meta.get(f"{arch}.context_length"),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": eos_ids(meta),
+    }
+    window = meta.get(f"{arch}.attention.sliding_window")
+    if window:
+        d["sliding_window"] = window
+        d["use_sliding_window"] = True
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling == "linear":
+        d["rope_scaling"] = {
+            "rope_type": "linear",
+            "factor": meta.need(f"{arch}.rope.scaling.factor"),
+        }
+    elif scaling != "none":
+        raise CheckpointError(
+            f"load: {str(meta.file)!r}: {arch}.rope.scaling.type {scaling!r} is not supported "
+            "(none, linear)"
+        )
+    try:
+        return DecoderConfig.from_dict(d)
+    except ValueError as exc:
+        raise CheckpointError(f"load: {str(meta.file)!r}: GGUF metadata: {exc}") from None
+
+
+def _one(meta: _Meta, key: str) -> int | None:
+    """A count that some files store per layer: the one value, or an error if they differ."""
+    value = meta.get(key)
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise CheckpointError(
+                f"load: {str(meta.file)!r}: {key} differs between layers ({value}); not supported"
+            )
+        value = value[0]
+    return None if value is None else int(value)
+
+
+def eos_ids(meta: _Meta) -> list[int]:
+    """The ids that end a turn: ``tokenizer.ggml.eos_token_id`` (then ``eot``, ``eom``)."""
+    ids = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    return list(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def gguf_tokenizer(meta: _Meta) -> Tokenizer | None:
+    """The byte-level BPE tokenizer of the metadata (``tokenizer.ggml.model == "gpt2"``), as
+    transformers builds it; ``None`` for other tokenizer models or when there is none."""
+    if meta.get("tokenizer.ggml.model") != "gpt2":
+        return None
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+    from tokenizers import Tokenizer as HFTokenizer
+
+    tokens: list[str] = meta.need("tokenizer.ggml.tokens")
+    kinds: list[int] = meta.get("tokenizer.ggml.token_type") or []
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+    vocab = {
+        t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
+        for i, t in enumerate(tokens)
+    }
+    merges = [tuple(m.split(" ")) for m in meta.get("tokenizer.ggml.merges") or []]
+    tok = HFTokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=merges,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+        )
+    )
+    split = _SPLITS.get(meta.get("tokenizer.ggml.pre", ""))
+    if split is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    tok.decoder = decoders.ByteLevel()
+    # Control tokens (<|im_end|>) are special; user-defined ones (<think>) are matched whole.
+    # A control token outside the byte alphabet is a llama.cpp mislabel (skipped, as HF does).
+    typed = list(zip(tokens, kinds, strict=False))
+    control = [t for t, k in typed if k == _CONTROL and set(t) <= alphabet]
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
+    user = [t for t, k in typed if k == _USER_DEFINED and t in vocab]
+    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
+
+    def special(key: str) -> str | None:
+        i = meta.get(f"tokenizer.ggml.{key}_token_id")
+        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+    bos, eos = special("bos"), special("eos")
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
+    single = " ".join(
+        [f"{bos}:0"] * add_bos + ["$A:0"] + [f"{eos}:0"] * add_eos
+    )  # transformers' update_post_processor
+    specials = [(t, vocab[t]) for t, on in ((bos, add_bos), (eos, add_eos)) if on and t]
+    tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=specials)
+    config = {
+        "chat_template": meta.get("tokenizer.chat_template"),
+        "bos_token": bos,
+        "eos_token": eos,
+        "unk_token": special("unknown"),
+        "pad_token": special("padding"),
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
+    }
+    return Tokenizer(tok, {k: v for k, v in config.items() if v is not None})
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (the byte-level BPE alphabet)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    keep += list(range(ord("®"), ord("ÿ") + 1))
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+def load_gguf(
+    path: str | Path,
+    /,
+    *,
+    backend: str = "numpy",
+    dtype: Any = None,
+    device: Any = None,
+    dequantize: bool = False,
+) -> Model:
+    """Load a ``.gguf`` file (see :func:`portable_llm.load`).
+
+    ``dtype`` (default ``float32``) is that of the float weights, and of the scales and biases
+    of the weights kept quantized. ``dequantize=True`` gives every weight as floats in
+    ``dtype`` (transformers' reading); otherwise Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K
+    tensors stay quantized, exactly, as MLX's affine format with group_size 32.
+
+    Raises
+    ------
+    portable_llm.models.CheckpointError
+        A file that is not GGUF or is truncated, a missing metadata key, an unsupported
+        architecture or tensor type, missing, unexpected or misshapen tensors (all named).
+    """
+    from gguf import GGUFReader
+
+    file = Path(path)
+    try:
+        reader = GGUFReader(file, "r")
+    except (ValueError, OSError, KeyError, IndexError) as exc:
+        raise CheckpointError(
+            f"load: {str(file)!r} is not a readable GGUF file (truncated?): {exc}"
+        ) from None
+    meta = _Meta(reader, file)
+    tensors = {t.name: t for t in reader.tensors}
+    cfg = gguf_config(meta, tensors)
+    bk = get_backend(backend)
+    try:
+        dev = None if device is None else bk.device(device)
+        target = bk.dtype("float32" if dtype is None else dtype, dev)
+    except ValueError as exc:
+        raise ValueError(f"load: {exc}") from None
+    if bk.dtype_name(target) not in FLOAT_DTYPES:
+        raise ValueError(f"load: dtype must be a float dtype ({', '.join(FLOAT_DTYPES)})")
+    names = _check(file, cfg, tensors)
+    weights = {
+        name: _tensor(file, tensors[g], name, cfg, bk, target, dev, dequantize)
+        for name, g in names.items()
+    }
+    tokenizer = gguf_tokenizer(meta)
+    generation: dict[str, Any] = {}
+    if cfg.eos_token_id:
+        generation["eos_token_id"] = list(cfg.eos_token_id)
+    if cfg.bos_token_id is not None:
+        generation["bos_token_id"] = cfg.bos_token_id
+    return Model(cfg, weights, bk, tokenizer=tokenizer, generation_config=generation)
+
+
+def _shape(t: Any) -> tuple[int, ...]:
+    return tuple(int(n) for n in reversed(t.shape))  # ggml's ne is innermost first
+
+
+def _check(file: Path, cfg: DecoderConfig, tensors: dict[str, Any]) -> dict[str, str]:
+    """HF name -> GGUF name of every expected tensor; :class:`CheckpointError` listing the
+    missing, unexpected and misshapen ones."""
+    expected = expected_shapes(cfg)
+    names: dict[str, str] = {}
+    unexpected = []
+    for g in tensors:
+        h = hf_name(g)
+        if h is None or h not in expected:
+            unexpected.append(g)
+        else:
+            names[h] = g
+    problems = []
+    missing = [_gguf_name(h) for h in expected if h not in names]
+    if missing:
+        problems.append(f"missing tensors ({len(missing)}): {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors ({len(unexpected)}): {', '.join(unexpected)}")
+    bad = [
+        f"{g} {_shape(tensors[g])} (metadata implies {expected[h]})"
+        for h, g in names.items()
+        if _shape(tensors[g]) != expected[h]
+    ]
+    if bad:
+        problems.append(f"tensors whose shape disagrees with the metadata: {', '.join(bad)}")
+    if problems:
+        raise CheckpointError(f"load: {str(file)!r}: " + "; ".join(problems))
+    return {h: names[h] for h in expected}
+
+
+def _gguf_name(h: str) -> str:
+    """The GGUF name of an HF tensor name (for messages)."""
+    for g, stem in _GLOBAL.items():
+        if h == f"{stem}.weight":
+            return f"{g}.weight"
+    m = re.match(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$", h)
+    if m:
+        for g, stem in _LAYER.items():
+            if stem == m[2]:
+                return f"blk.{m[1]}.{g}.{m[3]}"
+    return h
+
+
+def _blocks(file: Path, t: Any) -> tuple[str, np.ndarray]:
+    """``(type name, uint8 blocks (n, bytes per block))`` of a tensor, checked."""
+    kind = t.tensor_type.name
+    if kind not in BLOCK_SIZES:
+        raise CheckpointError(
+            f"load: {str(file)!r}: tensor {t.name} has GGUF type {kind}, which portable_llm "
+            f"does not read; supported: {', '.join(BLOCK_SIZES)}"
+        )
+    per, nbytes = BLOCK_SIZES[kind]
+    raw = np.asarray(t.data).reshape(-1).view(np.uint8)
+    want = int(t.n_elements) // per * nbytes
+    if raw.size != want or int(t.n_elements) % per or _shape(t)[-1] % per:
+        raise CheckpointError(
+            f"load: {str(file)!r}: tensor {t.name} ({kind}, shape {_shape(t)}) has "
+            f"{raw.size} bytes, expected {want} (truncated file?)"
+        )
+    return kind, raw.reshape(-1, nbytes)
+
+
+def _floats(host: np.ndarray, bk: Backend, dtype: Any, device: Any) -> Any:
+    """Float32 host values as ``bk``'s array of ``dtype`` on ``device`` (cast there)."""
+    arr = bk.from_numpy(np.ascontiguousarray(host, dtype=np.float32), device)
+    return arr if arr.dtype == dtype else bk.astype(arr, dtype)
+
+
+def _row_order(name: str, cfg: DecoderConfig) -> np.ndarray | None:
+    """The rows that undo llama.cpp's q/k permutation (transformers' ``_reverse_permute``)."""
+    if cfg.model_type not in _PERMUTED or not name.endswith(("q_proj.weight", "k_proj.weight")):
+        return None
+    heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+    half = cfg.head_dim // 2
+    return np.arange(heads * 2 * half).reshape(heads, half, 2).swapaxes(1, 2).reshape(-1)
+
+
+def _tensor(
+    file: Path,
+    t: Any,
+    name: str,
+    cfg: DecoderConfig,
+    bk: Backend,
+    dtype: Any,
+    device: Any,
+    dequantize: bool,
+) -> Any:
+    kind, blocks = _blocks(file, t)
+    shape = _shape(t)
+    rows = _row_order(name, cfg)
+    if dequantize or kind not in AFFINE_BITS or len(shape) != 2:
+        host = dequantize_blocks(kind, blocks).reshape(shape)
+        if rows is not None:
+            host = host[rows]
+        return _floats(host, bk, dtype, device)
+    q, scales, biases = affine_parts(kind, blocks)
+    N, K = shape
+    q, scales, biases = q.reshape(N, K), scales.reshape(N, K // 32), biases.reshape(N, K // 32)
+    if rows is not None:
+        q, scales, biases = q[rows], scales[rows], biases[rows]
+    bits = AFFINE_BITS[kind]
+    from portable_llm.ops.quant import QuantizedWeight
+
+    return QuantizedWeight(
+        bk.from_numpy(pack_codes(q, bits), device),
+        _floats(scales, bk, dtype, device),
+        _floats(biases, bk, dtype, device),
+        bits=bits,
+        group_size=32,
+    )
