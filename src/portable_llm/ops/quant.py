@@ -1,0 +1,457 @@
+"""Quantized weights in MLX's affine format: ``QuantizedWeight``, ``quantize``, ``dequantize``,
+``quantized_linear``.
+
+The format (MLX's ``mx.quantize(mode="affine")``, mlx-lm's 4-bit checkpoints): a weight ``W`` of
+shape ``(N, K)`` is cut along K into groups of ``group_size``; each group ``g`` of row ``n`` has a
+float ``scales[n, g]`` and ``biases[n, g]`` and each element a ``bits``-bit code ``q``, so that
+``W[n, k] ~= scales[n, k // group_size] * q[n, k] + biases[n, k // group_size]``. The codes of a
+row are one little-endian bit stream: code ``k`` occupies bits ``bits*k .. bits*k + bits - 1``,
+and stream bit ``b`` is bit ``b % 32`` of ``packed[n, b // 32]`` (uint32). For 2, 4 and 8 bits a
+code never straddles two words; for 3, 5 and 6 bits some do (e.g. 3-bit code 10 takes bits 30-31
+of word 0 and bit 0 of word 1). The layout is drawn in ``docs/ops/quantization.md``.
+
+The portable code unpacks with shifts and masks on int32 (the uint32 words reinterpreted: every
+library wraps the conversion, and torch has no shifts on uint32); the codes are exact whatever the
+sign of the int32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from portable_llm.backends import Backend, backend_of, get_backend, resolve
+from portable_llm.core.checks import check_float, check_int, check_ndim
+from portable_llm.core.dispatch import pick, portable
+
+__all__ = ["BITS", "GROUP_SIZES", "QuantizedWeight", "dequantize", "quantize", "quantized_linear"]
+
+#: The code widths MLX's affine format supports.
+BITS: tuple[int, ...] = (2, 3, 4, 5, 6, 8)
+#: The group sizes it supports.
+GROUP_SIZES: tuple[int, ...] = (32, 64, 128)
+#: MLX's floor on a group's step (``float eps = 1e-7``), so a constant group does not divide by 0.
+_EPS = 1e-7
+
+
+def _check_format(op: str, bits: Any, group_size: Any) -> tuple[int, int]:
+    bits = check_int(op, "bits", bits)
+    group_size = check_int(op, "group_size", group_size)
+    if bits not in BITS:
+        raise ValueError(f"{op}: bits must be one of {BITS}, got {bits}")
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"{op}: group_size must be one of {GROUP_SIZES}, got {group_size}")
+    return bits, group_size
+
+
+class QuantizedWeight:
+    """A weight of shape ``(.., N, K)`` in MLX's affine quantized format.
+
+    Parameters
+    ----------
+    packed : array, shape ``(.., N, K * bits / 32)``, uint32
+        The codes, ``32 / bits`` per word for 2/4/8 bits, a continuous little-endian bit stream
+        for 3/5/6 bits (see the module docstring).
+    scales, biases : array, shape ``(.., N, K / group_size)``, one float dtype
+        ``w = scales * q + biases`` per group.
+    bits : {2, 3, 4, 5, 6, 8}
+    group_size : {32, 64, 128}
+
+    Attributes
+    ----------
+    shape : tuple of int
+        ``(.., N, K)``, the dequantized weight's shape.
+    dtype
+        The dtype of ``scales`` (and of the dequantized weight).
+    bits, group_size : int
+    backend : Backend
+        The library of the three arrays.
+
+    Raises
+    ------
+    ValueError
+        bits or group_size outside the sets above, or shapes that disagree.
+    TypeError
+        packed not uint32, scales/biases not float or of two dtypes, arrays of two libraries.
+    """
+
+    __slots__ = ("backend", "biases", "bits", "group_size", "packed", "scales", "shape")
+
+    def __init__(self, packed: Any, scales: Any, biases: Any, /, *, bits: int, group_size: int):
+        op = "QuantizedWeight"
+        bits, group_size = _check_format(op, bits, group_size)
+        bk, (packed, scales, biases) = resolve(op, None, packed, scales, biases)
+        for name, a in (("packed", packed), ("scales", scales), ("biases", biases)):
+            if backend_of(a) is not bk:
+                raise TypeError(f"{op}: {name} must be an array, got {type(a).__name__}")
+        if bk.dtype_name(packed.dtype) != "uint32":
+            raise TypeError(
+                f"{op}: packed must have dtype uint32, got {bk.dtype_name(packed.dtype)} with "
+                f"shape {tuple(packed.shape)}"
+            )
+        check_float(op, "scales", scales, bk)
+        if biases.dtype != scales.dtype:
+            raise TypeError(
+                f"{op}: biases must have the dtype of scales ({bk.dtype_name(scales.dtype)}), "
+                f"got {bk.dtype_name(biases.dtype)}"
+            )
+        check_ndim(op, "packed", packed, 2, ".. x N x K*bits/32")
+        lead, words = tuple(packed.shape[:-1]), packed.shape[-1]
+        k = words * 32 // bits
+        if (words * 32) % bits or k % group_size:
+            raise ValueError(
+                f"{op}: packed has shape {tuple(packed.shape)}: its last dimension times 32 must "
+                f"be a multiple of bits * group_size = {bits * group_size}"
+            )
+        expected = (*lead, k // group_size)
+        for name, a in (("scales", scales), ("biases", biases)):
+            if tuple(a.shape) != expected:
+                raise ValueError(
+                    f"{op}: {name} must have shape {expected} (.. x N x K/group_size, K = {k}) to "
+                    f"match packed of shape {tuple(packed.shape)} with bits={bits}, "
+                    f"group_size={group_size}; got {tuple(a.shape)}"
+                )
+        self.packed, self.scales, self.biases = packed, scales, biases
+        self.bits, self.group_size = bits, group_size
+        self.shape: tuple[int, ...] = (*lead, k)
+        self.backend: Backend = bk
+
+    @property
+    def dtype(self) -> Any:
+        """The dtype of ``scales``: that of the dequantized weight."""
+        return self.scales.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the three arrays."""
+        return sum(math.prod(a.shape) * _itemsize(self.backend, a) for a in self.arrays)
+
+    @property
+    def arrays(self) -> tuple[Any, Any, Any]:
+        """``(packed, scales, biases)``."""
+        return self.packed, self.scales, self.biases
+
+    def __getitem__(self, index: Any) -> QuantizedWeight:
+        """Index the leading axes (e.g. one expert of a stacked ``(X, N, K)`` weight)."""
+        if not isinstance(index, int | slice):
+            raise TypeError("QuantizedWeight: only an int or a slice indexes the leading axis")
+        if len(self.shape) < 3 and not isinstance(index, slice):
+            raise IndexError("QuantizedWeight: a 2-D weight has no leading axis to index")
+        return QuantizedWeight(
+            self.packed[index, ...],
+            self.scales[index, ...],
+            self.biases[index, ...],
+            bits=self.bits,
+            group_size=self.group_size,
+        )
+
+    def to(self, backend: str | Backend, device: Any = None) -> QuantizedWeight:
+        """The same weight as arrays of ``backend`` (on ``device``)."""
+        bk = get_backend(backend)
+        conv = [
+            a if (self.backend is bk and device is None) else bk.convert(a, self.backend, device)
+            for a in self.arrays
+        ]
+        return QuantizedWeight(*conv, bits=self.bits, group_size=self.group_size)
+
+    def __repr__(self) -> str:
+        return (
+            f"QuantizedWeight(shape={self.shape}, bits={self.bits}, group_size={self.group_size}, "
+            f"dtype={self.backend.dtype_name(self.dtype)}, backend={self.backend.name!r})"
+        )
+
+
+def _itemsize(bk: Backend, a: Any) -> int:
+    name = bk.dtype_name(a.dtype)
+    return {"float16": 2, "bfloat16": 2, "float64": 8}.get(name, 4)
+
+
+# -- the portable implementations ---------------------------------------------------------------
+
+
+def _positions(bits: int) -> list[tuple[int, int]]:
+    """(word, shift) of each of the 32 codes of one block of ``bits`` words."""
+    return [divmod(bits * j, 32) for j in range(32)]
+
+
+def _unpack(xp: Any, packed: Any, *, bits: int) -> Any:
+    """uint32 words ``(.., W)`` -> int32 codes ``(.., W * 32 / bits)``."""
+    words = xp.astype(packed, xp.int32)  # wraps: the bit pattern is kept
+    mask = (1 << bits) - 1
+    lead, w = tuple(packed.shape[:-1]), packed.shape[-1]
+    if 32 % bits == 0:  # whole codes per word: code i of a word sits at bits*i
+        parts = [(words >> (bits * i)) & mask for i in range(32 // bits)]
+        codes = xp.stack(parts, axis=-1)  # (.., W, 32/bits)
+        return xp.reshape(codes, (*lead, w * 32 // bits))
+    blocks = xp.reshape(words, (*lead, w // bits, bits))  # (.., W/bits, bits): 32 codes each
+    parts = []
+    for word, shift in _positions(bits):
+        code = blocks[..., word] >> shift
+        if shift + bits > 32:  # straddles: the high part is the low bits of the next word
+            code = (code & ((1 << (32 - shift)) - 1)) | (blocks[..., word + 1] << (32 - shift))
+        parts.append(code & mask)
+    codes = xp.stack(parts, axis=-1)  # (.., W/bits, 32)
+    return xp.reshape(codes, (*lead, w * 32 // bits))
+
+
+def _pack(xp: Any, codes: Any, *, bits: int) -> Any:
+    """int32 codes ``(.., K)`` in ``[0, 2**bits)`` -> uint32 words ``(.., K * bits / 32)``."""
+    lead, k = tuple(codes.shape[:-1]), codes.shape[-1]
+    if 32 % bits == 0:
+        per = 32 // bits
+        c = xp.reshape(codes, (*lead, k // per, per))  # (.., W, 32/bits)
+        word = c[..., 0]
+        for i in range(1, per):
+            word = word | (c[..., i] << (bits * i))  # int32 wraps at bit 31: the bits are kept
+        return xp.astype(word, xp.uint32)
+    c = xp.reshape(codes, (*lead, k // 32, 32))  # (.., K/32, 32): one block of `bits` words each
+    words: list[Any] = [None] * bits
+    for j, (word, shift) in enumerate(_positions(bits)):
+        low = c[..., j] << shift
+        words[word] = low if words[word] is None else words[word] | low
+        if shift + bits > 32:
+            high = c[..., j] >> (32 - shift)
+            words[word + 1] = high if words[word + 1] is None else words[word + 1] | high
+    out = xp.stack(words, axis=-1)  # (.., K/32, bits)
+    return xp.astype(xp.reshape(out, (*lead, k * bits // 32)), xp.uint32)
+
+
+# Not compiled on JAX: XLA fuses the multiply and the add into one fma (rounded once, where MLX
+# rounds twice: measured one ulp apart in 2% of float32 elements). Run op by op it equals
+# mx.dequantize; inside quantized_linear (compiled) the fma is part of the matmul's rounding.
+@portable("dequantize")
+def _dequantize(
+    xp: Any, packed: Any, scales: Any, biases: Any, *, bits: int, group_size: int
+) -> Any:
+    codes = _unpack(xp, packed, bits=bits)  # (.., N, K) int32
+    lead, k = tuple(codes.shape[:-1]), codes.shape[-1]
+    q = xp.reshape(xp.astype(codes, scales.dtype), (*lead, k // group_size, group_size))
+    # MLX's order and dtype: multiply, then add, each rounded to the scales' dtype.
+    w = q * scales[..., None] + biases[..., None]  # (.., N, K/group, group)
+    return xp.reshape(w, (*lead, k))
+
+
+def _div(xp: Any, a: Any, b: Any) -> Any:
+    """``a / b`` correctly rounded, ``b`` broadcast to ``a``'s shape first by a select.
+
+    XLA rewrites a division by a broadcast operand into a multiplication by its reciprocal (two
+    roundings: measured 16-70% of float32 quotients one ulp off, enough to move codes that sit
+    near a rounding boundary). A select whose condition XLA cannot fold keeps a true division;
+    where ``a`` is NaN the quotient is NaN either way. Elsewhere it costs one elementwise select.
+    """
+    return a / xp.where(xp.isnan(a), a, b)
+
+
+@portable("quantize", pure=True)
+def _quantize(xp: Any, w: Any, *, bits: int, group_size: int) -> tuple[Any, Any, Any]:
+    """MLX's affine quantization (``mlx/backend/cpu/quantized.cpp``), step for step, in float32
+    (float64 for float64 weights); scales and biases are rounded to w's dtype at the end only."""
+    ct = xp.float64 if w.dtype == xp.float64 else xp.float32
+    lead, k = tuple(w.shape[:-1]), w.shape[-1]
+    g = xp.reshape(xp.astype(w, ct), (*lead, k // group_size, group_size))  # (.., N, G, gs)
+    n_bins = float((1 << bits) - 1)
+    w_max = xp.max(g, axis=-1, keepdims=True)  # (.., N, G, 1)
+    w_min = xp.min(g, axis=-1, keepdims=True)
+    # Anchor the group at the endpoint of larger magnitude, so that it is represented exactly.
+    mask = xp.abs(w_min) > xp.abs(w_max)
+    diff = w_max - w_min
+    scale = _div(xp, diff, xp.full_like(diff, n_bins))
+    eps = xp.full_like(scale, _EPS)
+    scale = xp.where(scale < eps, eps, scale)  # std::max(scale, eps): NaN stays NaN
+    scale = xp.where(mask, scale, -scale)
+    edge = xp.where(mask, w_min, w_max)
+    q0 = xp.round(edge / scale)  # round half to even, as std::rint
+    nonzero = q0 != 0
+    one = xp.ones_like(q0)
+    scale = xp.where(nonzero, edge / xp.where(nonzero, q0, one), scale)
+    bias = xp.where(nonzero, edge, xp.zeros_like(edge))
+    q = xp.clip(xp.round(_div(xp, g - bias, scale)), 0.0, n_bins)  # (.., N, G, gs)
+    codes = xp.reshape(xp.astype(q, xp.int32), (*lead, k))
+    packed = _pack(xp, codes, bits=bits)
+    return packed, xp.astype(scale[..., 0], w.dtype), xp.astype(bias[..., 0], w.dtype)
+
+
+@portable("quantized_linear", pure=True)
+def _quantized_linear(
+    xp: Any, x: Any, packed: Any, scales: Any, biases: Any, bias: Any, *, bits: int,
+    group_size: int,
+) -> Any:  # fmt: skip
+    from portable_llm.ops.linear import _linear  # linear imports this module
+
+    w = _dequantize(xp, packed, scales, biases, bits=bits, group_size=group_size)  # (O, I)
+    if w.dtype != x.dtype:
+        w = xp.astype(w, x.dtype)
+    return _linear(xp, x, w, bias)
+
+
+@portable("quantized_embedding")  # not compiled on JAX, as dequantize: rows equal dequantize's
+def _quantized_embedding(
+    xp: Any, ids: Any, packed: Any, scales: Any, biases: Any, *, bits: int, group_size: int
+) -> Any:
+    """Gather the rows of ``ids`` (any shape, in range), then dequantize those rows only."""
+    flat = xp.reshape(ids, (-1,))  # (n,)
+    rows = _dequantize(
+        xp,
+        xp.take(packed, flat, axis=0),
+        xp.take(scales, flat, axis=0),
+        xp.take(biases, flat, axis=0),
+        bits=bits,
+        group_size=group_size,
+    )  # (n, E)
+    return xp.reshape(rows, (*ids.shape, rows.shape[-1]))
+
+
+# -- the public ops -----------------------------------------------------------------------------
+
+
+def quantize(
+    w: Any,
+    /,
+    *,
+    bits: int = 4,
+    group_size: int = 64,
+    impl: str = "auto",
+    backend: str | None = None,
+) -> QuantizedWeight:
+    """Quantize a weight to MLX's affine format.
+
+    Per group of ``group_size`` along the last axis, in float32 (MLX's algorithm): the step is
+    ``s = max((max - min) / (2**bits - 1), 1e-7)``, signed and adjusted so that the endpoint of
+    larger magnitude (``edge``) is an exact multiple ``q0 * s``; ``bias = edge`` (0 when
+    ``q0 == 0``); codes ``q = clip(round((w - bias) / s), 0, 2**bits - 1)``, rounding half to
+    even. Scales and biases are then rounded to w's dtype.
+
+    Parameters
+    ----------
+    w : array, shape ``(.., N, K)``, float dtype, K a multiple of ``group_size``
+    bits : {2, 3, 4, 5, 6, 8}
+    group_size : {32, 64, 128}
+    impl : {"auto", "portable", "native"}
+        On MLX ``auto`` is ``mx.quantize`` (bit-identical to the portable path, tested).
+    backend : str, optional
+
+    Returns
+    -------
+    QuantizedWeight
+        ``dequantize(quantize(w))`` is within half a step (``|scale| / 2``) of ``w`` per element,
+        plus the rounding of scales and biases to w's dtype.
+    """
+    op = "quantize"
+    bits, group_size = _check_format(op, bits, group_size)
+    bk, (w,) = resolve(op, backend, w)
+    check_float(op, "w", w, bk)
+    check_ndim(op, "w", w, 2, ".. x N x K")
+    if w.shape[-1] % group_size:
+        raise ValueError(
+            f"{op}: the last dimension of w (shape {tuple(w.shape)}) must be a multiple of "
+            f"group_size={group_size}"
+        )
+    packed, scales, biases = pick(bk, op, impl, w, bits=bits, group_size=group_size)(
+        bk.xp, w, bits=bits, group_size=group_size
+    )
+    return QuantizedWeight(packed, scales, biases, bits=bits, group_size=group_size)
+
+
+def _check_qw(op: str, name: str, qw: Any) -> QuantizedWeight:
+    if not isinstance(qw, QuantizedWeight):
+        raise TypeError(f"{op}: {name} must be a QuantizedWeight, got {type(qw).__name__}")
+    return qw
+
+
+def dequantize(qw: QuantizedWeight, /, *, impl: str = "auto") -> Any:
+    """The float weight ``scales * q + biases`` of a :class:`QuantizedWeight`.
+
+    Computed as ``mx.dequantize`` does: the codes cast to the scales' dtype, multiplied by the
+    scale, then the bias added, each step rounded to that dtype (equal to ``mx.dequantize`` on
+    every backend, tested).
+
+    Parameters
+    ----------
+    qw : QuantizedWeight, shape ``(.., N, K)``
+    impl : {"auto", "portable", "native"}
+
+    Returns
+    -------
+    array, shape ``(.., N, K)``, qw's dtype, of qw's backend
+    """
+    qw = _check_qw("dequantize", "qw", qw)
+    bk, opts = qw.backend, {"bits": qw.bits, "group_size": qw.group_size}
+    return pick(bk, "dequantize", impl, *qw.arrays, **opts)(bk.xp, *qw.arrays, **opts)
+
+
+def quantized_linear(
+    x: Any,
+    qw: QuantizedWeight,
+    bias: Any = None,
+    /,
+    *,
+    impl: str = "auto",
+    backend: str | None = None,
+) -> Any:
+    """``x @ dequantize(qw).T + bias``, accumulated in float32, returned in x's dtype.
+
+    The dequantized weight (qw's dtype) is cast to x's dtype when they differ (the one
+    mixed-precision rule of the weights), then multiplied as :func:`~portable_llm.linear` does.
+
+    Parameters
+    ----------
+    x : array, shape ``(N.., I)``, float dtype
+    qw : QuantizedWeight, shape ``(O, I)``
+    bias : array, shape ``(O,)``, optional
+        Cast to x's dtype when it differs.
+    impl : {"auto", "portable", "native"}
+        ``native``: ``mx.quantized_matmul`` on MLX; on torch CPU, 4-bit weights with bfloat16
+        scales through ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (see the docs for which
+        of them ``auto`` takes). The portable path dequantizes and multiplies (JAX: in one jitted
+        function, which XLA fuses).
+    backend : str, optional
+        Inferred from x and qw when ``None`` (arrays of two libraries are a TypeError); when given,
+        x, qw and bias are converted to it.
+
+    Returns
+    -------
+    array, shape ``(N.., O)``, x's dtype
+    """
+    op = "quantized_linear"
+    qw = _check_qw(op, "qw", qw)
+    bk, (x, bias) = resolve(op, backend, x, bias)
+    if qw.backend is not bk:
+        if backend is None:
+            raise TypeError(
+                f"{op}: got arrays from two libraries, {bk.name} (x) and {qw.backend.name} (qw); "
+                "pass backend='...' to convert them to one"
+            )
+        qw = qw.to(bk, bk.device_of(x))
+    check_float(op, "x", x, bk)
+    check_ndim(op, "x", x, 1, "N.. x I")
+    if len(qw.shape) != 2 or qw.shape[1] != x.shape[-1]:
+        raise ValueError(
+            f"{op}: qw must have shape (O, {x.shape[-1]}) (O x I) to match x of shape "
+            f"{tuple(x.shape)}, got {qw.shape}"
+        )
+    if bias is not None:
+        check_float(op, "bias", bias, bk)
+        if tuple(bias.shape) != (qw.shape[0],):
+            raise ValueError(
+                f"{op}: bias must have shape ({qw.shape[0]},) to match qw of shape {qw.shape}, "
+                f"got {tuple(bias.shape)}"
+            )
+        if bias.dtype != x.dtype:
+            bias = bk.astype(bias, x.dtype)
+    p, s, b = qw.arrays
+    opts = {"bits": qw.bits, "group_size": qw.group_size}
+    return pick(bk, op, impl, x, p, s, b, bias, **opts)(bk.xp, x, p, s, b, bias, **opts)
+
+
+def quantized_embedding(ids: Any, qw: QuantizedWeight, bk: Backend) -> Any:
+    """Rows ``ids`` (an index dtype, already range-checked) of a quantized table, dequantized.
+
+    Used by :func:`~portable_llm.embedding`; only the gathered rows are dequantized.
+    """
+    opts = {"bits": qw.bits, "group_size": qw.group_size}
+    fn = pick(bk, "quantized_embedding", "portable", ids, *qw.arrays, **opts)
+    return fn(bk.xp, ids, *qw.arrays, **opts)
