@@ -241,3 +241,92 @@ def test_bench_skips_a_backend_without_the_dtype(monkeypatch, capsys):
     assert code == 0, out
     assert "skipped: no float16 on numpy (float32, float64)" in out
     assert _tables(out) == []
+
+
+# -- generate -----------------------------------------------------------------------------------
+
+
+def _checkpoint(folder, *, eos, tokenizer: bool = False):
+    """A tiny random qwen2 checkpoint whose generation_config names ``eos`` (a list of ids)."""
+    import json
+
+    from portable_llm.testing.checkpoints import tiny_config, write_checkpoint, write_tokenizer
+
+    cfg = tiny_config("qwen2")
+    write_checkpoint(folder, cfg)
+    if tokenizer:
+        write_tokenizer(folder, vocab_size=cfg["vocab_size"])
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    return folder
+
+
+def _greedy(folder, prompt, n):
+    import portable_llm as pl
+
+    return list(pl.generate(pl.load(folder), prompt, max_new_tokens=n, stop=()))
+
+
+def test_generate_ids_without_a_tokenizer(tmp_path, capsys):
+    folder = _checkpoint(tmp_path, eos=[])  # no stop token: runs to the limit
+    want = _greedy(folder, [1, 2, 3], 5)
+    assert main(["generate", str(folder), "--ids", "1, 2,3", "--max-new-tokens", "5"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == ",".join(map(str, want))  # the new ids, as --ids takes them
+    assert out[1] == "stopped: 5 new tokens, the --max-new-tokens limit (5)"
+    assert re.fullmatch(r"prefill: 3 tokens in [\d.]+ s, [\d.]+ tokens/s", out[3])
+    assert re.fullmatch(r"decode: 4 tokens in [\d.]+ s, [\d.]+ tokens/s", out[4])
+
+
+def test_generate_says_which_stop_token_ended_it(tmp_path, capsys):
+    folder = _checkpoint(tmp_path, eos=[])
+    runs = ((p, _greedy(folder, p, 2)) for p in ([4, 5], [6, 7], [8, 9], [10, 11]))
+    prompt, (first, second) = next((p, ids) for p, ids in runs if ids[0] != ids[1])
+    arg = ",".join(map(str, prompt))
+    # The second new token is the stop token: one id printed, then why it stopped.
+    _checkpoint(tmp_path, eos=[second])
+    assert main(["generate", str(folder), "--ids", arg]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[:2] == [str(first), f"stopped at stop token {second} after 1 new token"]
+    # The first new token is a stop token: nothing to print, and the output says so.
+    _checkpoint(tmp_path, eos=[first])
+    assert main(["generate", str(folder), "--ids", arg]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == ""
+    assert out[1] == (
+        f"stopped at stop token {first} after 0 new tokens (the first new token: no output)"
+    )
+    assert re.fullmatch(r"decode: 0 tokens in [\d.]+ s, [\d.]+ tokens/s", out[4])
+
+
+def test_generate_text_prompt_names_the_stop_tokens_text(tmp_path, capsys):
+    import portable_llm as pl
+
+    folder = _checkpoint(tmp_path, eos=[], tokenizer=True)
+    tok = pl.load(folder).tokenizer
+    first = _greedy(folder, tok.encode("The keys"), 1)[0]
+    _checkpoint(tmp_path, eos=[first], tokenizer=True)
+    assert main(["generate", str(folder), "--prompt", "The keys"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    text = tok.decode([first], skip_special_tokens=False)
+    assert out[0] == ""
+    assert out[1] == (
+        f"stopped at stop token {first} {text!r} after 0 new tokens "
+        "(the first new token: no output)"
+    )
+
+
+def test_generate_argument_errors(tmp_path, capsys):
+    folder = _checkpoint(tmp_path, eos=[2])
+    for args in (["--ids", "1,x"], ["--ids", ","], ["--ids", "1", "--prompt", "hi"], []):
+        with pytest.raises(SystemExit) as exc:
+            main(["generate", str(folder), *args])
+        assert exc.value.code == 2, args
+        err = capsys.readouterr().err
+        assert "--ids" in err or "--prompt" in err, err
+    assert main(["generate", str(folder), "--prompt", "hi"]) == 1  # no tokenizer.json
+    err = capsys.readouterr().err
+    assert "has no tokenizer.json" in err and "--ids 1,2,3" in err
+    assert main(["generate", str(folder), "--ids", "1,2", "--chat"]) == 1
+    assert "--chat needs a text --prompt" in capsys.readouterr().err
+    assert main(["generate", str(folder), "--ids", "1,300"]) == 1  # V = 300
+    assert "prompt token ids must lie in [0, 300)" in capsys.readouterr().err

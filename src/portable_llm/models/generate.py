@@ -35,6 +35,8 @@ class GenerationStats:
     #: Forward passes after the prefill (one per token decoded, a final stop token included).
     decode_steps: int = 0
     decode_seconds: float = 0.0
+    #: The stop token that ended the generation (``None``: it ran to ``max_new_tokens``).
+    stop_token: int | None = None
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -186,6 +188,7 @@ def _tokens(
             stats.decode_steps += 1
             stats.decode_seconds += elapsed
         if token in stops:
+            stats.stop_token = token
             return
         stats.generated_tokens += 1
         yield token

@@ -1,4 +1,5 @@
-"""``portable-llm generate PATH --prompt ...``: stream a checkpoint's continuation of a prompt."""
+"""``portable-llm generate PATH --prompt ...`` (or ``--ids 1,2,3``): stream a checkpoint's
+continuation of a prompt, then say why it stopped and how fast it ran."""
 
 from __future__ import annotations
 
@@ -18,7 +19,15 @@ def add_generate_parser(sub: Any) -> None:
         "decode tokens/s at the end",
     )
     p.add_argument("path", help="checkpoint folder (config.json, model.safetensors, tokenizer)")
-    p.add_argument("--prompt", required=True, help="the prompt text")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="the prompt text (needs the checkpoint's tokenizer.json)")
+    prompt.add_argument(
+        "--ids",
+        type=_ids,
+        metavar="1,2,3",
+        help="the prompt as token ids, comma-separated; the new ids are printed (no tokenizer "
+        "needed)",
+    )
     p.add_argument("--backend", default="numpy", help="array library to run on (default numpy)")
     p.add_argument("--dtype", default=None, help="weights dtype (default: the checkpoint's)")
     p.add_argument(
@@ -35,33 +44,63 @@ def add_generate_parser(sub: Any) -> None:
     )
 
 
+def _ids(text: str) -> list[int]:
+    """``--ids 1,2,3`` as a list of ints (argparse turns the ValueError into a usage error)."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    try:
+        ids = [int(p) for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated token ids such as 1,2,3, got {text!r}"
+        ) from None
+    if not ids:
+        raise argparse.ArgumentTypeError("expected at least one token id, got none")
+    return ids
+
+
 def run_generate(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    """Load, stream the tokens to ``out`` (stdout), then print the speeds; return the exit code."""
+    """Load, stream the tokens to ``out`` (stdout), then print why generation stopped and the
+    speeds; return the exit code.
+
+    With ``--prompt`` the text pieces are streamed; with ``--ids`` the new token ids, separated
+    by commas.
+    """
     from portable_llm.models.generate import generate
     from portable_llm.models.loader import load
 
     out = out if out is not None else sys.stdout
     err = sys.stderr
+    ids = getattr(args, "ids", None)
     try:
+        if ids is not None and args.chat:
+            raise ValueError("--chat needs a text --prompt, not --ids")
         start = time.perf_counter()
         model = load(args.path, backend=args.backend, dtype=args.dtype, device=args.device)
         loaded = time.perf_counter() - start
-        prompt = args.prompt
-        if args.chat:
+        prompt: Any = ids
+        if ids is None:
+            prompt = args.prompt
             if model.tokenizer is None:
-                raise ValueError("--chat needs the checkpoint's tokenizer.json")
-            prompt = model.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+                raise ValueError(
+                    f"{args.path} has no tokenizer.json: a text --prompt needs one; pass token "
+                    "ids instead (--ids 1,2,3)"
+                )
+            if args.chat:
+                messages = [{"role": "user", "content": prompt}]
+                prompt = model.tokenizer.apply_chat_template(messages)
         gen = generate(
             model, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
         )  # fmt: skip
-        for piece in gen:
-            print(piece, end="", file=out, flush=True)
+        for i, piece in enumerate(gen):
+            text = piece if ids is None else f"{',' if i else ''}{piece}"
+            print(text, end="", file=out, flush=True)
     except (FileNotFoundError, ValueError, ImportError) as exc:
         print(f"portable-llm generate: error: {exc}", file=err)
         return 1
     s = gen.stats
     print(file=out)
+    print(_why_stopped(model, s, args.max_new_tokens), file=out)
     print(
         f"load {loaded:.2f} s ({model!r})\n"
         f"prefill: {s.prompt_tokens} tokens in {s.prefill_seconds:.3f} s, "
@@ -71,3 +110,17 @@ def run_generate(args: argparse.Namespace, out: TextIO | None = None) -> int:
         file=out,
     )
     return 0
+
+
+def _why_stopped(model: Any, stats: Any, max_new_tokens: int) -> str:
+    """One line: the stop token that ended generation (with its text), or the token limit."""
+    n = stats.generated_tokens
+    new = f"{n} new token{'' if n == 1 else 's'}"
+    if stats.stop_token is None:
+        return f"stopped: {new}, the --max-new-tokens limit ({max_new_tokens})"
+    token = str(stats.stop_token)
+    if model.tokenizer is not None:
+        text = model.tokenizer.decode([stats.stop_token], skip_special_tokens=False)
+        token += f" {text!r}"
+    first = " (the first new token: no output)" if n == 0 else ""
+    return f"stopped at stop token {token} after {new}{first}"
