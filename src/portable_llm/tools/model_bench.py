@@ -23,7 +23,7 @@ import numpy as np
 
 from portable_llm.tools.report import UsageError, backend_names, format_table, load_for_dtype
 
-__all__ = ["QWEN2_0_5B", "run_model_bench", "write_bench_checkpoint"]
+__all__ = ["PEERS", "QWEN2_0_5B", "run_model_bench", "write_bench_checkpoint"]
 
 #: Qwen2-0.5B's config.json, the fields a decoder reads.
 QWEN2_0_5B: dict[str, Any] = {
@@ -159,6 +159,13 @@ def _row(
     ]
 
 
+#: backend -> the other libraries' engines that run next to it: (engine name, module that must
+#: be installed, (folder, dtype) -> (load seconds, runner)).
+PEERS: dict[str, tuple[tuple[str, str, Callable[[Path, str], tuple[float, Runner]]], ...]] = {
+    "torch": (("transformers", "transformers", _transformers),),
+    "mlx": (("mlx-lm", "mlx_lm", _mlx_lm),),
+}
+
 _HEADERS = ("engine", "backend", "dtype", "load", f"prefill tok/s (L={PREFILL})", "decode tok/s",
             "warm-up run")  # fmt: skip
 
@@ -186,10 +193,9 @@ def run_model_bench(
         if load_for_dtype(name, dtype, out) is None:
             continue
         engines = [("portable_llm", partial(_ours, folder, name, dtype))]
-        if name == "torch" and _installed("transformers"):
-            engines.append(("transformers", partial(_transformers, folder, dtype)))
-        if name == "mlx" and _installed("mlx_lm"):
-            engines.append(("mlx-lm", partial(_mlx_lm, folder, dtype)))
+        for engine, module, peer in PEERS.get(name, ()):
+            if _installed(module):
+                engines.append((engine, partial(peer, folder, dtype)))
         rows.extend(_row(engine, name, dtype, make, decode, ids) for engine, make in engines)
     if not rows:
         raise UsageError(f"no selected backend is installed with {dtype}")
