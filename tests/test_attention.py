@@ -548,7 +548,9 @@ def test_attention_block_tiled_equals_portable(backend):
         ({"norm_eps": -1.0}, ValueError, r"attention: norm_eps must be >= 0"),
         ({"window": 0}, ValueError, r"attention: window must be an int >= 1"),
         ({"mask": np.ones((3, 5), bool)}, ValueError, r"attention: mask of shape \(3, 5\)"),
-        ({"wv": np.zeros((8, 16), np.float64)}, TypeError, r"attention: arrays must share one"),
+        # A float64 weight with float32 x is cast (the mixed-precision rule, tested in
+        # test_attention_edges.py); a non-float weight stays an error.
+        ({"wv": np.zeros((8, 16), np.int32)}, TypeError, r"attention: wv must have a float dtype"),
     ],
 )  # fmt: skip
 def test_attention_block_bad_input(change, error, match):

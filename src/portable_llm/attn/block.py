@@ -14,9 +14,11 @@ from typing import Any
 from portable_llm.attn.kv_glue import block_kv_mask, block_offset
 from portable_llm.attn.padding import nonnegative, row_offsets
 from portable_llm.attn.sdpa import OP as SDPA
-from portable_llm.attn.sdpa import sdpa_args
+from portable_llm.attn.sdpa import empty, sdpa_args
+from portable_llm.attn.sdpa_args import int_option
 from portable_llm.backends import resolve
-from portable_llm.core.checks import check_float, check_same_dtype
+from portable_llm.core.arrays import to_numpy
+from portable_llm.core.checks import check_float, check_int, check_same_dtype, match_weight
 from portable_llm.core.dispatch import IMPLS, pick
 from portable_llm.ops.linear import _check_linear
 from portable_llm.rotary.args import dispatch_args as rope_dispatch_args
@@ -37,9 +39,16 @@ _DEFAULT_ROPE: Mapping[str, Any] = MappingProxyType({})
 
 
 def _positive(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{OP}: {name} must be an int >= 1, got {value!r}")
-    return value
+    """A count ``>= 1``: Python or NumPy integers (core.checks' policy), else a ValueError."""
+    return int_option(OP, name, value, low=1)  # type: ignore[no-any-return]
+
+
+def _check_padding(be: Any, pad: Any, L: int) -> None:
+    """``left_padding`` values in ``[0, L]``: one host read (skipped for traced values)."""
+    if be.is_traced(pad):
+        return
+    for b, n in enumerate(to_numpy(pad).tolist()):
+        check_int(OP, f"left_padding[{b}] (pad tokens of row {b} of L={L})", n, low=0, high=L)
 
 
 def _heads(xp: Any, y: Any, n: int, d: int) -> Any:
@@ -86,11 +95,16 @@ def attention(
     Parameters
     ----------
     x : array, shape ``(B, L, E)``, float dtype
+        ``B = 0`` or ``L = 0`` gives an empty ``(B, L, E_out)`` result.
     wq : array, shape ``(H * D, E)`` (HF ``q_proj.weight``)
+        Weights, biases and norms may have another float dtype than ``x``: they are cast to
+        ``x``'s (the one mixed-precision rule, ``docs/mixed-precision.md``). Integer weights
+        are a TypeError.
     wk, wv : array, shape ``(H_kv * D, E)``
     wo : array, shape ``(E_out, H * D)`` (HF ``o_proj.weight``; usually ``E_out = E``)
     num_heads, num_kv_heads : int
-        ``H`` and ``H_kv`` (HF ``num_attention_heads``, ``num_key_value_heads``);
+        ``H`` and ``H_kv`` (HF ``num_attention_heads``, ``num_key_value_heads``; Python or
+        NumPy integers);
         ``H % H_kv == 0``.
     head_dim : int, optional
         ``D``; default ``E // H`` (E must then be a multiple of H).
@@ -119,7 +133,7 @@ def attention(
         (:meth:`~portable_llm.KVCache.make_mask`: bottom-right causal, the sliding window of a
         rotating cache or of ``window``, its left padding). An array ``mask`` then covers the
         ``S`` keys the cache returns and is and-ed with the cache's.
-    left_padding : integer array of shape ``(B,)``, optional
+    left_padding : integer array of shape ``(B,)``, values in ``[0, L]``, optional
         Without a cache: pad tokens at the start of each row (:func:`~portable_llm.left_pad`);
         their keys are masked out and row ``b``'s positions start at ``offset - left_padding[b]``.
         With a cache, give it to the cache.
@@ -190,9 +204,23 @@ def attention(
                 )
     if not norm_eps >= 0:  # also rejects NaN
         raise ValueError(f"{OP}: norm_eps must be >= 0, got {norm_eps!r}")
+    # One mixed-precision rule (docs/mixed-precision.md): float weights in x's dtype.
+    wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm = (
+        match_weight(OP, name, w, x, be)
+        for name, w in (
+            ("wq", wq), ("wk", wk), ("wv", wv), ("wo", wo), ("bq", bq), ("bk", bk), ("bv", bv),
+            ("q_norm", q_norm), ("k_norm", k_norm),
+        )
+    )  # fmt: skip
     check_same_dtype(
         OP, be, x=x, wq=wq, wk=wk, wv=wv, wo=wo, bq=bq, bk=bk, bv=bv, q_norm=q_norm, k_norm=k_norm
     )
+    b, L = x.shape[0], x.shape[1]
+    rows = None if pad is None else row_offsets(OP, be, offset, pad, b)  # (B,)
+    if pad is not None and cache is None:  # a cache checked its own
+        _check_padding(be, pad, L)
+    if empty(x):  # B = 0 or L = 0: nothing to project or attend (a cache is left untouched)
+        return be.xp.zeros((b, L, wo.shape[0]), dtype=x.dtype, device=be.device_of(x))
     sub = "portable" if impl == "tiled" else impl
     xp = be.xp
     lin = pick(be, "linear", sub, x, wq, bq)
@@ -203,7 +231,6 @@ def attention(
         q = pick(be, "rms_norm", sub, q, q_norm, eps=norm_eps)(xp, q, q_norm, eps=norm_eps)
     if k_norm is not None:
         k = pick(be, "rms_norm", sub, k, k_norm, eps=norm_eps)(xp, k, k_norm, eps=norm_eps)
-    rows = None if pad is None else row_offsets(OP, be, offset, pad, x.shape[0])  # (B,)
     if rope is not None:  # one frequency table for q and k
         start = offset if rows is None else nonnegative(xp, rows)
         _, (q, offsets, inv), ropts = rope_dispatch_args(q, start, **rope, backend=be)
@@ -217,6 +244,5 @@ def attention(
         OP, be, q, k, v, mask, scale=scale, window=window, softcap=softcap, block_size=block_size
     )
     o = pick(be, SDPA, impl, *args, **opts)(xp, *args, **opts)  # (B, H, L, D)
-    b, L = x.shape[0], x.shape[1]
     o = xp.reshape(xp.permute_dims(o, (0, 2, 1, 3)), (b, L, h * D))  # (B, L, H*D)
     return pick(be, "linear", sub, o, wo, None)(xp, o, wo, None)  # (B, L, E_out)
