@@ -328,15 +328,19 @@ def test_static_shapes_fetch_fixed_size_views(backend):
     assert lengths == [3] * 3 + [7] * 4 + [11] * 3  # capacity 4, 8, 12: one key is kept free
 
 
-def test_static_shapes_default_follows_the_backend(backend):
+def test_exact_keys_by_default_on_every_backend(backend):
+    """One meaning everywhere: ``KVCache()`` returns exactly ``offset`` keys, JAX included;
+    fixed-size views only when asked for (the model asks on backends that compile per shape)."""
     k, _ = random_array(0, (1, 2, 3, 4), "float32", backend=backend)
     cache = KVCache()
-    k_all, _ = cache.update_and_fetch(k, k)
-    static = pl.get_backend(backend).static_shapes
-    assert k_all.shape[2] == (cache.capacity - 1 if static else 3)
-    assert isinstance(cache.make_mask()[0], str) is not static
-    with pytest.raises(TypeError, match="KVCache: static_shapes must be None or a bool"):
-        KVCache(static_shapes="yes")
+    assert cache.static_shapes is False
+    for n in (3, 1):
+        k_all, _ = cache.update_and_fetch(k[:, :, :n, :], k[:, :, :n, :])
+        assert k_all.shape[2] == cache.offset < cache.capacity
+        assert cache.make_mask() == ("causal", None)
+    for bad in (None, "yes", 1):
+        with pytest.raises(TypeError, match="KVCache: static_shapes must be a bool"):
+            KVCache(static_shapes=bad)
 
 
 @pytest.mark.parametrize("kind", ["full", "rotating"])
@@ -449,7 +453,7 @@ def test_trim_checks(backend, make):
     cache.update_and_fetch(k, k)
     with pytest.raises(ValueError, match=r"trim: n=4 exceeds the tokens in the cache \(offset 3\)"):
         cache.trim(4)
-    with pytest.raises(ValueError, match="trim: n must be an int >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"trim: n must be (an int )?>= 0, got -1"):
         cache.trim(-1)
     assert cache.trim(0) == 0 and cache.offset == 3
     assert cache.trim(3) == 3 and cache.offset == 0
@@ -476,10 +480,10 @@ def test_rotating_trim_past_the_evicted_window(backend):
 @pytest.mark.parametrize(
     "args, kwargs, match",
     [
-        ((0,), {}, "max_size must be an int >= 1, got 0"),
-        ((4, -1), {}, "keep must be an int >= 0, got -1"),
+        ((0,), {}, r"max_size must be (an int )?>= 1, got 0"),
+        ((4, -1), {}, r"keep must be (an int )?>= 0, got -1"),
         ((4, 4), {}, "keep must be < max_size, got keep=4, max_size=4"),
-        ((4,), {"step": 0}, "step must be an int >= 1, got 0"),
+        ((4,), {"step": 0}, r"step must be (an int )?>= 1, got 0"),
         ((4, 1), {"left_padding": [0, 1]}, "keep=1 > 0 with left_padding is not supported"),
         ((4,), {"left_padding": [0, -1]}, "left_padding must be a 1-d array of ints >= 0"),
         ((4,), {"left_padding": [[0]]}, r"left_padding must .* got int64 with shape \(1, 1\)"),
@@ -513,3 +517,179 @@ def test_attention_cache_arguments(backend):
         ValueError, match=r"left_padding must have shape \(B,\) = \(1,\), got \(2,\)"
     ):
         attention(x, left_padding=pad, **kw)
+
+
+# -- the documented pattern: update_and_fetch, then scaled_dot_product_attention --------------
+
+PATTERN = [5, 1, 1, 4, 1, 1]  # a prompt, tokens, a chunk, tokens
+
+
+def _pattern_inputs(backend: str, seed: int) -> tuple[list, list]:
+    """q ``(2, 4, 13, 8)``, k and v ``(2, 2, 13, 8)`` (GQA): ours (float32) and float64."""
+    n = sum(PATTERN)
+    shapes = [(2, 4, n, 8), (2, 2, n, 8), (2, 2, n, 8)]
+    pairs = [random_array(seed + i, s, "float32", backend=backend) for i, s in enumerate(shapes)]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def test_documented_pattern_equals_float64_causal_attention(backend):
+    """The docs' pattern, ``KVCache()`` then ``mask="causal"``, fed in chunks, equals one full
+    causal attention in float64 on every backend (on JAX the default used to return 255 slots,
+    zeros past the offset, which plain causal let every query see: max error 2.85)."""
+    (q, k, v), (qr, kr, vr) = _pattern_inputs(backend, 40)
+    want = reference.scaled_dot_product_attention(qr, kr, vr, mask="causal")  # (2, 4, 13, 8)
+    cache, t = pl.KVCache(), 0
+    for n in PATTERN:
+        k_all, v_all = cache.update_and_fetch(k[:, :, t : t + n, :], v[:, :, t : t + n, :])
+        out = pl.scaled_dot_product_attention(q[:, :, t : t + n, :], k_all, v_all, mask="causal")
+        assert_close(out, want[:, :, t : t + n, :], backend=backend, dtype="float32",
+                     err_msg=f"chunk of {n} at {t}")  # fmt: skip
+        t += n
+
+
+ROTATING = {  # the cache, and its rule as a full (T, T) boolean mask
+    "window": (lambda: pl.RotatingKVCache(4, step=2), {"window": 4}),
+    "sinks": (lambda: pl.RotatingKVCache(5, keep=2, step=3), {"keep": 2, "ring": 3}),
+}
+
+
+@pytest.mark.parametrize("kind", list(ROTATING))
+def test_rotating_pattern_with_its_mask_equals_float64(backend, kind):
+    """The same chunks through a ``RotatingKVCache``, attended with the cache's own mask (the
+    only right one: its keys wrap and a chunk past the window brings the previous window)."""
+    make, rule = ROTATING[kind]
+    (q, k, v), (qr, kr, vr) = _pattern_inputs(backend, 50)
+    full = allowed(sum(PATTERN), **rule)
+    want = reference.scaled_dot_product_attention(qr, kr, vr, mask=full)
+    cache, t = make(), 0
+    for n in PATTERN:
+        k_all, v_all = cache.update_and_fetch(k[:, :, t : t + n, :], v[:, :, t : t + n, :])
+        mask, window = cache.make_mask()
+        out = pl.scaled_dot_product_attention(q[:, :, t : t + n, :], k_all, v_all, mask=mask,
+                                              window=window)  # fmt: skip
+        assert_close(out, want[:, :, t : t + n, :], backend=backend, dtype="float32",
+                     err_msg=f"chunk of {n} at {t}")  # fmt: skip
+        t += n
+
+
+def test_rotating_cache_refuses_to_be_attended_without_its_mask(backend):
+    """A chunk past the window returns the previous window too: plain ``mask="causal"`` there
+    attends outside the window (checked against float64), so the next update refuses to run
+    until ``make_mask`` was called; single tokens need no call (plain causal is right)."""
+    (q, k, v), (qr, kr, vr) = _pattern_inputs(backend, 60)
+    want = reference.scaled_dot_product_attention(qr, kr, vr, mask=allowed(13, window=4))
+    cache = pl.RotatingKVCache(4)
+    for t in range(3):  # single tokens: plain causal, no make_mask needed
+        k_all, v_all = cache.update_and_fetch(k[:, :, t : t + 1, :], v[:, :, t : t + 1, :])
+        out = pl.scaled_dot_product_attention(q[:, :, t : t + 1, :], k_all, v_all, mask="causal")
+        assert_close(out, want[:, :, t : t + 1, :], backend=backend, dtype="float32")
+    k_all, v_all = cache.update_and_fetch(k[:, :, 3:7, :], v[:, :, 3:7, :])  # past the window
+    assert k_all.shape[2] == 3 + 4  # the previous window and the chunk
+    plain = pl.scaled_dot_product_attention(q[:, :, 3:7, :], k_all, v_all, mask="causal")
+    err = np.abs(pl.to_numpy(plain).astype(np.float64) - want[:, :, 3:7, :]).max()
+    assert err > 0.01, "plain causal must be wrong here, or the refusal below is needless"
+    step = k[:, :, 7:8, :]
+    with pytest.raises(RuntimeError, match=r"RotatingKVCache.update_and_fetch: .* make_mask"):
+        cache.update_and_fetch(step, step)
+    assert cache.offset == 7  # the refused chunk changed nothing
+    mask, window = cache.make_mask()
+    out = pl.scaled_dot_product_attention(q[:, :, 3:7, :], k_all, v_all, mask=mask, window=window)
+    assert_close(out, want[:, :, 3:7, :], backend=backend, dtype="float32")
+    cache.update_and_fetch(step, step)  # now accepted
+    assert cache.offset == 8
+
+
+@pytest.mark.parametrize("kind", ["static", "padded"])
+def test_a_kv_cache_whose_keys_need_its_mask_refuses_to_skip_it(backend, kind):
+    """Fixed-size views and left padding are not plain causal either: same refusal; a trim
+    forgets the chunk (and the refusal)."""
+    k = _kv(backend, (2, 2, 3, 4))
+    static = kind == "static"
+    cache = KVCache(step=8, static_shapes=True) if static else KVCache(left_padding=[0, 2])
+    cache.update_and_fetch(k, k)
+    with pytest.raises(RuntimeError, match=r"KVCache.update_and_fetch: .* make_mask\(\)"):
+        cache.update_and_fetch(k, k)
+    cache.make_mask()
+    cache.update_and_fetch(k, k)
+    assert cache.trim(3) == 3
+    cache.update_and_fetch(k, k)
+    assert cache.offset == 6
+
+
+# -- one thread per cache ----------------------------------------------------------------------
+
+
+def _in_thread(fn):
+    """Run ``fn()`` in a new thread; the exception it raised (or None)."""
+    import threading
+
+    caught: list[BaseException | None] = [None]
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:
+            caught[0] = exc
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    return caught[0]
+
+
+@pytest.mark.parametrize("make", [KVCache, lambda: RotatingKVCache(4)], ids=["full", "rotating"])
+def test_a_cache_belongs_to_the_thread_of_its_first_update(backend, make):
+    """Two threads sharing one cache crashed MLX: a call from another thread is refused, before
+    it touches anything, and the owner keeps using the cache."""
+    k = _kv(backend, (1, 2, 2, 4))
+    cache = make()
+    assert _in_thread(lambda: cache.make_mask(window=None) if cache.offset else None) is None
+    cache.update_and_fetch(k, k)  # this thread owns it now
+    calls = {
+        "update_and_fetch": lambda: cache.update_and_fetch(k, k),
+        "make_mask": cache.make_mask,
+        "trim": lambda: cache.trim(1),
+    }
+    for name, call in calls.items():
+        exc = _in_thread(call)
+        assert isinstance(exc, RuntimeError), f"{name}: {exc!r}"
+        assert f"{type(cache).__name__}.{name}: this cache belongs to the thread" in str(exc)
+    assert cache.offset == 2
+    cache.make_mask()
+    cache.update_and_fetch(k, k)
+    assert cache.offset == 4
+    fresh = make()  # a cache made here and first updated elsewhere belongs to that thread
+    assert _in_thread(lambda: fresh.update_and_fetch(k, k)) is None
+    with pytest.raises(RuntimeError, match="belongs to the thread that first updated it"):
+        fresh.update_and_fetch(k, k)
+
+
+# -- integer arguments: one policy (NumPy integers accepted, bools refused) --------------------
+
+
+def test_integer_arguments_accept_numpy_integers(backend):
+    k = _kv(backend, (1, 2, 3, 4))
+    rot = RotatingKVCache(np.int64(4), np.int32(1), step=np.int64(2))
+    assert (rot.max_size, rot.keep, rot.step) == (4, 1, 2)
+    assert all(type(n) is int for n in (rot.max_size, rot.keep, rot.step))
+    cache = KVCache(step=np.int16(3))
+    cache.update_and_fetch(k, k)
+    assert cache.make_mask(window=np.int64(2)) == ("causal", 2)
+    assert cache.trim(np.int64(1)) == 1 and cache.offset == 2
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: KVCache(step=True), "KVCache: step must be an int"),
+        (lambda: KVCache(step=2.0), "KVCache: step must be an int"),
+        (lambda: RotatingKVCache(4.0), "RotatingKVCache: max_size must be an int"),
+        (lambda: RotatingKVCache(4, keep=False), "RotatingKVCache: keep must be an int"),
+        (lambda: KVCache().trim(True), "KVCache.trim: n must be an int"),
+        (lambda: KVCache().make_mask(window=1.5), "KVCache.make_mask: window must be an int"),
+    ],
+    ids=["step-bool", "step-float", "max_size-float", "keep-bool", "trim-bool", "window-float"],
+)
+def test_integer_arguments_refuse_bools_and_floats(call, match):
+    with pytest.raises(TypeError, match=match):
+        call()

@@ -354,3 +354,98 @@ def test_load_on_a_device_the_backend_lacks(checkpoints: dict) -> None:
     with pytest.raises(ValueError, match=r"load: backend 'numpy' has no device 'gpu'"):
         load(folder, device="gpu")
     assert load(folder, device="cpu").device == "cpu"
+
+
+# -- caches the model makes, and arguments checked before any forward --------------------------
+
+
+def test_make_cache_asks_for_fixed_size_views_where_shapes_compile(
+    checkpoints: dict, backend: str
+) -> None:
+    """``KVCache()`` returns exactly ``offset`` keys on every backend; the model asks for the
+    fixed-size views on a backend that compiles per shape (JAX), and its decode is still the
+    full forward there (``test_cached_decode_equals_full_forward``)."""
+    folder, _, _ = checkpoints["qwen2"]
+    model = load(folder, backend=backend, dtype="float32")
+    static = pl.get_backend(backend).static_shapes
+    assert static is (backend == "jax")
+    caches = model.make_cache(step=8)
+    assert caches and all(isinstance(c, pl.KVCache) for c in caches)
+    assert all(c.static_shapes is static for c in caches)
+    model(pl.asarray(_ids(2, PROMPT)[None], backend=backend), cache=caches)
+    assert caches[0].offset == PROMPT
+
+
+def test_model_refuses_left_padding_out_of_range(checkpoints: dict, backend: str) -> None:
+    """A pad count < 0 shifted RoPE's positions, one > L gave a row of zeros: both refused."""
+    folder, _, _ = checkpoints["qwen2"]
+    model = load(folder, backend=backend, dtype="float32")
+    ids = pl.asarray(np.stack([_ids(3, 5), _ids(4, 5)]), backend=backend)  # (2, 5)
+    for pad, bad in (([-2, 0], "left_padding\\[0\\] .* >= 0 and <= 5, got -2"),
+                     ([0, 9], "left_padding\\[1\\] .* >= 0 and <= 5, got 9")):  # fmt: skip
+        for given in (pad, np.array(pad), pl.asarray(np.array(pad), backend=backend)):
+            with pytest.raises(ValueError, match=f"model: {bad}"):
+                model(ids, left_padding=given)
+    with pytest.raises(ValueError, match=r"left_padding must be an integer array of shape \(B,\)"):
+        model(ids, left_padding=[0.0, 1.0])
+    with pytest.raises(ValueError, match=r"shape \(B,\) = \(2,\) .* got int64 with shape \(3,\)"):
+        model(ids, left_padding=np.array([0, 1, 2]))
+    listed = model(ids, left_padding=[np.int64(0), 2])
+    assert_close(listed, model(ids, left_padding=pl.asarray(np.array([0, 2]), backend=backend)))
+
+
+BAD_GENERATE_ARGUMENTS = [
+    ({"max_new_tokens": -1}, ValueError, "max_new_tokens must be >= 0"),
+    ({"max_new_tokens": 4.0}, TypeError, "max_new_tokens must be an int"),
+    ({"max_new_tokens": True}, TypeError, "max_new_tokens must be an int"),
+    ({"temperature": -0.5}, ValueError, "temperature must be"),
+    ({"temperature": float("nan")}, ValueError, "temperature must be"),
+    ({"temperature": "hot"}, TypeError, "temperature must be a real number"),
+    ({"top_k": 0}, ValueError, "top_k must be >= 1 and <= 300"),
+    ({"top_k": 301}, ValueError, "top_k must be >= 1 and <= 300"),
+    ({"top_k": 2.5}, TypeError, "top_k must be an int"),
+    ({"top_p": 0.0}, ValueError, "top_p must be"),
+    ({"top_p": 1.5}, ValueError, "top_p must be"),
+    ({"min_p": -0.1}, ValueError, "min_p must be"),
+    ({"min_p": "0.1"}, TypeError, "min_p must be a real number"),
+    ({"seed": -1}, ValueError, "seed must be >= 0"),
+    ({"seed": 1.5}, TypeError, "seed must be an int"),
+    ({"stop": "ab"}, TypeError, "stop must be an iterable of token ids"),
+    ({"stop": 5}, TypeError, "stop must be an iterable of token ids"),
+    ({"stop": [1, 2.5]}, TypeError, r"stop\[1\] must be an int"),
+]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    BAD_GENERATE_ARGUMENTS,
+    ids=[f"{next(iter(k))}={next(iter(k.values()))!r}" for k, _, _ in BAD_GENERATE_ARGUMENTS],
+)
+def test_generate_checks_its_arguments_before_the_prefill(
+    checkpoints: dict, monkeypatch: pytest.MonkeyPatch, kwargs: dict, error: type, match: str
+) -> None:
+    """A bad argument raises when ``generate`` is called, before the model runs once (it used
+    to surface from ``sample`` after the prefill, or never for an unused seed)."""
+    folder, _, _ = checkpoints["qwen2"]
+    model = load(folder, dtype="float32")
+    calls = []
+    forward = pl.Model.__call__
+    monkeypatch.setattr(pl.Model, "__call__", lambda *a, **kw: calls.append(1) or forward(*a, **kw))
+    with pytest.raises(error, match=f"generate: {match}"):
+        pl.generate(model, [1, 2, 3], **{"temperature": 1.0, **kwargs})
+    assert calls == []
+    list(pl.generate(model, [1, 2, 3], max_new_tokens=1))  # the stub counts real calls
+    assert calls == [1]
+
+
+def test_generate_accepts_numpy_integers(checkpoints: dict) -> None:
+    folder, _, _ = checkpoints["qwen2"]
+    model = load(folder, dtype="float32")
+    prompt = _ids(6, PROMPT)
+    opts = {"temperature": 1.0, "top_k": 5}
+    free = list(pl.generate(model, prompt, max_new_tokens=NEW, seed=3, stop=(), **opts))
+    as_numpy = pl.generate(
+        model, prompt, max_new_tokens=np.int64(NEW), seed=np.int64(3), stop=[np.int64(free[2])],
+        temperature=np.float32(1.0), top_k=np.int32(5),
+    )  # fmt: skip
+    assert list(as_numpy) == free[: free.index(free[2])]

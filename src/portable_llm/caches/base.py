@@ -11,6 +11,7 @@ buffer itself. Positions here are *columns* of the (left-padded) batch; see
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -18,27 +19,33 @@ import numpy as np
 from portable_llm.attn.visibility import visible
 from portable_llm.backends import Backend, backend_of, resolve
 from portable_llm.core.arrays import to_numpy
-from portable_llm.core.checks import check_float
+from portable_llm.core.checks import check_float, check_int, check_optional_int
 
 __all__: list[str] = []
 
 
-def _count(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    return int(value)
-
-
 class _Cache:
-    """Buffers, checks, trim and masks shared by both caches; subclasses place the tokens."""
+    """Buffers, checks, trim and masks shared by both caches; subclasses place the tokens.
 
-    def __init__(self, step: int, left_padding: Any, static_shapes: bool | None = None) -> None:
+    Two guards keep a misuse from giving wrong numbers or crashing silently:
+
+    - *one thread*: the thread of the first update owns the cache; ``update_and_fetch``,
+      ``make_mask`` and ``trim`` from any other thread raise ``RuntimeError`` (the buffers are
+      written in place, and MLX crashes when two threads share them);
+    - *the cache's own mask*: when the keys an update returned need a mask other than plain
+      bottom-right ``mask="causal"`` (a wrapped ring, a chunk past the window, fixed-size views,
+      left padding), the next update raises ``RuntimeError`` unless :meth:`make_mask` was called
+      for it.
+    """
+
+    def __init__(self, step: int, left_padding: Any, static_shapes: bool = False) -> None:
         name = type(self).__name__
-        self.step = _count(f"{name}: step", step, 1)
-        if static_shapes is not None and not isinstance(static_shapes, bool):
-            raise TypeError(f"{name}: static_shapes must be None or a bool, got {static_shapes!r}")
-        self._static_opt = static_shapes
-        self._static = False  # resolved against the backend at the first update
+        self.step = check_int(name, "step", step, low=1)
+        if not isinstance(static_shapes, bool):
+            raise TypeError(f"{name}: static_shapes must be a bool, got {static_shapes!r}")
+        self._static = static_shapes
+        self._owner: int | None = None  # threading.get_ident() of the first update
+        self._unmasked = False  # the last update's keys need make_mask, not yet called
         self._pad: Any = None
         if left_padding is not None:
             pad = left_padding if backend_of(left_padding) is not None else np.asarray(left_padding)
@@ -71,6 +78,12 @@ class _Cache:
         return 0 if self._k is None else int(self._k.shape[2])
 
     @property
+    def static_shapes(self) -> bool:
+        """Whether :meth:`update_and_fetch` returns fixed-size views (``KVCache(static_shapes=
+        True)``; ``False`` by default)."""
+        return self._static
+
+    @property
     def left_padding(self) -> Any:
         """The ``(B,)`` pad counts given at construction (on the cache's backend once bound)."""
         return self._pad
@@ -78,8 +91,24 @@ class _Cache:
     def __repr__(self) -> str:
         return f"{type(self).__name__}(offset={self._offset}, capacity={self.capacity})"
 
+    def _check_thread(self, op: str) -> None:
+        if self._owner is not None and self._owner != threading.get_ident():
+            raise RuntimeError(
+                f"{op}: this cache belongs to the thread that first updated it "
+                f"({self._owner}), called from thread {threading.get_ident()}; a cache is "
+                "written in place and must not be shared between threads (make one per thread)"
+            )
+
     def _bind(self, k: Any, v: Any) -> tuple[Backend, Any, Any]:
         op = f"{type(self).__name__}.update_and_fetch"
+        self._check_thread(op)
+        if self._unmasked:
+            raise RuntimeError(
+                f"{op}: the keys the previous update returned need the cache's mask (plain "
+                'mask="causal" attends to the wrong keys there: a wrapped ring, a chunk past '
+                "the window, fixed-size views or left padding), and make_mask() was not called; "
+                "attend with mask, window = cache.make_mask() after each update"
+            )
         bk, (k, v) = resolve(op, None, k, v)
         if bk.is_traced(k) or bk.is_traced(v):
             raise ValueError(
@@ -109,7 +138,7 @@ class _Cache:
                     )
             self._bk, self._dims, self._dtype = bk, dims, k.dtype
             self._device = bk.device_of(k)
-            self._static = bk.static_shapes if self._static_opt is None else self._static_opt
+            self._owner = threading.get_ident()
         elif bk is not self._bk:
             raise TypeError(f"{op}: the cache holds {self._bk.name} arrays, got {bk.name} arrays")
         elif dims != self._dims:
@@ -152,7 +181,8 @@ class _Cache:
         The next update writes over them. ``ValueError`` when ``n`` exceeds :attr:`offset`.
         """
         name = f"{type(self).__name__}.trim"
-        n = _count(f"{name}: n", n, 0)
+        self._check_thread(name)
+        n = check_int(name, "n", n, low=0)
         if n > self._offset:
             raise ValueError(
                 f"{name}: n={n} exceeds the tokens in the cache (offset {self._offset})"
@@ -160,6 +190,7 @@ class _Cache:
         self._check_trim(n)
         self._offset -= n
         self._last = None
+        self._unmasked = False  # the rewound chunk's keys are gone
         return n
 
     def _check_trim(self, n: int) -> None:
@@ -182,11 +213,22 @@ class _Cache:
             (``True``: may attend; ``B`` rows with left padding) and ``None``.
         """
         name = f"{type(self).__name__}.make_mask"
-        if window is not None:
-            _count(f"{name}: window", window, 1)
+        self._check_thread(name)
+        window = check_optional_int(name, "window", window, low=1)
         if self._last is None:
             raise ValueError(f"{name}: no update since the cache was made or trimmed")
-        return self._mask(*self._last, window)
+        out = self._mask(*self._last, window)
+        self._unmasked = False
+        return out
+
+    def _record(self, L: int, cols: np.ndarray | None) -> None:
+        """Remember the update's queries and key columns (for :meth:`make_mask`)."""
+        self._last = (L, cols)
+        self._unmasked = not self._plain(L, cols)
+
+    def _plain(self, L: int, cols: np.ndarray | None) -> bool:
+        """Whether plain bottom-right ``mask="causal"`` (no window) is this update's mask."""
+        return self._pad is None and cols is None
 
     def _mask(self, L: int, cols: np.ndarray | None, window: int | None) -> tuple[Any, int | None]:
         """``cols``: the host columns of the returned keys; ``None``: ``0 .. offset - 1``.

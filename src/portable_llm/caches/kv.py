@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 
 from portable_llm.attn.visibility import visible
-from portable_llm.caches.base import _Cache, _count
+from portable_llm.caches.base import _Cache
+from portable_llm.core.checks import check_int
 
 __all__ = ["KVCache", "RotatingKVCache"]
 
@@ -37,16 +38,25 @@ class KVCache(_Cache):
         Pad tokens at the start of each row (see :func:`~portable_llm.left_pad`): their keys
         are masked out, and the attention block gives row ``b`` RoPE positions from
         ``column - left_padding[b]``.
-    static_shapes : bool, optional
-        ``True``: :meth:`update_and_fetch` returns fixed-size views of ``capacity - 1`` keys
-        (the same shape for ``step`` tokens in a row), and :meth:`make_mask` hides the slots
-        past :attr:`offset`; for libraries that compile per shape, where a new key length per
-        decode step would compile every attention op again. ``None`` (default): the backend's
-        :attr:`~portable_llm.backends.Backend.static_shapes` (JAX: ``True``, others ``False``).
+    static_shapes : bool
+        ``False`` (default, every backend): :meth:`update_and_fetch` returns exactly
+        :attr:`offset` keys, which plain ``mask="causal"`` attends correctly. ``True``:
+        fixed-size views of ``capacity - 1`` keys (the same shape for ``step`` tokens in a
+        row), whose slots past :attr:`offset` only :meth:`make_mask` hides; for libraries that
+        compile per shape (JAX), where a new key length per decode step would compile every
+        attention op again. :meth:`~portable_llm.Model.make_cache` asks for them where the
+        backend's :attr:`~portable_llm.backends.Backend.static_shapes` says so.
+
+    Notes
+    -----
+    One thread: the thread of the first update owns the cache, and a call from another thread
+    raises ``RuntimeError``. When an update's keys need the cache's mask (``static_shapes``
+    views, ``left_padding``), the next update raises ``RuntimeError`` unless :meth:`make_mask`
+    was called for it.
     """
 
     def __init__(
-        self, *, step: int = 256, left_padding: Any = None, static_shapes: bool | None = None
+        self, *, step: int = 256, left_padding: Any = None, static_shapes: bool = False
     ) -> None:
         super().__init__(step, left_padding, static_shapes)
 
@@ -63,8 +73,10 @@ class KVCache(_Cache):
         -------
         (k_all, v_all) : arrays, shape ``(B, H_kv, S, D)``
             Slices of the cache's buffers: use them before the next update (copy to keep them).
-            ``S = offset``, or ``capacity - 1 >= offset`` with ``static_shapes`` (the slots
-            past the offset hold zeros or stale keys: use :meth:`make_mask`).
+            ``S = offset``: attend with ``mask="causal"`` (bottom-right), or with
+            :meth:`make_mask` when the cache has ``left_padding``. With ``static_shapes``,
+            ``S = capacity - 1 >= offset``: the slots past the offset hold zeros or stale keys,
+            and only :meth:`make_mask` hides them.
         """
         _, k, v = self._bind(k, v)
         start, L = self._offset, k.shape[2]
@@ -72,7 +84,7 @@ class KVCache(_Cache):
         self._write(start, k, v)
         self._offset = start + L
         S = self.capacity - 1 if self._static else self._offset
-        self._last = (L, None if self._offset == S else np.arange(S))
+        self._record(L, None if self._offset == S else np.arange(S))
         return self._k[:, :, :S, :], self._v[:, :, :S, :]
 
 
@@ -92,14 +104,25 @@ class RotatingKVCache(_Cache):
         first columns are padding).
     step, left_padding
         As in :class:`~portable_llm.KVCache`; buffers grow up to ``max_size + 1`` slots.
+
+    Notes
+    -----
+    Attend over the keys :meth:`update_and_fetch` returns with the cache's own mask,
+    ``mask, window = cache.make_mask()``, and nothing else: once the ring wraps the keys are
+    not in position order, and a chunk of ``L > 1`` tokens past ``max_size`` returns the
+    previous window as well, which plain ``mask="causal"`` (no ``window=``) would let every
+    query of the chunk see. An update whose keys need that mask makes the next update raise
+    ``RuntimeError`` unless :meth:`make_mask` was called for it (single tokens and chunks that
+    fit, without padding, are plain causal and need no call). One thread, as for
+    :class:`KVCache`.
     """
 
     def __init__(
         self, max_size: int, keep: int = 0, *, step: int = 256, left_padding: Any = None
     ) -> None:
         name = "RotatingKVCache"
-        self.max_size = _count(f"{name}: max_size", max_size, 1)
-        self.keep = _count(f"{name}: keep", keep, 0)
+        self.max_size = check_int(name, "max_size", max_size, low=1)
+        self.keep = check_int(name, "keep", keep, low=0)
         if self.keep >= self.max_size:
             raise ValueError(
                 f"{name}: keep must be < max_size, got keep={keep}, max_size={max_size}"
@@ -127,7 +150,8 @@ class RotatingKVCache(_Cache):
         (k_all, v_all) : arrays, shape ``(B, H_kv, S, D)``
             ``S = min(offset, max_size)`` keys (not in column order once the ring wraps), or,
             for a chunk of ``L > 1`` tokens past ``max_size``, the previous window and the chunk.
-            Use them before the next update, with :meth:`make_mask`.
+            Use them before the next update, with :meth:`make_mask` (the only mask that is
+            right for them once the ring wraps; see the class notes).
         """
         _, k, v = self._bind(k, v)
         t, L, M = self._offset, k.shape[2], self.max_size
@@ -139,9 +163,8 @@ class RotatingKVCache(_Cache):
         else:
             k, v, cols = self._extend(k, v)
         self._offset = self._high = T
-        self._last = (L, cols)
-        if cols.shape[0] == T and self._ring0 == self.keep:  # still columns 0 .. T - 1
-            self._last = (L, None)
+        still = cols.shape[0] == T and self._ring0 == self.keep  # still columns 0 .. T - 1
+        self._record(L, None if still else cols)
         return (k, v) if L > 1 and T > M else self._fetch(min(T, M))
 
     def _fetch(self, n: int) -> tuple[Any, Any]:
@@ -187,6 +210,10 @@ class RotatingKVCache(_Cache):
                 f"column {need}, but columns before {held} were evicted (offset "
                 f"{self._offset}, max_size {self.max_size}, keep {self.keep})"
             )
+
+    def _plain(self, L: int, cols: np.ndarray | None) -> bool:
+        # One query sees every key held (its window is what the cache keeps).
+        return self._pad is None and (cols is None or L == 1)
 
     def _mask(self, L: int, cols: np.ndarray | None, window: int | None) -> tuple[Any, int | None]:
         R, keep, start = self._ring, self.keep, self._offset - L

@@ -17,10 +17,13 @@ import numpy as np
 
 from portable_llm.backends import backend_of
 from portable_llm.core.arrays import asarray
+from portable_llm.core.checks import check_int, check_optional_int, check_real
 from portable_llm.models.model import Model
 from portable_llm.ops.sampling import sample
 
 __all__ = ["Generation", "GenerationStats", "generate", "stop_tokens"]
+
+OP = "generate"
 
 
 @dataclass
@@ -95,11 +98,16 @@ def generate(
     max_new_tokens : int, >= 0
     temperature, top_k, top_p, min_p
         As for :func:`portable_llm.sample`; ``temperature=0`` (the default) is greedy.
-    seed : int, optional
+        ``top_k`` in ``[1, vocab_size]``.
+    seed : int, >= 0, optional
         Makes sampling reproducible on a backend: the draw of step ``t`` uses a seed derived
         from ``seed`` and ``t``. ``None``: fresh entropy.
     stop : iterable of int, optional
         Stop token ids; default :func:`stop_tokens` (the checkpoint's EOS ids). ``()``: none.
+
+    Every argument is checked here, when ``generate`` is called, before the model runs
+    (integers may be Python or NumPy integers, never ``bool``): a bad one is a ``TypeError``
+    or ``ValueError`` naming it, not an error after the prefill.
 
     Returns
     -------
@@ -122,20 +130,38 @@ def generate(
             f"generate: prompt token ids must lie in [0, {V}) (vocab_size), got {min(ids)} "
             f"to {max(ids)}"
         )
-    if (
-        isinstance(max_new_tokens, bool)
-        or not isinstance(max_new_tokens, int)
-        or max_new_tokens < 0
-    ):
-        raise ValueError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    stops = frozenset(stop_tokens(model) if stop is None else (int(s) for s in stop))
-    options = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}
+    max_new_tokens = check_int(OP, "max_new_tokens", max_new_tokens, low=0)
+    options = _sampling_options(temperature, top_k, top_p, min_p, V)
+    seed = check_optional_int(OP, "seed", seed, low=0)
+    stops = frozenset(stop_tokens(model) if stop is None else _stop_ids(stop))
     stats = GenerationStats(prompt_tokens=len(ids))
     tokens = _tokens(model, ids, max_new_tokens, options, seed, stops, stats)
     if text:
         assert model.tokenizer is not None
         return Generation(model.tokenizer.stream(tokens), stats)
     return Generation(tokens, stats)
+
+
+def _sampling_options(
+    temperature: Any, top_k: Any, top_p: Any, min_p: Any, vocab: int
+) -> dict[str, Any]:
+    """:func:`~portable_llm.sample`'s options, checked as it checks them, as Python numbers."""
+    top_p = None if top_p is None else check_real(OP, "top_p", top_p, low=0, low_open=True, high=1)
+    return {
+        "temperature": check_real(OP, "temperature", temperature, low=0),
+        "top_k": check_optional_int(OP, "top_k", top_k, low=1, high=vocab),
+        "top_p": top_p,
+        "min_p": None if min_p is None else check_real(OP, "min_p", min_p, low=0, high=1),
+    }
+
+
+def _stop_ids(stop: Any) -> list[int]:
+    if isinstance(stop, str | bytes) or not isinstance(stop, Iterable):
+        raise TypeError(
+            f"generate: stop must be an iterable of token ids (ints) or None, got "
+            f"{type(stop).__name__} {stop!r}"
+        )
+    return [check_int(OP, f"stop[{i}]", s) for i, s in enumerate(stop)]
 
 
 def _ids(prompt: Any) -> list[int]:

@@ -10,10 +10,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from portable_llm.attn.block import attention
 from portable_llm.backends import Backend, backend_of
 from portable_llm.caches.kv import KVCache, RotatingKVCache
-from portable_llm.core.arrays import asarray
+from portable_llm.core.arrays import asarray, to_numpy
+from portable_llm.core.checks import check_int
 from portable_llm.models.config import DecoderConfig
 from portable_llm.ops.embedding import embedding, unembed
 from portable_llm.ops.linear import linear, mlp
@@ -162,7 +165,8 @@ class Model:
         left_padding : integer array, shape ``(B,)``, optional
             Without a cache: the pad tokens at the start of each row
             (:func:`~portable_llm.left_pad`), masked out, with row ``b``'s positions starting
-            at ``-left_padding[b]``. With a cache, give it to :meth:`make_cache` instead.
+            at ``-left_padding[b]``; each count in ``[0, L]``. With a cache, give it to
+            :meth:`make_cache` instead.
         last_only : bool
             Only the logits of the last position (``L = 1`` in the result): what decoding needs,
             without the ``(B, L, V)`` head over the whole prompt.
@@ -184,6 +188,10 @@ class Model:
                 )
             if left_padding is not None:
                 raise ValueError("model: with a cache, give left_padding to make_cache()")
+        elif left_padding is not None:
+            host = _check_left_padding(left_padding, tuple(ids.shape))
+            if backend_of(left_padding) is not bk or bk.device_of(left_padding) != self.device:
+                left_padding = asarray(host, backend=bk.name, device=self.device)
         eps = self.config.rms_norm_eps
         h = embedding(ids, self.embed)  # (B, L, E)
         for i, block in enumerate(self.blocks):
@@ -200,14 +208,35 @@ class Model:
         """One KV cache per layer: a :class:`~portable_llm.KVCache`, or for a sliding-window
         layer a :class:`~portable_llm.RotatingKVCache` of the window's size.
 
+        On a backend that compiles per shape (:attr:`Backend.static_shapes
+        <portable_llm.backends.Backend.static_shapes>`, JAX) each ``KVCache`` returns
+        fixed-size views (``static_shapes=True``), so decode steps reuse the compiled ops; the
+        model attends with the caches' own masks, which hide the unused slots.
+
         ``left_padding`` (``(B,)``): the pad tokens of each row of a left-padded batch
         (:func:`~portable_llm.left_pad`).
         """
+        static = self.backend.static_shapes  # fixed-size views where shapes compile (JAX)
         caches: list[Any] = []
         for i in range(self.config.num_hidden_layers):
             window = self.config.window(i)
             if window is None:
-                caches.append(KVCache(step=step, left_padding=left_padding))
+                caches.append(KVCache(step=step, left_padding=left_padding, static_shapes=static))
             else:
                 caches.append(RotatingKVCache(window, step=step, left_padding=left_padding))
         return caches
+
+
+def _check_left_padding(left_padding: Any, shape: tuple[int, ...]) -> np.ndarray:
+    """Pad counts of a full forward: one int in ``[0, L]`` per row of ``ids`` ``(B, L)``; the
+    counts on the host."""
+    B, L = shape
+    host = np.asarray(to_numpy(left_padding) if backend_of(left_padding) else left_padding)
+    if host.shape != (B,) or host.dtype.kind not in "iu":
+        raise ValueError(
+            f"model: left_padding must be an integer array of shape (B,) = ({B},) for ids of "
+            f"shape {shape}, got {host.dtype} with shape {host.shape}"
+        )
+    for b, pad in enumerate(host):
+        check_int("model", f"left_padding[{b}] (ids of shape {shape})", pad, low=0, high=L)
+    return host
