@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import portable_llm as pl
-from portable_llm.testing import assert_close, random_array
+from portable_llm.testing import assert_close, random_array, random_weight
 
 pytestmark = pytest.mark.oracle
 
@@ -218,3 +218,48 @@ def test_attention_block_equals_hf(kind, dtype, offset):
     for backend in ("torch", "numpy"):
         ours = pl.attention(x, **weights, **kw, backend=backend)
         assert_close(pl.to_numpy(ours), pl.to_numpy(hf), err_msg=backend)
+
+
+# -- mixed precision: float16 activations, float32 weights (mlx-lm's usual pairing) -----------
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch", "mlx"])
+def test_float16_activations_with_float32_weights_equal_mlx_lm_qwen3(backend):
+    # mlx-lm's modules keep float32 weights and take float16 inputs; our block casts the weights
+    # to x's dtype (docs/mixed-precision.md) and must agree within the float16 tolerance.
+    pytest.importorskip(backend)
+    mx = pytest.importorskip("mlx.core")
+    qwen3 = pytest.importorskip("mlx_lm.models.qwen3")
+    args = qwen3.ModelArgs(
+        model_type="qwen3", hidden_size=32, num_hidden_layers=1, intermediate_size=64,
+        num_attention_heads=4, rms_norm_eps=1e-6, vocab_size=16, num_key_value_heads=2,
+        max_position_embeddings=128, head_dim=12, tie_word_embeddings=False, rope_theta=1e6,
+    )  # fmt: skip
+    layer = qwen3.Attention(args)
+    H, H_kv, D, E = 4, 2, 12, 32
+    shapes = {"wq": (H * D, E), "wk": (H_kv * D, E), "wv": (H_kv * D, E), "wo": (E, H * D)}
+    w = {n: random_weight(i, s, "float32")[1].astype(np.float32) for i, (n, s) in
+         enumerate(shapes.items())}  # fmt: skip
+    for i, n in enumerate(("q_norm", "k_norm")):
+        w[n] = random_array(10 + i, (D,), "float32", low=0.5, high=1.5)[1].astype(np.float32)
+    layer.update(
+        {
+            "q_proj": {"weight": mx.array(w["wq"])}, "k_proj": {"weight": mx.array(w["wk"])},
+            "v_proj": {"weight": mx.array(w["wv"])}, "o_proj": {"weight": mx.array(w["wo"])},
+            "q_norm": {"weight": mx.array(w["q_norm"])},
+            "k_norm": {"weight": mx.array(w["k_norm"])},
+        }
+    )  # fmt: skip
+    assert layer.q_proj.weight.dtype == mx.float32
+    _, x16 = random_array(7, (2, 6, E), "float16")
+    theirs = layer(mx.array(x16.astype(np.float16)), mask="causal")
+    mx.eval(theirs)
+    x = pl.asarray(x16.astype(np.float16), backend=backend)
+    weights = {n: pl.asarray(a, backend=backend) for n, a in w.items()}  # float32
+    ours = pl.attention(
+        x, **weights, num_heads=H, num_kv_heads=H_kv, head_dim=D, norm_eps=1e-6,
+        rope={"base": 1e6},
+    )  # fmt: skip
+    # theirs computes in float32 (MLX promotes float16 @ float32); ours rounds in float16.
+    want = np.array(theirs.astype(mx.float32)).astype(np.float64)
+    assert_close(ours, want, backend=backend, dtype="float16")

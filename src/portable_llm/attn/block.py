@@ -40,7 +40,7 @@ _DEFAULT_ROPE: Mapping[str, Any] = MappingProxyType({})
 
 def _positive(name: str, value: Any) -> int:
     """A count ``>= 1``: Python or NumPy integers (core.checks' policy), else a ValueError."""
-    return int_option(OP, name, value, low=1)  # type: ignore[no-any-return]
+    return int(int_option(OP, name, value, low=1))
 
 
 def _check_padding(be: Any, pad: Any, L: int) -> None:
