@@ -27,9 +27,11 @@ class Backend:
     """
 
     name: str = ""
-    #: True for libraries that compile per shape (JAX): a :class:`~portable_llm.KVCache` then
-    #: returns its keys in fixed-size views (growing ``step`` slots at a time, the unused slots
-    #: masked) instead of one more key per decode step, so a step reuses the compiled programs.
+    #: True for libraries that compile per shape (JAX): :meth:`Model.make_cache
+    #: <portable_llm.Model.make_cache>` then asks each ``KVCache`` for fixed-size views
+    #: (``static_shapes=True``: growing ``step`` slots at a time, the unused slots masked) instead
+    #: of one more key per decode step, so a step reuses the compiled programs. A bare
+    #: ``KVCache()`` returns exactly ``offset`` keys on every backend.
     static_shapes: bool = False
     #: The Array API namespace of the library (array-api-compat's, or a shim for MLX).
     xp: Any
