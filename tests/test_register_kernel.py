@@ -126,18 +126,20 @@ def _case(name: str) -> report.Case:
     return next(c for c in report.CASES if c.name == name)
 
 
-def test_registration_before_the_backend_is_loaded_wins_over_the_packages_kernel(registered):
-    # A fresh process: the kernel is registered before the backend's native module is imported.
+def test_registration_before_the_backend_is_loaded_wins_over_the_packages_kernel(backend):
+    # A fresh process: the kernel is registered before the backend (and its native module, which
+    # registers the package's own kernels) is loaded; the user's kernel still wins.
     import subprocess
     import sys
 
     code = (
         "import numpy as np, portable_llm as pl\n"
         "def k(xp, x, w, *, eps):\n    return x * 0 + 7\n"
-        "pl.register_kernel('np', 'rms_norm', k, kernel='seven')\n"
-        "x, w = np.ones((2, 4), np.float32), np.ones(4, np.float32)\n"
+        f"pl.register_kernel({backend!r}, 'rms_norm', k, kernel='seven')\n"
+        f"x = pl.asarray(np.ones((2, 4)), backend={backend!r}, dtype='float32')\n"
+        f"w = pl.asarray(np.ones(4), backend={backend!r}, dtype='float32')\n"
         "with pl.trace() as t:\n    y = pl.rms_norm(x, w)\n"
-        "print(t[0].kernel, float(y[0, 0]))\n"
+        "print(t[0].kernel, float(pl.to_numpy(y)[0, 0]))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["seven", "7.0"]
