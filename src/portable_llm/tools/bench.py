@@ -151,7 +151,7 @@ def _filled_cache(x: Any, S: int) -> KVCache:
     bk = backend_of(x)
     assert bk is not None
     k = random_array(3, (1, _H_KV, S, _D), bk.dtype_name(x.dtype), backend=bk.name)[0]
-    cache = KVCache()
+    cache = KVCache(static_shapes=bk.static_shapes)  # as Model.make_cache
     cache.update_and_fetch(k, k)
     return cache
 

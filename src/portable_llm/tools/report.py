@@ -328,8 +328,9 @@ def _decode_case(seed: int, dtype: str, backend: str) -> Inputs:
 
 
 def _decode_call(x: Any, *weights: Any, impl: str, prefill: int) -> Any:
-    bk, cache = backend_of(x), KVCache()
+    bk = backend_of(x)
     assert bk is not None
+    cache = KVCache(static_shapes=bk.static_shapes)  # as Model.make_cache
     chunks = [x[:, :prefill, :], *(x[:, i : i + 1, :] for i in range(prefill, x.shape[1]))]
     outs = [_attention_call(c, *weights, impl=impl, cache=cache) for c in chunks]
     return bk.xp.concat(outs, axis=1)  # (B, L, E)
