@@ -64,7 +64,8 @@ def test_rms_norm_eps_not_a_number(backend, eps):
 
 @pytest.mark.parametrize("axis", [True, 1.0, "1", None])
 def test_softmax_axis_not_an_int(backend, axis):
-    with pytest.raises(TypeError, match=re.escape(f"softmax: axis must be an int, got {axis!r}")):
+    got = f"got {type(axis).__name__} {axis!r}"
+    with pytest.raises(TypeError, match=re.escape(f"softmax: axis must be an int, {got}")):
         pl.softmax(arr(backend, (2, 3)), axis=axis)
 
 
@@ -93,13 +94,17 @@ def test_linear_bias_shape(backend):
         pl.linear(arr(backend, (2, 8)), arr(backend, (4, 8)), arr(backend, (8,)))
 
 
-def test_linear_dtype_mismatch(backend):
+def test_linear_weight_dtype(backend):
+    """A float weight of another dtype is cast to x's (docs/mixed-precision.md); an int one is
+    a TypeError."""
     if "float64" not in pl.get_backend(backend).float_dtypes():
         pytest.skip(f"{backend} has no float64")
-    with pytest.raises(
-        TypeError, match="linear: arrays must share one dtype, got x: float32, weight: float64"
-    ):
-        pl.linear(arr(backend, (2, 8)), arr(backend, (4, 8), "float64"))
+    x, w = arr(backend, (2, 8)), arr(backend, (4, 8), "float64")
+    out = pl.linear(x, w)
+    assert out.dtype == x.dtype
+    assert_close(out, pl.linear(x, pl.get_backend(backend).astype(w, x.dtype)), rtol=0, atol=0)
+    with pytest.raises(TypeError, match=r"linear: weight must have a float dtype .*got int32"):
+        pl.linear(x, arr(backend, (4, 8), "int32"))
 
 
 def test_mlp_shapes(backend):

@@ -216,3 +216,113 @@ def test_intermediate_size_is_smallest_multiple_covering_ratio(e, m):
     n = pl.intermediate_size(e, multiple_of=m)
     floor = (8 * e) // 3
     assert n % m == 0 and n >= floor and n - m < floor
+
+
+# -- special values: +-inf through every impl -------------------------------------------------
+
+
+def _impls(backend: str, op: str) -> list[str]:
+    from portable_llm.core.dispatch import dispatcher
+
+    has_native = op in dispatcher(pl.get_backend(backend)).native
+    return ["auto", "portable", *(["native"] if has_native else [])]
+
+
+@pytest.mark.parametrize("op", ["gelu", "gelu_tanh", "silu"])
+def test_activation_of_plus_and_minus_inf(backend, dtype, op):
+    """+inf -> inf and -inf -> NaN (docs/ops/activations.md's table) under every impl: torch's
+    F.gelu gives NaN for +inf in float32 and bfloat16, which its kernel now puts right."""
+    x = pl.asarray([np.inf, -np.inf, 1.0], backend=backend, dtype=dtype)
+    for impl in _impls(backend, op):
+        with np.errstate(invalid="ignore"):  # NumPy warns on -inf * 0, as documented
+            out = pl.to_numpy(getattr(pl, op)(x, impl=impl)).astype(np.float64)
+        assert out[0] == np.inf, (impl, out)
+        assert np.isnan(out[1]), (impl, out)
+
+
+# -- zero-size dimensions: the correctly shaped result on every backend -------------------------
+
+
+def _zeros(backend: str, shape: tuple[int, ...]) -> object:
+    return pl.asarray(np.ones(shape, np.float32), backend=backend)
+
+
+@pytest.mark.parametrize("shape", [(2, 0), (0, 3), (0, 0)])
+@pytest.mark.parametrize("axis", [-1, 0])
+@pytest.mark.parametrize("impl", ["auto", "portable"])
+def test_softmax_of_zero_size_input(backend, shape, axis, impl):
+    out = pl.softmax(_zeros(backend, shape), axis=axis, impl=impl)
+    assert tuple(out.shape) == shape and pl.to_numpy(out).dtype == np.float32
+
+
+@pytest.mark.parametrize("impl", ["auto", "portable"])
+def test_zero_size_features(backend, impl):
+    """D = 0 (and K = 0, I = 0): shaped results; a projection over nothing is its bias."""
+    a = lambda *s: _zeros(backend, s)  # noqa: E731
+    assert tuple(pl.rms_norm(a(2, 0), a(0), impl=impl).shape) == (2, 0)
+    assert tuple(pl.rms_norm(a(0, 4), a(4), impl=impl).shape) == (0, 4)
+    for op in ACTS:
+        assert tuple(getattr(pl, op)(a(2, 0), impl=impl).shape) == (2, 0)
+    y = pl.to_numpy(pl.linear(a(2, 0), a(3, 0), impl=impl))
+    assert y.shape == (2, 3) and np.array_equal(y, np.zeros((2, 3)))
+    b = pl.asarray(np.array([1.0, -2.0, 3.0], np.float32), backend=backend)
+    y = pl.to_numpy(pl.linear(a(2, 0), a(3, 0), b, impl=impl))
+    assert np.array_equal(y, np.tile([1.0, -2.0, 3.0], (2, 1)))
+    assert tuple(pl.linear(a(2, 4), a(0, 4), impl=impl).shape) == (2, 0)
+    assert tuple(pl.mlp(a(2, 0), a(3, 0), a(3, 0), a(0, 3), impl=impl).shape) == (2, 0)
+    y = pl.to_numpy(pl.mlp(a(2, 4), a(0, 4), a(0, 4), a(4, 0), impl=impl))  # I = 0
+    assert np.array_equal(y, np.zeros((2, 4)))
+    y = pl.to_numpy(pl.unembed(a(2, 0), a(5, 0), impl=impl))
+    assert np.array_equal(y, np.zeros((2, 5)))
+    moe = pl.moe(a(2, 0), a(3, 0), a(3, 2, 0), a(3, 2, 0), a(3, 0, 2), top_k=1,
+                 norm_topk_prob=True, impl=impl)  # fmt: skip
+    assert tuple(moe.shape) == (2, 0)
+
+
+# -- scalar arguments: NumPy integers accepted, bools and floats refused ----------------------
+
+
+def test_numpy_integer_arguments_equal_python_ints(backend):
+    x, _ = random_array(0, (3, 6), "float32", backend=backend)
+    assert_close(pl.softmax(x, axis=np.int64(-1)), pl.to_numpy(pl.softmax(x, axis=-1)), rtol=0,
+                 atol=0, backend=backend)  # fmt: skip
+    w, _ = random_array(1, (4, 6), "float32", backend=backend)
+    for got, want in zip(
+        pl.route(x, w, top_k=np.int64(2), norm_topk_prob=True),
+        pl.route(x, w, top_k=2, norm_topk_prob=True),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(pl.to_numpy(got), pl.to_numpy(want))
+    key = 7 if backend != "jax" else None
+    if backend == "jax":
+        import jax
+
+        key = jax.random.key(7)
+    opts = {"temperature": np.float32(0.75), "top_p": np.float64(0.9), "min_p": np.float32(0.125)}
+    got = pl.sample(x, top_k=np.int64(3), key=key, **opts)
+    want = pl.sample(x, top_k=3, key=key, temperature=0.75, top_p=0.9, min_p=0.125)
+    np.testing.assert_array_equal(pl.to_numpy(got), pl.to_numpy(want))
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda x, w: pl.softmax(x, axis=True), "softmax: axis must be an int, got bool"),
+        (lambda x, w: pl.route(x, w, top_k=2.0, norm_topk_prob=True),
+         "route: top_k must be an int, got float"),
+        (lambda x, w: pl.moe(x, w, None, None, None, top_k=True, norm_topk_prob=True),
+         "moe: top_k must be an int, got bool"),
+        (lambda x, w: pl.sample(x, top_k=True, key=0), "sample: top_k must be an int, got bool"),
+        (lambda x, w: pl.sample(x, top_k=3.0, key=0), "sample: top_k must be an int, got float"),
+        (lambda x, w: pl.sample(x, temperature=True, key=0),
+         "sample: temperature must be a real number, got bool"),
+        (lambda x, w: pl.logprobs(x, top_p="0.9"),
+         "logprobs: top_p must be a real number, got str"),
+        (lambda x, w: pl.rms_norm(x, w[0], eps=True), "rms_norm: eps must be a real number"),
+    ],
+)  # fmt: skip
+def test_bool_and_float_arguments_are_type_errors(call, match):
+    x, _ = random_array(0, (3, 6), "float32")
+    w, _ = random_array(1, (4, 6), "float32")
+    with pytest.raises(TypeError, match=match):
+        call(x, w)

@@ -297,8 +297,12 @@ X = np.zeros((2, 3, 4, 8))
         (X, {"dims": 0}, r"rope: dims must be an even int .* got 0"),
         (X, {"offset": -1}, r"rope: offset must be >= 0, got -1"),
         (X, {"offset": np.array(-3)}, r"rope: offset must be >= 0, got negative entries"),
-        (X, {"offset": 1.5}, r"rope: offset must be an int >= 0 or an integer array, got 1.5"),
-        (X, {"offset": True}, r"rope: offset must be an int >= 0 or an integer array"),
+        (
+            X,
+            {"offset": 2**70},
+            r"rope: positions must be <= 2\*\*31 - 1 .* got offset=1180591620717411303424 with L=4",
+        ),
+        (X, {"offset": 2**31 - 3}, r"rope: positions must be <= 2\*\*31 - 1"),
         (
             X,
             {"offset": np.array([1, 2, 3])},
@@ -412,6 +416,26 @@ def test_rope_bad_input(x, kwargs, match):
         pl.rope(x, **kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"offset": 1.5}, r"rope: offset must be an int >= 0 or an integer array, got float 1.5"),
+        ({"offset": True}, r"rope: offset must be an int >= 0 or an integer array, got bool"),
+        ({"offset": "3"}, r"rope: offset must be an int >= 0 or an integer array, got str"),
+        ({"dims": 4.0}, r"rope: dims must be an int, got float 4.0"),
+        ({"dims": True}, r"rope: dims must be an int, got bool True"),
+        ({"base": True}, r"rope: base must be a real number, got bool True"),
+        (
+            {"scaling": {"rope_type": "linear", "factor": "2"}},
+            r"rope: scaling 'linear': factor must be a real number, got str '2'",
+        ),
+    ],
+)
+def test_rope_rejects_non_numbers_with_a_type_error(kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        pl.rope(X, **kwargs)
+
+
 def test_rope_bad_types():
     with pytest.raises(TypeError, match="rope: x must have a float dtype"):
         pl.rope(np.zeros((2, 4), dtype=np.int64))
@@ -468,3 +492,93 @@ def test_rope_cos_sin_bad_input(positions, dims, kwargs, match):
 def test_apply_rope_bad_input(cos_shape, sin_shape, match):
     with pytest.raises(ValueError, match=match):
         pl.apply_rope(X, np.ones(cos_shape), np.ones(sin_shape))
+
+
+# -- scalar arguments, the position bound, empty input ------------------------------------------
+
+
+def test_rope_numpy_integer_offset_equals_int(backend):
+    x, _ = _x(0, (2, 2, 5, 8), "float32", backend)
+    ref = pl.to_numpy(pl.rope(x, offset=5))
+    for offset in (np.int64(5), np.int32(5), np.uint8(5)):
+        np.testing.assert_array_equal(pl.to_numpy(pl.rope(x, offset=offset)), ref)
+
+
+@pytest.mark.parametrize("impl", ["auto", "portable"])
+def test_rope_last_position_works_on_every_backend(backend, impl):
+    """The documented bound: offset + L - 1 <= 2**31 - 1 runs, one position more is refused."""
+    L = 5
+    x, xr = _x(0, (1, 2, L, 8), "float32", backend)
+    offset = pl.rotary.args.MAX_POSITION - L + 1
+    out = pl.rope(x, offset=offset, impl=impl)
+    # At positions ~2**31 the float32 angle m * theta is rounded as HF rounds it; the NumPy
+    # backend's portable path (the HF order) is the reference for that rounding.
+    want = pl.rope(pl.asarray(xr.astype(np.float32)), offset=offset, impl="portable")
+    assert_close(out, pl.to_numpy(want), backend=backend, dtype="float32")
+    with pytest.raises(ValueError, match=r"rope: positions must be <= 2\*\*31 - 1"):
+        pl.rope(x, offset=offset + 1, impl=impl)
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 3, 0), (1, 2, 0, 8), (1, 0, 3, 8), (0, 2, 3, 8)])
+@pytest.mark.parametrize("impl", ["auto", "portable"])
+def test_rope_of_empty_input_is_empty(backend, shape, impl):
+    x, _ = _x(0, shape, "float32", backend)
+    out = pl.rope(x, offset=3, impl=impl)
+    assert tuple(out.shape) == shape and out.dtype == x.dtype
+    if shape[0] == 0:  # per-sequence offsets of shape (B,) = (0,)
+        offsets = pl.asarray(np.zeros((0,), np.int32), backend=backend)
+        assert tuple(pl.rope(x, offset=offsets, impl=impl).shape) == shape
+
+
+# -- JAX transforms: jit and grad ------------------------------------------------------------
+
+
+def _jax_or_skip(backend: str) -> None:
+    if backend != "jax":
+        pytest.skip("jax.jit and jax.grad are JAX's")
+
+
+@pytest.mark.parametrize("kind", ["default", "llama3", "yarn"])
+def test_rope_under_jax_jit_equals_eager(backend, kind):
+    _jax_or_skip(backend)
+    import jax
+
+    scaling = SCALINGS[kind]
+    x, _ = _x(0, (2, 2, 5, 8), "float32", backend)
+    eager = pl.rope(x, offset=3, scaling=scaling)
+    f = jax.jit(lambda a: pl.rope(a, offset=3, scaling=scaling))
+    assert_close(f(x), pl.to_numpy(eager), backend=backend, dtype="float32")
+    # A second trace (new shape) and an eager call after it: nothing of the first trace leaked
+    # into the frequency-table cache.
+    x2, _ = _x(1, (2, 2, 7, 8), "float32", backend)
+    want2 = pl.to_numpy(pl.rope(x2, offset=3, scaling=scaling))
+    assert_close(f(x2), want2, backend=backend, dtype="float32")
+    again = pl.rope(x, offset=3, scaling=scaling)
+    assert_close(again, pl.to_numpy(eager), backend=backend, dtype="float32", rtol=0, atol=0)
+    # traced per-sequence offsets, and rope_cos_sin of traced positions
+    offsets = pl.asarray(np.array([0, 4], np.int32), backend=backend)
+    g = jax.jit(lambda a, o: pl.rope(a, offset=o, scaling=scaling))
+    want = pl.to_numpy(pl.rope(x, offset=offsets, scaling=scaling))
+    assert_close(g(x, offsets), want, backend=backend, dtype="float32")
+    positions = pl.asarray(np.arange(6).reshape(2, 3), backend=backend)
+    cos = jax.jit(lambda p: pl.rope_cos_sin(p, 8, scaling=scaling)[0])(positions)
+    want = pl.to_numpy(pl.rope_cos_sin(positions, 8, scaling=scaling)[0])
+    assert_close(cos, want, backend=backend, dtype="float32")
+
+
+def test_rope_under_jax_grad(backend):
+    """RoPE is a rotation: the gradient of |rope(x)|^2 is 2x, and that of <rope(x), c> is the
+    inverse rotation of c (rope at the negated positions, i.e. the transpose)."""
+    _jax_or_skip(backend)
+    import jax
+    import jax.numpy as jnp
+
+    x, xr = _x(0, (1, 2, 5, 8), "float64", backend)
+    c, cr = _x(1, (1, 2, 5, 8), "float64", backend)
+    g = jax.grad(lambda a: jnp.sum(pl.rope(a, offset=3) ** 2))(x)
+    assert_close(g, 2 * xr, backend=backend, dtype="float64")
+    g = jax.jit(jax.grad(lambda a: jnp.sum(pl.rope(a, offset=3) * c)))(x)
+    positions = np.arange(3, 8)
+    # rope at position m rotates each pair by m * theta; its transpose rotates by -m * theta.
+    inverse = reference.rope(cr, -positions.astype(np.float64))
+    assert_close(g, inverse, backend=backend, dtype="float64")

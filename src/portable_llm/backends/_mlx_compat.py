@@ -47,15 +47,28 @@ def make_namespace(mx: Any) -> types.SimpleNamespace:
     def astype(x: Any, dtype: Any, /, *, copy: bool = True, device: Any = None) -> Any:
         return x if (not copy and x.dtype == dtype) else x.astype(dtype)
 
+    # Indices carry no gradient. MLX keeps them in the graph of their input, and mx.grad then
+    # fails at the first gather that uses them ("Cannot calculate VJP with respect to
+    # indices"): cut them from the graph, as the Array API's integer results are.
     def argsort(x: Any, /, *, axis: int = -1, descending: bool = False, stable: bool = True) -> Any:
         # mx.argsort is stable and ascending only. Descending and still stable (ties keep their
         # order): sort the reversed array ascending, map back, reverse the result.
         if not descending:
-            return mx.argsort(x, axis=axis)
+            return mx.stop_gradient(mx.argsort(x, axis=axis))
         x = mx.moveaxis(x, axis, -1)
         n = x.shape[-1]
         idx = (n - 1) - mx.argsort(x[..., ::-1], axis=-1)[..., ::-1]
-        return mx.moveaxis(idx, -1, axis)
+        return mx.stop_gradient(mx.moveaxis(idx, -1, axis))
+
+    def _index(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            return mx.stop_gradient(fn(*args, **kwargs))
+
+        wrapped.__name__ = fn.__name__
+        return wrapped
+
+    ns.argmax = _index(mx.argmax)
+    ns.argmin = _index(mx.argmin)
 
     ns.asarray = asarray
     ns.astype = astype

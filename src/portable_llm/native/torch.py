@@ -36,9 +36,12 @@ def silu(xp: Any, x: Any) -> Any:
     return F.silu(x)
 
 
+# F.gelu (the erf form) of +inf is NaN for float32 and bfloat16 on the CPU (torch 2.x): the
+# kernel computes inf * (1 + erf(inf)) through a path that yields NaN. GELU(+inf) is +inf, as
+# the portable path and every other backend give: put it back.
 @native("torch", "gelu", kernel="torch.nn.functional.gelu")
 def gelu(xp: Any, x: Any) -> Any:
-    return F.gelu(x)
+    return torch.where(x == math.inf, x, F.gelu(x))
 
 
 @native("torch", "gelu_tanh", kernel="torch.nn.functional.gelu(approximate='tanh')")

@@ -6,12 +6,12 @@ Every activation computes in float32 (float64 for float64 input) and returns the
 from __future__ import annotations
 
 import math
-import numbers
-from typing import Any
+from collections.abc import Callable
 
 from portable_llm.backends import resolve
-from portable_llm.core.checks import check_float, check_ndim, float_compute_dtype
+from portable_llm.core.checks import check_float, check_int, check_ndim, float_compute_dtype
 from portable_llm.core.dispatch import pick, portable
+from portable_llm.core.types import Array, Namespace
 
 __all__ = ["ACTIVATIONS", "activation", "gelu", "gelu_tanh", "relu", "silu", "softmax"]
 
@@ -19,13 +19,13 @@ _SQRT_PI = math.sqrt(math.pi)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
-def _sigmoid(xp: Any, x: Any) -> Any:
+def _sigmoid(xp: Namespace, x: Array) -> Array:
     # exp(-|x|) never overflows, so neither branch produces inf or NaN.
     e = xp.exp(-xp.abs(x))
     return xp.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
 
 
-def _erf(xp: Any, z: Any) -> Any:
+def _erf(xp: Namespace, z: Array) -> Array:
     """erf from its Maclaurin series (|z| < 2) and its Laplace continued fraction (|z| >= 2).
 
     The Array API has no erf. Each branch sees an argument clamped to its range so the other
@@ -50,43 +50,43 @@ def _erf(xp: Any, z: Any) -> Any:
 
 
 @portable("silu", pure=True)
-def _silu(xp: Any, x: Any) -> Any:
+def _silu(xp: Namespace, x: Array) -> Array:
     xc = xp.astype(x, float_compute_dtype(xp, x.dtype))
     return xp.astype(xc * _sigmoid(xp, xc), x.dtype)
 
 
 @portable("gelu", pure=True)
-def _gelu(xp: Any, x: Any) -> Any:
+def _gelu(xp: Namespace, x: Array) -> Array:
     xc = xp.astype(x, float_compute_dtype(xp, x.dtype))
     return xp.astype(0.5 * xc * (1.0 + _erf(xp, xc / math.sqrt(2.0))), x.dtype)
 
 
 @portable("gelu_tanh", pure=True)
-def _gelu_tanh(xp: Any, x: Any) -> Any:
+def _gelu_tanh(xp: Namespace, x: Array) -> Array:
     xc = xp.astype(x, float_compute_dtype(xp, x.dtype))
     inner = _SQRT_2_OVER_PI * (xc + 0.044715 * (xc * xc * xc))
     return xp.astype(0.5 * xc * (1.0 + xp.tanh(inner)), x.dtype)
 
 
 @portable("relu", pure=True)
-def _relu(xp: Any, x: Any) -> Any:
+def _relu(xp: Namespace, x: Array) -> Array:
     return xp.maximum(x, xp.zeros_like(x))  # NaN stays NaN
 
 
 @portable("softmax", pure=True)
-def _softmax(xp: Any, x: Any, *, axis: int) -> Any:
+def _softmax(xp: Namespace, x: Array, *, axis: int) -> Array:
     xc = xp.astype(x, float_compute_dtype(xp, x.dtype))
     e = xp.exp(xc - xp.max(xc, axis=axis, keepdims=True))
     return xp.astype(e / xp.sum(e, axis=axis, keepdims=True), x.dtype)
 
 
-def _unary(op: str, x: Any, impl: str, backend: str | None) -> Any:
+def _unary(op: str, x: Array, impl: str, backend: str | None) -> Array:
     bk, (x,) = resolve(op, backend, x)
     check_float(op, "x", x, bk)
     return pick(bk, op, impl, x)(bk.xp, x)
 
 
-def silu(x: Any, /, *, impl: str = "auto", backend: str | None = None) -> Any:
+def silu(x: Array, /, *, impl: str = "auto", backend: str | None = None) -> Array:
     """SiLU (swish): ``x * sigmoid(x)``.
 
     Parameters
@@ -105,7 +105,7 @@ def silu(x: Any, /, *, impl: str = "auto", backend: str | None = None) -> Any:
     return _unary("silu", x, impl, backend)
 
 
-def gelu(x: Any, /, *, impl: str = "auto", backend: str | None = None) -> Any:
+def gelu(x: Array, /, *, impl: str = "auto", backend: str | None = None) -> Array:
     """Exact GELU: ``0.5 * x * (1 + erf(x / sqrt(2)))``. Same shape and dtype as ``x``.
 
     Parameters
@@ -117,7 +117,7 @@ def gelu(x: Any, /, *, impl: str = "auto", backend: str | None = None) -> Any:
     return _unary("gelu", x, impl, backend)
 
 
-def gelu_tanh(x: Any, /, *, impl: str = "auto", backend: str | None = None) -> Any:
+def gelu_tanh(x: Array, /, *, impl: str = "auto", backend: str | None = None) -> Array:
     """GELU, tanh approximation (HF ``gelu_pytorch_tanh``). Same shape and dtype as ``x``.
 
     ``0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3)))``.
@@ -131,7 +131,7 @@ def gelu_tanh(x: Any, /, *, impl: str = "auto", backend: str | None = None) -> A
     return _unary("gelu_tanh", x, impl, backend)
 
 
-def relu(x: Any, /, *, impl: str = "auto", backend: str | None = None) -> Any:
+def relu(x: Array, /, *, impl: str = "auto", backend: str | None = None) -> Array:
     """ReLU: ``max(x, 0)`` (NaN propagates). Same shape and dtype as ``x``.
 
     Parameters
@@ -143,7 +143,9 @@ def relu(x: Any, /, *, impl: str = "auto", backend: str | None = None) -> Any:
     return _unary("relu", x, impl, backend)
 
 
-def softmax(x: Any, /, *, axis: int = -1, impl: str = "auto", backend: str | None = None) -> Any:
+def softmax(
+    x: Array, /, *, axis: int = -1, impl: str = "auto", backend: str | None = None
+) -> Array:
     """Softmax along ``axis``: ``exp(x - max(x)) / sum(exp(x - max(x)))``.
 
     Parameters
@@ -157,18 +159,18 @@ def softmax(x: Any, /, *, axis: int = -1, impl: str = "auto", backend: str | Non
     Returns
     -------
     array
-        Same shape and dtype as ``x``; max-subtracted, exponentials and the sum in float32
-        (float64 for float64 input). A slice that is all ``-inf`` gives NaN, as in every
-        backend's native softmax.
+        Same shape and dtype as ``x`` (an empty ``axis`` gives an empty result);
+        max-subtracted, exponentials and the sum in float32 (float64 for float64 input). A
+        slice that is all ``-inf`` gives NaN, as in every backend's native softmax.
     """
     bk, (x,) = resolve("softmax", backend, x)
     check_float("softmax", "x", x, bk)
     check_ndim("softmax", "x", x, 1, "N.. x D")
-    if isinstance(axis, bool) or not isinstance(axis, numbers.Integral):
-        raise TypeError(f"softmax: axis must be an int, got {axis!r}")
-    axis = int(axis)
+    axis = check_int("softmax", "axis", axis)
     if not -x.ndim <= axis < x.ndim:
         raise ValueError(f"softmax: axis={axis!r} is out of range for x of shape {tuple(x.shape)}")
+    if x.shape[axis] == 0:  # nothing to normalise over: the (empty) result, on every backend
+        return bk.xp.zeros_like(x)
     return pick(bk, "softmax", impl, x, axis=axis)(bk.xp, x, axis=axis)
 
 
@@ -196,6 +198,6 @@ def activation_op(name: str, where: str = "act") -> str:
         ) from None
 
 
-def activation(name: str, /) -> Any:
+def activation(name: str, /) -> Callable[..., Array]:
     """The public activation function called ``name`` (HF ``ACT2FN`` names: ``"silu"``, ...)."""
     return _PUBLIC[activation_op(name, "activation")]

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 from portable_llm.backends import Backend, backend_of, resolve
-from portable_llm.core.checks import check_float, check_ndim, check_same_dtype
+from portable_llm.core.checks import check_float, check_ndim, match_weight
 from portable_llm.core.dispatch import pick, portable
+from portable_llm.core.types import Array, Namespace
 
 __all__ = ["embedding", "unembed"]
 
@@ -17,14 +17,14 @@ _INDEX_DTYPES = frozenset({"int32", "int64"})
 
 
 @portable("embedding", pure=True)
-def _embedding(xp: Any, ids: Any, table: Any) -> Any:
+def _embedding(xp: Namespace, ids: Array, table: Array) -> Array:
     flat = xp.reshape(ids, (-1,))  # (N,) -- the standard's take wants 1-D indices
     rows = xp.take(table, flat, axis=0)  # (N, E)
     return xp.reshape(rows, (*ids.shape, table.shape[1]))  # (B.., L, E)
 
 
 @portable("embedding", "masked", pure=True)
-def _embedding_masked(xp: Any, ids: Any, table: Any) -> Any:
+def _embedding_masked(xp: Namespace, ids: Array, table: Array) -> Array:
     """Out-of-range ids give a row of NaN: the behaviour under tracing, where ids can't be read."""
     valid = (ids >= 0) & (ids < table.shape[0])  # (B.., L)
     safe = xp.where(valid, ids, xp.zeros_like(ids))
@@ -32,7 +32,7 @@ def _embedding_masked(xp: Any, ids: Any, table: Any) -> Any:
     return xp.where(valid[..., None], rows, xp.full_like(rows, xp.nan))
 
 
-def _as_index(bk: Backend, ids: Any, name: str, vocab: int) -> Any:
+def _as_index(bk: Backend, ids: Array, name: str, vocab: int) -> Array:
     """``ids`` as int32 or int64, the index dtypes every library's take (and min/max) accepts.
 
     Narrower ids widen exactly to int32. Unsigned 32- and 64-bit ids are reinterpreted as the
@@ -46,7 +46,7 @@ def _as_index(bk: Backend, ids: Any, name: str, vocab: int) -> Any:
     return bk.xp.astype(ids, bk.dtype("int64" if wide else "int32"))
 
 
-def _check_ids(bk: Backend, ids: Any, index: Any, vocab: int) -> None:
+def _check_ids(bk: Backend, ids: Array, index: Array, vocab: int) -> None:
     """The range check on ``index`` (``ids`` as an index dtype): one min and one max reduction,
     read back to the host (a sync). The message quotes the values of ``ids`` themselves."""
     if math.prod(ids.shape) == 0:
@@ -63,7 +63,7 @@ def _check_ids(bk: Backend, ids: Any, index: Any, vocab: int) -> None:
         )
 
 
-def embedding(ids: Any, table: Any, /, *, backend: str | None = None) -> Any:
+def embedding(ids: Array, table: Array, /, *, backend: str | None = None) -> Array:
     """Look up the rows of ``table`` for token ids (``nn.Embedding``, HF ``embed_tokens``).
 
     Parameters
@@ -79,7 +79,10 @@ def embedding(ids: Any, table: Any, /, *, backend: str | None = None) -> Any:
     Returns
     -------
     array, shape ``(B.., L, E)``, table's dtype
-        ``out[..., l, :] == table[ids[..., l]]``, bit-exact.
+        ``out[..., l, :] == table[ids[..., l]]``, bit-exact. Under the
+        mixed-precision rule (docs/mixed-precision.md) the table *is* the activations: there
+        is no other float input, so nothing is cast and the hidden states start in the table's
+        dtype (cast the table, or the result, to run a model in another dtype).
 
     Raises
     ------
@@ -110,7 +113,7 @@ def embedding(ids: Any, table: Any, /, *, backend: str | None = None) -> Any:
     return pick(bk, "embedding", "portable")(bk.xp, index, table)
 
 
-def unembed(h: Any, table: Any, /, *, impl: str = "auto", backend: str | None = None) -> Any:
+def unembed(h: Array, table: Array, /, *, impl: str = "auto", backend: str | None = None) -> Array:
     """The tied LM head: logits ``h @ table.T`` with the embedding matrix as the weight.
 
     The projection is :func:`~portable_llm.ops.linear` (same kernels, same float32 accumulation for
@@ -120,8 +123,10 @@ def unembed(h: Any, table: Any, /, *, impl: str = "auto", backend: str | None = 
     ----------
     h : array, shape ``(B.., L, E)``, float dtype
         Final hidden states.
-    table : array, shape ``(V, E)``, h's dtype
-        The embedding matrix (HF ``embed_tokens.weight`` when ``tie_word_embeddings``).
+    table : array, shape ``(V, E)``, float dtype
+        The embedding matrix (HF ``embed_tokens.weight`` when ``tie_word_embeddings``). Cast to
+        h's dtype when its float dtype differs (the
+        mixed-precision rule, docs/mixed-precision.md).
     impl : {"auto", "portable", "native"}
         Passed to the linear projection.
     backend : str, optional
@@ -139,5 +144,5 @@ def unembed(h: Any, table: Any, /, *, impl: str = "auto", backend: str | None = 
             f"unembed: table must have shape (V, {h.shape[-1]}) to match the last dimension of h "
             f"(shape {tuple(h.shape)}), got {tuple(table.shape)}"
         )
-    check_same_dtype("unembed", bk, h=h, table=table)
+    table = match_weight("unembed", "table", table, h, bk)
     return pick(bk, "linear", impl, h, table, None)(bk.xp, h, table, None)

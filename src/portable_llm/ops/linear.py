@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
-from typing import Any
 
 from portable_llm.backends import Backend, resolve
-from portable_llm.core.checks import check_float, check_ndim, check_same_dtype, is_half
+from portable_llm.core.checks import check_float, check_int, check_ndim, is_half, match_weight
 from portable_llm.core.dispatch import pick, portable
+from portable_llm.core.types import Array, Namespace
 from portable_llm.ops.activations import activation_op
 
 __all__ = ["intermediate_size", "linear", "mlp"]
 
 
 @portable("linear", pure=True)
-def _linear(xp: Any, x: Any, weight: Any, bias: Any = None) -> Any:
+def _linear(xp: Namespace, x: Array, weight: Array, bias: Array = None) -> Array:
     dtype = x.dtype
     if is_half(xp, dtype):  # accumulate half-precision products in float32, round once
         x, weight = xp.astype(x, xp.float32), xp.astype(weight, xp.float32)
@@ -26,7 +26,10 @@ def _linear(xp: Any, x: Any, weight: Any, bias: Any = None) -> Any:
     return xp.astype(y, dtype)
 
 
-def _check_linear(op: str, bk: Backend, x: Any, weight: Any, bias: Any, what: str) -> None:
+def _check_linear(
+    op: str, bk: Backend, x: Array, weight: Array, bias: Array, what: str
+) -> tuple[Array, Array]:
+    """Check one projection; ``(weight, bias)`` in x's dtype (the mixed-precision rule)."""
     check_float(op, "x", x, bk)
     check_float(op, what, weight, bk)
     check_ndim(op, "x", x, 1, "N.. x I")
@@ -42,18 +45,29 @@ def _check_linear(op: str, bk: Backend, x: Any, weight: Any, bias: Any, what: st
                 f"{op}: the bias of {what} must have shape ({weight.shape[0]},) to match "
                 f"{what} of shape {tuple(weight.shape)}, got {tuple(bias.shape)}"
             )
+    bias_name = f"bias of {what}"
+    return match_weight(op, what, weight, x, bk), match_weight(op, bias_name, bias, x, bk)
 
 
 def linear(
-    x: Any, weight: Any, bias: Any = None, /, *, impl: str = "auto", backend: str | None = None
-) -> Any:
+    x: Array,
+    weight: Array,
+    bias: Array = None,
+    /,
+    *,
+    impl: str = "auto",
+    backend: str | None = None,
+) -> Array:
     """Affine map ``x @ weight.T + bias`` with torch's weight layout.
 
     Parameters
     ----------
     x : array, shape ``(N.., I)``, float dtype
-    weight : array, shape ``(O, I)``, x's dtype
-    bias : array, shape ``(O,)``, x's dtype, optional
+    weight : array, shape ``(O, I)``, float dtype
+        Cast to x's dtype when its float dtype differs (the
+        mixed-precision rule, docs/mixed-precision.md).
+    bias : array, shape ``(O,)``, float dtype, optional
+        Cast to x's dtype likewise.
     impl : {"auto", "portable", "native"}
         ``auto`` uses ``torch.nn.functional.linear``, ``mx.addmm`` (``mx.matmul`` without a bias)
         or ``jax.numpy.matmul`` with ``preferred_element_type=float32``.
@@ -65,25 +79,24 @@ def linear(
         float16/bfloat16 products are accumulated in float32 and rounded once.
     """
     bk, (x, weight, bias) = resolve("linear", backend, x, weight, bias)
-    _check_linear("linear", bk, x, weight, bias, "weight")
-    check_same_dtype("linear", bk, x=x, weight=weight, bias=bias)
+    weight, bias = _check_linear("linear", bk, x, weight, bias, "weight")
     return pick(bk, "linear", impl, x, weight, bias)(bk.xp, x, weight, bias)
 
 
 def mlp(
-    x: Any,
-    w_gate: Any,
-    w_up: Any,
-    w_down: Any,
+    x: Array,
+    w_gate: Array,
+    w_up: Array,
+    w_down: Array,
     /,
     *,
     act: str = "silu",
-    b_gate: Any = None,
-    b_up: Any = None,
-    b_down: Any = None,
+    b_gate: Array = None,
+    b_up: Array = None,
+    b_down: Array = None,
     impl: str = "auto",
     backend: str | None = None,
-) -> Any:
+) -> Array:
     """Gated feed-forward block: ``down(act(gate(x)) * up(x))`` (SwiGLU for ``act="silu"``).
 
     The order of HF ``Qwen2MLP``/``LlamaMLP``: each projection and the activation round to x's
@@ -92,8 +105,10 @@ def mlp(
     Parameters
     ----------
     x : array, shape ``(N.., L, E)`` (any leading shape), float dtype
-    w_gate, w_up : array, shape ``(I, E)``
-    w_down : array, shape ``(E, I)``
+    w_gate, w_up : array, shape ``(I, E)``, float dtype
+    w_down : array, shape ``(E, I)``, float dtype
+        Weights and biases in another float dtype are cast to x's dtype (the
+        mixed-precision rule, docs/mixed-precision.md).
     act : str
         Activation name, as HF ``hidden_act`` spells it: ``"silu"`` (``"swish"``), ``"gelu"``,
         ``"gelu_tanh"`` (``"gelu_pytorch_tanh"``, ``"gelu_new"``), ``"relu"``.
@@ -111,8 +126,8 @@ def mlp(
     bk, (x, w_gate, w_up, w_down, b_gate, b_up, b_down) = resolve(
         "mlp", backend, x, w_gate, w_up, w_down, b_gate, b_up, b_down
     )
-    _check_linear("mlp", bk, x, w_gate, b_gate, "w_gate")
-    _check_linear("mlp", bk, x, w_up, b_up, "w_up")
+    w_gate, b_gate = _check_linear("mlp", bk, x, w_gate, b_gate, "w_gate")
+    w_up, b_up = _check_linear("mlp", bk, x, w_up, b_up, "w_up")
     if tuple(w_up.shape) != tuple(w_gate.shape):
         raise ValueError(
             f"mlp: w_up must have the shape of w_gate (I x E), {tuple(w_gate.shape)}, "
@@ -126,10 +141,8 @@ def mlp(
         )
     if b_down is not None and tuple(b_down.shape) != (e,):
         raise ValueError(f"mlp: b_down must have shape ({e},), got {tuple(b_down.shape)}")
-    check_same_dtype(
-        "mlp", bk, x=x, w_gate=w_gate, w_up=w_up, w_down=w_down,
-        b_gate=b_gate, b_up=b_up, b_down=b_down,
-    )  # fmt: skip
+    w_down = match_weight("mlp", "w_down", w_down, x, bk)
+    b_down = match_weight("mlp", "b_down", b_down, x, bk)
     xp = bk.xp
     lin = pick(bk, "linear", impl, x, w_gate, b_gate)
     gate = lin(xp, x, w_gate, b_gate)  # (N.., I)
@@ -155,9 +168,13 @@ def intermediate_size(hidden_size: int, /, *, ratio: float = 8 / 3, multiple_of:
     int
     """
     for name, value in (("hidden_size", hidden_size), ("multiple_of", multiple_of)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"intermediate_size: {name} must be a positive int, got {value!r}")
+        try:
+            check_int("intermediate_size", name, value, low=1)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"intermediate_size: {name} must be a positive int, got {value!r}"
+            ) from None
     if not (isinstance(ratio, int | float | Fraction) and math.isfinite(ratio) and ratio > 0):
         raise ValueError(f"intermediate_size: ratio must be a positive number, got {ratio!r}")
-    width = math.floor(Fraction(ratio).limit_denominator(1000) * hidden_size)
-    return multiple_of * -(-width // multiple_of)
+    width = math.floor(Fraction(ratio).limit_denominator(1000) * int(hidden_size))
+    return int(multiple_of) * -(-width // int(multiple_of))

@@ -10,8 +10,15 @@ from __future__ import annotations
 from typing import Any
 
 from portable_llm.backends import Backend, resolve
-from portable_llm.core.checks import check_float, check_ndim, check_same_dtype, float_compute_dtype
+from portable_llm.core.checks import (
+    check_float,
+    check_int,
+    check_ndim,
+    float_compute_dtype,
+    match_weight,
+)
 from portable_llm.core.dispatch import pick, portable
+from portable_llm.core.types import Array, Namespace
 from portable_llm.ops.activations import _sigmoid, activation_op
 from portable_llm.ops.linear import mlp
 
@@ -19,27 +26,29 @@ __all__ = ["moe", "route"]
 
 
 @portable("top_k", pure=True)
-def _top_k(xp: Any, x: Any, *, k: int) -> tuple[Any, Any]:
+def _top_k(xp: Namespace, x: Array, *, k: int) -> tuple[Array, Array]:
     """The k largest along the last axis, descending; ties: the lower index first."""
     idx = xp.argsort(x, axis=-1, descending=True, stable=True)[..., :k]  # (N.., k)
     return xp.take_along_axis(x, idx, axis=-1), idx
 
 
-def _expert_ranks(xp: Any, gate: Any, dtype: Any) -> Any:
+def _expert_ranks(xp: Namespace, gate: Array, dtype: Any) -> Array:
     """0, 1, ..., X-1 on gate's device (built from gate: the standard's arange needs a device)."""
     ones = xp.ones_like(gate[:, 0, 0], dtype=dtype)  # (X,)
     return xp.cumulative_sum(ones) - 1
 
 
-def _expert_mlp(xp: Any, xs: Any, gate: Any, up: Any, down: Any, act: Any, linear: Any) -> Any:
+def _expert_mlp(
+    xp: Namespace, xs: Array, gate: Array, up: Array, down: Array, act: Any, linear: Any
+) -> Array:
     return linear(xp, act(xp, linear(xp, xs, gate)) * linear(xp, xs, up), down)  # (n, E)
 
 
 @portable("moe_experts")
 def _moe_gather(
-    xp: Any, x: Any, weights: Any, ids: Any, gate: Any, up: Any, down: Any, *,
+    xp: Namespace, x: Array, weights: Array, ids: Array, gate: Array, up: Array, down: Array, *,
     act: Any, linear: Any, to_host: Any,
-) -> Any:  # fmt: skip
+) -> Array:  # fmt: skip
     """Sort the (token, slot) assignments by expert; run each expert on its own tokens only.
 
     The segment bounds are read back to the host (one sync) to slice the segments.
@@ -65,9 +74,9 @@ def _moe_gather(
 
 @portable("moe_experts", "dense", pure=True)
 def _moe_dense(
-    xp: Any, x: Any, weights: Any, ids: Any, gate: Any, up: Any, down: Any, *,
+    xp: Namespace, x: Array, weights: Array, ids: Array, gate: Array, up: Array, down: Array, *,
     act: Any, linear: Any, to_host: Any = None,
-) -> Any:  # fmt: skip
+) -> Array:  # fmt: skip
     """Every expert on every token, weighted by its routing weight (0 where not routed)."""
     out = xp.zeros_like(x, dtype=weights.dtype)  # (N, E)
     zero = xp.zeros_like(weights)
@@ -79,8 +88,8 @@ def _moe_dense(
 
 
 def _route(
-    bk: Backend, x: Any, w_router: Any, top_k: int, norm_topk_prob: bool, impl: str
-) -> tuple[Any, Any]:
+    bk: Backend, x: Array, w_router: Array, top_k: int, norm_topk_prob: bool, impl: str
+) -> tuple[Array, Array]:
     xp = bk.xp
     logits = pick(bk, "linear", impl, x, w_router)(xp, x, w_router)  # (N.., X), x's dtype
     probs = xp.astype(logits, float_compute_dtype(xp, x.dtype))
@@ -92,7 +101,8 @@ def _route(
     return weights, xp.astype(ids, xp.asarray(0).dtype)
 
 
-def _check_route(op: str, bk: Backend, x: Any, w_router: Any, top_k: int) -> None:
+def _check_route(op: str, bk: Backend, x: Array, w_router: Array, top_k: Any) -> tuple[Array, int]:
+    """Check the router's inputs; ``(w_router in x's dtype, top_k as an int)``."""
     check_float(op, "x", x, bk)
     check_float(op, "w_router", w_router, bk)
     check_ndim(op, "x", x, 1, "B.. x L x E")
@@ -101,26 +111,25 @@ def _check_route(op: str, bk: Backend, x: Any, w_router: Any, top_k: int) -> Non
             f"{op}: w_router must have shape (X, {x.shape[-1]}) (X experts x E) to match x of "
             f"shape {tuple(x.shape)}, got {tuple(w_router.shape)}"
         )
-    if isinstance(top_k, bool) or not isinstance(top_k, int):
-        raise TypeError(f"{op}: top_k must be an int, got {type(top_k).__name__}")
+    top_k = check_int(op, "top_k", top_k)
     if not 1 <= top_k <= w_router.shape[0]:
         raise ValueError(
             f"{op}: top_k must be in [1, X] = [1, {w_router.shape[0]}] (w_router shape "
             f"{tuple(w_router.shape)}), got {top_k}"
         )
-    check_same_dtype(op, bk, x=x, w_router=w_router)
+    return match_weight(op, "w_router", w_router, x, bk), top_k
 
 
 def route(
-    x: Any,
-    w_router: Any,
+    x: Array,
+    w_router: Array,
     /,
     *,
     top_k: int,
     norm_topk_prob: bool,
     impl: str = "auto",
     backend: str | None = None,
-) -> tuple[Any, Any]:
+) -> tuple[Array, Array]:
     """The MoE router: softmax over all experts, then the ``top_k`` most probable.
 
     ``logits = x @ w_router.T`` (in x's dtype, as HF's router ``F.linear``); the softmax runs in
@@ -131,8 +140,9 @@ def route(
     Parameters
     ----------
     x : array, shape ``(B.., L, E)``, float dtype
-    w_router : array, shape ``(X, E)``, x's dtype
-        HF ``gate.weight`` (``MixtralTopKRouter``/``Qwen2MoeTopKRouter``).
+    w_router : array, shape ``(X, E)``, float dtype
+        HF ``gate.weight`` (``MixtralTopKRouter``/``Qwen2MoeTopKRouter``). Cast to x's dtype
+        when its float dtype differs (the mixed-precision rule, docs/mixed-precision.md).
     top_k : int in ``[1, X]``
         HF ``num_experts_per_tok``.
     norm_topk_prob : bool
@@ -146,14 +156,18 @@ def route(
     weights : array, shape ``(B.., L, top_k)``, float32 (float64 for float64 x)
         Descending along the last axis.
     ids : array, shape ``(B.., L, top_k)``, the backend's default integer dtype
-        The experts chosen, in ``[0, X)``.
+        The experts chosen, in ``[0, X)``. They carry no gradient (on MLX they are cut from
+        the graph, so ``mx.grad`` flows to x and w_router through the weights).
     """
     bk, (x, w_router) = resolve("route", backend, x, w_router)
-    _check_route("route", bk, x, w_router, top_k)
+    w_router, top_k = _check_route("route", bk, x, w_router, top_k)
     return _route(bk, x, w_router, top_k, bool(norm_topk_prob), impl)
 
 
-def _check_experts(bk: Backend, x: Any, gate: Any, up: Any, down: Any, n_experts: int) -> None:
+def _check_experts(
+    bk: Backend, x: Array, gate: Array, up: Array, down: Array, n_experts: int
+) -> tuple[Array, Array, Array]:
+    """Check the stacked experts; the three in x's dtype (the mixed-precision rule)."""
     e = x.shape[-1]
     for name, arr in (("experts_gate", gate), ("experts_up", up), ("experts_down", down)):
         check_float("moe", name, arr, bk)
@@ -173,24 +187,29 @@ def _check_experts(bk: Backend, x: Any, gate: Any, up: Any, down: Any, n_experts
             f"moe: experts_down must have shape {want} (X x E x I) to match experts_gate "
             f"{tuple(gate.shape)}, got {tuple(down.shape)}"
         )
+    return (
+        match_weight("moe", "experts_gate", gate, x, bk),
+        match_weight("moe", "experts_up", up, x, bk),
+        match_weight("moe", "experts_down", down, x, bk),
+    )
 
 
 def moe(
-    x: Any,
-    w_router: Any,
-    experts_gate: Any,
-    experts_up: Any,
-    experts_down: Any,
+    x: Array,
+    w_router: Array,
+    experts_gate: Array,
+    experts_up: Array,
+    experts_down: Array,
     /,
     *,
     top_k: int,
     norm_topk_prob: bool,
-    shared: tuple[Any, Any, Any] | None = None,
-    shared_gate: Any = None,
+    shared: tuple[Array, Array, Array] | None = None,
+    shared_gate: Array = None,
     act: str = "silu",
     impl: str = "auto",
     backend: str | None = None,
-) -> Any:
+) -> Array:
     """Sparse MoE block: each token through its ``top_k`` experts, weighted by the router.
 
     ``out = sum_j weights_j * mlp_{ids_j}(x) [+ sigmoid(x @ shared_gate.T) * mlp_shared(x)]``
@@ -245,19 +264,18 @@ def moe(
     bk, (x, w_router, gate, up, down, s_gate, s_up, s_down, shared_gate) = resolve(
         "moe", backend, x, w_router, experts_gate, experts_up, experts_down, *s_w, shared_gate
     )
-    _check_route("moe", bk, x, w_router, top_k)
-    _check_experts(bk, x, gate, up, down, w_router.shape[0])
+    w_router, top_k = _check_route("moe", bk, x, w_router, top_k)
+    gate, up, down = _check_experts(bk, x, gate, up, down, w_router.shape[0])
     e = x.shape[-1]
     if shared_gate is not None and tuple(shared_gate.shape) != (1, e):
         raise ValueError(
             f"moe: shared_gate must have shape (1, {e}) to match x of shape {tuple(x.shape)}, "
             f"got {tuple(shared_gate.shape)}"
         )
-    check_same_dtype(
-        "moe", bk, x=x, w_router=w_router, experts_gate=gate, experts_up=up, experts_down=down,
-        shared_gate=shared_gate,
-    )  # fmt: skip
+    shared_gate = match_weight("moe", "shared_gate", shared_gate, x, bk)
     xp = bk.xp
+    if e == 0:  # no features: the (empty) result, with no expert to run
+        return xp.zeros_like(x)
     sub = "portable" if impl == "portable" else "auto"
     xf = xp.reshape(x, (-1, e))  # (N, E)
     weights, ids = _route(bk, xf, w_router, top_k, bool(norm_topk_prob), sub)  # (N, k)

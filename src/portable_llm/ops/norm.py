@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
-import numbers
-from typing import Any
-
 from portable_llm.backends import Backend, resolve_pair
-from portable_llm.core.checks import check_float, check_ndim, float_compute_dtype
+from portable_llm.core.checks import (
+    check_float,
+    check_ndim,
+    check_real,
+    float_compute_dtype,
+    match_weight,
+)
 from portable_llm.core.dispatch import pick, portable
+from portable_llm.core.types import Array, Namespace
 
 __all__ = ["rms_norm"]
 
 
 @portable("rms_norm", pure=True)
-def _rms_norm(xp: Any, x: Any, weight: Any, *, eps: float) -> Any:
+def _rms_norm(xp: Namespace, x: Array, weight: Array, *, eps: float) -> Array:
     xc = xp.astype(x, float_compute_dtype(xp, x.dtype))
     variance = xp.mean(xc * xc, axis=-1, keepdims=True)  # (N.., 1)
     normed = xc * (1.0 / xp.sqrt(variance + eps))
@@ -22,8 +26,8 @@ def _rms_norm(xp: Any, x: Any, weight: Any, *, eps: float) -> Any:
 
 
 def rms_norm(
-    x: Any, weight: Any, /, *, eps: float = 1e-5, impl: str = "auto", backend: str | None = None
-) -> Any:
+    x: Array, weight: Array, /, *, eps: float = 1e-5, impl: str = "auto", backend: str | None = None
+) -> Array:
     """RMS normalisation (Llama, Qwen, Mistral): ``weight * x / sqrt(mean(x^2) + eps)``.
 
     The computation, in this order (HF transformers' ``Qwen2RMSNorm``/``LlamaRMSNorm``):
@@ -38,7 +42,7 @@ def rms_norm(
     x : array, shape ``(N.., D)``, float dtype
     weight : array, shape ``(D,)``, float dtype
         Cast to x's dtype when it differs (a float32 weight with bfloat16 activations gives a
-        bfloat16 result).
+        bfloat16 result): the package's mixed-precision rule (docs/mixed-precision.md).
     eps : float, >= 0
         Added to the mean of squares inside the square root.
     impl : {"auto", "portable", "native"}
@@ -52,6 +56,7 @@ def rms_norm(
     Returns
     -------
     array, shape ``(N.., D)``, x's dtype
+        ``D = 0`` gives the empty result (no mean to take).
     """
     bk, x, weight = resolve_pair("rms_norm", backend, x, weight)
     # One combined test on the hot path (each attribute read once: on torch every read costs
@@ -65,17 +70,19 @@ def rms_norm(
             or not shape
             or weight.shape != shape[-1:]
             or not eps >= 0  # also rejects NaN
+            or eps.__class__ is bool
+            or not shape[-1]
         )
     except TypeError:  # eps is not a number
         bad = True
-    if bad:
-        _raise_bad_input(bk, x, weight, eps)
+    if bad:  # raises, or D == 0: the empty result
+        return _slow_path(bk, x, weight, eps)
     if w_dtype != dtype:
-        weight = bk.astype(weight, dtype)
+        weight = match_weight("rms_norm", "weight", weight, x, bk)
     return pick(bk, "rms_norm", impl, x, weight, eps=eps)(bk.xp, x, weight, eps=eps)
 
 
-def _raise_bad_input(bk: Backend, x: Any, weight: Any, eps: float) -> None:
+def _slow_path(bk: Backend, x: Array, weight: Array, eps: float) -> Array:
     check_float("rms_norm", "x", x, bk)
     check_float("rms_norm", "weight", weight, bk)
     check_ndim("rms_norm", "x", x, 1, "N.. x D")
@@ -84,6 +91,11 @@ def _raise_bad_input(bk: Backend, x: Any, weight: Any, eps: float) -> None:
             f"rms_norm: weight must have shape ({x.shape[-1]},) to match the last dimension of x "
             f"(shape {tuple(x.shape)}), got {tuple(weight.shape)}"
         )
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
-        raise TypeError(f"rms_norm: eps must be a real number >= 0, got {eps!r}")
-    raise ValueError(f"rms_norm: eps must be >= 0, got {eps!r}")
+    try:
+        check_real("rms_norm", "eps", eps, low=0.0, finite=False)
+    except TypeError:
+        raise TypeError(f"rms_norm: eps must be a real number >= 0, got {eps!r}") from None
+    except ValueError:
+        raise ValueError(f"rms_norm: eps must be >= 0, got {eps!r}") from None
+    # Everything is valid and D == 0: nothing to normalise.
+    return match_weight("rms_norm", "weight", weight, x, bk) * x

@@ -15,8 +15,15 @@ import math
 from typing import Any
 
 from portable_llm.backends import Backend, resolve
-from portable_llm.core.checks import check_float, check_ndim, float_compute_dtype
+from portable_llm.core.checks import (
+    check_float,
+    check_ndim,
+    check_optional_int,
+    check_real,
+    float_compute_dtype,
+)
 from portable_llm.core.dispatch import pick, portable
+from portable_llm.core.types import Array, Namespace
 
 __all__ = ["greedy", "logprobs", "sample"]
 
@@ -29,43 +36,40 @@ GREEDY_BELOW = 1e-5
 def _check(
     op: str,
     bk: Backend,
-    logits: Any,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
-    min_p: float | None,
-) -> None:
+    logits: Array,
+    temperature: Any,
+    top_k: Any,
+    top_p: Any,
+    min_p: Any,
+) -> tuple[float, int | None, float | None, float | None]:
+    """Check the options; ``(temperature, top_k, top_p, min_p)`` as Python numbers."""
     check_float(op, "logits", logits, bk)
     check_ndim(op, "logits", logits, 1, "B.. x V")
     vocab = logits.shape[-1]
     if vocab < 1:
         raise ValueError(f"{op}: logits must have a vocabulary of at least one token, got {vocab}")
-    if isinstance(temperature, bool) or not isinstance(temperature, int | float):
-        raise TypeError(f"{op}: temperature must be a number, got {type(temperature).__name__}")
-    if not (math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"{op}: temperature must be finite and >= 0, got {temperature!r}")
-    if top_k is not None:
-        if isinstance(top_k, bool) or not isinstance(top_k, int):
-            raise TypeError(f"{op}: top_k must be an int or None, got {type(top_k).__name__}")
-        if not 1 <= top_k <= vocab:
-            raise ValueError(
-                f"{op}: top_k must be in [1, V] = [1, {vocab}] (logits shape "
-                f"{tuple(logits.shape)}), got {top_k}"
-            )
+    temperature = check_real(op, "temperature", temperature, low=0.0)
+    top_k = check_optional_int(op, "top_k", top_k)
+    if top_k is not None and not 1 <= top_k <= vocab:
+        raise ValueError(
+            f"{op}: top_k must be in [1, V] = [1, {vocab}] (logits shape "
+            f"{tuple(logits.shape)}), got {top_k}"
+        )
+    reals: list[float | None] = []
     for name, value, low_open in (("top_p", top_p, True), ("min_p", min_p, False)):
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise TypeError(f"{op}: {name} must be a number or None, got {type(value).__name__}")
-        if not ((0 < value <= 1) if low_open else (0 <= value <= 1)):
-            interval = "(0, 1]" if low_open else "[0, 1]"
-            raise ValueError(f"{op}: {name} must be in {interval}, got {value!r}")
+        if value is not None:
+            value = check_real(op, name, value, finite=False)
+            if not ((0 < value <= 1) if low_open else (0 <= value <= 1)):
+                interval = "(0, 1]" if low_open else "[0, 1]"
+                raise ValueError(f"{op}: {name} must be in {interval}, got {value!r}")
+        reals.append(value)
+    return temperature, top_k, reals[0], reals[1]
 
 
 def _filtered(
-    xp: Any, logits: Any, temperature: float, top_k: int | None, top_p: float | None,
+    xp: Namespace, logits: Array, temperature: float, top_k: int | None, top_p: float | None,
     min_p: float | None,
-) -> tuple[Any, Any]:  # fmt: skip
+) -> tuple[Array, Array]:  # fmt: skip
     """``(order, logp)``: token ids by descending logit, and the filtered log-probs in that order.
 
     Both ``(B.., V)``; ``logp`` in float32 (float64 for float64 logits), ``-inf`` where removed.
@@ -98,37 +102,37 @@ def _filtered(
     return order, logp
 
 
-def _log_softmax(xp: Any, zs: Any) -> Any:
+def _log_softmax(xp: Namespace, zs: Array) -> Array:
     # zs is sorted descending, so its first entry is the row maximum (0: rank 0 is kept).
     shifted = zs - zs[..., :1]
     return shifted - xp.log(xp.sum(xp.exp(shifted), axis=-1, keepdims=True))
 
 
-def _unsort(xp: Any, order: Any, sorted_values: Any) -> Any:
+def _unsort(xp: Namespace, order: Array, sorted_values: Array) -> Array:
     inverse = xp.argsort(order, axis=-1)  # position of each token id in the sorted order
     return xp.take_along_axis(sorted_values, inverse, axis=-1)
 
 
-def _ranks(xp: Any, like: Any) -> Any:
+def _ranks(xp: Namespace, like: Array) -> Array:
     """0, 1, ..., V-1 along the last axis, in like's float dtype, shape and device (exact for
     V < 2**24: float32 integers)."""
     return xp.cumulative_sum(xp.ones_like(like), axis=-1) - 1
 
 
-def _one_hot_logprobs(xp: Any, ids: Any, logits: Any) -> Any:
+def _one_hot_logprobs(xp: Namespace, ids: Array, logits: Array) -> Array:
     zero = xp.zeros_like(logits, dtype=float_compute_dtype(xp, logits.dtype))  # (B.., V)
     hit = _ranks(xp, zero) == xp.astype(ids, zero.dtype)[..., None]
     out = xp.where(hit, zero, xp.full_like(zero, -math.inf))
     return xp.where(ids[..., None] < 0, xp.full_like(zero, math.nan), out)  # id -1: NaN row
 
 
-def _index_dtype(xp: Any) -> Any:
+def _index_dtype(xp: Namespace) -> Any:
     """The backend's default integer dtype (int64; int32 on MLX and on JAX without x64)."""
     return xp.asarray(0).dtype
 
 
 @portable("greedy", pure=True)
-def _greedy(xp: Any, logits: Any) -> Any:
+def _greedy(xp: Namespace, logits: Array) -> Array:
     ids = xp.astype(xp.argmax(logits, axis=-1), _index_dtype(xp))  # (B..)
     # No token when the row has a NaN or is all -inf: id -1, marked on the device (no sync).
     some = xp.any(logits > -math.inf, axis=-1) & ~xp.any(xp.isnan(logits), axis=-1)  # (B..)
@@ -138,9 +142,9 @@ def _greedy(xp: Any, logits: Any) -> Any:
 # Not pure=True (compiled on JAX): the float options would be static, one compilation per value.
 @portable("logprobs")
 def _logprobs(
-    xp: Any, logits: Any, *, temperature: float, top_k: int | None, top_p: float | None,
+    xp: Namespace, logits: Array, *, temperature: float, top_k: int | None, top_p: float | None,
     min_p: float | None,
-) -> Any:  # fmt: skip
+) -> Array:  # fmt: skip
     if temperature < GREEDY_BELOW:
         return _one_hot_logprobs(xp, _greedy(xp, logits), logits)
     order, logp = _filtered(xp, logits, temperature, top_k, top_p, min_p)
@@ -149,7 +153,7 @@ def _logprobs(
 
 @portable("sample")
 def _sample(
-    xp: Any, logits: Any, u: Any, *, temperature: float, top_k: int | None,
+    xp: Namespace, logits: Array, u: Array, *, temperature: float, top_k: int | None,
     top_p: float | None, min_p: float | None, return_logprobs: bool,
 ) -> Any:  # fmt: skip
     """Inverse-CDF draw at the uniforms ``u`` ``(B.., 1)``; ``(ids, logprobs)`` if asked."""
@@ -171,7 +175,7 @@ def _sample(
     return (ids, _unsort(xp, order, logp)) if return_logprobs else ids
 
 
-def greedy(logits: Any, /, *, backend: str | None = None) -> Any:
+def greedy(logits: Array, /, *, backend: str | None = None) -> Array:
     """The most likely token of each row: ``argmax(logits, axis=-1)`` (ties: the lowest id).
 
     Parameters
@@ -191,7 +195,7 @@ def greedy(logits: Any, /, *, backend: str | None = None) -> Any:
 
 
 def logprobs(
-    logits: Any,
+    logits: Array,
     /,
     *,
     temperature: float = 1.0,
@@ -199,7 +203,7 @@ def logprobs(
     top_p: float | None = None,
     min_p: float | None = None,
     backend: str | None = None,
-) -> Any:
+) -> Array:
     """Log-probabilities of the distribution :func:`sample` draws from, for every token.
 
     ``log_softmax(logits / temperature)`` after the filters (top-k, then top-p, then min-p, each
@@ -220,13 +224,15 @@ def logprobs(
     array, shape ``(B.., V)``, float32 (float64 for float64 logits)
     """
     bk, (logits,) = resolve("logprobs", backend, logits)
-    _check("logprobs", bk, logits, temperature, top_k, top_p, min_p)
+    temperature, top_k, top_p, min_p = _check(
+        "logprobs", bk, logits, temperature, top_k, top_p, min_p
+    )
     opts = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}
     return pick(bk, "logprobs", "auto", logits, **opts)(bk.xp, logits, **opts)
 
 
 def sample(
-    logits: Any,
+    logits: Array,
     /,
     *,
     temperature: float = 1.0,
@@ -288,7 +294,9 @@ def sample(
     :func:`~portable_llm.ops.embedding` rejects at the next step.
     """
     bk, (logits,) = resolve("sample", backend, logits)
-    _check("sample", bk, logits, temperature, top_k, top_p, min_p)
+    temperature, top_k, top_p, min_p = _check(
+        "sample", bk, logits, temperature, top_k, top_p, min_p
+    )
     if temperature < GREEDY_BELOW:
         u = None
     else:

@@ -8,13 +8,13 @@ and ``attention`` (the factor on cos and sin). The attention block calls it once
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
 from portable_llm.backends import Backend, backend_of, resolve
-from portable_llm.core.checks import check_float, check_ndim
+from portable_llm.core.checks import check_float, check_int, check_ndim
+from portable_llm.core.types import Array
 from portable_llm.rotary.scaling import (
     DEFAULT_BASE,
     RopeSpec,
@@ -23,18 +23,31 @@ from portable_llm.rotary.scaling import (
     rope_spec,
 )
 
-__all__ = ["check_dims_arg", "check_positions", "device_table", "dispatch_args", "max_position"]
+__all__ = [
+    "MAX_POSITION",
+    "check_dims_arg",
+    "check_positions",
+    "device_table",
+    "dispatch_args",
+    "max_position",
+]
 
 OP = "rope"
 
+#: The largest position RoPE takes: ``2**31 - 1``. Positions are built with ``arange`` in the
+#: backend's default integer dtype, which is int32 on MLX and on JAX without x64: one bound for
+#: every backend, so a position that works on one works on all.
+MAX_POSITION = 2**31 - 1
+
 
 def check_dims_arg(op: str, dims: Any, D: int | None, shape: tuple[int, ...]) -> int:
-    """``dims`` as an even int >= 2 (and <= ``D`` when given), or a ValueError naming both."""
-    ok = isinstance(dims, int) and not isinstance(dims, bool) and dims >= 2 and dims % 2 == 0
-    if not ok or (D is not None and dims > D):
+    """``dims`` as an even int >= 2 (and <= ``D`` when given), or a ValueError naming both (a
+    TypeError when it is not an int)."""
+    dims = check_int(op, "dims", dims)
+    if dims < 2 or dims % 2 or (D is not None and dims > D):
         within = f"in [2, D={D}] (x has shape {shape})" if D is not None else ">= 2"
         raise ValueError(f"{op}: dims must be an even int {within}, got {dims!r}")
-    return int(dims)
+    return dims
 
 
 def _rotary_dims(dims: Any, spec: RopeSpec, shape: tuple[int, ...]) -> int:
@@ -58,7 +71,7 @@ def _rotary_dims(dims: Any, spec: RopeSpec, shape: tuple[int, ...]) -> int:
     return check_dims_arg(OP, dims, D, shape)
 
 
-def check_positions(op: str, name: str, a: Any, bk: Backend) -> None:
+def check_positions(op: str, name: str, a: Array, bk: Backend) -> None:
     """An integer array with no negative entry (read on the host unless traced)."""
     kind = bk.dtype_name(a.dtype)
     if not kind.startswith(("int", "uint")):
@@ -77,9 +90,22 @@ _TABLES: dict[tuple[Any, ...], Any] = {}
 
 
 def device_table(
-    bk: Backend, device: Any, spec: RopeSpec, dims: int, dtype: str, seq_len: int | None
-) -> Any:
-    """theta (``(dims/2,)``, ``dtype``) on ``device``, converted once and kept."""
+    bk: Backend,
+    device: Any,
+    spec: RopeSpec,
+    dims: int,
+    dtype: str,
+    seq_len: int | None,
+    *,
+    traced: bool = False,
+) -> Array:
+    """theta (``(dims/2,)``, ``dtype``) on ``device``, converted once and kept.
+
+    ``traced``: the call runs under a trace (``jax.jit``, ``jax.grad``): the table is built for
+    this trace and never stored, since an array made inside a trace must not outlive it.
+    """
+    if traced:
+        return bk.from_numpy(inv_freq_table(spec, dims, dtype, seq_len).copy(), device)
     key = (bk.name, str(device), spec, dims, dtype, seq_len)
     table = _TABLES.get(key)
     if table is None:
@@ -90,14 +116,14 @@ def device_table(
     return table
 
 
-def _is_array(a: Any) -> bool:
+def _is_array(a: object) -> bool:
     try:
         return backend_of(a) is not None
     except TypeError:  # a type no backend knows
         return False
 
 
-def max_position(op: str, bk: Backend, a: Any) -> int:
+def max_position(op: str, bk: Backend, a: Array) -> int:
     """``max(a)`` read on the host: the one sync dynamic scaling needs."""
     if bk.is_traced(a):
         raise ValueError(f"{op}: scaling 'dynamic' needs concrete positions, got a traced array")
@@ -105,7 +131,7 @@ def max_position(op: str, bk: Backend, a: Any) -> int:
 
 
 def dispatch_args(
-    x: Any,
+    x: Array,
     offset: Any = 0,
     base: float = DEFAULT_BASE,
     traditional: bool = False,
@@ -113,13 +139,19 @@ def dispatch_args(
     dims: int | None = None,
     max_position_embeddings: int | None = None,
     backend: str | Backend | None = None,
-) -> tuple[Backend, tuple[Any, ...], dict[str, Any]]:
+) -> tuple[Backend, tuple[Array, ...], dict[str, Any]]:
     """Validate :func:`rope`'s arguments; the backend, arrays and options its kernels take."""
-    if isinstance(offset, np.integer):
-        offset = int(offset)
-    is_int = isinstance(offset, int) and not isinstance(offset, bool)
-    if not is_int and not _is_array(offset):
-        raise ValueError(f"{OP}: offset must be an int >= 0 or an integer array, got {offset!r}")
+    # A Python or NumPy integer (np.int64 is also a NumPy array: check it first); anything else
+    # that is no array is a TypeError.
+    is_int = isinstance(offset, numbers.Integral) or not _is_array(offset)
+    if is_int:
+        try:
+            offset = check_int(OP, "offset", offset)
+        except TypeError:
+            raise TypeError(
+                f"{OP}: offset must be an int >= 0 or an integer array, got "
+                f"{type(offset).__name__} {offset!r}"
+            ) from None
     bk, (x, offsets) = resolve(OP, backend, x, None if is_int else offset)
     check_float(OP, "x", x, bk)
     check_ndim(OP, "x", x, 2, "..., L, D")
@@ -131,6 +163,11 @@ def dispatch_args(
     if is_int:
         if offset < 0:
             raise ValueError(f"{OP}: offset must be >= 0, got {offset}")
+        if offset + L - 1 > MAX_POSITION:
+            raise ValueError(
+                f"{OP}: positions must be <= 2**31 - 1 (the int32 range of the position "
+                f"index on MLX and JAX), got offset={offset} with L={L} (x of shape {shape})"
+            )
     else:
         check_positions(OP, "offset", offsets, bk)
         if offsets.ndim == 1 and len(shape) < 3:
@@ -148,6 +185,7 @@ def dispatch_args(
     if spec.kind == "dynamic":  # HF: max(position_ids) + 1
         seq_len = (offset if offsets is None else max_position(OP, bk, offsets)) + L
     dtype = "float64" if x.dtype == bk.xp.float64 else "float32"
-    inv = device_table(bk, bk.device_of(x), spec, dims, dtype, seq_len)
+    traced = bk.is_traced(x) or (offsets is not None and bk.is_traced(offsets))
+    inv = device_table(bk, bk.device_of(x), spec, dims, dtype, seq_len, traced=traced)
     options = {"offset": offset, "dims": dims, "traditional": traditional}
     return bk, (x, offsets, inv), {**options, "attention": spec.attention_factor}

@@ -16,6 +16,7 @@ from portable_llm.backends import resolve
 from portable_llm.backends._base import FLOAT_DTYPES
 from portable_llm.core.checks import check_float, check_ndim
 from portable_llm.core.dispatch import pick, portable
+from portable_llm.core.types import Array, Namespace
 from portable_llm.rotary.args import (
     OP,
     check_dims_arg,
@@ -29,11 +30,13 @@ from portable_llm.rotary.scaling import DEFAULT_BASE, check_dims, rope_spec
 __all__ = ["apply_rope", "rope", "rope_cos_sin"]
 
 
-def _device(x: Any) -> Any:
+def _device(x: Array) -> Any:
     return getattr(x, "device", None)  # MLX arrays have none (unified memory)
 
 
-def _angles(xp: Any, positions: Any, inv_freq: Any, attention: float) -> tuple[Any, Any]:
+def _angles(
+    xp: Namespace, positions: Array, inv_freq: Array, attention: float
+) -> tuple[Array, Array]:
     """cos and sin of ``positions * theta``, ``(.., L, dims/2)`` in the table's dtype."""
     theta = xp.expand_dims(xp.astype(positions, inv_freq.dtype), axis=-1) * inv_freq
     cos, sin = xp.cos(theta), xp.sin(theta)
@@ -43,8 +46,9 @@ def _angles(xp: Any, positions: Any, inv_freq: Any, attention: float) -> tuple[A
 
 
 def _rotate(
-    xp: Any, x: Any, c1: Any, s1: Any, c2: Any, s2: Any, dims: int, traditional: bool
-) -> Any:
+    xp: Namespace, x: Array, c1: Array, s1: Array, c2: Array, s2: Array, dims: int,
+    traditional: bool,
+) -> Array:  # fmt: skip
     """Rotate the first ``dims`` features of x; ``c1, s1`` hold pair i's cos and sin (i < dims/2).
 
     ``c2, s2`` are HF's second half of cos and sin (equal to the first for RoPE's own tables),
@@ -65,16 +69,16 @@ def _rotate(
 
 @portable(OP)
 def _rope(
-    xp: Any,
-    x: Any,
-    offsets: Any,
-    inv_freq: Any,
+    xp: Namespace,
+    x: Array,
+    offsets: Array,
+    inv_freq: Array,
     *,
     offset: int,
     dims: int,
     traditional: bool,
     attention: float,
-) -> Any:
+) -> Array:
     L = x.shape[-2]
     positions = xp.arange(offset, offset + L, device=_device(x))  # (L,)
     if offsets is not None:  # () -> (L,); (B,) -> (B, L)
@@ -88,7 +92,7 @@ def _rope(
 
 
 def rope(
-    x: Any,
+    x: Array,
     /,
     *,
     offset: Any = 0,
@@ -99,7 +103,7 @@ def rope(
     max_position_embeddings: int | None = None,
     impl: str = "auto",
     backend: str | None = None,
-) -> Any:
+) -> Array:
     """Rotary position embedding: rotate feature pairs of x by ``position * theta_i``.
 
     ``theta_i = base ** (-2i / dims)`` for ``i < dims / 2``, changed by ``scaling`` as HF
@@ -111,9 +115,11 @@ def rope(
     ----------
     x : array, shape ``(.., L, D)`` (e.g. ``(B, H, L, D)``), float dtype
     offset : int >= 0, or integer array of shape ``()`` or ``(B,)``
-        Position of the first row. An array of shape ``(B,)`` gives each sequence of the batch
-        its own start (x is then ``(B, .., L, D)``). Array offsets are checked for negative
-        entries on the host (one sync).
+        Position of the first row, a Python or NumPy integer; the last position,
+        ``offset + L - 1``, must be at most ``2**31 - 1`` (``MAX_POSITION``: the position
+        index is int32 on MLX and on JAX without x64). An array of shape ``(B,)`` gives each
+        sequence of the batch its own start (x is then ``(B, .., L, D)``). Array offsets are
+        checked for negative entries on the host (one sync).
     base : float, > 1
         HF's ``rope_theta``. A ``rope_theta`` in ``scaling`` is used instead (a different
         explicit ``base`` is an error).
@@ -154,11 +160,13 @@ def rope(
     bk, arrays, options = dispatch_args(
         x, offset, base, traditional, scaling, dims, max_position_embeddings, backend
     )
+    if 0 in tuple(arrays[0].shape):  # an empty x (D = 0 included): the empty result, the
+        return bk.xp.zeros_like(arrays[0])  # same on every backend and impl
     return pick(bk, OP, impl, *arrays, **options)(bk.xp, *arrays, **options)
 
 
 def rope_cos_sin(
-    positions: Any,
+    positions: Array,
     dims: int,
     /,
     *,
@@ -167,7 +175,7 @@ def rope_cos_sin(
     max_position_embeddings: int | None = None,
     dtype: Any = None,
     backend: str | None = None,
-) -> tuple[Any, Any]:
+) -> tuple[Array, Array]:
     """cos and sin of ``position * theta_i`` for arbitrary position ids, in HF's layout.
 
     Parameters
@@ -205,7 +213,8 @@ def rope_cos_sin(
     seq_len = None
     if spec.kind == "dynamic" and positions.size:
         seq_len = max_position(op, bk, positions) + 1
-    inv = device_table(bk, bk.device_of(positions), spec, dims, compute, seq_len)
+    device, traced = bk.device_of(positions), bk.is_traced(positions)
+    inv = device_table(bk, device, spec, dims, compute, seq_len, traced=traced)
     xp = bk.xp
     cos, sin = _angles(xp, positions, inv, spec.attention_factor)  # (.., L, dims/2)
     out = bk.dtypes[name]
@@ -215,8 +224,8 @@ def rope_cos_sin(
 
 
 def apply_rope(
-    x: Any, cos: Any, sin: Any, /, *, traditional: bool = False, backend: str | None = None
-) -> Any:
+    x: Array, cos: Array, sin: Array, /, *, traditional: bool = False, backend: str | None = None
+) -> Array:
     """Rotate the first ``dims = cos.shape[-1]`` features of x by given cos and sin (HF's
     ``apply_rotary_pos_emb`` for one tensor).
 

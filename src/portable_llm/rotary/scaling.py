@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from portable_llm.core.checks import check_int, check_real
+
 __all__ = ["ROPE_TYPES", "RopeSpec", "check_dims", "inv_freq_table", "rope_spec"]
 
 #: The scaling kinds ``scaling["rope_type"]`` (or ``scaling["type"]``) may name.
@@ -43,17 +45,19 @@ class RopeSpec:
 
 
 def _number(op: str, kind: str, key: str, value: Any, *, positive: bool = True) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    v = check_real(f"{op}: scaling {kind!r}", key, value, finite=False)
+    if not math.isfinite(v):
         raise ValueError(f"{op}: scaling {kind!r}: {key} must be a finite number, got {value!r}")
-    if positive and value <= 0:
+    if positive and v <= 0:
         raise ValueError(f"{op}: scaling {kind!r}: {key} must be > 0, got {value!r}")
-    return float(value)
+    return v
 
 
 def _length(op: str, kind: str, key: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+    v = check_int(f"{op}: scaling {kind!r}", key, value)
+    if v < 1:
         raise ValueError(f"{op}: scaling {kind!r}: {key} must be an int >= 1, got {value!r}")
-    return int(value)
+    return v
 
 
 def _required(op: str, kind: str, d: Mapping[str, Any], key: str) -> Any:
@@ -79,7 +83,7 @@ def rope_spec(
     that disagrees is an error), ``max_position_embeddings`` (dynamic; the default of
     ``original_max_position_embeddings`` for llama3 and yarn, as HF's config standardisation does).
     """
-    if not isinstance(base, int | float) or isinstance(base, bool) or not base > 1.0:
+    if not check_real(op, "base", base, finite=False) > 1.0:
         raise ValueError(f"{op}: base must be a number > 1, got {base!r}")
     if scaling is None:
         return RopeSpec(base=float(base))
