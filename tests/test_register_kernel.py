@@ -159,6 +159,8 @@ def test_bad_registrations_are_clear_errors():
         pl.register_kernel("numpy", "rms_norm", "k")
     with pytest.raises(TypeError, match="register_kernel: auto_dtypes must be a sequence"):
         pl.register_kernel("numpy", "rms_norm", k, auto_dtypes="float32")
+    with pytest.raises(ValueError, match=r"register_kernel: auto_dtypes names unknown .*'f32'"):
+        pl.register_kernel("numpy", "rms_norm", k, auto_dtypes=("f32",))
     with pytest.raises(ValueError, match="unregister_kernel: no kernel registered for 'rms_norm'"):
         pl.unregister_kernel("numpy", "rms_norm")
     # Nothing was registered by the failed calls.

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 from portable_llm.backends import _ALIASES, BACKENDS
-from portable_llm.backends._base import Backend
+from portable_llm.backends._base import FLOAT_DTYPES, Backend
 
 __all__ = [
     "IMPLS",
@@ -364,6 +364,12 @@ def register_kernel(
                 f"{auto_dtypes!r}"
             )
         auto_dtypes = tuple(auto_dtypes)
+        unknown = [d for d in auto_dtypes if d not in FLOAT_DTYPES]
+        if unknown:
+            raise ValueError(
+                f"register_kernel: auto_dtypes names unknown float dtype(s) {unknown}; known: "
+                f"{', '.join(FLOAT_DTYPES)}"
+            )
     spec = (fn, kernel, applies, auto_dtypes)
     _USER_NATIVE.setdefault(name, {})[op] = Native(*spec)
     for bk, d in _DISPATCHERS.items():
