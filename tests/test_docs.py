@@ -10,7 +10,7 @@ comment right before a block (invisible on the rendered page) says what the bloc
     ``array_api_strict``. Blocks that need two libraries besides NumPy, or the oracle extra,
     carry the ``multi_backend`` mark and run in the oracle env, where everything is installed.
 ``<!-- docs-test: raises TypeError -->``
-    the block must raise that exception (it may be combined with ``needs``, one comment each).
+    the block must raise that built-in exception (combine with ``needs``: one comment each).
 ``<!-- docs-test: skip <reason> -->``
     not run (a signature, a sketch that needs a real checkpoint); the reason is reported.
 ``<!-- docs-test: vary BACKEND numpy torch -->``
