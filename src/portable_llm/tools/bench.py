@@ -153,6 +153,7 @@ def _filled_cache(x: Any, S: int) -> KVCache:
     k = random_array(3, (1, _H_KV, S, _D), bk.dtype_name(x.dtype), backend=bk.name)[0]
     cache = KVCache(static_shapes=bk.static_shapes)  # as Model.make_cache
     cache.update_and_fetch(k, k)
+    cache.make_mask()  # fixed-size views need their mask, or the next update refuses to run
     return cache
 
 
