@@ -11,6 +11,7 @@ from portable_llm.core.checks import check_int
 from portable_llm.models.config import config_path, read_config
 from portable_llm.models.files import CheckpointError, checkpoint_file, read_json
 from portable_llm.models.model import Model
+from portable_llm.models.quantized import read_quantization, read_quantized_weights, stored_dtype
 from portable_llm.models.shards import SafetensorsFiles
 from portable_llm.models.tokenizer import read_tokenizer
 from portable_llm.models.weights import read_weights
@@ -74,12 +75,11 @@ def load(
     if folder.suffix == ".gguf" and folder.is_file():
         from portable_llm.models.gguf import load_gguf
 
-        return load_gguf(
-            folder, backend=backend, dtype=dtype, device=device, dequantize=dequantize
-        )
+        return load_gguf(folder, backend=backend, dtype=dtype, device=device, dequantize=dequantize)
     if not folder.is_dir():
         raise FileNotFoundError(f"load: {str(path)!r} is not a folder")
     config_path(folder)  # a folder without config.json says so before anything else
+    quant = read_quantization(folder)  # mlx-lm's quantized folders (None: floats)
     with SafetensorsFiles(folder) as st:  # headers only: names, shapes, dtypes
         cfg = read_config(folder, layers=st.layers, experts=st.experts)
         tokenizer = read_tokenizer(folder)
@@ -89,7 +89,7 @@ def load(
             dev = None if device is None else bk.device(device)
         except ValueError as exc:
             raise ValueError(f"load: {exc}") from None
-        name = dtype if dtype is not None else st.stored_dtype("model.embed_tokens.weight")
+        name = dtype if dtype is not None else stored_dtype(st, "model.embed_tokens.weight")
         try:
             target = bk.dtype(name or "float32", dev)  # no embeddings: the check reports them
         except ValueError as exc:
@@ -99,7 +99,10 @@ def load(
             ) from None
         if bk.dtype_name(target) not in FLOAT_DTYPES:
             raise ValueError(f"load: dtype must be a float dtype ({', '.join(FLOAT_DTYPES)})")
-        weights = read_weights(st, cfg, bk, target, dev)
+        if quant is None:
+            weights = read_weights(st, cfg, bk, target, dev)
+        else:
+            weights = read_quantized_weights(st, cfg, bk, target, dev, quant)
     return Model(cfg, weights, bk, tokenizer=tokenizer, generation_config=generation_config)
 
 

@@ -122,6 +122,11 @@ class QuantizedWeight:
         return self.scales.dtype
 
     @property
+    def device(self) -> Any:
+        """The device of the arrays (the backend's device object)."""
+        return self.backend.device_of(self.scales)
+
+    @property
     def ndim(self) -> int:
         return len(self.shape)
 
@@ -390,7 +395,7 @@ def quantized_linear(
     /,
     *,
     impl: str = "auto",
-    backend: str | None = None,
+    backend: str | Backend | None = None,
 ) -> Any:
     """``x @ dequantize(qw).T + bias``, accumulated in float32, returned in x's dtype.
 
@@ -455,3 +460,71 @@ def quantized_embedding(ids: Any, qw: QuantizedWeight, bk: Backend) -> Any:
     opts = {"bits": qw.bits, "group_size": qw.group_size}
     fn = pick(bk, "quantized_embedding", "portable", ids, *qw.arrays, **opts)
     return fn(bk.xp, ids, *qw.arrays, **opts)
+
+
+# -- QuantizedWeight in the other ops (each calls one of these when handed one) -----------------
+
+
+def is_quantized(*weights: Any) -> bool:
+    """Whether any of ``weights`` is a :class:`QuantizedWeight`."""
+    return any(isinstance(w, QuantizedWeight) for w in weights)
+
+
+def project(bk: Backend, impl: str, x: Any, w: Any, b: Any) -> Any:
+    """``x @ w.T + b`` on ``bk`` for a float weight or a :class:`QuantizedWeight` (for blocks
+    that bind their weights once and call the implementations directly)."""
+    if isinstance(w, QuantizedWeight):
+        return quantized_linear(x, w, b, impl=impl, backend=bk)
+    return pick(bk, "linear", impl, x, w, b)(bk.xp, x, w, b)
+
+
+def quantized_mlp(
+    x: Any, w_gate: Any, w_up: Any, w_down: Any, /, *, act: str, b_gate: Any, b_up: Any,
+    b_down: Any, impl: str, backend: Any,
+) -> Any:  # fmt: skip
+    """:func:`~portable_llm.mlp` with some of its weights quantized: the same order (each
+    projection and the activation rounded to x's dtype, the gate product in x's dtype)."""
+    from portable_llm.ops.activations import activation
+    from portable_llm.ops.linear import linear
+
+    gate = linear(x, w_gate, b_gate, impl=impl, backend=backend)  # (N.., I)
+    up = linear(x, w_up, b_up, impl=impl, backend=backend)  # (N.., I)
+    h = activation(act)(gate, impl=impl) * up
+    return linear(h, w_down, b_down, impl=impl, backend=backend)  # (N.., E)
+
+
+def embedding_rows(ids: Any, table: QuantizedWeight, /, *, backend: Any = None) -> Any:
+    """:func:`~portable_llm.embedding` of a quantized table: the ids checked as there, then only
+    the gathered rows dequantized (equal to ``dequantize(table)[ids]``, tested)."""
+    from portable_llm.ops.embedding import _INT_DTYPES, _as_index, _check_ids
+
+    op = "embedding"
+    bk, (ids,) = resolve(op, backend if backend is not None else table.backend, ids)
+    if table.backend is not bk:
+        table = table.to(bk, bk.device_of(ids))
+    if backend_of(ids) is not bk:
+        raise TypeError(f"{op}: ids must be an array, got {type(ids).__name__}")
+    name = bk.dtype_name(ids.dtype)
+    if name not in _INT_DTYPES:
+        raise ValueError(
+            f"{op}: ids must have an integer dtype, got {name} with shape {tuple(ids.shape)}"
+        )
+    check_ndim(op, "ids", ids, 1, "B.. x L")
+    if len(table.shape) != 2:
+        raise ValueError(f"{op}: table must have shape (V, E), got {table.shape}")
+    vocab = table.shape[0]
+    index = _as_index(bk, ids, name, vocab)
+    if not bk.is_traced(ids):
+        _check_ids(bk, ids, index, vocab)
+        return quantized_embedding(index, table, bk)
+    # Under tracing the ids cannot be read back: an out-of-range id gives a row of NaN (as the
+    # float table's masked path), never another token's row.
+    xp = bk.xp
+    valid = (index >= 0) & (index < vocab)  # (B.., L)
+    rows = quantized_embedding(xp.where(valid, index, xp.zeros_like(index)), table, bk)
+    return xp.where(valid[..., None], rows, xp.full_like(rows, xp.nan))
+
+
+def dequantized(w: Any) -> Any:
+    """``w`` as floats: :func:`dequantize` for a :class:`QuantizedWeight`, else ``w``."""
+    return dequantize(w) if isinstance(w, QuantizedWeight) else w

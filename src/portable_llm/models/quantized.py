@@ -1,0 +1,168 @@
+"""mlx-lm's quantized checkpoint folders (``mlx_lm.convert(quantize=True)``, the Hub's
+``*-MLX-4bit`` models), read with their weights kept quantized.
+
+Such a folder is an HF folder whose ``config.json`` has ``"quantization": {"group_size": 64,
+"bits": 4, "mode": "affine"}``, optionally with per-layer entries keyed by the module's path
+(``"model.layers.0.mlp.down_proj": {"group_size": 64, "bits": 8}``, or ``false`` for a layer left
+in floats). Each quantized module ``p`` stores ``p.weight`` (uint32 codes, ``(N, K * bits / 32)``),
+``p.scales`` and ``p.biases`` (``(N, K / group_size)``): MLX's affine format, which
+:class:`~portable_llm.ops.quant.QuantizedWeight` holds as is, on any backend. Biases of a layer
+(``q_proj.bias``) and norms stay float tensors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from portable_llm.backends import Backend
+from portable_llm.models.config import DecoderConfig, config_path
+from portable_llm.models.files import CheckpointError, read_json
+from portable_llm.models.shards import SAFETENSORS_FLOATS, SafetensorsFiles
+from portable_llm.models.weights import _to_backend, expected_shapes
+from portable_llm.ops.quant import BITS, GROUP_SIZES, QuantizedWeight
+
+__all__ = ["Quantization", "read_quantization", "read_quantized_weights", "stored_dtype"]
+
+_LIST_AT_MOST = 12
+
+
+class Quantization:
+    """A folder's ``"quantization"``: the default ``(bits, group_size)`` and per-module ones
+    (``None`` for a module left in floats)."""
+
+    def __init__(self, bits: int, group_size: int, layers: dict[str, tuple[int, int] | None]):
+        self.bits, self.group_size, self.layers = bits, group_size, layers
+
+    def of(self, module: str) -> tuple[int, int] | None:
+        """``(bits, group_size)`` of module ``module`` (``"model.layers.0.mlp.down_proj"``)."""
+        return self.layers.get(module, (self.bits, self.group_size))
+
+
+def _format(where: str, entry: Any) -> tuple[int, int]:
+    if not isinstance(entry, dict):
+        raise CheckpointError(f"{where} must be an object with bits and group_size, got {entry!r}")
+    mode = entry.get("mode", "affine")
+    if mode != "affine":
+        raise CheckpointError(f"{where}: mode {mode!r} is not supported (only 'affine')")
+    bits, group = entry.get("bits"), entry.get("group_size")
+    if bits not in BITS or isinstance(bits, bool):
+        raise CheckpointError(f"{where}: bits must be one of {BITS}, got {bits!r}")
+    if group not in GROUP_SIZES or isinstance(group, bool):
+        raise CheckpointError(f"{where}: group_size must be one of {GROUP_SIZES}, got {group!r}")
+    return bits, group
+
+
+def read_quantization(path: str | Path, /) -> Quantization | None:
+    """The ``"quantization"`` entry of a folder's ``config.json``; ``None`` when it has none.
+
+    Raises :class:`CheckpointError` naming ``config.json`` for a mode other than ``"affine"``,
+    or bits/group_size that MLX's affine format does not have.
+    """
+    file = config_path(path)
+    q = read_json(file).get("quantization")
+    if q is None:
+        return None
+    where = f"load: {str(file)!r}: quantization"
+    bits, group = _format(where, q)
+    layers: dict[str, tuple[int, int] | None] = {}
+    for key, entry in q.items():
+        if key in ("bits", "group_size", "mode"):
+            continue
+        if entry is False:
+            layers[key] = None
+        elif isinstance(entry, dict):
+            layers[key] = _format(f"{where}[{key!r}]", {"mode": q.get("mode", "affine"), **entry})
+    return Quantization(bits, group, layers)
+
+
+def stored_dtype(st: SafetensorsFiles, name: str) -> str | None:
+    """The float dtype of tensor ``name``, or of its scales when it is quantized."""
+    stem = name.removesuffix(".weight")
+    return st.stored_dtype(stem + ".scales" if stem + ".scales" in st.dtypes else name)
+
+
+def _listed(names: list[str]) -> str:
+    shown = ", ".join(names[:_LIST_AT_MOST])
+    more = len(names) - _LIST_AT_MOST
+    return shown + (f", ... ({more} more)" if more > 0 else "")
+
+
+def read_quantized_weights(
+    st: SafetensorsFiles,
+    cfg: DecoderConfig,
+    bk: Backend,
+    dtype: Any,
+    device: Any,
+    quant: Quantization,
+) -> dict[str, Any]:
+    """Check an mlx-lm quantized folder against ``cfg``, then read it into ``bk``'s arrays.
+
+    Returns the names of :func:`~portable_llm.models.weights.expected_shapes`, each a float
+    array in ``dtype`` or, for a quantized module, a :class:`QuantizedWeight` whose scales and
+    biases are in ``dtype`` (their stored dtype by default). Raises :class:`CheckpointError`
+    listing every missing, unexpected or misshapen tensor; MoE layers (mlx-lm's ``switch_mlp``)
+    are not read from quantized folders.
+    """
+    if cfg.num_experts:
+        raise CheckpointError(
+            f"load: {str(st.folder)!r}: quantized mlx-lm folders of MoE models "
+            f"({cfg.model_type}) are not supported; load the float checkpoint"
+        )
+    expected = expected_shapes(cfg)
+    problems: list[str] = []
+    plan: dict[str, tuple[int, int] | None] = {}  # name -> (bits, group) or None (a float)
+    used: set[str] = set()
+    for name, shape in expected.items():
+        stem = name.removesuffix(".weight")
+        fmt = quant.of(stem) if name.endswith(".weight") else None
+        if name.endswith(".weight") and stem + ".scales" in st.files and fmt is not None:
+            bits, group = fmt
+            n, k = shape[0], shape[-1]
+            want = {
+                name: ((n, k * bits // 32), ("U32",)),
+                stem + ".scales": ((n, k // group), tuple(SAFETENSORS_FLOATS)),
+                stem + ".biases": ((n, k // group), tuple(SAFETENSORS_FLOATS)),
+            }
+            for part, (pshape, kinds) in want.items():
+                if part not in st.shapes:
+                    problems.append(f"missing {part}")
+                    continue
+                used.add(part)
+                if st.shapes[part] != pshape or st.dtypes[part] not in kinds:
+                    problems.append(
+                        f"{part} {st.shapes[part]} {st.dtypes[part]} (a {shape} weight at "
+                        f"bits={bits}, group_size={group} implies {pshape} {'/'.join(kinds)})"
+                    )
+            plan[name] = fmt
+        elif name in st.shapes:
+            used.add(name)
+            if st.shapes[name] != shape or st.dtypes[name] not in SAFETENSORS_FLOATS:
+                problems.append(f"{name} {st.shapes[name]} {st.dtypes[name]} (expected {shape})")
+            plan[name] = None
+        elif not (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            problems.append(f"missing {name}")
+    unexpected = [
+        n for n in st.files if n not in used and not n.endswith(".rotary_emb.inv_freq")
+        and not (n.startswith("lm_head.") and cfg.tie_word_embeddings)
+    ]  # fmt: skip
+    if unexpected:
+        problems.append(f"unexpected tensors ({len(unexpected)}): {_listed(unexpected)}")
+    if problems:
+        raise CheckpointError(
+            f"load: quantized checkpoint {str(st.folder)!r}: " + "; ".join(_listed(problems))
+        )
+    out: dict[str, Any] = {}
+    for name, fmt in plan.items():
+        if fmt is None:
+            out[name] = _to_backend(name, st.read(name), bk, dtype, device)
+            continue
+        stem = name.removesuffix(".weight")
+        out[name] = QuantizedWeight(
+            bk.from_numpy(st.read(name), device),
+            _to_backend(stem + ".scales", st.read(stem + ".scales"), bk, dtype, device),
+            _to_backend(stem + ".biases", st.read(stem + ".biases"), bk, dtype, device),
+            bits=fmt[0],
+            group_size=fmt[1],
+        )
+    return out
