@@ -7,20 +7,20 @@ import numbers
 from typing import Any
 
 from portable_llm.backends._base import FLOAT_DTYPES, Backend
-from portable_llm.core.types import Array
+from portable_llm.core.types import Array, Namespace
 
 
-def float_compute_dtype(xp: Any, dtype: Any) -> Any:
+def float_compute_dtype(xp: Namespace, dtype: Any) -> Any:
     """The dtype reductions accumulate in: float64 for float64 input, float32 otherwise."""
     return xp.float64 if dtype == xp.float64 else xp.float32
 
 
-def is_half(xp: Any, dtype: Any) -> bool:
+def is_half(xp: Namespace, dtype: Any) -> bool:
     """True for float16 and bfloat16 (the dtypes that are upcast to float32 to accumulate)."""
     return dtype != xp.float32 and dtype != xp.float64
 
 
-def check_float(op: str, name: str, x: Any, bk: Backend) -> None:
+def check_float(op: str, name: str, x: Array, bk: Backend) -> None:
     if x.dtype not in bk.float_set:
         raise TypeError(
             f"{op}: {name} must have a float dtype ({', '.join(bk.float_dtypes())}), "
@@ -28,7 +28,7 @@ def check_float(op: str, name: str, x: Any, bk: Backend) -> None:
         )
 
 
-def check_ndim(op: str, name: str, x: Any, ndim: int, layout: str) -> None:
+def check_ndim(op: str, name: str, x: Array, ndim: int, layout: str) -> None:
     if x.ndim < ndim:
         raise ValueError(
             f"{op}: {name} must have at least {ndim} dimension(s) ({layout}), "
@@ -36,7 +36,7 @@ def check_ndim(op: str, name: str, x: Any, ndim: int, layout: str) -> None:
         )
 
 
-def check_same_dtype(op: str, bk: Backend, /, **arrays: Any) -> None:
+def check_same_dtype(op: str, bk: Backend, /, **arrays: Array) -> None:
     """All given arrays (``None`` skipped) share one dtype; a TypeError lists them otherwise."""
     given = {k: v for k, v in arrays.items() if v is not None}
     dtypes = {v.dtype for v in given.values()}
@@ -45,7 +45,7 @@ def check_same_dtype(op: str, bk: Backend, /, **arrays: Any) -> None:
         raise TypeError(f"{op}: arrays must share one dtype, got {listed}")
 
 
-def check_shape(op: str, name: str, x: Any, expected: tuple[int, ...], why: str) -> None:
+def check_shape(op: str, name: str, x: Array, expected: tuple[int, ...], why: str) -> None:
     if tuple(x.shape) != expected:
         raise ValueError(f"{op}: {name} must have shape {expected} ({why}), got {tuple(x.shape)}")
 
