@@ -37,6 +37,7 @@ from portable_llm.ops.embedding import embedding, unembed
 from portable_llm.ops.linear import intermediate_size, linear, mlp
 from portable_llm.ops.moe import moe, route
 from portable_llm.ops.norm import rms_norm
+from portable_llm.ops.quant import QuantizedWeight, dequantize, quantize, quantized_linear
 from portable_llm.ops.sampling import greedy, logprobs, sample
 from portable_llm.rotary.rope import apply_rope, rope, rope_cos_sin
 
@@ -48,6 +49,7 @@ __all__ = [
     "BackendNotInstalledError",
     "KVCache",
     "Model",
+    "QuantizedWeight",
     "RotatingKVCache",
     "Trace",
     "TraceEntry",
@@ -58,6 +60,7 @@ __all__ = [
     "attention",
     "available_backends",
     "causal_mask",
+    "dequantize",
     "device_of",
     "embedding",
     "gelu",
@@ -72,6 +75,8 @@ __all__ = [
     "logprobs",
     "mlp",
     "moe",
+    "quantize",
+    "quantized_linear",
     "register_kernel",
     "relu",
     "rms_norm",
