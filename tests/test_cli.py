@@ -83,6 +83,8 @@ def test_report_is_the_default_command_and_covers_every_op_on_numpy(capsys):
         if dtype == "float64":  # NumPy float64 is the reference's own arithmetic
             assert float(row["max abs err"]) < 1e-13
     assert _kernels(out) == {}  # every path is portable_llm's own: nothing to list
+    # logprobs returns float32 for half inputs: its rows are checked at float32's tolerance.
+    assert "   logprobs, logprobs+top_k (float16, bfloat16): 1e-05/1e-05, the tolerance" in out
     # Progress: a line when the backend starts and one when it ends, with its time.
     assert re.search(r"^== numpy \S+, default device cpu$", out, re.M)
     assert re.search(rf"^== numpy: {len(rows)} rows in \d+\.\d s, all ok$", out, re.M)

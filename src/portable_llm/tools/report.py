@@ -559,6 +559,19 @@ def _notes(backend: str, rows: Sequence[Row]) -> list[str]:
                         else f"{r.dtype}*", r.tol)  # fmt: skip
     listed = ", ".join(f"{d} {t.rtol:g}/{t.atol:g}" for d, t in tols.items())
     lines = _wrap(f"tolerance (rtol/atol) by dtype: {listed}", "   ", "     ")
+    # Cases whose result has another dtype than their inputs (logprobs: float32) are checked at
+    # the tolerance of the result's dtype.
+    others: dict[tuple[float, float], dict[str, list[str]]] = {}
+    for r in rows:
+        if r.tol is not tols.get(r.dtype) and r.tol is not tols.get(f"{r.dtype}*"):
+            key = (r.tol.rtol, r.tol.atol)
+            dts = others.setdefault(key, {}).setdefault(r.case, [])
+            if r.dtype not in dts:
+                dts.append(r.dtype)
+    for (rtol, atol), by_case in others.items():
+        names = ", ".join(dict.fromkeys(d for ds in by_case.values() for d in ds))
+        text = f"{', '.join(by_case)} ({names}): {rtol:g}/{atol:g}, the tolerance of the result's"
+        lines += _wrap(text + " dtype", "   ", "     ")
     for d in tols:
         if d.endswith("*"):
             why = BACKEND_TOLERANCES[(backend, d[:-1])].why
