@@ -96,3 +96,58 @@ def test_numpy_integer_window_is_an_int_window(backend):
     got = pl.to_numpy(pl.causal_mask(5, 7, window=np.int64(2), backend=backend))
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(got, reference.causal_mask(5, 7, window=2))
+
+
+# -- the one visibility rule behind every mask ----------------------------------------------------
+
+
+def _brute_visible(L, q_start, cols, window, ring, keep, pad):
+    """A loop over (row, query, key): the rules of attn/visibility.py spelled out one by one."""
+    B = 1 if pad is None else len(pad)
+    out = np.zeros((B, L, len(cols)), dtype=bool)
+    for b in range(B):
+        for i in range(L):
+            q = q_start + i
+            for j, k in enumerate(cols):
+                ok = k <= q
+                ok = ok and (window is None or k > q - window)
+                ok = ok and (ring is None or k < keep or k > q - ring)
+                ok = ok and (pad is None or k >= pad[b])
+                out[b, i, j] = ok
+    return out
+
+
+@pytest.mark.parametrize(
+    ("L", "q_start", "cols", "window", "ring", "keep", "pad"),
+    [
+        (3, 4, list(range(7)), None, None, 0, None),  # bottom-right causal
+        (3, 4, list(range(7)), 2, None, 0, None),  # a window
+        (2, 9, [0, 1, 6, 7, 8, 9, 10], None, 5, 2, None),  # a wrapped ring with 2 sinks
+        (1, 9, [0, 1, 8, 9, 5, 6, 7], 3, 5, 2, None),  # ring order, a window inside it
+        (4, 3, list(range(7)), None, None, 0, [0, 2, 5]),  # left padding, fixed-size view
+        (2, 9, [0, 1, 6, 7, 8, 9, 10], 4, 5, 2, [1, 0]),  # all four rules at once
+    ],
+)
+def test_visible_is_the_rule_spelled_out(backend, L, q_start, cols, window, ring, keep, pad):
+    from portable_llm.attn.visibility import visible
+
+    bk = pl.get_backend(backend)
+    k_pos = pl.asarray(np.array(cols), backend=backend)
+    p = None if pad is None else pl.asarray(np.array(pad), backend=backend)
+    got = visible(
+        bk.xp, L, len(cols), q_start=q_start, k_pos=k_pos, window=window, ring=ring, keep=keep,
+        pad=p,
+    )  # fmt: skip
+    want = _brute_visible(L, q_start, cols, window, ring, keep, pad)
+    shape = (L, len(cols)) if pad is None else (len(pad), 1, L, len(cols))
+    assert tuple(got.shape) == shape
+    np.testing.assert_array_equal(pl.to_numpy(got).reshape(want.shape), want)
+
+
+@given(L=sizes, S=sizes, window=windows)
+def test_visible_defaults_are_causal_mask(backend, L, S, window):
+    from portable_llm.attn.visibility import visible
+
+    bk = pl.get_backend(backend)
+    got = pl.to_numpy(visible(bk.xp, L, S, window=window))
+    np.testing.assert_array_equal(got, reference.causal_mask(L, S, window))
