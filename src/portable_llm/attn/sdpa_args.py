@@ -119,11 +119,9 @@ def check_sdpa(
     mask: Any,
     *,
     causal: bool,
-    window: int | None,
-    softcap: float | None,
     scale: Any,
 ) -> float:
-    """Validate the arrays of an attention call (and softcap, scale); return the scale to use."""
+    """Validate the arrays of an attention call (and the scale); return the scale to use."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_float(op, name, x, bk)
         if x.ndim < 3:
@@ -165,8 +163,6 @@ def check_sdpa(
                 f"{op}: mask of shape {ms} does not broadcast to the scores (B.., H, L, S) = "
                 f"{target} of q {_shape(q)} and k {_shape(k)}"
             )
-    if softcap is not None:
-        real_option(op, "softcap", softcap, "a positive finite number or None", low=0.0)
     if scale is None:
         return 1.0 / math.sqrt(d) if d else 1.0  # D = 0: every score is 0 whatever the scale
     return real_option(op, "scale", scale, "a finite number or None")
@@ -200,9 +196,7 @@ def sdpa_args(
     window = check_window(op, window)
     if softcap is not None:
         softcap = real_option(op, "softcap", softcap, "a positive finite number or None", low=0.0)
-    scale = check_sdpa(
-        op, bk, q, k, v, mask, causal=causal, window=window, softcap=softcap, scale=scale
-    )
+    scale = check_sdpa(op, bk, q, k, v, mask, causal=causal, scale=scale)
     if mask is not None and mask.ndim < 2:
         mask = bk.xp.reshape(mask, (1,) * (2 - mask.ndim) + _shape(mask))  # (S,) -> (1, S)
     opts = SdpaOptions(
