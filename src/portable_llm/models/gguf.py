@@ -289,8 +289,10 @@ def load_gguf(
     try:
         reader = GGUFReader(file, "r")
     except (ValueError, OSError, KeyError, IndexError) as exc:
+        size = file.stat().st_size if file.is_file() else 0
         raise CheckpointError(
-            f"load: {str(file)!r} is not a readable GGUF file (truncated?): {exc}"
+            f"load: {str(file)!r} ({size} bytes) is not a readable GGUF file: {exc} "
+            "(a truncated file, or not GGUF)"
         ) from None
     meta = _Meta(reader, file)
     tensors = {t.name: t for t in reader.tensors}
