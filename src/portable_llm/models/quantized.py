@@ -149,9 +149,9 @@ def read_quantized_weights(
     if unexpected:
         problems.append(f"unexpected tensors ({len(unexpected)}): {_listed(unexpected)}")
     if problems:
-        raise CheckpointError(
-            f"load: quantized checkpoint {str(st.folder)!r}: " + "; ".join(_listed(problems))
-        )
+        more = len(problems) - _LIST_AT_MOST
+        listed = "; ".join(problems[:_LIST_AT_MOST]) + (f"; ... ({more} more)" if more > 0 else "")
+        raise CheckpointError(f"load: quantized checkpoint {str(st.folder)!r}: {listed}")
     out: dict[str, Any] = {}
     for name, fmt in plan.items():
         if fmt is None:

@@ -126,6 +126,11 @@ class QuantizedWeight:
         """The device of the arrays (the backend's device object)."""
         return self.backend.device_of(self.scales)
 
+    def devices(self) -> Any:
+        """``scales.devices()``: ``Backend.device_of`` reads a JAX array's device this way, so
+        it reads a QuantizedWeight's too (``device`` serves the other libraries)."""
+        return self.scales.devices()
+
     @property
     def ndim(self) -> int:
         return len(self.shape)
