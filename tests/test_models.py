@@ -438,7 +438,7 @@ def test_generate_checks_its_arguments_before_the_prefill(
     assert calls == [1]
 
 
-def test_generate_accepts_numpy_integers(checkpoints: dict) -> None:
+def test_generate_accepts_numpy_integers(checkpoints: dict, backend: str) -> None:
     folder, _, _ = checkpoints["qwen2"]
     model = load(folder, dtype="float32")
     prompt = _ids(6, PROMPT)
@@ -449,3 +449,8 @@ def test_generate_accepts_numpy_integers(checkpoints: dict) -> None:
         temperature=np.float32(1.0), top_k=np.int32(5),
     )  # fmt: skip
     assert list(as_numpy) == free[: free.index(free[2])]
+    stops = pl.asarray(np.array([free[2], free[4]]), backend=backend)  # an array of stop ids
+    with_array = pl.generate(model, prompt, max_new_tokens=NEW, seed=3, stop=stops, **opts)
+    assert list(with_array) == free[: min(free.index(free[2]), free.index(free[4]))]
+    with pytest.raises(TypeError, match=r"generate: stop\[0\] must be an int"):
+        pl.generate(model, prompt, stop=pl.asarray(np.array([1.0]), backend=backend))

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from portable_llm.backends import backend_of
-from portable_llm.core.arrays import asarray
+from portable_llm.core.arrays import asarray, to_numpy
 from portable_llm.core.checks import check_int, check_optional_int, check_real
 from portable_llm.models.model import Model
 from portable_llm.ops.sampling import sample
@@ -156,6 +156,8 @@ def _sampling_options(
 
 
 def _stop_ids(stop: Any) -> list[int]:
+    if not isinstance(stop, str | bytes) and backend_of(stop) is not None:  # an array of ids
+        stop = to_numpy(stop).reshape(-1).tolist()
     if isinstance(stop, str | bytes) or not isinstance(stop, Iterable):
         raise TypeError(
             f"generate: stop must be an iterable of token ids (ints) or None, got "
@@ -166,8 +168,6 @@ def _stop_ids(stop: Any) -> list[int]:
 
 def _ids(prompt: Any) -> list[int]:
     if backend_of(prompt) is not None:
-        from portable_llm.core.arrays import to_numpy
-
         prompt = to_numpy(prompt)
     accepted = "a str, a 1-D sequence of token ids (ints) or a 1-D integer array"
     try:
