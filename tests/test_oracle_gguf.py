@@ -14,6 +14,7 @@ cached under the temporary directory, so later sessions skip the dequantization.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 import tempfile
@@ -124,6 +125,11 @@ def hf_greedy(hf_model: Any, hf_tokenizer: Any) -> list[list[int]]:
     return out
 
 
+@functools.lru_cache(maxsize=1)  # pytest runs a backend's tests together (session param)
+def _dequantized(gguf_file: Path, backend: str) -> Any:
+    return pl.load(gguf_file, backend=backend, dtype="float32", dequantize=True)
+
+
 def _chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     return list(tokenizer.encode(tokenizer.apply_chat_template(messages)))
 
@@ -183,7 +189,7 @@ def test_chat_template_equals_transformers(
 def test_dequantized_logits_equal_transformers(
     gguf_file: Path, hf_model: Any, tokenizer: Any, backend: str
 ) -> None:
-    model = pl.load(gguf_file, backend=backend, dtype="float32", dequantize=True)
+    model = _dequantized(gguf_file, backend)
     ids = _chat_ids(tokenizer, PROMPTS[0])
     with torch.no_grad():
         want = hf_model(torch.tensor([ids])).logits.numpy()
@@ -196,13 +202,15 @@ def test_dequantized_logits_equal_transformers(
 def test_dequantized_greedy_equals_transformers(
     gguf_file: Path, tokenizer: Any, hf_greedy: list[list[int]], backend: str
 ) -> None:
-    model = pl.load(gguf_file, backend=backend, dtype="float32", dequantize=True)
+    model = _dequantized(gguf_file, backend)
     for messages, want in zip(PROMPTS, hf_greedy, strict=True):
         assert _greedy(model, _chat_ids(tokenizer, messages), STEPS) == want, messages
 
 
+@functools.cache
 def _kept(gguf_file: Path, backend: str) -> Any:
-    """The model kept quantized, or a skip while the ops do not take a QuantizedWeight."""
+    """The model kept quantized (read once per backend), or a skip while the ops do not take a
+    QuantizedWeight."""
     quant = pytest.importorskip("portable_llm.ops.quant", reason="ops.quant not there yet")
     try:
         model = pl.load(gguf_file, backend=backend)
@@ -225,3 +233,43 @@ def test_kept_quantized_answers_paris(
     got = pl.to_numpy(model([ids]))[0].argmax(-1)
     agree = float((got == want).mean())
     assert agree >= 0.9, f"{backend}: top-1 agrees with transformers on {agree:.0%} of positions"
+
+
+_RSS = """
+import gc, os, sys
+import numpy, gguf, tokenizers, {module}
+import portable_llm as pl
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+before = rss()
+model = pl.load(sys.argv[1], backend={backend!r})
+model([[1]])
+gc.collect()
+print(rss() - before)
+"""
+
+
+@pytest.mark.parametrize("name", ["numpy", "torch"])
+def test_kept_quantized_resident_memory(gguf_file: Path, name: str) -> None:
+    """Kept quantized, the model's resident memory after ``load`` is near the file's size, not
+    the 540 MB of float32 (measured in a fresh process, Linux's /proc)."""
+    import subprocess
+    import sys
+
+    from conftest import skip_reason
+
+    if skip_reason(name) or not Path("/proc/self/statm").exists():
+        pytest.skip(skip_reason(name) or "needs Linux's /proc")
+    _kept(gguf_file, name)
+    code = _RSS.format(module=name, backend=name)
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(gguf_file)], capture_output=True, text=True, check=True
+    )
+    grown = int(out.stdout.split()[-1])
+    size = gguf_file.stat().st_size
+    assert grown < 1.6 * size, (
+        f"{name}: {grown / 2**20:.0f} MiB after load, file {size / 2**20:.0f} MiB"
+    )
