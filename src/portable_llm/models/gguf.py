@@ -42,10 +42,11 @@ from portable_llm.models.weights import expected_shapes
 
 __all__ = ["GGUF_ARCHITECTURES", "gguf_config", "gguf_tokenizer", "load_gguf"]
 
-#: The ``general.architecture`` values :func:`load_gguf` reads.
-GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
-# llama.cpp's LlamaModel converter (Mistral's too) permutes q/k rows; Qwen's do not.
-_PERMUTED = ("llama", "mistral")
+#: The ``general.architecture`` values :func:`load_gguf` reads. llama.cpp writes Mistral
+#: (7B, Nemo) models as ``llama``; there is no ``mistral`` architecture in GGUF.
+GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+# llama.cpp's LlamaModel converter (its Mistral subclass too) permutes q/k rows; Qwen's do not.
+_PERMUTED = ("llama",)
 _GLOBAL = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -139,10 +140,6 @@ def gguf_config(meta: _Meta, tensors: dict[str, Any]) -> DecoderConfig:
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": eos_ids(meta),
     }
-    window = meta.get(f"{arch}.attention.sliding_window")
-    if window:
-        d["sliding_window"] = window
-        d["use_sliding_window"] = True
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     if scaling == "linear":
         d["rope_scaling"] = {
