@@ -207,6 +207,24 @@ def test_dequantized_greedy_equals_transformers(
         assert _greedy(model, _chat_ids(tokenizer, messages), STEPS) == want, messages
 
 
+def test_kept_quantized_weights_equal_transformers(
+    gguf_file: Path, hf_model: Any, backend: str
+) -> None:
+    """Kept quantized (Q4_1 matrices, the Q8_0 embedding as bits 4 and 8, group 32), every
+    weight dequantizes to transformers' float32 weight bit for bit."""
+    quant = pytest.importorskip("portable_llm.ops.quant", reason="ops.quant not there yet")
+    from portable_llm.models.gguf import read_gguf
+
+    weights = read_gguf(gguf_file, backend=backend).weights
+    state = hf_model.state_dict()
+    kept = {n: w for n, w in weights.items() if isinstance(w, quant.QuantizedWeight)}
+    assert len(kept) == 211  # 210 Q4_1 + the Q8_0 embedding; the 61 F32 norms are floats
+    assert {w.bits for w in kept.values()} == {4, 8}
+    for name, w in weights.items():
+        got = pl.to_numpy(quant.dequantize(w) if name in kept else w)
+        np.testing.assert_array_equal(got, state[name].numpy(), err_msg=name)
+
+
 @functools.cache
 def _kept(gguf_file: Path, backend: str) -> Any:
     """The model kept quantized (read once per backend), or a skip while the ops do not take a

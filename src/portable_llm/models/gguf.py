@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -40,7 +40,14 @@ from portable_llm.models.model import Model
 from portable_llm.models.tokenizer import Tokenizer
 from portable_llm.models.weights import expected_shapes
 
-__all__ = ["GGUF_ARCHITECTURES", "gguf_config", "gguf_tokenizer", "load_gguf"]
+__all__ = [
+    "GGUF_ARCHITECTURES",
+    "GGUFContents",
+    "gguf_config",
+    "gguf_tokenizer",
+    "load_gguf",
+    "read_gguf",
+]
 
 #: The ``general.architecture`` values :func:`load_gguf` reads. llama.cpp writes Mistral
 #: (7B, Nemo) models as ``llama``; there is no ``mistral`` architecture in GGUF.
@@ -258,6 +265,16 @@ def _bytes_to_unicode() -> dict[int, str]:
     return out
 
 
+class GGUFContents(NamedTuple):
+    """What :func:`read_gguf` reads: the arguments of :class:`~portable_llm.models.Model`."""
+
+    config: DecoderConfig
+    weights: dict[str, Any]  # HF names -> arrays, or QuantizedWeight where kept quantized
+    backend: Backend
+    tokenizer: Tokenizer | None
+    generation_config: dict[str, Any]
+
+
 def load_gguf(
     path: str | Path,
     /,
@@ -267,18 +284,37 @@ def load_gguf(
     device: Any = None,
     dequantize: bool = False,
 ) -> Model:
-    """Load a ``.gguf`` file (see :func:`portable_llm.load`).
+    """Load a ``.gguf`` file (see :func:`portable_llm.load` and :func:`read_gguf`)."""
+    cfg, weights, bk, tokenizer, generation = read_gguf(
+        path, backend=backend, dtype=dtype, device=device, dequantize=dequantize
+    )
+    return Model(cfg, weights, bk, tokenizer=tokenizer, generation_config=generation)
+
+
+def read_gguf(
+    path: str | Path,
+    /,
+    *,
+    backend: str = "numpy",
+    dtype: Any = None,
+    device: Any = None,
+    dequantize: bool = False,
+) -> GGUFContents:
+    """Read a ``.gguf`` file: its config, weights (HF names), tokenizer and stop ids.
 
     ``dtype`` (default ``float32``) is that of the float weights, and of the scales and biases
     of the weights kept quantized. ``dequantize=True`` gives every weight as floats in
     ``dtype`` (transformers' reading); otherwise Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K
-    tensors stay quantized, exactly, as MLX's affine format with group_size 32.
+    matrices stay quantized, exactly, as MLX's affine format with group_size 32
+    (:class:`~portable_llm.ops.quant.QuantizedWeight`).
 
     Raises
     ------
     portable_llm.models.CheckpointError
         A file that is not GGUF or is truncated, a missing metadata key, an unsupported
         architecture or tensor type, missing, unexpected or misshapen tensors (all named).
+    ValueError
+        A dtype that is not a float dtype of the backend, or a device it does not have.
     """
     from gguf import GGUFReader
 
@@ -307,13 +343,12 @@ def load_gguf(
         name: _tensor(file, tensors[g], name, cfg, bk, target, dev, dequantize)
         for name, g in names.items()
     }
-    tokenizer = gguf_tokenizer(meta)
     generation: dict[str, Any] = {}
     if cfg.eos_token_id:
         generation["eos_token_id"] = list(cfg.eos_token_id)
     if cfg.bos_token_id is not None:
         generation["bos_token_id"] = cfg.bos_token_id
-    return Model(cfg, weights, bk, tokenizer=tokenizer, generation_config=generation)
+    return GGUFContents(cfg, weights, bk, gguf_tokenizer(meta), generation)
 
 
 def _shape(t: Any) -> tuple[int, ...]:
