@@ -524,18 +524,30 @@ def test_truncated_or_garbage_file(tmp_path: Path, keep: float) -> None:
 # -- command line --------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("kept", [False, True])
 def test_generate_command(
-    llama_file: tuple[Path, dict[str, np.ndarray]], capsys: pytest.CaptureFixture[str]
+    llama_file: tuple[Path, dict[str, np.ndarray]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    kept: bool,
 ) -> None:
-    """``portable-llm generate model.gguf --chat`` runs the chat template of the metadata."""
+    """``portable-llm generate model.gguf --chat`` runs the chat template of the metadata: on a
+    file of float tensors (F16, F32, Q6_K), and on the file with every quantized type."""
     from portable_llm.tools.cli import main
 
-    _quantized_ops("numpy")
-    file, _ = llama_file
+    if kept:
+        _quantized_ops("numpy")
+        file, _ = llama_file
+    else:
+        cfg = family_config("llama")
+        floats = {n: ("F16" if k in AFFINE_BITS else k) for n, k in layer_types(cfg).items()}
+        file = tmp_path / "floats.gguf"
+        tok = gguf_tokenizer_meta(tmp_path / "tok")
+        write_gguf(file, "llama", cfg, random_weights(cfg, 2), types=floats, tok=tok)
     code = main(["generate", str(file), "--chat", "--prompt", "The keys", "--max-new-tokens", "4"])
     out = capsys.readouterr()
     assert code == 0, out.err
     model = pl.load(file)
     prompt = model.tokenizer.apply_chat_template([{"role": "user", "content": "The keys"}])
     want = "".join(pl.generate(model, prompt, max_new_tokens=4))
-    assert out.out.startswith(want + "\n")
+    assert want and out.out.startswith(want + "\n")
