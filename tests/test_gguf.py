@@ -516,6 +516,8 @@ def test_truncated_or_garbage_file(tmp_path: Path, keep: float) -> None:
     cut.write_bytes(data[: int(len(data) * keep)])
     with pytest.raises(CheckpointError, match=r"cut\.gguf"):
         pl.load(cut)
+    with pytest.raises(FileNotFoundError, match=r"no GGUF file .*absent\.gguf"):
+        pl.load(tmp_path / "absent.gguf")
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all" * 10)
     with pytest.raises(CheckpointError, match=r"junk\.gguf"):
         pl.load(tmp_path / "junk.gguf")

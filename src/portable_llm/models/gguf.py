@@ -319,6 +319,8 @@ def read_gguf(
     from gguf import GGUFReader
 
     file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"load: no GGUF file {str(file)!r}")
     try:
         reader = GGUFReader(file, "r")
     except (ValueError, OSError, KeyError, IndexError) as exc:

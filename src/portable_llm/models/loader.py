@@ -72,7 +72,7 @@ def load(
         tensors missing, unexpected, of the wrong shape or not float (all of them listed).
     """
     folder = Path(path)
-    if folder.suffix == ".gguf" and folder.is_file():
+    if folder.suffix == ".gguf" and not folder.is_dir():
         from portable_llm.models.gguf import load_gguf
 
         return load_gguf(folder, backend=backend, dtype=dtype, device=device, dequantize=dequantize)
