@@ -202,6 +202,8 @@ def write_gguf(
     skip_keys: tuple[str, ...] = (),
     skip_tensors: tuple[str, ...] = (),
     rng: np.random.Generator | None = None,
+    pre: str = "smollm",
+    add_bos: bool = False,
 ) -> dict[str, np.ndarray]:
     """Write ``tensors`` (HF names and layout) as llama.cpp would: q/k rows permuted (llama),
     each matrix in its type (K-quants: random blocks in place of the tensor). Returns the HF
@@ -225,13 +227,13 @@ def write_gguf(
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
     if tok is not None:
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("smollm")
+        w.add_tokenizer_pre(pre)
         w.add_token_list(tok["tokens"])
         w.add_token_types(tok["types"])
         w.add_token_merges(tok["merges"])
         w.add_bos_token_id(1)
         w.add_eos_token_id(2)
-        w.add_add_bos_token(False)
+        w.add_add_bos_token(add_bos)
         w.add_chat_template(TEMPLATE)
     held = {}
     for hf, value in tensors.items():

@@ -291,3 +291,25 @@ def test_kept_quantized_resident_memory(gguf_file: Path, name: str) -> None:
     assert grown < 1.6 * size, (
         f"{name}: {grown / 2**20:.0f} MiB after load, file {size / 2**20:.0f} MiB"
     )
+
+
+@pytest.mark.parametrize("add_bos", [False, True])
+@pytest.mark.parametrize("pre", ["smollm", "qwen2", "llama-bpe"])
+def test_small_file_tokenizer_equals_transformers(tmp_path: Path, pre: str, add_bos: bool) -> None:
+    """On small files written here, per ``tokenizer.ggml.pre`` (GPT-2's split, Qwen2's,
+    Llama 3's) and ``add_bos_token``: the tokenizer transformers builds from the same file."""
+    from test_gguf import SENTENCES, family_config, gguf_tokenizer_meta, random_weights, write_gguf
+
+    cfg = family_config("qwen2", num_hidden_layers=1)
+    file = tmp_path / "tok.gguf"
+    tok = gguf_tokenizer_meta(tmp_path / "tok")
+    write_gguf(file, "qwen2", cfg, random_weights(cfg), tok=tok, pre=pre, add_bos=add_bos)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=file.name)
+    ours = pl.load(file).tokenizer
+    for text in [*SENTENCES, *TEXTS]:
+        ids = ours.encode(text)
+        assert ids == want(text)["input_ids"], text
+        assert ours.decode(ids) == want.decode(ids, skip_special_tokens=True)
+    assert (ours.encode("hi")[0] == 1) is add_bos
