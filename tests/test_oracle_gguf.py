@@ -313,3 +313,35 @@ def test_small_file_tokenizer_equals_transformers(tmp_path: Path, pre: str, add_
         assert ids == want(text)["input_ids"], text
         assert ours.decode(ids) == want.decode(ids, skip_special_tokens=True)
     assert (ours.encode("hi")[0] == 1) is add_bos
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_small_file_logits_equal_transformers(tmp_path: Path, arch: str, backend: str) -> None:
+    """A small file with every block type (test_gguf's), dequantized: transformers' logits
+    (llama: q/k permutation undone alike; qwen2: biases; qwen3: q/k norms; head_dim 128, the
+    default transformers assumes: it does not read ``qwen3.attention.key_length``)."""
+    from test_gguf import (
+        family_config,
+        gguf_tokenizer_meta,
+        layer_types,
+        random_weights,
+        write_gguf,
+    )
+
+    cfg = family_config(arch, **({"head_dim": 128} if arch == "qwen3" else {}))
+    file = tmp_path / "m.gguf"
+    tok = gguf_tokenizer_meta(tmp_path / "tok")
+    write_gguf(file, arch, cfg, random_weights(cfg, 4), types=layer_types(cfg), tok=tok)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path, gguf_file=file.name, dtype=torch.float32
+        ).eval()
+    ids = [[5, 17, 42, 99, 3, 250, 7]]
+    with torch.no_grad():
+        want = hf(torch.tensor(ids)).logits.numpy()
+    model = pl.load(file, backend=backend, dequantize=True)
+    # The GGUF bound of the real model's test (measured here: <= 1e-5 on numpy, torch, MLX and
+    # array-api-strict, 1.4e-5 on JAX for qwen3); a reading error (rows, biases, norms) is O(1).
+    diff = float(np.abs(pl.to_numpy(model(ids)) - want).max())
+    assert diff <= LOGITS_ATOL, f"{backend} {arch}: max |logits - transformers'| = {diff:.3g}"
