@@ -18,6 +18,7 @@ from portable_llm.caches.kv import KVCache, RotatingKVCache
 from portable_llm.core.arrays import asarray, to_numpy
 from portable_llm.core.checks import check_int
 from portable_llm.models.config import DecoderConfig
+from portable_llm.models.prepared import Prepared, preparable
 from portable_llm.ops.embedding import embedding, unembed
 from portable_llm.ops.linear import linear, mlp
 from portable_llm.ops.moe import moe
@@ -113,6 +114,12 @@ class Model:
     (:meth:`make_cache`): prefill is the prompt at once, decode one token at a time.
     ``tokenizer`` (:class:`~portable_llm.models.Tokenizer`) and ``generation_config`` (a dict)
     come from the folder when it has them.
+
+    ``prepared`` (default ``True``): when every weight is a plain array of the model's backend
+    and dtype, the forward is the prepared one (:mod:`portable_llm.models.prepared`: weights
+    bound into typed records, kernels chosen once, the mask and RoPE table built once per
+    forward); ``False``, or a quantized or mixed-dtype weight, composes the public ops layer by
+    layer (:attr:`prepared` is then ``None``). Both give the same logits, bit for bit.
     """
 
     def __init__(
@@ -123,6 +130,7 @@ class Model:
         *,
         tokenizer: Any = None,
         generation_config: dict[str, Any] | None = None,
+        prepared: bool = True,
     ) -> None:
         self.config = config
         self.backend = backend
@@ -135,6 +143,17 @@ class Model:
         self.blocks = [_block(config, weights, i) for i in range(config.num_hidden_layers)]
         self.tokenizer = tokenizer
         self.generation_config = dict(generation_config or {})
+        #: The prepared forward (:mod:`portable_llm.models.prepared`): built when ``prepared``
+        #: and every weight is a plain array of the model's backend and dtype; ``None`` runs
+        #: the op-by-op path (the public ops, each checking its arguments).
+        self.prepared: Prepared | None = None
+        if prepared and preparable(backend, self.dtype, self._top_arrays(), self.blocks):
+            self.prepared = Prepared(
+                config, backend, self.dtype, self.embed, self.norm, self.lm_head, self.blocks
+            )
+
+    def _top_arrays(self) -> list[Any]:
+        return [a for a in (self.embed, self.norm, self.lm_head) if a is not None]
 
     def __repr__(self) -> str:
         c = self.config
@@ -192,6 +211,10 @@ class Model:
             host = _check_left_padding(left_padding, tuple(ids.shape))
             if backend_of(left_padding) is not bk or bk.device_of(left_padding) != self.device:
                 left_padding = asarray(host, backend=bk.name, device=self.device)
+        if self.prepared is not None:
+            head = self.embed if self.lm_head is None else self.lm_head
+            top = (self.embed, self.norm, head)
+            return self.prepared(ids, cache, left_padding, last_only, top)
         eps = self.config.rms_norm_eps
         h = embedding(ids, self.embed)  # (B, L, E)
         for i, block in enumerate(self.blocks):

@@ -52,7 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--dtype", default="float32", help="input dtype (default float32)")
     bench.add_argument(
         "--model",
-        action="store_true",
+        nargs="?",
+        const=True,
+        metavar="PATH",
         help="instead of the ops: a Qwen2-0.5B-shaped random checkpoint, its load time and "
         "prefill/decode tokens/s, next to transformers and mlx-lm",
     )
@@ -80,8 +82,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             from portable_llm.tools.model_bench import run_model_bench
 
             return run_model_bench(
-                args.backend, dtype=args.dtype, quick=args.quick, cache_dir=args.cache_dir
-            )
+                args.backend, dtype=args.dtype, quick=args.quick, cache_dir=args.cache_dir,
+                folder=None if args.model is True else args.model,
+            )  # fmt: skip
         if args.command == "bench":
             from portable_llm.tools.bench import run_bench
 

@@ -12,6 +12,8 @@ engine runs on the same checkpoint, in the same process, one after the other.
 from __future__ import annotations
 
 import gc
+import json
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -23,7 +25,7 @@ import numpy as np
 
 from portable_llm.tools.report import UsageError, backend_names, format_table, load_for_dtype
 
-__all__ = ["PEERS", "QWEN2_0_5B", "run_model_bench", "write_bench_checkpoint"]
+__all__ = ["PEERS", "QWEN2_0_5B", "TINY", "run_model_bench", "write_bench_checkpoint"]
 
 #: Qwen2-0.5B's config.json, the fields a decoder reads.
 QWEN2_0_5B: dict[str, Any] = {
@@ -46,7 +48,19 @@ QWEN2_0_5B: dict[str, Any] = {
     "bos_token_id": 151643,
     "eos_token_id": 151643,
 }
+#: The tiny model where per-token Python overhead is the whole cost: 2 layers, E=64.
+TINY: dict[str, Any] = {
+    **QWEN2_0_5B,
+    "vocab_size": 1024,
+    "hidden_size": 64,
+    "intermediate_size": 176,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_window_layers": 2,
+}
 PREFILL = 128
+DECODE = 48
 DEFAULT_CACHE = Path.home() / ".cache" / "portable_llm" / "bench"
 
 # (prompt ids (1, L), new tokens) -> (prefill seconds, decode seconds of the new tokens after 1)
@@ -156,6 +170,7 @@ def _row(
         f"{PREFILL / prefill:.1f}",
         f"{(decode - 1) / dec:.2f}" if decode > 1 and dec > 0 else "-",
         f"{sum(first):.2f} s",
+        f"{os.getloadavg()[0]:.2f}",  # the machine may be shared: its 1-minute load
     ]
 
 
@@ -167,7 +182,7 @@ PEERS: dict[str, tuple[tuple[str, str, Callable[[Path, str], tuple[float, Runner
 }
 
 _HEADERS = ("engine", "backend", "dtype", "load", f"prefill tok/s (L={PREFILL})", "decode tok/s",
-            "warm-up run")  # fmt: skip
+            "warm-up run", "load avg")  # fmt: skip
 
 
 def run_model_bench(
@@ -177,17 +192,28 @@ def run_model_bench(
     quick: bool = False,
     cache_dir: str | Path | None = None,
     config: dict[str, Any] | None = None,
+    folder: str | Path | None = None,
     file: TextIO | None = None,
 ) -> int:
-    """Benchmark the checkpoint on every selected backend and on the installed oracles."""
+    """Benchmark the checkpoint on every selected backend and on the installed oracles.
+
+    ``folder``: any checkpoint folder (config.json and safetensors); default the random
+    checkpoint of ``config`` (Qwen2-0.5B's shape), written once under ``cache_dir``.
+    """
     out = file if file is not None else sys.stdout
     names = backend_names(backends)
-    decode = 8 if quick else 32
+    decode = 8 if quick else DECODE
     start = time.perf_counter()
-    folder = write_bench_checkpoint(cache_dir, config)
+    if folder is None:
+        folder = write_bench_checkpoint(cache_dir, config)
+        vocab = (config or QWEN2_0_5B)["vocab_size"]
+    else:
+        folder = Path(folder)
+        if not (folder / "config.json").is_file():
+            raise UsageError(f"--model: {folder} has no config.json")
+        vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
     print(f"checkpoint: {folder} (ready in {time.perf_counter() - start:.1f} s)", file=out)
     rows: list[list[str]] = []
-    vocab = (config or QWEN2_0_5B)["vocab_size"]
     ids = np.random.default_rng(0).integers(0, min(vocab, 1000), size=(1, PREFILL))
     for name in names:
         if load_for_dtype(name, dtype, out) is None:

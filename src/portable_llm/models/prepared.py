@@ -1,0 +1,301 @@
+"""The prepared forward: the model's layers bound once, the chosen kernels called directly.
+
+:class:`~portable_llm.models.model.Model` checks its weights once at load: when every weight
+is a plain array of the model's backend in the model's dtype, it builds a :class:`Prepared`
+forward. Each layer's weights are bound into typed records (:class:`AttnWeights`,
+:class:`MlpWeights`, :class:`Layer`), the kernels of the dense ops (``linear``, ``rms_norm``,
+the activation) are chosen once through the backend's dispatcher, and per forward only what
+depends on the call is built once and shared by every layer: RoPE's frequency table and
+offsets (and its kernel), the attention mask of each kind of layer, and the attention kernel.
+The layers then call those implementations directly: no backend resolution and no argument
+checks per layer (the public ops keep theirs for users). The results are bit for bit those of
+the op-by-op path (``Model(..., prepared=False)``), which composes the public ops: the same
+kernels receive the same arrays and options.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from portable_llm.attn.padding import nonnegative
+from portable_llm.attn.sdpa import OP as SDPA
+from portable_llm.attn.sdpa_args import SdpaOptions
+from portable_llm.attn.visibility import visible
+from portable_llm.backends import Backend, backend_of, resolve
+from portable_llm.core.dispatch import dispatcher
+from portable_llm.models.config import DecoderConfig
+from portable_llm.ops.activations import activation_op
+from portable_llm.ops.embedding import embedding
+from portable_llm.ops.moe import moe
+from portable_llm.rotary.args import dispatch_args as rope_dispatch_args
+
+__all__ = ["AttnWeights", "Kernels", "Layer", "MlpWeights", "Prepared", "preparable"]
+
+Fn = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The implementations of the dense ops, chosen once for the model's dtype."""
+
+    linear: Fn  # fn(xp, x, w, b)
+    rms_norm: Fn  # fn(xp, x, w, *, eps)
+    act: Fn  # fn(xp, x)
+
+
+@dataclass(frozen=True)
+class AttnWeights:
+    """One layer's attention: projections ``(out, E)``, optional biases and q/k norms."""
+
+    wq: Any  # (H * D, E)
+    wk: Any  # (H_kv * D, E)
+    wv: Any  # (H_kv * D, E)
+    wo: Any  # (E, H * D)
+    bq: Any  # (H * D,) or None
+    bk: Any  # (H_kv * D,) or None
+    bv: Any  # (H_kv * D,) or None
+    bo: Any  # (E,) or None: HF's o_proj bias, added after the projection
+    q_norm: Any  # (D,) or None (Qwen3)
+    k_norm: Any  # (D,) or None
+    window: int | None  # the layer's sliding window
+
+
+@dataclass(frozen=True)
+class MlpWeights:
+    """A dense gated MLP: ``down(act(gate(x)) * up(x))``."""
+
+    w_gate: Any  # (I, E)
+    w_up: Any  # (I, E)
+    w_down: Any  # (E, I)
+    b_gate: Any  # (I,) or None
+    b_up: Any  # (I,) or None
+    b_down: Any  # (E,) or None
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One decoder layer: norms, attention, and a dense MLP or the public ``moe``'s arguments."""
+
+    input_norm: Any  # (E,)
+    post_norm: Any  # (E,)
+    attn: AttnWeights
+    mlp: MlpWeights | None
+    moe: dict[str, Any] | None  # {"arrays": ..., "options": ...} of portable_llm.ops.moe
+
+
+def _arrays(block: Any) -> list[Any]:
+    a = block.attn
+    out = [block.input_norm, block.post_norm, block.o_bias]
+    out += [a[k] for k in ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "q_norm", "k_norm")]
+    if block.mlp is not None:
+        out += [*block.mlp, *(block.mlp_options.get(f"b_{k}") for k in ("gate", "up", "down"))]
+    return [x for x in out if x is not None]
+
+
+def preparable(bk: Backend, dtype: Any, arrays: Sequence[Any], blocks: Sequence[Any]) -> bool:
+    """Whether every weight the prepared layers bind is a plain ``bk`` array of ``dtype``
+    (not a quantized weight, not another float dtype that the ops would cast per call)."""
+    for x in [*arrays, *(w for b in blocks for w in _arrays(b))]:
+        try:
+            if backend_of(x) is not bk or x.dtype != dtype:
+                return False
+        except TypeError:  # a type no backend knows (a quantized weight)
+            return False
+    return True
+
+
+def _layer(block: Any) -> Layer:
+    a = block.attn
+    attn = AttnWeights(
+        wq=a["wq"], wk=a["wk"], wv=a["wv"], wo=a["wo"], bq=a["bq"], bk=a["bk"], bv=a["bv"],
+        bo=block.o_bias, q_norm=a["q_norm"], k_norm=a["k_norm"], window=a["window"],
+    )  # fmt: skip
+    dense = None
+    if block.mlp is not None:
+        opts = block.mlp_options
+        dense = MlpWeights(*block.mlp, *(opts.get(f"b_{k}") for k in ("gate", "up", "down")))
+    return Layer(block.input_norm, block.post_norm, attn, dense, block.moe)
+
+
+def _heads(xp: Any, y: Any, n: int, d: int) -> Any:
+    b, L = y.shape[0], y.shape[1]
+    return xp.permute_dims(xp.reshape(y, (b, L, n, d)), (0, 2, 1, 3))  # (B, n, L, D)
+
+
+def _mask_key(cache: Any, window: int | None) -> tuple[Any, ...]:
+    """Caches of one kind and window saw the same updates: their masks are equal."""
+    return (type(cache), window, getattr(cache, "max_size", None), getattr(cache, "keep", None))
+
+
+class Prepared:
+    """The forward of a model whose weights were checked at load (see the module docstring).
+
+    Parameters
+    ----------
+    config : DecoderConfig
+    bk : Backend
+    dtype : the backend's float dtype of every weight
+    embed, norm, lm_head : arrays ``(V, E)``, ``(E,)``, ``(V, E)`` or ``None`` (tied)
+    blocks : the model's :class:`~portable_llm.models.model.Block` records
+    """
+
+    def __init__(
+        self,
+        config: DecoderConfig,
+        bk: Backend,
+        dtype: Any,
+        embed: Any,
+        norm: Any,
+        lm_head: Any,
+        blocks: Sequence[Any],
+    ) -> None:
+        self.config = config
+        self.bk = bk
+        self.xp = bk.xp
+        self.embed, self.norm = embed, norm
+        self.head = embed if lm_head is None else lm_head  # (V, E)
+        self.layers = [_layer(b) for b in blocks]
+        self.H, self.H_kv, self.D = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
+        self.eps = config.rms_norm_eps
+        self.scale = 1.0 / math.sqrt(self.D)
+        self.rope = dict(config.rope) if config.rope is not None else None
+        d = dispatcher(bk)
+        x = bk.xp.zeros((1, 1, config.hidden_size), dtype=dtype, device=bk.device_of(embed))
+        self.dispatch = d
+        self.kernels = Kernels(
+            linear=d.pick("linear", "auto", x, embed, None),
+            rms_norm=d.pick("rms_norm", "auto", x, norm, eps=self.eps),
+            act=d.pick(activation_op(config.hidden_act, "model"), "auto", x),
+        )
+
+    # -- one forward ---------------------------------------------------------------------------
+    def __call__(
+        self,
+        ids: Any,
+        cache: Sequence[Any] | None,
+        pad: Any,
+        last_only: bool,
+        top: tuple[Any, Any, Any] | None = None,
+    ) -> Any:
+        """Logits ``(B, L | 1, V)`` of ``ids`` ``(B, L)`` (already on the model's backend and
+        device; ``pad`` checked by the model). ``top``: the model's ``(embed, norm, head)``
+        as they are now (default: those bound here)."""
+        xp, kn, eps = self.xp, self.kernels, self.eps
+        embed, norm, head = top or (self.embed, self.norm, self.head)
+        h = embedding(ids, embed)  # (B, L, E): the public op keeps the ids' range check
+        L = ids.shape[1]
+        offset = 0
+        if cache is not None:
+            offset = cache[0].offset
+            pad = cache[0].left_padding
+            if pad is not None and backend_of(pad) is not self.bk:
+                _, (pad,) = resolve("model", self.bk, pad)
+        rows = None if pad is None else offset - pad  # (B,) RoPE offsets of a padded batch
+        step = _Step(self, cache, pad, rows, offset, L)
+        for i, layer in enumerate(self.layers):
+            r = kn.rms_norm(xp, h, layer.input_norm, eps=eps)
+            a = step.attention(r, layer.attn, None if cache is None else cache[i])
+            h = h + a
+            r = kn.rms_norm(xp, h, layer.post_norm, eps=eps)
+            if layer.mlp is not None:
+                m = layer.mlp
+                gate = kn.linear(xp, r, m.w_gate, m.b_gate)  # (B, L, I)
+                up = kn.linear(xp, r, m.w_up, m.b_up)  # (B, L, I)
+                out = kn.linear(xp, kn.act(xp, gate) * up, m.w_down, m.b_down)  # (B, L, E)
+            else:
+                assert layer.moe is not None
+                out = moe(r, *layer.moe["arrays"], **layer.moe["options"])
+            h = h + out
+        if last_only:
+            h = h[:, -1:, :]  # (B, 1, E)
+        h = kn.rms_norm(xp, h, norm, eps=eps)
+        return kn.linear(xp, h, head, None)  # (B, L, V)
+
+
+class _Step:
+    """What one forward builds once and its layers share: RoPE's table and kernel, the masks,
+    the attention kernel."""
+
+    def __init__(self, p: Prepared, cache: Any, pad: Any, rows: Any, offset: int, L: int) -> None:
+        self.p, self.cache, self.pad, self.rows, self.offset, self.L = (
+            p,
+            cache,
+            pad,
+            rows,
+            offset,
+            L,
+        )
+        self.rope: tuple[Fn, Any, Any, dict[str, Any]] | None = None
+        self.masks: dict[tuple[Any, ...], tuple[Any, Any]] = {}
+        self.sdpa: dict[tuple[Any, ...], Fn] = {}
+
+    def _rope(self, q: Any) -> tuple[Fn, Any, Any, dict[str, Any]]:
+        if self.rope is None:
+            p, xp = self.p, self.p.xp
+            start = self.offset if self.rows is None else nonnegative(xp, self.rows)
+            _, (_, offsets, inv), ropts = rope_dispatch_args(q, start, **p.rope, backend=p.bk)
+            offsets = offsets if self.rows is None else self.rows  # < 0 only on pad columns
+            fn = p.dispatch.pick("rope", "auto", q, offsets, inv, **ropts)
+            self.rope = (fn, offsets, inv, ropts)
+        return self.rope
+
+    def _mask(self, layer_cache: Any, window: int | None, k: Any) -> tuple[Any, Any]:
+        """``(mask, window)`` of the layer's attention, built once per kind of layer."""
+        if layer_cache is None:
+            if self.pad is None:
+                return "causal", window
+            key: tuple[Any, ...] = (None, window)
+            got = self.masks.get(key)
+            if got is None:
+                xp, L = self.p.xp, self.L
+                dev = self.p.bk.device_of(k)
+                got = self.masks[key] = (
+                    visible(xp, L, L, window=window, pad=self.pad, device=dev),
+                    None,
+                )
+            return got
+        key = _mask_key(layer_cache, window)
+        got = self.masks.get(key)
+        if got is None:
+            got = self.masks[key] = layer_cache.make_mask(window=window)
+        else:  # the same mask, already built for an earlier layer of this kind
+            layer_cache._unmasked = False
+        return got
+
+    def attention(self, x: Any, a: AttnWeights, layer_cache: Any) -> Any:
+        p = self.p
+        xp, kn, H, H_kv, D = p.xp, p.kernels, p.H, p.H_kv, p.D
+        B, L = x.shape[0], x.shape[1]
+        q = _heads(xp, kn.linear(xp, x, a.wq, a.bq), H, D)  # (B, H, L, D)
+        k = _heads(xp, kn.linear(xp, x, a.wk, a.bk), H_kv, D)  # (B, H_kv, L, D)
+        v = _heads(xp, kn.linear(xp, x, a.wv, a.bv), H_kv, D)  # (B, H_kv, L, D)
+        if a.q_norm is not None:
+            q = kn.rms_norm(xp, q, a.q_norm, eps=p.eps)
+        if a.k_norm is not None:
+            k = kn.rms_norm(xp, k, a.k_norm, eps=p.eps)
+        if p.rope is not None:
+            rope, offsets, inv, ropts = self._rope(q)
+            q = rope(xp, q, offsets, inv, **ropts)
+            k = rope(xp, k, offsets, inv, **ropts)
+        window = a.window
+        if layer_cache is not None:
+            k, v = layer_cache.update_and_fetch(k, v)
+        mask, window = self._mask(layer_cache, window, k)
+        causal = isinstance(mask, str) or window is not None
+        mask = None if isinstance(mask, str) else mask
+        opts = SdpaOptions(scale=p.scale, causal=causal, window=window)
+        key = (causal, window, None if mask is None else tuple(mask.shape), tuple(k.shape))
+        fn = self.sdpa.get(key)
+        if fn is None:
+            fn = self.sdpa[key] = p.dispatch.pick(SDPA, "auto", q, k, v, mask, opts=opts)
+        o = fn(xp, q, k, v, mask, opts=opts)  # (B, H, L, D)
+        o = xp.reshape(xp.permute_dims(o, (0, 2, 1, 3)), (B, L, H * D))  # (B, L, H*D)
+        o = kn.linear(xp, o, a.wo, None)  # (B, L, E)
+        return o if a.bo is None else o + a.bo

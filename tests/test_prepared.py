@@ -1,0 +1,114 @@
+"""The prepared forward (models/prepared.py) equals the op-by-op path of the public ops.
+
+The op-by-op path is the same model with ``prepared=None`` (``Model(..., prepared=False)``):
+each layer then composes the public ops, each validating its arguments. Both paths hand the same
+arrays and options to the same kernels, so their logits are equal bit for bit; the float64
+reference checks of ``test_models.py`` cover the values.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+import portable_llm as pl
+from portable_llm.attn.padding import left_pad
+from portable_llm.models import load
+from portable_llm.models.prepared import Prepared
+from portable_llm.testing.checkpoints import tiny_config, write_checkpoint
+
+FAMILIES = ["qwen2", "qwen3", "llama", "mistral", "mixtral", "qwen2_moe"]
+L = 10
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = {}
+    for i, family in enumerate(FAMILIES):
+        folder = tmp_path_factory.mktemp(f"prep_{family}")
+        write_checkpoint(folder, tiny_config(family), seed=20 + i)
+        out[family] = folder
+    return out
+
+
+def _op_by_op(model: pl.Model) -> pl.Model:
+    slow = copy.copy(model)
+    slow.prepared = None
+    return slow
+
+
+def _ids(seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(3, 300, size=n)
+
+
+def _same(a: object, b: object, msg: str = "") -> None:
+    np.testing.assert_array_equal(pl.to_numpy(a), pl.to_numpy(b), err_msg=msg)
+
+
+def _loaded(folders: dict, family: str, backend: str, dtype: str) -> pl.Model:
+    if dtype not in pl.get_backend(backend).float_dtypes():
+        pytest.skip(f"{backend} has no {dtype}")
+    model = load(folders[family], backend=backend, dtype=dtype)
+    assert isinstance(model.prepared, Prepared)
+    return model
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prepared_forward_equals_op_by_op(
+    folders: dict, family: str, backend: str, dtype: str
+) -> None:
+    model = _loaded(folders, family, backend, dtype)
+    ids = pl.asarray(_ids(0, L)[None], backend=backend)
+    _same(model(ids), _op_by_op(model)(ids))
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2_moe"])
+def test_prepared_cached_decode_equals_op_by_op(folders: dict, family: str, backend: str) -> None:
+    """Prefill, single tokens and a chunk, with the caches' masks (rotating windows included):
+    each step equal to the op-by-op path's step on caches of its own."""
+    model = _loaded(folders, family, backend, "float32")
+    slow = _op_by_op(model)
+    ids = _ids(2, L)
+    fast_cache, slow_cache = model.make_cache(), slow.make_cache()
+    start = 0
+    for stop in (5, 6, 7, L):
+        chunk = pl.asarray(ids[None, start:stop], backend=backend)
+        _same(model(chunk, cache=fast_cache), slow(chunk, cache=slow_cache), f"{start}..{stop}")
+        start = stop
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2_moe"])
+def test_prepared_left_padded_batch_equals_op_by_op(
+    folders: dict, family: str, backend: str
+) -> None:
+    """Left padding, uncached (the shared padding mask) and cached (the caches' masks)."""
+    model = _loaded(folders, family, backend, "float32")
+    slow = _op_by_op(model)
+    ids, pad = left_pad([_ids(3, L - 1), _ids(4, 6)], backend=backend)  # (2, 9), (2,)
+    _same(model(ids, left_padding=pad), slow(ids, left_padding=pad), "uncached")
+    caches = model.make_cache(left_padding=pad), slow.make_cache(left_padding=pad)
+    _same(model(ids, cache=caches[0]), slow(ids, cache=caches[1]), "prefill")
+    nxt = pl.asarray(np.array([[7], [9]]), backend=backend)
+    _same(model(nxt, cache=caches[0]), slow(nxt, cache=caches[1]), "decode")
+
+
+def test_prepared_is_skipped_for_mixed_dtypes(folders: dict) -> None:
+    """A weight in another dtype than the embedding: the op-by-op path (which casts it per
+    call), with the same logits as a model whose weights were all cast at load."""
+    from safetensors.numpy import load_file
+
+    model = load(folders["llama"], backend="numpy", dtype="float32")
+    weights = {
+        k: v.astype(np.float32)
+        for k, v in load_file(folders["llama"] / "model.safetensors").items()
+    }
+    mixed = {**weights, "model.norm.weight": weights["model.norm.weight"].astype(np.float64)}
+    built = pl.Model(model.config, mixed, model.backend)
+    assert built.prepared is None
+    ids = _ids(5, L)[None]
+    _same(built(ids), model(ids))
+    assert pl.Model(model.config, weights, model.backend).prepared is not None
+    assert pl.Model(model.config, weights, model.backend, prepared=False).prepared is None
