@@ -266,7 +266,7 @@ def test_generate_rejects_bad_prompts(checkpoints: dict) -> None:
     for ragged in ([[1, 2], [3]], [1, [2, 3]], [[1], [2, [3]]]):
         with pytest.raises(ValueError, match=r"generate: prompt must be a str.*got a ragged"):
             pl.generate(model, ragged)
-    for other in ([1.0, 2.0], ["a", "b"], [1, None], 7, None):
+    for other in ([1.0, 2.0], ["a", 2], [1, None], 7, None):  # a list of str is a batch
         with pytest.raises(ValueError, match=r"generate: prompt must be a str, a 1-D sequence"):
             pl.generate(model, other)
     with pytest.raises(ValueError, match=r"token ids must lie in \[0, 300\).*got -1 to 5"):

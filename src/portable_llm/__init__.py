@@ -23,7 +23,14 @@ from portable_llm.core.dispatch import (
     trace,
     unregister_kernel,
 )
-from portable_llm.models import Model, generate, load
+from portable_llm.models import (
+    Model,
+    generate,
+    generate_step,
+    load,
+    make_logits_processors,
+    make_sampler,
+)
 from portable_llm.ops.activations import (
     ACTIVATIONS,
     activation,
@@ -66,6 +73,7 @@ __all__ = [
     "gelu",
     "gelu_tanh",
     "generate",
+    "generate_step",
     "get_backend",
     "greedy",
     "intermediate_size",
@@ -73,6 +81,8 @@ __all__ = [
     "linear",
     "load",
     "logprobs",
+    "make_logits_processors",
+    "make_sampler",
     "mlp",
     "moe",
     "quantize",

@@ -1,9 +1,11 @@
-""":func:`generate`: stream the continuation of a prompt, token by token.
+""":func:`generate`: stream the continuation of a prompt (or of a batch of prompts).
 
-The prompt runs once through the model (prefill) into a KV cache; then each new token runs alone
-(decode), and is chosen by :func:`portable_llm.sample` (or :func:`portable_llm.greedy` at
-temperature 0). Generation stops at ``max_new_tokens`` or at a stop token (by default the
-``eos_token_id`` of ``generation_config.json``, else of ``config.json``), which is not yielded.
+The front of the decode loop :func:`~portable_llm.generate_step` (which yields one
+``(token, logprobs)`` per step): it encodes text, makes the sampler
+(:func:`~portable_llm.make_sampler`) and the logits processors, streams text with the
+tokenizer, and keeps statistics. Generation stops at ``max_new_tokens`` or at a stop token (by
+default the ``eos_token_id`` of ``generation_config.json``, else of ``config.json``), which is
+not yielded.
 """
 
 from __future__ import annotations
@@ -15,11 +17,18 @@ from typing import Any
 
 import numpy as np
 
+from portable_llm.attn.padding import left_pad
 from portable_llm.backends import backend_of
 from portable_llm.core.arrays import asarray, to_numpy
 from portable_llm.core.checks import check_int, check_optional_int, check_real
 from portable_llm.models.model import Model
-from portable_llm.ops.sampling import sample
+from portable_llm.models.sampler import (
+    LogitsProcessor,
+    Sampler,
+    make_logits_processors,
+    make_sampler,
+)
+from portable_llm.models.steps import generate_step
 
 __all__ = ["Generation", "GenerationStats", "generate", "stop_tokens"]
 
@@ -40,6 +49,9 @@ class GenerationStats:
     decode_seconds: float = 0.0
     #: The stop token that ended the generation (``None``: it ran to ``max_new_tokens``).
     stop_token: int | None = None
+    #: Why it ended: ``"stop"`` (a stop token) or ``"length"`` (``max_new_tokens``); ``None``
+    #: while it runs.
+    finish_reason: str | None = None
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -75,7 +87,7 @@ def stop_tokens(model: Model) -> tuple[int, ...]:
 
 def generate(
     model: Model,
-    prompt: str | Sequence[int] | Any,
+    prompt: str | Sequence[int] | Sequence[str] | Any,
     /,
     *,
     max_new_tokens: int = 256,
@@ -85,25 +97,38 @@ def generate(
     min_p: float | None = None,
     seed: int | None = None,
     stop: Iterable[int] | None = None,
+    repetition_penalty: float | None = None,
+    repetition_context_size: int = 20,
+    prompt_cache: list[Any] | None = None,
 ) -> Generation:
     """Stream the model's continuation of ``prompt``.
 
     Parameters
     ----------
     model : Model
-    prompt : str, or a sequence or 1-D array of token ids
-        A string is encoded with the model's tokenizer, and the iterator yields text pieces
-        (whose concatenation is the decoded continuation). Token ids (of any backend) make the
-        iterator yield token ids (``int``).
+    prompt : str, a sequence or 1-D array of token ids, or a list of str
+        A string is encoded with the model's tokenizer (without adding a BOS when the text
+        already starts with the tokenizer's ``bos_token``, as a rendered chat template does),
+        and the iterator yields text pieces (whose concatenation is the decoded
+        continuation). Token ids (of any backend) make the iterator yield token ids (``int``).
+        A list of strings is one left-padded batch: the iterator yields lists of text pieces,
+        one per prompt (``""`` where a prompt has no new text, or has stopped); a prompt's
+        pieces together are its decoded continuation.
     max_new_tokens : int, >= 0
     temperature, top_k, top_p, min_p
         As for :func:`portable_llm.sample`; ``temperature=0`` (the default) is greedy.
         ``top_k`` in ``[1, vocab_size]``.
     seed : int, >= 0, optional
-        Makes sampling reproducible on a backend: the draw of step ``t`` uses a seed derived
-        from ``seed`` and ``t``. ``None``: fresh entropy.
+        Makes sampling reproducible on a backend (:func:`~portable_llm.make_sampler`): the draw
+        of step ``t`` uses a seed derived from ``seed`` and ``t``. ``None``: fresh entropy.
     stop : iterable of int, optional
         Stop token ids; default :func:`stop_tokens` (the checkpoint's EOS ids). ``()``: none.
+    repetition_penalty, repetition_context_size
+        As for :func:`~portable_llm.make_logits_processors`.
+    prompt_cache : list of caches, optional
+        ``model.make_cache()``, empty or holding an earlier conversation: the prompt follows
+        the tokens it holds, and once the iterator is exhausted it holds the prompt and every
+        new token too (a final stop token included), ready for the next turn. Not with a batch.
 
     Every argument is checked here, when ``generate`` is called, before the model runs
     (integers may be Python or NumPy integers, never ``bool``): a bad one is a ``TypeError``
@@ -113,33 +138,152 @@ def generate(
     -------
     Generation
         An iterator; its ``stats`` (:class:`GenerationStats`) holds the prompt length, the
-        prefill time (up to the first new token), the tokens generated and the decode time.
+        prefill time (up to the first new token), the tokens generated, the decode time and
+        the ``finish_reason`` (``"stop"``: a stop token, for a batch every prompt's; ``"length"``:
+        ``max_new_tokens``).
     """
-    text = isinstance(prompt, str)
-    if text:
-        if model.tokenizer is None:
-            raise ValueError("generate: a text prompt needs the checkpoint's tokenizer.json")
-        ids = model.tokenizer.encode(prompt)
+    batch = _is_text_batch(prompt)
+    text = batch or isinstance(prompt, str)
+    if text and model.tokenizer is None:
+        raise ValueError("generate: a text prompt needs the checkpoint's tokenizer.json")
+    if batch:
+        assert model.tokenizer is not None
+        rows = [model.tokenizer.encode_prompt(p) for p in prompt]
+    elif text:
+        assert model.tokenizer is not None
+        rows = [model.tokenizer.encode_prompt(prompt)]
     else:
-        ids = _ids(prompt)
-    if not ids:
+        rows = [_ids(prompt)]
+    if not all(rows):
         raise ValueError("generate: the prompt has no tokens")
     V = model.config.vocab_size
-    if min(ids) < 0 or max(ids) >= V:
+    low, high = min(min(r) for r in rows), max(max(r) for r in rows)
+    if low < 0 or high >= V:
         raise ValueError(
-            f"generate: prompt token ids must lie in [0, {V}) (vocab_size), got {min(ids)} "
-            f"to {max(ids)}"
+            f"generate: prompt token ids must lie in [0, {V}) (vocab_size), got {low} to {high}"
         )
     max_new_tokens = check_int(OP, "max_new_tokens", max_new_tokens, low=0)
     options = _sampling_options(temperature, top_k, top_p, min_p, V)
     seed = check_optional_int(OP, "seed", seed, low=0)
     stops = frozenset(stop_tokens(model) if stop is None else _stop_ids(stop))
-    stats = GenerationStats(prompt_tokens=len(ids))
-    tokens = _tokens(model, ids, max_new_tokens, options, seed, stops, stats)
+    processors = make_logits_processors(
+        repetition_penalty=_penalty(repetition_penalty),
+        repetition_context_size=check_int(
+            OP, "repetition_context_size", repetition_context_size, low=1
+        ),
+    )
+    if prompt_cache is not None and batch:
+        raise ValueError("generate: prompt_cache is for one prompt, not a batch")
+    if prompt_cache is not None and len(prompt_cache) != model.config.num_hidden_layers:
+        raise ValueError(
+            f"generate: prompt_cache must hold one cache per layer "
+            f"({model.config.num_hidden_layers}, from model.make_cache()), got {len(prompt_cache)}"
+        )
+    stats = GenerationStats(prompt_tokens=sum(len(r) for r in rows))
+    run = _Run(model, make_sampler(**options, seed=seed), processors, stops, stats)
+    if batch:
+        assert model.tokenizer is not None
+        return Generation(_batch_pieces(run, rows, max_new_tokens, model.tokenizer), stats)
+    tokens = run.tokens(rows[0], max_new_tokens, prompt_cache)
     if text:
         assert model.tokenizer is not None
         return Generation(model.tokenizer.stream(tokens), stats)
     return Generation(tokens, stats)
+
+
+def _is_text_batch(prompt: Any) -> bool:
+    return (
+        isinstance(prompt, list | tuple)
+        and len(prompt) > 0
+        and all(isinstance(p, str) for p in prompt)
+    )
+
+
+def _penalty(value: Any) -> float | None:
+    if value is None:
+        return None
+    return check_real(OP, "repetition_penalty", value, low=0, low_open=True)
+
+
+@dataclass
+class _Run:
+    """What one generation needs beside its prompt: model, sampler, processors, stops, stats."""
+
+    model: Model
+    sampler: Sampler
+    processors: list[LogitsProcessor]
+    stops: frozenset[int]
+    stats: GenerationStats
+
+    def _timed(self, steps: Iterator[tuple[Any, Any]], step: int) -> Any:
+        start = time.perf_counter()
+        token, _ = next(steps)
+        elapsed = time.perf_counter() - start
+        if step == 0:
+            self.stats.prefill_seconds = elapsed
+        else:
+            self.stats.decode_steps += 1
+            self.stats.decode_seconds += elapsed
+        return token
+
+    def tokens(
+        self, ids: list[int], max_new_tokens: int, prompt_cache: list[Any] | None
+    ) -> Iterator[int]:
+        """The new token ids of one prompt, one at a time; fills ``stats`` as it goes."""
+        stats, model = self.stats, self.model
+        steps = generate_step(
+            model, ids, sampler=self.sampler, logits_processors=self.processors,
+            cache=prompt_cache,
+        )  # fmt: skip
+        last = None
+        for step in range(max_new_tokens):
+            last = self._timed(steps, step)
+            if last in self.stops:
+                stats.stop_token = last
+                break
+            stats.generated_tokens += 1
+            yield last
+        stats.finish_reason = "length" if stats.stop_token is None else "stop"
+        steps.close()
+        if prompt_cache is not None:  # the cache then holds every token of the conversation
+            pending = ids if last is None else [last]
+            bk = model.backend
+            model(asarray([pending], backend=bk.name, device=model.device), cache=prompt_cache,
+                  last_only=True)  # fmt: skip
+
+
+def _batch_pieces(
+    run: _Run, rows: list[list[int]], max_new_tokens: int, tokenizer: Any
+) -> Iterator[list[str]]:
+    """One list of text pieces per step, one piece per prompt (``""``: none, or stopped)."""
+    ids, left_padding = left_pad(rows)
+    steps = generate_step(
+        run.model, ids, sampler=run.sampler, logits_processors=run.processors,
+        left_padding=left_padding,
+    )  # fmt: skip
+    texts = [tokenizer.stream_decoder() for _ in rows]
+    done = [False] * len(rows)
+    for step in range(max_new_tokens):
+        chosen = run._timed(steps, step)
+        pieces = []
+        for b, token in enumerate(chosen.tolist()):
+            if done[b]:
+                pieces.append("")
+            elif token in run.stops:  # the row ends: the text its stream held back
+                done[b] = True
+                pieces.append(texts[b].finish())
+            else:
+                run.stats.generated_tokens += 1
+                pieces.append(texts[b].step(token))
+        if any(pieces):
+            yield pieces
+        if all(done):
+            break
+    rest = ["" if done[b] else text.finish() for b, text in enumerate(texts)]
+    if any(rest):
+        yield rest
+    run.stats.finish_reason = "stop" if all(done) else "length"
+    steps.close()
 
 
 def _sampling_options(
@@ -181,41 +325,3 @@ def _ids(prompt: Any) -> list[int]:
             f"generate: prompt must be {accepted}, got shape {arr.shape} of {arr.dtype}"
         )
     return [int(i) for i in arr]
-
-
-def _tokens(
-    model: Model,
-    ids: list[int],
-    max_new_tokens: int,
-    options: dict[str, Any],
-    seed: int | None,
-    stops: frozenset[int],
-    stats: GenerationStats,
-) -> Iterator[int]:
-    """The new token ids, one at a time; fills ``stats`` as it goes."""
-    bk = model.backend
-    seeds = np.random.default_rng(seed)
-    cache = model.make_cache()
-    step_ids = asarray([ids], backend=bk.name, device=model.device)  # (1, L)
-    for step in range(max_new_tokens):
-        start = time.perf_counter()
-        logits = model(step_ids, cache=cache, last_only=True)[:, -1, :]  # (1, V)
-        key = None if options["temperature"] == 0 else int(seeds.integers(0, 2**63))
-        token = int(bk.to_numpy(sample(logits, key=key, **options))[0])
-        if token < 0:  # sample's mark for a row with no distribution (NaN or all -inf logits)
-            raise ValueError(
-                f"generate: the logits of step {step} (after {len(ids) + step} tokens) are NaN "
-                "or all -inf; the weights or the dtype overflowed"
-            )
-        elapsed = time.perf_counter() - start
-        if step == 0:
-            stats.prefill_seconds = elapsed
-        else:
-            stats.decode_steps += 1
-            stats.decode_seconds += elapsed
-        if token in stops:
-            stats.stop_token = token
-            return
-        stats.generated_tokens += 1
-        yield token
-        step_ids = asarray([[token]], backend=bk.name, device=model.device)  # (1, 1)

@@ -15,7 +15,7 @@ from typing import Any
 
 from portable_llm.models.files import CheckpointError, checkpoint_file, read_json
 
-__all__ = ["Tokenizer", "read_tokenizer"]
+__all__ = ["TextStream", "Tokenizer", "read_tokenizer"]
 
 
 class Tokenizer:
@@ -63,28 +63,40 @@ class Tokenizer:
         """Token ids of ``text`` (with the post-processor's special tokens, e.g. a BOS)."""
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
+    @property
+    def bos_token(self) -> str | None:
+        """The BOS token's text (``tokenizer_config.json``'s ``bos_token``), or ``None``."""
+        return _token_text(self.config.get("bos_token"))
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a prompt: :meth:`encode`, without the post-processor's special tokens
+        when ``text`` already starts with the BOS token (a rendered chat template), so the BOS
+        is never doubled (mlx-lm's rule)."""
+        bos = self.bos_token
+        return self.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
+
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def stream_decoder(self, *, skip_special_tokens: bool = True) -> TextStream:
+        """A :class:`TextStream` of this tokenizer: ids in, new text out, O(1) per id."""
+        return TextStream(self, skip_special_tokens=skip_special_tokens)
 
     def stream(self, ids: Iterable[int]) -> Iterator[str]:
         """Text pieces of a stream of ids: their concatenation is ``decode(all ids)``.
 
-        Decodes everything seen so far after each id and releases the new text once it does
-        not end in U+FFFD (an incomplete UTF-8 sequence); the rest comes with the last piece.
+        Each id goes to a :class:`TextStream` (``tokenizers.decoders.DecodeStream``, O(1) per
+        id); a piece is released once its bytes form whole characters, and text held back at
+        the end (an incomplete character, U+FFFD in :meth:`decode`) comes as a last piece.
         """
-        seen: list[int] = []
-        shown = ""
+        text = self.stream_decoder()
         for token in ids:
-            seen.append(int(token))
-            text = self.decode(seen)
-            if text.endswith("\ufffd") or not text.startswith(shown):
-                continue
-            if len(text) > len(shown):
-                yield text[len(shown) :]
-                shown = text
-        text = self.decode(seen)
-        if text.startswith(shown) and len(text) > len(shown):
-            yield text[len(shown) :]
+            piece = text.step(token)
+            if piece:
+                yield piece
+        rest = text.finish()
+        if rest:
+            yield rest
 
     @property
     def chat_template(self) -> str | None:
@@ -94,16 +106,26 @@ class Tokenizer:
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],
+        /,
         *,
         add_generation_prompt: bool = True,
-        **variables: Any,
-    ) -> str:
-        """The prompt text of ``messages`` (``[{"role": "user", "content": ...}]``).
+        tokenize: bool = False,
+        tools: Sequence[Any] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """The prompt of ``messages`` (``[{"role": "user", "content": ...}]``), as transformers'
+        ``apply_chat_template``: its text, or with ``tokenize=True`` its token ids.
 
-        Renders the checkpoint's chat template as transformers' ``apply_chat_template(...,
-        tokenize=False)`` does, in a sandbox (:mod:`portable_llm.models.chat_template`), with
-        the special tokens of ``tokenizer_config.json`` (``bos_token``, ``eos_token``, ...) and
-        ``variables`` (e.g. ``enable_thinking=False``) as template variables. Needs ``jinja2``.
+        Renders the checkpoint's chat template in a sandbox
+        (:mod:`portable_llm.models.chat_template`), with the special tokens of
+        ``tokenizer_config.json`` (``bos_token``, ``eos_token``, ...), ``tools`` (JSON schemas)
+        and ``kwargs`` (e.g. ``enable_thinking=False``) as template variables. The ids encode
+        the text without the post-processor's special tokens (the template writes its own
+        BOS), as transformers does. Needs ``jinja2``.
+
+        Returns
+        -------
+        str, or list of int with ``tokenize=True``
 
         Raises
         ------
@@ -128,18 +150,52 @@ class Tokenizer:
             chat.append({k: v for k, v in m.items() if v is not None})  # as transformers
         texts = {k: _token_text(self.config.get(k)) for k in _SPECIAL_TOKENS}
         specials = {k: text for k, text in texts.items() if text is not None}
-        return render_chat_template(
+        text = render_chat_template(
             template,
             self._origin,
             {
                 "messages": chat,
-                "tools": None,
+                "tools": None if tools is None else list(tools),
                 "documents": None,
                 "add_generation_prompt": bool(add_generation_prompt),
                 **specials,
-                **variables,
+                **kwargs,
             },
         )
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+class TextStream:
+    """Incremental detokenization of one sequence: ``step(id)`` returns the new text that id
+    completes (``""`` while a character is incomplete), via ``tokenizers.decoders.DecodeStream``
+    (O(1) per id); ``finish()`` returns what is still held back, so that all the pieces
+    together equal ``tokenizer.decode(ids)``."""
+
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._ids: list[int] = []
+        self._pieces: list[str] = []
+
+    def step(self, token: int) -> str:
+        token = int(token)
+        self._ids.append(token)
+        piece = self._stream.step(self._tokenizer._tok, token) or ""
+        if piece:
+            self._pieces.append(piece)
+        return piece
+
+    def finish(self) -> str:
+        """The text not yet returned (one full decode, once, at the end)."""
+        shown = "".join(self._pieces)
+        text = self._tokenizer.decode(self._ids, skip_special_tokens=self._skip)
+        rest = text[len(shown) :] if text.startswith(shown) else ""
+        if rest:
+            self._pieces.append(rest)
+        return rest
 
 
 #: Where a checkpoint's chat template is read from, first found first (transformers 5's order).

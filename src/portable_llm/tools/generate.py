@@ -40,6 +40,13 @@ def add_generate_parser(sub: Any) -> None:
     p.add_argument("--min-p", type=float, default=None, metavar="P")
     p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
     p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=None,
+        metavar="R",
+        help="divide the positive logits (multiply the negative) of the last 20 ids by R",
+    )
+    p.add_argument(
         "--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template"
     )
 
@@ -85,14 +92,16 @@ def run_generate(args: argparse.Namespace, out: TextIO | None = None) -> int:
                     f"{args.path} has no tokenizer.json: a text --prompt needs one; pass token "
                     "ids instead (--ids 1,2,3)"
                 )
-            if args.chat:
+            if args.chat:  # transformers' chat ids: the template writes its own BOS
                 messages = [{"role": "user", "content": prompt}]
-                prompt = model.tokenizer.apply_chat_template(messages)
+                prompt = model.tokenizer.apply_chat_template(messages, tokenize=True)
         gen = generate(
             model, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+            repetition_penalty=getattr(args, "repetition_penalty", None),
         )  # fmt: skip
-        for i, piece in enumerate(gen):
+        pieces = model.tokenizer.stream(gen) if args.chat else gen  # the chat prompt is ids
+        for i, piece in enumerate(pieces):
             text = piece if ids is None else f"{',' if i else ''}{piece}"
             print(text, end="", file=out, flush=True)
     except (FileNotFoundError, ValueError, ImportError) as exc:
