@@ -204,6 +204,7 @@ def write_gguf(
     rng: np.random.Generator | None = None,
     pre: str = "smollm",
     add_bos: bool = False,
+    template: str = TEMPLATE,
 ) -> dict[str, np.ndarray]:
     """Write ``tensors`` (HF names and layout) as llama.cpp would: q/k rows permuted (llama),
     each matrix in its type (K-quants: random blocks in place of the tensor). Returns the HF
@@ -234,7 +235,7 @@ def write_gguf(
         w.add_bos_token_id(1)
         w.add_eos_token_id(2)
         w.add_add_bos_token(add_bos)
-        w.add_chat_template(TEMPLATE)
+        w.add_chat_template(template)
     held = {}
     for hf, value in tensors.items():
         name, role = _to_gguf(hf)
@@ -433,6 +434,17 @@ def test_add_bos_token(tmp_path: Path) -> None:
     file2 = tmp_path / "bos2.gguf"
     _copy_with(file, file2, {"tokenizer.ggml.add_bos_token": True})
     assert pl.load(file2).tokenizer.encode("hello") == [1, *plain]
+
+
+def test_chat_template_error_names_the_file(tmp_path: Path) -> None:
+    cfg = family_config("qwen2", num_hidden_layers=1)
+    tok = gguf_tokenizer_meta(tmp_path / "tok")
+    file = tmp_path / "tpl.gguf"
+    bad = "{{ raise_exception('only user turns') }}"
+    write_gguf(file, "qwen2", cfg, random_weights(cfg), tok=tok, template=bad)
+    tokenizer = pl.load(file).tokenizer
+    with pytest.raises(ValueError, match=r"tpl\.gguf: tokenizer\.chat_template.*only user turns"):
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
 def _copy_with(src: Path, dst: Path, change: dict[str, Any]) -> None:

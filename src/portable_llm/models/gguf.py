@@ -248,7 +248,8 @@ def gguf_tokenizer(meta: _Meta) -> Tokenizer | None:
         "add_bos_token": add_bos,
         "add_eos_token": add_eos,
     }
-    return Tokenizer(tok, {k: v for k, v in config.items() if v is not None})
+    origin = f"{meta.file.name}: tokenizer.chat_template"
+    return Tokenizer(tok, {k: v for k, v in config.items() if v is not None}, origin=origin)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
