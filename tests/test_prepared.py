@@ -17,6 +17,7 @@ import portable_llm as pl
 from portable_llm.attn.padding import left_pad
 from portable_llm.models import load
 from portable_llm.models.prepared import Prepared
+from portable_llm.testing import assert_close
 from portable_llm.testing.checkpoints import tiny_config, write_checkpoint
 
 FAMILIES = ["qwen2", "qwen3", "llama", "mistral", "mixtral", "qwen2_moe"]
@@ -68,8 +69,9 @@ def test_prepared_forward_equals_op_by_op(
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2_moe"])
 def test_prepared_cached_decode_equals_op_by_op(folders: dict, family: str, backend: str) -> None:
     """Prefill, single tokens and a chunk, with the caches' masks (rotating windows included):
-    each step equal to the op-by-op path's step on caches of its own."""
-    model = _loaded(folders, family, backend, "float32")
+    each step equal to the op-by-op path's step on caches of its own (the eager prepared
+    step: JAX's compiled step is checked against it below)."""
+    model = _eager(_loaded(folders, family, backend, "float32"))
     slow = _op_by_op(model)
     ids = _ids(2, L)
     fast_cache, slow_cache = model.make_cache(), slow.make_cache()
@@ -85,7 +87,7 @@ def test_prepared_left_padded_batch_equals_op_by_op(
     folders: dict, family: str, backend: str
 ) -> None:
     """Left padding, uncached (the shared padding mask) and cached (the caches' masks)."""
-    model = _loaded(folders, family, backend, "float32")
+    model = _eager(_loaded(folders, family, backend, "float32"))
     slow = _op_by_op(model)
     ids, pad = left_pad([_ids(3, L - 1), _ids(4, 6)], backend=backend)  # (2, 9), (2,)
     _same(model(ids, left_padding=pad), slow(ids, left_padding=pad), "uncached")
@@ -112,3 +114,63 @@ def test_prepared_is_skipped_for_mixed_dtypes(folders: dict) -> None:
     _same(built(ids), model(ids))
     assert pl.Model(model.config, weights, model.backend).prepared is not None
     assert pl.Model(model.config, weights, model.backend, prepared=False).prepared is None
+
+
+# -- the compiled decode step (JAX) ------------------------------------------------------------
+
+
+def _compiled(folders: dict, family: str, backend: str) -> pl.Model:
+    model = _loaded(folders, family, backend, "float32")
+    if model.compiled is None:
+        assert not pl.get_backend(backend).static_shapes  # the backends that compile have one
+        pytest.skip(f"{backend}: the decode step runs eagerly (no compiled step)")
+    return model
+
+
+def _eager(model: pl.Model) -> pl.Model:
+    eager = copy.copy(model)
+    eager.compiled = None
+    return eager
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
+def test_compiled_step_equals_eager_step(folders: dict, family: str, backend: str) -> None:
+    """Prefill eagerly, then 7 tokens one at a time through the compiled step, on caches that
+    grow every 4 slots: each step's logits equal the eager step's (within float32's tolerance),
+    the caches end as the eager ones, and the step compiles once per capacity, not per token."""
+    model = _compiled(folders, family, backend)
+    eager = _eager(model)
+    ids = _ids(6, 12)
+    fast, slow = model.make_cache(step=4), eager.make_cache(step=4)
+    assert_close(model(ids[None, :5], cache=fast), eager(ids[None, :5], cache=slow))
+    assert model.compiled is not None and model.compiled.traces == 0  # prefill: eager
+    capacities = set()
+    for t in range(5, 12):
+        token = ids[None, t : t + 1]
+        got = model.decode_step(token, cache=fast)
+        assert_close(got, eager(token, cache=slow), err_msg=f"token {t}")
+        capacities.add(fast[0].capacity)
+        assert fast[0].offset == slow[0].offset == t + 1
+        assert fast[0].capacity == slow[0].capacity
+    assert model.compiled.traces == len(capacities) == 3  # capacities 8, 12, 16
+    k_fast, _ = fast[1].update_and_fetch(*_kv(fast[1]))  # the buffers hold the eager keys
+    k_slow, _ = slow[1].update_and_fetch(*_kv(slow[1]))
+    assert_close(k_fast[:, :, :13], k_slow[:, :, :13])
+
+
+def _kv(cache: object) -> tuple:
+    k = cache._k[:, :, :1, :]  # type: ignore[attr-defined]
+    return k, k
+
+
+def test_compiled_step_left_padded_batch(folders: dict, backend: str) -> None:
+    """A left-padded batch decoded through the compiled step equals the eager steps."""
+    model = _compiled(folders, "qwen2", backend)
+    eager = _eager(model)
+    ids, pad = left_pad([_ids(3, L - 1), _ids(4, 6)], backend=backend)  # (2, 9), (2,)
+    fast, slow = model.make_cache(left_padding=pad), eager.make_cache(left_padding=pad)
+    assert_close(model(ids, cache=fast), eager(ids, cache=slow))
+    for t in range(3):
+        token = pl.asarray(np.array([[7 + t], [9 + t]]), backend=backend)
+        assert_close(model(token, cache=fast), eager(token, cache=slow), err_msg=f"step {t}")
+    assert model.compiled is not None and model.compiled.traces == 1

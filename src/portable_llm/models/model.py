@@ -17,6 +17,7 @@ from portable_llm.backends import Backend, backend_of
 from portable_llm.caches.kv import KVCache, RotatingKVCache
 from portable_llm.core.arrays import asarray, to_numpy
 from portable_llm.core.checks import check_int
+from portable_llm.models.compiled import CompiledStep, compiled_step
 from portable_llm.models.config import DecoderConfig
 from portable_llm.models.prepared import Prepared, preparable
 from portable_llm.ops.embedding import embedding, unembed
@@ -131,6 +132,7 @@ class Model:
         tokenizer: Any = None,
         generation_config: dict[str, Any] | None = None,
         prepared: bool = True,
+        compile: bool = True,
     ) -> None:
         self.config = config
         self.backend = backend
@@ -151,6 +153,11 @@ class Model:
             self.prepared = Prepared(
                 config, backend, self.dtype, self.embed, self.norm, self.lm_head, self.blocks
             )
+        #: The compiled decode step (:mod:`portable_llm.models.compiled`; JAX), run by a call
+        #: with one token per row and caches that hold the prompt; ``None`` elsewhere.
+        self.compiled: CompiledStep | None = None
+        if compile and self.prepared is not None:
+            self.compiled = compiled_step(self.prepared)
 
     def _top_arrays(self) -> list[Any]:
         return [a for a in (self.embed, self.norm, self.lm_head) if a is not None]
@@ -214,6 +221,9 @@ class Model:
         if self.prepared is not None:
             head = self.embed if self.lm_head is None else self.lm_head
             top = (self.embed, self.norm, head)
+            if self.compiled is not None and self.compiled.applies(ids, cache):
+                assert cache is not None
+                return self.compiled(ids, cache, top)
             return self.prepared(ids, cache, left_padding, last_only, top)
         eps = self.config.rms_norm_eps
         h = embedding(ids, self.embed)  # (B, L, E)
@@ -226,6 +236,14 @@ class Model:
         if self.lm_head is None:
             return unembed(h, self.embed)  # (B, L, V)
         return linear(h, self.lm_head)  # (B, L, V)
+
+    def decode_step(self, ids: Any, /, *, cache: Sequence[Any]) -> Any:
+        """Logits ``(B, 1, V)`` of one new token per row (``ids`` ``(B, 1)``) after what
+        ``cache`` holds: ``model(ids, cache=cache)``, which runs the compiled step
+        (:attr:`compiled`) where there is one, the prepared forward elsewhere. On MLX the
+        result is lazy: ``mx.async_eval`` of the next token lets the host queue the step after.
+        """
+        return self(ids, cache=cache, last_only=True)
 
     def make_cache(self, *, left_padding: Any = None, step: int = 256) -> list[Any]:
         """One KV cache per layer: a :class:`~portable_llm.KVCache`, or for a sliding-window

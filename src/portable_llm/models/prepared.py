@@ -187,7 +187,6 @@ class Prepared:
         """Logits ``(B, L | 1, V)`` of ``ids`` ``(B, L)`` (already on the model's backend and
         device; ``pad`` checked by the model). ``top``: the model's ``(embed, norm, head)``
         as they are now (default: those bound here)."""
-        xp, kn, eps = self.xp, self.kernels, self.eps
         embed, norm, head = top or (self.embed, self.norm, self.head)
         h = embedding(ids, embed)  # (B, L, E): the public op keeps the ids' range check
         L = ids.shape[1]
@@ -198,11 +197,17 @@ class Prepared:
             if pad is not None and backend_of(pad) is not self.bk:
                 _, (pad,) = resolve("model", self.bk, pad)
         rows = None if pad is None else offset - pad  # (B,) RoPE offsets of a padded batch
-        step = _Step(self, cache, pad, rows, offset, L)
-        for i, layer in enumerate(self.layers):
+        h = self.run_layers(h, _Step(self, cache, pad, rows, offset, L), self.layers)
+        if last_only:
+            h = h[:, -1:, :]  # (B, 1, E)
+        return self.head_logits(h, norm, head)
+
+    def run_layers(self, h: Any, step: _Step, layers: Sequence[Layer]) -> Any:
+        """The decoder layers over ``h`` ``(B, L, E)``; ``step`` holds what they share."""
+        xp, kn, eps = self.xp, self.kernels, self.eps
+        for i, layer in enumerate(layers):
             r = kn.rms_norm(xp, h, layer.input_norm, eps=eps)
-            a = step.attention(r, layer.attn, None if cache is None else cache[i])
-            h = h + a
+            h = h + step.attention(r, layer.attn, i)
             r = kn.rms_norm(xp, h, layer.post_norm, eps=eps)
             if layer.mlp is not None:
                 m = layer.mlp
@@ -213,10 +218,12 @@ class Prepared:
                 assert layer.moe is not None
                 out = moe(r, *layer.moe["arrays"], **layer.moe["options"])
             h = h + out
-        if last_only:
-            h = h[:, -1:, :]  # (B, 1, E)
-        h = kn.rms_norm(xp, h, norm, eps=eps)
-        return kn.linear(xp, h, head, None)  # (B, L, V)
+        return h
+
+    def head_logits(self, h: Any, norm: Any, head: Any) -> Any:
+        """The final norm and the LM head: ``(B, L, E)`` -> ``(B, L, V)``."""
+        kn = self.kernels
+        return kn.linear(self.xp, kn.rms_norm(self.xp, h, norm, eps=self.eps), head, None)
 
 
 class _Step:
@@ -269,7 +276,14 @@ class _Step:
             layer_cache._unmasked = False
         return got
 
-    def attention(self, x: Any, a: AttnWeights, layer_cache: Any) -> Any:
+    def kv(self, i: int, k: Any, v: Any, window: int | None) -> tuple[Any, Any, Any, Any]:
+        """Layer ``i``'s keys and values to attend (its cache updated) and ``(mask, window)``."""
+        layer_cache = None if self.cache is None else self.cache[i]
+        if layer_cache is not None:
+            k, v = layer_cache.update_and_fetch(k, v)
+        return (k, v, *self._mask(layer_cache, window, k))
+
+    def attention(self, x: Any, a: AttnWeights, i: int) -> Any:
         p = self.p
         xp, kn, H, H_kv, D = p.xp, p.kernels, p.H, p.H_kv, p.D
         B, L = x.shape[0], x.shape[1]
@@ -284,10 +298,7 @@ class _Step:
             rope, offsets, inv, ropts = self._rope(q)
             q = rope(xp, q, offsets, inv, **ropts)
             k = rope(xp, k, offsets, inv, **ropts)
-        window = a.window
-        if layer_cache is not None:
-            k, v = layer_cache.update_and_fetch(k, v)
-        mask, window = self._mask(layer_cache, window, k)
+        k, v, mask, window = self.kv(i, k, v, a.window)
         causal = isinstance(mask, str) or window is not None
         mask = None if isinstance(mask, str) else mask
         opts = SdpaOptions(scale=p.scale, causal=causal, window=window)

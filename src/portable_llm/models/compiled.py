@@ -1,0 +1,184 @@
+"""One compiled decode step: a whole token under one compilation, where the backend compiles.
+
+JAX (the one backend here whose arrays are immutable and whose programs compile per shape):
+the prepared forward of one token runs under one ``jax.jit``. Every layer's key and value
+buffers go in donated and come back updated functionally (``lax.dynamic_update_slice`` at the
+traced offset), the offset is a traced scalar, and the keys are the caches' fixed-size views
+(``KVCache(static_shapes=True)``, which :meth:`Model.make_cache` gives on JAX), so one
+compilation serves every token until the caches grow (every ``step`` tokens). The weights are
+arguments, not constants folded into the program. :attr:`CompiledStep.traces` counts the
+compilations.
+
+The step applies to a decode step (``L = 1``) on plain :class:`~portable_llm.KVCache` caches
+that already hold the prompt, on a model of dense layers without ``"dynamic"`` RoPE (whose
+table depends on the position); anything else runs the eager prepared forward. The caches keep
+their meaning: after a compiled step they hold what an eager step would have left in them.
+
+NumPy, array-api-strict, torch and MLX run the eager prepared forward (see ``docs/models.md``,
+"Speed", for what was measured).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from portable_llm.attn.visibility import visible
+from portable_llm.backends import Backend, backend_of
+from portable_llm.caches.kv import KVCache
+from portable_llm.models.prepared import Layer, Prepared, _Step
+
+__all__ = ["CompiledStep", "compiled_step"]
+
+
+def _jax_jit(bk: Backend) -> Callable[..., Any]:
+    jax = bk.jax  # type: ignore[attr-defined]
+    return lambda fn: jax.jit(fn, donate_argnums=(1, 2))
+
+
+def _jax_update(bk: Backend) -> Callable[..., Any]:
+    return bk.jax.lax.dynamic_update_slice  # type: ignore[attr-defined]
+
+
+#: backend name -> (jit with the cache buffers donated, functional slice update), per library.
+_COMPILERS: dict[str, tuple[Callable[[Backend], Any], Callable[[Backend], Any]]] = {
+    "jax": (_jax_jit, _jax_update),
+}
+
+
+def compiled_step(prepared: Prepared) -> CompiledStep | None:
+    """The compiled decode step of ``prepared`` where its backend compiles one, else ``None``."""
+    compilers = _COMPILERS.get(prepared.bk.name)
+    if compilers is None:
+        return None
+    if any(layer.mlp is None for layer in prepared.layers):  # MoE: eager (host-side routing)
+        return None
+    rope = prepared.rope or {}
+    kind = (rope.get("scaling") or {}).get("rope_type", "default")
+    if kind == "dynamic":  # its table depends on the position: one per step
+        return None
+    jit, update = compilers
+    return CompiledStep(prepared, jit(prepared.bk), update(prepared.bk))
+
+
+Rebuild = Callable[[Sequence[Any]], list[Layer]]
+
+
+def _flatten(layers: Sequence[Layer], bk: Backend) -> tuple[list[Any], Rebuild]:
+    """The layers' arrays as a flat list, and the function that rebuilds the layers from such a
+    list (the arrays become arguments of the compiled program, not constants)."""
+    leaves: list[Any] = []
+
+    def walk(rec: Any) -> Any:
+        out = {}
+        for f in dataclasses.fields(rec):
+            value = getattr(rec, f.name)
+            if dataclasses.is_dataclass(value):
+                out[f.name] = walk(value)
+            elif value is not None and backend_of(value) is bk:
+                out[f.name] = len(leaves)
+                leaves.append(value)
+        return out
+
+    plans = [walk(layer) for layer in layers]
+
+    def fill(rec: Any, plan: dict[str, Any], arrays: Sequence[Any]) -> Any:
+        changes = {
+            k: fill(getattr(rec, k), v, arrays) if isinstance(v, dict) else arrays[v]
+            for k, v in plan.items()
+        }
+        return dataclasses.replace(rec, **changes)
+
+    def rebuild(arrays: Sequence[Any]) -> list[Layer]:
+        return [fill(layer, plan, arrays) for layer, plan in zip(layers, plans, strict=True)]
+
+    return leaves, rebuild
+
+
+class _TracedStep(_Step):
+    """The shared state of one traced step: the buffers, updated functionally."""
+
+    def __init__(
+        self, p: Prepared, update: Any, ks: list[Any], vs: list[Any], pad: Any, offset: Any
+    ) -> None:
+        rows = None if pad is None else offset - pad  # (B,)
+        super().__init__(p, None, pad, rows, offset, 1)
+        self.update, self.ks, self.vs = update, ks, vs
+        self.S = int(ks[0].shape[2]) - 1  # the fixed-size view: capacity - 1 keys
+
+    def kv(self, i: int, k: Any, v: Any, window: int | None) -> tuple[Any, Any, Any, Any]:
+        zero = self.offset * 0  # indices of one integer type (int64 under jax_enable_x64)
+        start = (zero, zero, self.offset, zero)
+        self.ks[i] = self.update(self.ks[i], k, start)  # (B, H_kv, capacity, D)
+        self.vs[i] = self.update(self.vs[i], v, start)
+        S = self.S
+        key = ("view", window)
+        mask = self.masks.get(key)
+        if mask is None:  # the cache's make_mask, with the offset traced
+            xp = self.p.xp
+            mask = visible(xp, 1, S, q_start=self.offset, window=window, pad=self.pad)
+            if self.pad is None:
+                mask = xp.reshape(mask, (1, 1, 1, S))  # as the cache's: (1, 1, L, S)
+            self.masks[key] = mask
+        return self.ks[i][:, :, :S, :], self.vs[i][:, :, :S, :], mask, None
+
+
+class CompiledStep:
+    """A prepared model's decode step compiled whole (see the module docstring)."""
+
+    def __init__(self, prepared: Prepared, jit: Callable[..., Any], update: Any) -> None:
+        self.p = prepared
+        self.update = update
+        #: How many times the step was traced (compiled): once per cache capacity.
+        self.traces = 0
+        leaves, self._rebuild = _flatten(prepared.layers, prepared.bk)
+        self._leaves = tuple(leaves)
+        self._fn = jit(self._step)
+        self._embed = prepared.dispatch.portable_impl("embedding", "masked")
+
+    def applies(self, ids: Any, cache: Sequence[Any] | None) -> bool:
+        """Whether this call is a decode step the compiled program runs."""
+        if cache is None or ids.shape[1] != 1:
+            return False
+        first = cache[0]
+        return (
+            all(type(c) is KVCache and c.static_shapes and c.offset == first.offset for c in cache)
+            and first.offset > 0
+        )
+
+    def __call__(self, ids: Any, cache: Sequence[Any], top: tuple[Any, Any, Any]) -> Any:
+        """Logits ``(B, 1, V)`` of one token per row after what ``cache`` holds; the caches are
+        updated as an eager step updates them."""
+        xp = self.p.xp
+        off = cache[0].offset
+        for c in cache:
+            c._check_thread("model")
+            c._reserve(off + 2)  # as update_and_fetch: a slot stays free
+        S = cache[0].capacity - 1
+        ks = tuple(c._k for c in cache)
+        vs = tuple(c._v for c in cache)
+        offset = xp.asarray(off, dtype=xp.int32)
+        pad = cache[0].left_padding
+        logits, ks, vs = self._fn(ids, ks, vs, offset, pad, self._leaves, top)
+        cols = None if off + 1 == S else np.arange(S)
+        for c, k, v in zip(cache, ks, vs, strict=True):
+            c._k, c._v = k, v
+            c._offset = off + 1
+            c._record(1, cols)
+            c._unmasked = False  # the step attended with the cache's mask
+        return logits
+
+    def _step(
+        self, ids: Any, ks: tuple[Any, ...], vs: tuple[Any, ...], offset: Any, pad: Any,
+        leaves: tuple[Any, ...], top: tuple[Any, Any, Any],
+    ) -> tuple[Any, tuple[Any, ...], tuple[Any, ...]]:  # fmt: skip
+        self.traces += 1
+        p = self.p
+        embed, norm, head = top
+        h = self._embed(p.xp, ids, embed)  # (B, 1, E); ids checked by the model
+        step = _TracedStep(p, self.update, list(ks), list(vs), pad, offset)
+        h = p.run_layers(h, step, self._rebuild(leaves))
+        return p.head_logits(h, norm, head), tuple(step.ks), tuple(step.vs)
