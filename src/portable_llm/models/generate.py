@@ -28,7 +28,7 @@ from portable_llm.models.sampler import (
     make_logits_processors,
     make_sampler,
 )
-from portable_llm.models.steps import generate_step
+from portable_llm.models.steps import decode
 
 __all__ = ["Generation", "GenerationStats", "generate", "stop_tokens"]
 
@@ -231,9 +231,9 @@ class _Run:
     ) -> Iterator[int]:
         """The new token ids of one prompt, one at a time; fills ``stats`` as it goes."""
         stats, model = self.stats, self.model
-        steps = generate_step(
+        steps = decode(
             model, ids, sampler=self.sampler, logits_processors=self.processors,
-            cache=prompt_cache,
+            cache=prompt_cache, left_padding=None, logprobs=False,
         )  # fmt: skip
         last = None
         for step in range(max_new_tokens):
@@ -257,9 +257,9 @@ def _batch_pieces(
 ) -> Iterator[list[str]]:
     """One list of text pieces per step, one piece per prompt (``""``: none, or stopped)."""
     ids, left_padding = left_pad(rows)
-    steps = generate_step(
-        run.model, ids, sampler=run.sampler, logits_processors=run.processors,
-        left_padding=left_padding,
+    steps = decode(
+        run.model, ids, sampler=run.sampler, logits_processors=run.processors, cache=None,
+        left_padding=left_padding, logprobs=False,
     )  # fmt: skip
     texts = [tokenizer.stream_decoder() for _ in rows]
     done = [False] * len(rows)
