@@ -170,3 +170,56 @@ def rope(
         freqs=_periods(np.array(inv_freq).astype(np.float32).tobytes()),
     )
     return out.reshape(x.shape)
+
+
+# -- quantized weights (MLX's own affine format: portable_llm.ops.quant) -----------------------
+# mx.quantize/mx.dequantize are bit-identical to the portable path (tested); they take no
+# float64, where the portable path runs.
+
+
+def _not_float64(w: Any, *_: Any, **__: Any) -> bool:
+    return w.dtype != mx.float64
+
+
+@native("mlx", "quantize", kernel="mx.quantize", applies=_not_float64)
+def quantize(xp: Any, w: Any, *, bits: int, group_size: int) -> Any:
+    return tuple(mx.quantize(w, group_size=group_size, bits=bits))
+
+
+def _dequantize_applies(packed: Any, scales: Any, *_: Any, **__: Any) -> bool:
+    return scales.dtype != mx.float64
+
+
+@native("mlx", "dequantize", kernel="mx.dequantize", applies=_dequantize_applies)
+def dequantize(
+    xp: Any, packed: Any, scales: Any, biases: Any, *, bits: int, group_size: int
+) -> Any:
+    return mx.dequantize(packed, scales, biases, group_size=group_size, bits=bits)
+
+
+def _qmm_applies(x: Any, packed: Any, scales: Any, *_: Any, **__: Any) -> bool:
+    return scales.dtype == x.dtype and x.dtype != mx.float64
+
+
+def _qmm_prefer(x: Any, *_: Any, **__: Any) -> bool:
+    # On the CPU, quantized_matmul accumulates float16/bfloat16 in their own precision (measured
+    # at K = 512: 4.6e-2 of the largest output in bfloat16, 5.5e-3 in float16, 15-20x the float32
+    # accumulation of the portable path and beyond the tolerances); float32 matches it (7e-7).
+    return x.dtype == mx.float32 or mx.default_device() != mx.cpu
+
+
+@native(
+    "mlx",
+    "quantized_linear",
+    kernel="mx.quantized_matmul",
+    applies=_qmm_applies,
+    prefer=_qmm_prefer,
+)
+def quantized_linear(
+    xp: Any, x: Any, packed: Any, scales: Any, biases: Any, bias: Any, *, bits: int,
+    group_size: int,
+) -> Any:  # fmt: skip
+    y = mx.quantized_matmul(
+        x, packed, scales, biases, transpose=True, group_size=group_size, bits=bits
+    )
+    return y if bias is None else y + bias
