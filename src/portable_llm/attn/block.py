@@ -21,6 +21,7 @@ from portable_llm.core.arrays import to_numpy
 from portable_llm.core.checks import check_float, check_int, check_same_dtype, match_weight
 from portable_llm.core.dispatch import IMPLS, pick
 from portable_llm.ops.linear import _check_linear
+from portable_llm.ops.quant import QuantizedWeight, project
 from portable_llm.rotary.args import dispatch_args as rope_dispatch_args
 
 __all__ = ["ROPE_OPTIONS", "attention"]
@@ -166,10 +167,21 @@ def attention(
                 f"known: {', '.join(ROPE_OPTIONS)}"
             )
     extra = () if isinstance(mask, str) or mask is None else (mask,)
+    # Quantized projections (ops/quant.py) skip resolve; their arrays stay as they are.
+    names = ("wq", "wk", "wv", "wo")
+    quantized = {
+        n: w for n, w in zip(names, (wq, wk, wv, wo), strict=True) if isinstance(w, QuantizedWeight)
+    }
+    if quantized:
+        wq, wk, wv, wo = (
+            None if n in quantized else w for n, w in zip(names, (wq, wk, wv, wo), strict=True)
+        )
     be, arrays = resolve(
         OP, backend, x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, left_padding, *extra
     )
     x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, pad = arrays[:11]
+    if quantized:
+        wq, wk, wv, wo = (quantized.get(n, w) for n, w in zip(names, (wq, wk, wv, wo), strict=True))
     mask = arrays[11] if extra else mask
     check_float(OP, "x", x, be)
     if x.ndim != 3:
@@ -223,7 +235,10 @@ def attention(
         return be.xp.zeros((b, L, wo.shape[0]), dtype=x.dtype, device=be.device_of(x))
     sub = "portable" if impl == "tiled" else impl
     xp = be.xp
-    lin = pick(be, "linear", sub, x, wq, bq)
+    if quantized:
+        lin = lambda xp, x, w, b: project(be, sub, x, w, b)  # noqa: E731
+    else:
+        lin = pick(be, "linear", sub, x, wq, bq)
     q = _heads(xp, lin(xp, x, wq, bq), h, D)  # (B, H, L, D)
     k = _heads(xp, lin(xp, x, wk, bk), h_kv, D)  # (B, H_kv, L, D)
     v = _heads(xp, lin(xp, x, wv, bv), h_kv, D)  # (B, H_kv, L, D)
@@ -245,4 +260,4 @@ def attention(
     )
     o = pick(be, SDPA, impl, *args, **opts)(xp, *args, **opts)  # (B, H, L, D)
     o = xp.reshape(xp.permute_dims(o, (0, 2, 1, 3)), (b, L, h * D))  # (B, L, H*D)
-    return pick(be, "linear", sub, o, wo, None)(xp, o, wo, None)  # (B, L, E_out)
+    return project(be, sub, o, wo, None)  # (B, L, E_out)

@@ -8,6 +8,7 @@ from portable_llm.backends import Backend, backend_of, resolve
 from portable_llm.core.checks import check_float, check_ndim, match_weight
 from portable_llm.core.dispatch import pick, portable
 from portable_llm.core.types import Array, Namespace
+from portable_llm.ops.quant import QuantizedWeight, embedding_rows, quantized_linear
 
 __all__ = ["embedding", "unembed"]
 
@@ -94,6 +95,8 @@ def embedding(ids: Array, table: Array, /, *, backend: str | None = None) -> Arr
         token's row, never a wrap-around). Under ``mx.compile`` the read-back is refused by MLX:
         call ``embedding`` outside the compiled function.
     """
+    if isinstance(table, QuantizedWeight):  # only the gathered rows are dequantized
+        return embedding_rows(ids, table, backend=backend)
     bk, (ids, table) = resolve("embedding", backend, ids, table)
     if backend_of(ids) is not bk:
         raise TypeError(f"embedding: ids must be an array, got {type(ids).__name__}")
@@ -135,6 +138,8 @@ def unembed(h: Array, table: Array, /, *, impl: str = "auto", backend: str | Non
     -------
     array, shape ``(B.., L, V)``, h's dtype
     """
+    if isinstance(table, QuantizedWeight):
+        return quantized_linear(h, table, impl=impl, backend=backend)
     bk, (h, table) = resolve("unembed", backend, h, table)
     check_float("unembed", "h", h, bk)
     check_float("unembed", "table", table, bk)

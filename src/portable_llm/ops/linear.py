@@ -10,6 +10,7 @@ from portable_llm.core.checks import check_float, check_int, check_ndim, is_half
 from portable_llm.core.dispatch import pick, portable
 from portable_llm.core.types import Array, Namespace
 from portable_llm.ops.activations import activation_op
+from portable_llm.ops.quant import QuantizedWeight, is_quantized, quantized_linear, quantized_mlp
 
 __all__ = ["intermediate_size", "linear", "mlp"]
 
@@ -78,6 +79,8 @@ def linear(
     array, shape ``(N.., O)``, x's dtype
         float16/bfloat16 products are accumulated in float32 and rounded once.
     """
+    if isinstance(weight, QuantizedWeight):  # ops/quant.py
+        return quantized_linear(x, weight, bias, impl=impl, backend=backend)
     bk, (x, weight, bias) = resolve("linear", backend, x, weight, bias)
     weight, bias = _check_linear("linear", bk, x, weight, bias, "weight")
     return pick(bk, "linear", impl, x, weight, bias)(bk.xp, x, weight, bias)
@@ -122,6 +125,19 @@ def mlp(
     -------
     array, shape ``(N.., L, E)``, x's dtype
     """
+    if is_quantized(w_gate, w_up, w_down):  # ops/quant.py: the same steps
+        return quantized_mlp(
+            x,
+            w_gate,
+            w_up,
+            w_down,
+            act=act,
+            b_gate=b_gate,
+            b_up=b_up,
+            b_down=b_down,
+            impl=impl,
+            backend=backend,
+        )
     act_name = activation_op(act, "mlp")
     bk, (x, w_gate, w_up, w_down, b_gate, b_up, b_down) = resolve(
         "mlp", backend, x, w_gate, w_up, w_down, b_gate, b_up, b_down

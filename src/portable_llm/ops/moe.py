@@ -21,6 +21,7 @@ from portable_llm.core.dispatch import pick, portable
 from portable_llm.core.types import Array, Namespace
 from portable_llm.ops.activations import _sigmoid, activation_op
 from portable_llm.ops.linear import mlp
+from portable_llm.ops.quant import dequantized, is_quantized
 
 __all__ = ["moe", "route"]
 
@@ -261,6 +262,15 @@ def moe(
     if shared_gate is not None and shared is None:
         raise ValueError("moe: shared_gate was given without a shared expert (shared=None)")
     s_w = tuple(shared) if shared is not None else (None, None, None)
+    if is_quantized(w_router, experts_gate, experts_up, experts_down, *(shared or ()),
+                    shared_gate):  # fmt: skip
+        # Quantized experts are dequantized for the call (correct, not memory-light).
+        return moe(
+            x, *map(dequantized, (w_router, experts_gate, experts_up, experts_down)),
+            top_k=top_k, norm_topk_prob=norm_topk_prob,
+            shared=None if shared is None else tuple(map(dequantized, shared)),
+            shared_gate=dequantized(shared_gate), act=act, impl=impl, backend=backend,
+        )  # fmt: skip
     bk, (x, w_router, gate, up, down, s_gate, s_up, s_down, shared_gate) = resolve(
         "moe", backend, x, w_router, experts_gate, experts_up, experts_down, *s_w, shared_gate
     )

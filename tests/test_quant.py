@@ -1,0 +1,332 @@
+"""Quantized weights (MLX's affine format): quantize/dequantize round trips, the packed layout
+checked bit by bit against an independent float64 NumPy decoder, quantized_linear against the
+float64 product, native kernels against the portable path, and bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import portable_llm as pl
+from portable_llm.backends import get_backend
+from portable_llm.ops.quant import BITS, GROUP_SIZES, QuantizedWeight, dequantize, quantize
+from portable_llm.ops.quant import quantized_linear as qlinear
+from portable_llm.testing import assert_close, random_array, tolerance
+from portable_llm.testing.strategies import seeds
+
+bits_st = st.sampled_from(BITS)
+groups_st = st.sampled_from(GROUP_SIZES)
+
+#: Unit roundoff per dtype (half an ulp at 1).
+U = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 2.0**-24, "float64": 2.0**-53}
+
+
+def np_codes(packed: np.ndarray, bits: int) -> np.ndarray:
+    """Independent decoder: each row is one little-endian bit stream; code k = bits k*b.."""
+    words = packed.astype(np.uint64)
+    n, w = words.shape
+    stream = ((words[:, :, None] >> np.arange(32, dtype=np.uint64)) & 1).reshape(n, w * 32)
+    k = w * 32 // bits
+    per_code = stream.reshape(n, k, bits)
+    return (per_code * (1 << np.arange(bits, dtype=np.uint64))).sum(-1).astype(np.int64)
+
+
+def np_dequantize(qw: QuantizedWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(float64 s*q + b, codes, scale per element) from the stored arrays."""
+    bk = qw.backend
+    codes = np_codes(bk.to_numpy(qw.packed), qw.bits)
+    s = np.repeat(bk.to_numpy(qw.scales).astype(np.float64), qw.group_size, axis=-1)
+    b = np.repeat(bk.to_numpy(qw.biases).astype(np.float64), qw.group_size, axis=-1)
+    return s * codes + b, codes, s
+
+
+def to64(x, backend):
+    return get_backend(backend).to_numpy(x).astype(np.float64)
+
+
+@given(bits=bits_st, group=groups_st, rows=st.sampled_from([1, 3]), groups=st.sampled_from([1, 2]),
+       seed=seeds())  # fmt: skip
+def test_round_trip_bound(backend, dtype, bits, group, rows, groups, seed):
+    w, wr = random_array(seed, (rows, group * groups), dtype, backend=backend)
+    qw = quantize(w, bits=bits, group_size=group)
+    assert qw.shape == (rows, group * groups) and qw.bits == bits and qw.group_size == group
+    assert qw.dtype == w.dtype
+    d = dequantize(qw)
+    ref, codes, s = np_dequantize(qw)
+    u = U[dtype]
+    # dequantize equals s*q + b up to its two roundings in the scales' dtype
+    assert np.all(np.abs(to64(d, backend) - ref) <= 2 * u * (np.abs(s * codes) + np.abs(ref)))
+    assert codes.min() >= 0 and codes.max() <= 2**bits - 1
+    # half a step inside the range; the far end of a group can be clipped: at most one step.
+    # Scales and biases were rounded to w's dtype after the codes were chosen: a few u more.
+    n_bins = 2**bits - 1
+    slack = 4 * u * (np.abs(s) * n_bins + np.abs(ref) + np.abs(wr)) + 1e-12
+    err = np.abs(ref - wr)
+    inside = (codes > 0) & (codes < n_bins)
+    assert np.all(err[inside] <= 0.5 * np.abs(s[inside]) + slack[inside])
+    assert np.all(err <= np.abs(s) + slack)
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_layout_bit_order(backend, bits):
+    """Codes 0, 1, 2, ... packed by quantize decode as such, LSB first, straddling words."""
+    n_bins = 2**bits - 1
+    k = 128
+    codes = np.arange(k) % (n_bins + 1)
+    codes[0], codes[1] = 0, n_bins  # pin the range
+    # min -n_bins has the larger magnitude: MLX anchors there (bias -n_bins, scale 1), so the
+    # code of each value is the value + n_bins. (Anchored at the max, the scale is negative.)
+    w = np.tile((codes - n_bins).astype(np.float32), (2, 1))
+    qw = quantize(get_backend(backend).from_numpy(w), bits=bits, group_size=128)
+    packed = get_backend(backend).to_numpy(qw.packed)
+    assert packed.dtype == np.uint32 and packed.shape == (2, k * bits // 32)
+    np.testing.assert_array_equal(np_codes(packed, bits)[0], codes)
+    np.testing.assert_array_equal(to64(dequantize(qw), backend), w)
+    if bits == 4:  # first word: codes 0, 15, 2, 3, 4, 5, 6, 7 -> nibbles from the bottom
+        assert packed[0, 0] == 0x765432F0
+    if bits == 3:  # code 10 (value 2) takes bits 30-31 of word 0 and bit 0 of word 1
+        assert (packed[0, 0] >> 30) == (10 % 8) & 3 and (packed[0, 1] & 1) == (10 % 8) >> 2
+
+
+@given(bits=bits_st, group=groups_st, seed=seeds())
+def test_matches_mlx_layout(backend, bits, group, seed):
+    """The arrays of mx.quantize, on this backend: dequantize equals mx.dequantize."""
+    mx = pytest.importorskip("mlx.core")
+    w = np.random.default_rng(seed).normal(size=(3, 2 * group)).astype(np.float32)
+    q, s, b = mx.quantize(mx.array(w), group_size=group, bits=bits)
+    want = np.array(mx.dequantize(q, s, b, group_size=group, bits=bits))
+    bk = get_backend(backend)
+    qw = QuantizedWeight(
+        *(bk.from_numpy(np.array(a)) for a in (q, s, b)), bits=bits, group_size=group
+    )
+    np.testing.assert_array_equal(bk.to_numpy(dequantize(qw)), want)
+    # the float64 reference decoder reads the same values (to float32 rounding)
+    ref, _, _ = np_dequantize(qw)
+    np.testing.assert_allclose(ref, want, rtol=0, atol=4 * U["float32"] * np.abs(ref).max())
+    # and quantize on this backend reproduces MLX's arrays bit for bit (ties included: the same
+    # float32 steps, round half to even)
+    mine = quantize(bk.from_numpy(w), bits=bits, group_size=group)
+    for got, exp in zip(mine.arrays, (q, s, b), strict=True):
+        np.testing.assert_array_equal(bk.to_numpy(got), np.array(exp))
+
+
+@given(bits=bits_st, group=groups_st, lead=st.sampled_from([(1,), (3,), (2, 2)]), seed=seeds(),
+       bias=st.booleans())  # fmt: skip
+def test_quantized_linear_matches_reference(backend, dtype, bits, group, lead, seed, bias):
+    o, i = 8, 2 * group
+    w, _ = random_array(seed, (o, i), dtype, backend=backend, low=-0.1, high=0.1)
+    qw = quantize(w, bits=bits, group_size=group)
+    wd, _, _ = np_dequantize(qw)
+    x, xr = random_array(seed + 1, (*lead, i), dtype, backend=backend, low=-1, high=1)
+    b, br = random_array(seed + 2, (o,), dtype, backend=backend) if bias else (None, None)
+    want = xr @ to64(dequantize(qw), backend).T + (0 if br is None else br)
+    out = qlinear(x, qw, b)
+    assert_close(out, want, backend=backend, dtype=dtype)
+    assert_close(pl.linear(x, qw, b), want, backend=backend, dtype=dtype)
+    # the dequantized weight itself is the float64 decoder's (to its rounding)
+    assert np.all(np.abs(to64(dequantize(qw), backend) - wd) <= 4 * U[dtype] * (np.abs(wd) + 1))
+
+
+@pytest.mark.parametrize("bits", [3, 4, 8])
+def test_native_matches_portable(backend, dtype, bits):
+    bk = get_backend(backend)
+    w, _ = random_array(1, (48, 128), dtype, backend=backend, low=-0.2, high=0.2)
+    x, _ = random_array(2, (3, 128), dtype, backend=backend, low=-1, high=1)
+    q_nat = quantize(w, bits=bits, group_size=64)  # auto: native where there is one
+    q_por = quantize(w, bits=bits, group_size=64, impl="portable")
+    for a, b in zip(q_nat.arrays, q_por.arrays, strict=True):
+        np.testing.assert_array_equal(bk.to_numpy(a), bk.to_numpy(b))
+    np.testing.assert_array_equal(
+        bk.to_numpy(dequantize(q_nat)), bk.to_numpy(dequantize(q_nat, impl="portable"))
+    )
+    want = qlinear(x, q_nat, impl="portable")
+    assert_close(qlinear(x, q_nat), want, backend=backend, dtype=dtype)
+    nat = pl.core.dispatch.dispatcher(bk).native.get("quantized_linear")
+    if nat is not None and nat.applies(x, *q_nat.arrays, None, bits=bits, group_size=64):
+        assert_close(qlinear(x, q_nat, impl="native"), want, backend=backend, dtype=dtype)
+
+
+def test_embedding_dequantizes_rows(backend, dtype):
+    bk = get_backend(backend)
+    table, _ = random_array(3, (10, 64), dtype, backend=backend)
+    qw = quantize(table, bits=4, group_size=32)
+    ids = bk.from_numpy(np.array([[3, 0, 9], [9, 9, 1]], dtype=np.int32))
+    out = pl.embedding(ids, qw)
+    full = bk.to_numpy(dequantize(qw))
+    np.testing.assert_array_equal(bk.to_numpy(out), full[np.array([[3, 0, 9], [9, 9, 1]])])
+    h, hr = random_array(4, (2, 64), dtype, backend=backend, low=-1, high=1)
+    assert_close(pl.unembed(h, qw), hr @ full.astype(np.float64).T, backend=backend, dtype=dtype)
+
+
+def test_qw_conversion_and_mixed_dtype(backend):
+    w = np.random.default_rng(0).normal(size=(4, 64)).astype(np.float32)
+    qw = quantize(w, bits=4, group_size=32)  # numpy
+    moved = qw.to(backend)
+    assert moved.backend.name == get_backend(backend).name
+    np.testing.assert_array_equal(get_backend(backend).to_numpy(dequantize(moved)), dequantize(qw))
+    x = get_backend(backend).from_numpy(np.ones((2, 64), dtype=np.float64))
+    out = qlinear(x, moved)  # float32 scales, float64 x: the weight is cast to x's dtype
+    assert get_backend(backend).dtype_name(out.dtype) == "float64"
+    # The weight carries float32 rounding (its dtype), so the product is only as close as
+    # float32's tolerance; on JAX the compiled path rounds s*q+b once (an fma) where dequantize
+    # rounds twice, one float32 rounding apart.
+    tol = tolerance("float32")
+    np.testing.assert_allclose(
+        to64(out, backend), np.ones((2, 64)) @ dequantize(qw).astype(np.float64).T,
+        rtol=tol.rtol, atol=tol.atol,
+    )  # fmt: skip
+
+
+def _triple(bits=4, group=32, n=4, k=64, dtype=np.float32):
+    return (
+        np.zeros((n, k * bits // 32), np.uint32),
+        np.ones((n, k // group), dtype),
+        np.zeros((n, k // group), dtype),
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        ({"bits": 7}, ValueError, "bits must be one of"),
+        ({"bits": 4.0}, TypeError, "bits must be an int"),
+        ({"group_size": 16}, ValueError, "group_size must be one of"),
+        ({"group_size": True}, TypeError, "group_size must be an int"),
+    ],
+)
+def test_bad_format(kwargs, exc, match):
+    opts = {"bits": 4, "group_size": 32, **kwargs}
+    with pytest.raises(exc, match=match):
+        QuantizedWeight(*_triple(), **opts)
+    with pytest.raises(exc, match=match):
+        quantize(np.ones((2, 128), np.float32), **opts)
+
+
+def test_bad_arrays():
+    p, s, b = _triple()
+    with pytest.raises(TypeError, match="packed must have dtype uint32"):
+        QuantizedWeight(p.astype(np.int32), s, b, bits=4, group_size=32)
+    with pytest.raises(TypeError, match="scales must have a float dtype"):
+        QuantizedWeight(p, s.astype(np.int32), b, bits=4, group_size=32)
+    with pytest.raises(TypeError, match="biases must have the dtype of scales"):
+        QuantizedWeight(p, s, b.astype(np.float16), bits=4, group_size=32)
+    with pytest.raises(ValueError, match=r"scales must have shape \(4, 2\)"):
+        QuantizedWeight(p, s[:, :1], b, bits=4, group_size=32)
+    with pytest.raises(ValueError, match="packed has shape"):
+        QuantizedWeight(p[:, :3], s, b, bits=4, group_size=32)
+    with pytest.raises(ValueError, match="multiple of group_size=64"):
+        quantize(np.ones((2, 96), np.float32), group_size=64)
+    with pytest.raises(TypeError, match="w must have a float dtype"):
+        quantize(np.ones((2, 64), np.int32), group_size=32)
+    qw = QuantizedWeight(p, s, b, bits=4, group_size=32)
+    with pytest.raises(ValueError, match=r"qw must have shape \(O, 32\)"):
+        qlinear(np.ones((2, 32), np.float32), qw)
+    with pytest.raises(TypeError, match="qw must be a QuantizedWeight"):
+        qlinear(np.ones((2, 64), np.float32), np.ones((4, 64), np.float32))
+    with pytest.raises(TypeError, match="qw must be a QuantizedWeight"):
+        dequantize(np.ones((4, 64), np.float32))
+
+
+# -- mlx-lm quantized folders (written here with pl.quantize; the oracle test uses mlx_lm) -----
+
+
+def _quantized_folder(tmp_path, bits=4, group=32, overrides=None, corrupt=None):
+    """A tiny Qwen2 folder in mlx-lm's quantized layout and the same weights dequantized, as a
+    float folder."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    from portable_llm.testing.checkpoints import tiny_config, write_checkpoint
+
+    cfg = tiny_config("qwen2", hidden_size=64, intermediate_size=128, head_dim=16)
+    floats = write_checkpoint(tmp_path / "src", cfg)
+    quant, deq = {}, {}
+    overrides = overrides or {}
+    for name, w in floats.items():
+        stem = name.removesuffix(".weight")
+        fmt = overrides.get(stem, {"bits": bits, "group_size": group})
+        if name.endswith(".weight") and w.ndim == 2 and fmt:
+            qw = quantize(w, bits=fmt["bits"], group_size=fmt["group_size"])
+            quant[name], quant[stem + ".scales"], quant[stem + ".biases"] = qw.arrays
+            deq[name] = dequantize(qw)
+        else:
+            quant[name] = deq[name] = w
+    if corrupt:
+        corrupt(quant)
+    qcfg = {**cfg, "quantization": {"group_size": group, "bits": bits, **overrides}}
+    for folder, tensors, c in ((tmp_path / "q", quant, qcfg), (tmp_path / "f", deq, cfg)):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(c))
+        save_file(tensors, str(folder / "model.safetensors"))
+    return tmp_path / "q", tmp_path / "f"
+
+
+@pytest.mark.parametrize(
+    ("bits", "group", "overrides"),
+    [(4, 32, {}), (3, 64, {"model.layers.1.mlp.down_proj": {"bits": 8, "group_size": 32}}),
+     (2, 32, {"model.layers.0.self_attn.o_proj": False})],
+)  # fmt: skip
+def test_quantized_folder_equals_its_dequantized_weights(backend, tmp_path, bits, group, overrides):
+    qdir, fdir = _quantized_folder(tmp_path, bits, group, overrides)
+    model = pl.load(qdir, backend=backend)
+    assert isinstance(model.embed, QuantizedWeight) and model.embed.bits == bits
+    wo = model.blocks[0].attn["wo"]
+    assert isinstance(wo, QuantizedWeight) != (
+        overrides.get("model.layers.0.self_attn.o_proj") is False
+    )
+    ids = np.array([[5, 9, 200, 3, 17]])
+    want = pl.load(fdir, backend="numpy", dtype="float64")(ids)  # float64 on the same weights
+    assert_close(model(pl.asarray(ids, backend=backend)), want, backend=backend, dtype="float32")
+
+
+def test_quantized_folder_errors(tmp_path):
+    from portable_llm.models import CheckpointError
+
+    def drop_scales(t):
+        del t["model.layers.0.mlp.up_proj.scales"]
+
+    qdir, _ = _quantized_folder(tmp_path, corrupt=drop_scales)
+    with pytest.raises(
+        CheckpointError, match=r"unexpected tensors \(1\): model\.layers\.0\.mlp\.up_proj\.biases"
+    ):
+        pl.load(qdir)
+    qdir, _ = _quantized_folder(tmp_path / "b", bits=4, group=32)
+    import json
+
+    cfg = json.loads((qdir / "config.json").read_text())
+    cfg["quantization"]["bits"] = 7
+    (qdir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="bits must be one of"):
+        pl.load(qdir)
+    cfg["quantization"] = {"bits": 4, "group_size": 64}  # the files hold group 32
+    (qdir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"scales \(300, 2\).*implies \(300, 1\)"):
+        pl.load(qdir)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_mlp_and_moe_take_quantized_weights(backend, dtype, bits):
+    """Quantized weights give the ops' results on their dequantized weights (float64 reference
+    for the MLP; the MoE against itself on the dequantized floats)."""
+    from portable_llm.testing import reference
+
+    bk = get_backend(backend)
+    E, I, X = 64, 128, 3  # noqa: E741
+    x, xr = random_array(0, (2, 3, E), dtype, backend=backend, low=-1, high=1)
+    ws = [random_array(s, shape, dtype, backend=backend, low=-0.2, high=0.2)[0]
+          for s, shape in ((1, (I, E)), (2, (I, E)), (3, (E, I)))]  # fmt: skip
+    qs = [quantize(w, bits=bits, group_size=32) for w in ws]
+    ds = [to64(dequantize(q), backend) for q in qs]
+    assert_close(pl.mlp(x, *qs), reference.mlp(xr, *ds), backend=backend, dtype=dtype)
+    stacked = [random_array(s, (X, *shape), dtype, backend=backend, low=-0.2, high=0.2)[0]
+               for s, shape in ((4, (I, E)), (5, (I, E)), (6, (E, I)))]  # fmt: skip
+    qstack = [quantize(w, bits=bits, group_size=32) for w in stacked]
+    router = random_array(7, (X, E), dtype, backend=backend)[0]
+    opts = {"top_k": 2, "norm_topk_prob": True}
+    got = pl.moe(x, router, *qstack, **opts)
+    want = pl.moe(x, router, *(dequantize(q) for q in qstack), **opts)
+    np.testing.assert_array_equal(bk.to_numpy(got), bk.to_numpy(want))
+    assert qstack[0][1].shape == (I, E)  # one expert of the stack
