@@ -454,3 +454,26 @@ def test_generate_accepts_numpy_integers(checkpoints: dict, backend: str) -> Non
     assert list(with_array) == free[: min(free.index(free[2]), free.index(free[4]))]
     with pytest.raises(TypeError, match=r"generate: stop\[0\] must be an int"):
         pl.generate(model, prompt, stop=pl.asarray(np.array([1.0]), backend=backend))
+
+
+def test_model_bench_on_a_checkpoint_folder(checkpoints: dict) -> None:
+    """``bench --model PATH``: any checkpoint folder, one row per engine with positive speeds
+    and the machine's load average; a folder without config.json is a usage error."""
+    import io
+
+    from portable_llm.tools.cli import main
+    from portable_llm.tools.model_bench import run_model_bench
+    from portable_llm.tools.report import UsageError
+
+    folder, _, _ = checkpoints["llama"]
+    out = io.StringIO()
+    assert run_model_bench(["numpy"], quick=True, folder=folder, file=out) == 0
+    text = out.getvalue()
+    assert f"checkpoint: {folder}" in text and "load avg" in text
+    row = next(line.split() for line in text.splitlines() if line.startswith("portable"))
+    assert row[:3] == ["portable_llm", "numpy", "float32"]
+    assert float(row[5]) > 0 and float(row[6]) > 0 and float(row[-1]) >= 0
+    with pytest.raises(UsageError, match=r"has no config\.json"):
+        run_model_bench(["numpy"], quick=True, folder=folder / "nowhere", file=out)
+    with pytest.raises(SystemExit):  # the CLI turns the usage error into exit 2
+        main(["bench", "--model", str(folder / "nowhere"), "--backend", "numpy", "--quick"])
