@@ -393,3 +393,36 @@ def rope(
     out = x.copy()
     out[..., first], out[..., second] = z.real, z.imag
     return out
+
+
+def affine_codes(packed: np.ndarray, bits: int) -> np.ndarray:
+    """The integer codes of MLX's affine layout: each row of uint32 ``packed`` is one
+    little-endian bit stream, code ``k`` its bits ``k * bits .. (k + 1) * bits - 1``."""
+    words = packed.astype(np.uint64)
+    n, w = words.shape
+    stream = ((words[:, :, None] >> np.arange(32, dtype=np.uint64)) & 1).reshape(n, w * 32)
+    per_code = stream.reshape(n, w * 32 // bits, bits)  # (N, K, bits), least significant first
+    return (per_code * (1 << np.arange(bits, dtype=np.uint64))).sum(-1).astype(np.int64)
+
+
+def dequantize(
+    packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, *, bits: int, group_size: int
+) -> np.ndarray:
+    """``scales * q + biases`` per group, in float64: shape ``(N, K)``."""
+    codes = affine_codes(packed, bits)
+    s = np.repeat(np.asarray(scales, np.float64), group_size, axis=-1)
+    b = np.repeat(np.asarray(biases, np.float64), group_size, axis=-1)
+    return s * codes + b
+
+
+def quantized_linear(
+    x: np.ndarray,
+    packed: np.ndarray,
+    scales: np.ndarray,
+    biases: np.ndarray,
+    *,
+    bits: int,
+    group_size: int,
+) -> np.ndarray:
+    """``x @ dequantize(...).T`` in float64."""
+    return linear(x, dequantize(packed, scales, biases, bits=bits, group_size=group_size))

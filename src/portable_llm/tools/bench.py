@@ -28,6 +28,7 @@ from portable_llm.ops.activations import softmax
 from portable_llm.ops.linear import linear, mlp
 from portable_llm.ops.moe import moe
 from portable_llm.ops.norm import rms_norm
+from portable_llm.ops.quant import quantize, quantized_linear
 from portable_llm.rotary.rope import rope
 from portable_llm.testing import random_array, random_weight
 from portable_llm.tools.report import UsageError, backend_names, format_table, load_for_dtype
@@ -93,6 +94,24 @@ BENCH_CASES: list[BenchCase] = [
     BenchCase("rope", ((1, 14, 1, 64),), _rope),  # decode: Qwen2-0.5B heads (H=14, D=64)
     BenchCase("rope", ((1, 14, 128, 64),), _rope),  # prefill
 ]
+
+
+# Quantized weights (MLX's affine layout, 4-bit, groups of 64): a decode token and a prefill
+# through Qwen2-0.5B's up projection. Quantizing is setup, outside the timed region.
+_QBITS, _QGROUP = 4, 64
+
+
+def _quantized_linear(x: Any, w: Any, *, impl: str) -> Thunk:
+    qw = quantize(w, bits=_QBITS, group_size=_QGROUP)
+    return lambda: quantized_linear(x, qw, impl=impl)
+
+
+BENCH_CASES.extend([
+    BenchCase("quantized_linear", ((1, 1, E), (I, E)), _quantized_linear,
+              name=f"(1, 1, {E}) x ({I}, {E}) 4-bit"),
+    BenchCase("quantized_linear", ((1, 128, E), (I, E)), _quantized_linear,
+              name=f"(1, 128, {E}) x ({I}, {E}) 4-bit"),
+])  # fmt: skip
 
 
 # MoE, 8 experts top-2 (Mixtral's routing) on a 64-token prefill: the gather (cost ~ top_k) next
@@ -231,6 +250,12 @@ def _mlx() -> dict[str, tuple[str, Callable[..., Thunk]]]:
         scale = q.shape[-1] ** -0.5
         return lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")
 
+    def qmm(x: Any, w: Any) -> Thunk:
+        wq, s, b = mx.quantize(w, group_size=_QGROUP, bits=_QBITS)
+        return lambda: mx.quantized_matmul(
+            x, wq, s, b, transpose=True, group_size=_QGROUP, bits=_QBITS
+        )
+
     def rope(x: Any) -> Thunk:
         d = x.shape[-1]
         return lambda: mx.fast.rope(x, d, traditional=False, base=ROPE_THETA, scale=1.0, offset=0)
@@ -240,6 +265,7 @@ def _mlx() -> dict[str, tuple[str, Callable[..., Thunk]]]:
         "softmax": ("mx.softmax(precise=True)", lambda x: lambda: mx.softmax(x, -1, precise=True)),
         "linear": ("mx.matmul", lambda x, w: lambda: mx.matmul(x, w.T)),
         "rope": ("mx.fast.rope", rope),
+        "quantized_linear": ("mx.quantized_matmul", qmm),
         "mlp": ("mx.matmul, mlx.nn.silu", ffn),
         SDPA: ("mx.fast.scaled_dot_product_attention", sdpa),
     }

@@ -51,6 +51,7 @@ from portable_llm.ops.linear import linear, mlp
 from portable_llm.ops.moe import moe
 from portable_llm.ops.moe import route as moe_route
 from portable_llm.ops.norm import rms_norm
+from portable_llm.ops.quant import QuantizedWeight, dequantize, quantize, quantized_linear
 from portable_llm.ops.sampling import logprobs
 from portable_llm.rotary.rope import rope
 from portable_llm.testing import (
@@ -353,6 +354,47 @@ CASES.extend([
     Case("attention", "attention", _attention_case, _attention_call, _attention_reference,
          seed=160),
     Case("attention+cache", "attention", _decode_case, _decode_call, _decode_reference, seed=190),
+])  # fmt: skip
+
+
+# -- quantized weights (MLX's affine layout): dequantize and the quantized matmul --------------
+
+_QBITS, _QGROUP = 4, 32
+
+
+def _quantized(seed: int, dtype: str, backend: str) -> Inputs:
+    """x and a weight quantized on the backend; the references are the float64 copies of the
+    very packed codes, scales and biases the call gets."""
+    bk = get_backend(backend)
+    w, _ = _weight(seed + 1, (48, _X[-1]), dtype, backend=backend)
+    qw = quantize(w, bits=_QBITS, group_size=_QGROUP)
+    parts = [(a, bk.to_numpy(a).astype(np.float64)) for a in (qw.scales, qw.biases)]
+    packed = (qw.packed, bk.to_numpy(qw.packed))
+    x = random_array(seed, _X, dtype, backend=backend)
+    return _inputs(x, packed, *parts, bits=_QBITS, group_size=_QGROUP)
+
+
+def _quantized_linear_call(x: Any, p: Any, s: Any, b: Any, *, impl: str, **fmt: Any) -> Any:
+    return quantized_linear(x, QuantizedWeight(p, s, b, **fmt), impl=impl)
+
+
+def _dequantize_call(x: Any, p: Any, s: Any, b: Any, *, impl: str, **fmt: Any) -> Any:
+    return dequantize(QuantizedWeight(p, s, b, **fmt), impl=impl)
+
+
+def _dequantize_reference(x: Any, p: Any, s: Any, b: Any, **fmt: Any) -> np.ndarray:
+    return reference.dequantize(p, s, b, **fmt)
+
+
+def _quantized_linear_reference(x: Any, p: Any, s: Any, b: Any, **fmt: Any) -> np.ndarray:
+    return reference.quantized_linear(x, p, s, b, **fmt)
+
+
+CASES.extend([
+    Case("dequantize", "dequantize", _quantized, _dequantize_call, _dequantize_reference,
+         seed=200),
+    Case("quantized_linear", "quantized_linear", _quantized, _quantized_linear_call,
+         _quantized_linear_reference, seed=210),
 ])  # fmt: skip
 
 
