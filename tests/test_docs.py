@@ -44,7 +44,9 @@ ALIASES = {"strict": "array_api_strict", "array-api-strict": "array_api_strict"}
 _FENCE = re.compile(r"^(\s*)```(\w*)\s*$")
 _MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*(\w+)\s*(.*?)\s*-->\s*$")
 _IMPORT = re.compile(r"^\s*(?:import|from)\s+(torch|mlx|jax|array_api_strict)\b", re.M)
-_BACKEND_ARG = re.compile(r"backend\s*=\s*[\"'](torch|mlx|jax|strict|array_api_strict)[\"']")
+_BACKEND_ARG = re.compile(
+    r"(?:backend\s*=\s*|get_backend\(\s*)[\"'](torch|mlx|jax|strict|array_api_strict)[\"']"
+)
 
 
 @dataclass
