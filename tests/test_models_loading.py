@@ -371,3 +371,27 @@ def test_model_bench_without_a_backend_for_the_dtype(tmp_path: Path) -> None:
             config=_SMALL_BENCH, file=out,
         )  # fmt: skip
     assert "skipped" in out.getvalue()
+
+
+def test_bfloat16_checkpoint_loads_in_a_fresh_process(backend: str, tmp_path: Path) -> None:
+    # safetensors reads BF16 into NumPy only once ml_dtypes is imported; a process whose first
+    # backend never imported it (torch alone) failed with "data type 'bfloat16' not understood".
+    import subprocess
+    import sys
+
+    from portable_llm.testing.checkpoints import tiny_config, write_checkpoint
+
+    bk = pl.get_backend(backend)
+    if "bfloat16" not in bk.float_dtypes():
+        pytest.skip(f"{backend} has no bfloat16")
+    write_checkpoint(tmp_path, tiny_config("qwen2"), dtype="bfloat16")
+    code = (
+        "import sys, portable_llm as pl\n"
+        f"m = pl.load(sys.argv[1], backend={backend!r})\n"
+        "print(pl.get_backend(m.backend).dtype_name(m.embed.dtype))\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=False
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "bfloat16"

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from portable_llm.backends._base import numpy_bfloat16
 from portable_llm.models.files import CheckpointError, checkpoint_file, read_json
 
 __all__ = ["INDEX", "SAFETENSORS_FLOATS", "SINGLE", "SafetensorsFiles"]
@@ -128,6 +129,8 @@ class SafetensorsFiles:
     def read(self, name: str) -> np.ndarray:
         """Tensor ``name`` as a NumPy array; :class:`CheckpointError` when it cannot be read."""
         file = self.files[name]
+        if self.dtypes.get(name) == "BF16":
+            numpy_bfloat16()  # safetensors reads BF16 into NumPy as ml_dtypes' (once imported)
         try:
             return self.handles[file].get_tensor(name)
         except Exception as exc:
