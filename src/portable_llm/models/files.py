@@ -79,8 +79,5 @@ def read_json(file: Path, *, kind: type = dict) -> Any:
         raise CheckpointError(f"load: cannot read {str(file)!r}: {exc}") from None
     if not isinstance(value, kind):
         want = {"dict": "an object ({...})", "list": "a list"}.get(kind.__name__, kind.__name__)
-        raise CheckpointError(
-            f"load: {str(file)!r} must hold {want}, got "
-            f"{type(value).__name__}"
-        )
+        raise CheckpointError(f"load: {str(file)!r} must hold {want}, got {type(value).__name__}")
     return value
