@@ -330,3 +330,23 @@ def test_mlp_and_moe_take_quantized_weights(backend, dtype, bits):
     want = pl.moe(x, router, *(dequantize(q) for q in qstack), **opts)
     np.testing.assert_array_equal(bk.to_numpy(got), bk.to_numpy(want))
     assert qstack[0][1].shape == (I, E)  # one expert of the stack
+
+
+def test_attention_takes_quantized_weights_of_another_dtype(backend):
+    # The mixed-precision rule for a QuantizedWeight: it keeps its own (float32) scales and the
+    # block computes in x's dtype, exactly as with the dequantized weights cast to x's dtype.
+    bk = get_backend(backend)
+    half = "float16" if "float16" in bk.float_dtypes() else "float32"
+    e = 64
+    ws = [
+        quantize(random_array(10 + i, (e, e), "float32", backend=backend, low=-0.1, high=0.1)[0],
+                 bits=4, group_size=32)
+        for i in range(4)
+    ]  # fmt: skip
+    x, _ = random_array(1, (1, 3, e), half, backend=backend)
+    kw = {"num_heads": 4, "num_kv_heads": 4}
+    out = pl.attention(x, wq=ws[0], wk=ws[1], wv=ws[2], wo=ws[3], **kw)
+    deq = [dequantize(w) for w in ws]  # float32
+    want = pl.attention(x, wq=deq[0], wk=deq[1], wv=deq[2], wo=deq[3], **kw)
+    assert bk.dtype_name(out.dtype) == half
+    assert_close(out, want, backend=backend, dtype=half)

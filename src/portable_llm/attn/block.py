@@ -217,16 +217,17 @@ def attention(
     if not norm_eps >= 0:  # also rejects NaN
         raise ValueError(f"{OP}: norm_eps must be >= 0, got {norm_eps!r}")
     # One mixed-precision rule (docs/mixed-precision.md): float weights in x's dtype.
+    # A QuantizedWeight keeps its own dtype: quantized_linear computes in x's and returns it.
     wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm = (
-        match_weight(OP, name, w, x, be)
+        w if isinstance(w, QuantizedWeight) else match_weight(OP, name, w, x, be)
         for name, w in (
             ("wq", wq), ("wk", wk), ("wv", wv), ("wo", wo), ("bq", bq), ("bk", bk), ("bv", bv),
             ("q_norm", q_norm), ("k_norm", k_norm),
         )
     )  # fmt: skip
-    check_same_dtype(
-        OP, be, x=x, wq=wq, wk=wk, wv=wv, wo=wo, bq=bq, bk=bk, bv=bv, q_norm=q_norm, k_norm=k_norm
-    )
+    floats = {"wq": wq, "wk": wk, "wv": wv, "wo": wo}
+    floats = {n: w for n, w in floats.items() if not isinstance(w, QuantizedWeight)}
+    check_same_dtype(OP, be, x=x, **floats, bq=bq, bk=bk, bv=bv, q_norm=q_norm, k_norm=k_norm)
     b, L = x.shape[0], x.shape[1]
     rows = None if pad is None else row_offsets(OP, be, offset, pad, b)  # (B,)
     if pad is not None and cache is None:  # a cache checked its own

@@ -47,7 +47,9 @@ def _check_linear(
                 f"{what} of shape {tuple(weight.shape)}, got {tuple(bias.shape)}"
             )
     bias_name = f"bias of {what}"
-    return match_weight(op, what, weight, x, bk), match_weight(op, bias_name, bias, x, bk)
+    if not isinstance(weight, QuantizedWeight):  # a quantized one computes in x's dtype itself
+        weight = match_weight(op, what, weight, x, bk)
+    return weight, match_weight(op, bias_name, bias, x, bk)
 
 
 def linear(
