@@ -69,6 +69,21 @@ def _setup(name: str) -> str:
     return name
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``@pytest.mark.slow_on("jax", ...)``: on those backends the test is a long-running sweep
+    (JAX compiles every new shape); it gets the ``slow`` marker there, which the default tox
+    envs deselect and the opt-in ``tox -e slow`` runs. On the other backends it runs as usual."""
+    for item in items:
+        mark = item.get_closest_marker("slow_on")
+        callspec = getattr(item, "callspec", None)
+        if (
+            mark is not None
+            and callspec is not None
+            and callspec.params.get("backend") in mark.args
+        ):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session", params=BACKEND_PARAMS)
 def backend(request: pytest.FixtureRequest) -> str:
     """Each selected, installed backend by name."""

@@ -114,6 +114,7 @@ def test_cached_decode_equals_full_forward(backend, kind, chunks, seed):
     check_decode(backend, "float32", kind, chunks, seed)
 
 
+@pytest.mark.slow_on("jax")
 @pytest.mark.parametrize("kind", list(CACHES))
 def test_cached_decode_equals_full_forward_in_every_dtype(backend, dtype, kind):
     check_decode(backend, dtype, kind, [1, 5, 1], seed=7)
@@ -184,11 +185,13 @@ def test_batched_unequal_lengths_equal_each_sequence_alone(backend, kind, length
     check_batched(backend, "float32", kind, lengths, steps, seed)
 
 
+@pytest.mark.slow_on("jax")
 @pytest.mark.parametrize("kind", ["full", "full-static", "rotating"])
 def test_batched_decode_in_every_dtype(backend, dtype, kind):
     check_batched(backend, dtype, kind, [4, 1], steps=2, seed=11)
 
 
+@pytest.mark.slow_on("jax")
 def test_left_padding_without_a_cache_equals_each_sequence_alone(backend, dtype):
     kw, _ = block(3, dtype, backend)
     table, _ = random_array(4, (20, E), dtype, backend=backend)

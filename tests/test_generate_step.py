@@ -60,6 +60,7 @@ def _inverse_cdf(probs: np.ndarray, logits: np.ndarray, u: float) -> int:
     return int(order[min(j, int(np.sum(probs > 0)) - 1)])
 
 
+@pytest.mark.slow_on("jax")
 @pytest.mark.parametrize("penalty", [1.5, 0.7])
 def test_sampled_steps_with_a_repetition_penalty_equal_a_numpy_loop(
     mistral: tuple, backend: str, penalty: float
@@ -110,6 +111,7 @@ def test_greedy_steps_with_a_penalty_avoid_repeats_as_the_reference(mistral: tup
     assert plain != got  # the penalty changed the greedy path (else the test shows nothing)
 
 
+@pytest.mark.slow_on("jax")
 def test_generate_step_batch_equals_each_row_alone(mistral: tuple, backend: str) -> None:
     folder, _, _ = mistral
     model = load(folder, backend=backend, dtype="float32")
@@ -122,6 +124,7 @@ def test_generate_step_batch_equals_each_row_alone(mistral: tuple, backend: str)
         assert [int(step[b]) for step in batch] == alone
 
 
+@pytest.mark.slow_on("jax")
 def test_generate_batch_of_texts_equals_each_text_alone(mistral: tuple, backend: str) -> None:
     folder, _, _ = mistral
     model = load(folder, backend=backend, dtype="float32")

@@ -124,6 +124,7 @@ def test_cached_decode_equals_full_forward(checkpoints: dict, family: str, backe
     assert cache[0].offset == L
 
 
+@pytest.mark.slow_on("jax")
 @pytest.mark.parametrize("family", ["mistral", "qwen2_moe"])
 def test_batch_of_unequal_prompts(checkpoints: dict, family: str, backend: str) -> None:
     """Left-padded prompts of lengths 9 and 6, prefilled and decoded together, give each

@@ -134,6 +134,7 @@ def test_native_top_k_equals_portable(backend):
 # -- moe against the reference and the dense equivalents ---------------------------------------
 
 
+@pytest.mark.slow_on("jax")
 @given(tokens=TOKENS, top_k=TOP_K, norm=st.booleans(), shared=st.booleans(),
        seed=seeds())  # fmt: skip
 def test_moe_matches_reference(backend, dtype, tokens, top_k, norm, shared, seed):
@@ -169,6 +170,7 @@ def test_all_experts_is_the_router_weighted_sum(backend, dtype, norm):
     assert_close(inp.call(X, norm, False), want, backend=backend, dtype=dtype)
 
 
+@pytest.mark.slow_on("jax")
 @given(tokens=TOKENS, top_k=TOP_K, seed=seeds(), perm=st.permutations(range(X)))
 def test_moe_does_not_depend_on_the_order_of_the_experts(backend, dtype, tokens, top_k, seed,
                                                          perm):  # fmt: skip

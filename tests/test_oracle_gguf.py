@@ -186,6 +186,7 @@ def test_chat_template_equals_transformers(
         assert tokenizer.encode(text) == hf_tokenizer(want)["input_ids"]
 
 
+@pytest.mark.slow_on("mlx", "jax", "array_api_strict")
 def test_dequantized_logits_equal_transformers(
     gguf_file: Path, hf_model: Any, tokenizer: Any, backend: str
 ) -> None:
@@ -199,6 +200,7 @@ def test_dequantized_logits_equal_transformers(
     assert diff <= LOGITS_ATOL, f"{backend}: max |logits - transformers'| = {diff:.3g}"
 
 
+@pytest.mark.slow_on("mlx", "jax", "array_api_strict")
 def test_dequantized_greedy_equals_transformers(
     gguf_file: Path, tokenizer: Any, hf_greedy: list[list[int]], backend: str
 ) -> None:
@@ -207,6 +209,7 @@ def test_dequantized_greedy_equals_transformers(
         assert _greedy(model, _chat_ids(tokenizer, messages), STEPS) == want, messages
 
 
+@pytest.mark.slow_on("mlx", "jax", "array_api_strict")
 def test_kept_quantized_weights_equal_transformers(
     gguf_file: Path, hf_model: Any, backend: str
 ) -> None:
@@ -239,6 +242,7 @@ def _kept(gguf_file: Path, backend: str) -> Any:
     return model
 
 
+@pytest.mark.slow_on("mlx", "jax", "array_api_strict")
 def test_kept_quantized_answers_paris(
     gguf_file: Path, hf_model: Any, tokenizer: Any, backend: str
 ) -> None:

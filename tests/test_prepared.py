@@ -56,6 +56,7 @@ def _loaded(folders: dict, family: str, backend: str, dtype: str) -> pl.Model:
     return model
 
 
+@pytest.mark.slow_on("jax")
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_prepared_forward_equals_op_by_op(
@@ -66,6 +67,7 @@ def test_prepared_forward_equals_op_by_op(
     _same(model(ids), _op_by_op(model)(ids))
 
 
+@pytest.mark.slow_on("jax")
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2_moe"])
 def test_prepared_cached_decode_equals_op_by_op(folders: dict, family: str, backend: str) -> None:
     """Prefill, single tokens and a chunk, with the caches' masks (rotating windows included):
@@ -82,6 +84,7 @@ def test_prepared_cached_decode_equals_op_by_op(folders: dict, family: str, back
         start = stop
 
 
+@pytest.mark.slow_on("jax")
 @pytest.mark.parametrize("family", ["mistral", "qwen2_moe"])
 def test_prepared_left_padded_batch_equals_op_by_op(
     folders: dict, family: str, backend: str

@@ -264,6 +264,7 @@ def _quantized_folder(tmp_path, bits=4, group=32, overrides=None, corrupt=None):
     return tmp_path / "q", tmp_path / "f"
 
 
+@pytest.mark.slow_on("jax")
 @pytest.mark.parametrize(
     ("bits", "group", "overrides"),
     [(4, 32, {}), (3, 64, {"model.layers.1.mlp.down_proj": {"bits": 8, "group_size": 32}}),
@@ -307,6 +308,7 @@ def test_quantized_folder_errors(tmp_path):
         pl.load(qdir)
 
 
+@pytest.mark.slow_on("jax")
 @pytest.mark.parametrize("bits", [4, 8])
 def test_mlp_and_moe_take_quantized_weights(backend, dtype, bits):
     """Quantized weights give the ops' results on their dequantized weights (float64 reference
