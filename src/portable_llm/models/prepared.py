@@ -283,6 +283,21 @@ class _Step:
             k, v = layer_cache.update_and_fetch(k, v)
         return (k, v, *self._mask(layer_cache, window, k))
 
+    def attend(self, i: int, q: Any, k: Any, v: Any, window: int | None) -> Any:
+        """Layer ``i``'s attention of ``q`` ``(B, H, L, D)`` over its cache and the new keys
+        and values ``(B, H_kv, L, D)`` (after RoPE): the output ``(B, H, L, D)``. A forward
+        over another kind of cache (paged) overrides this."""
+        p = self.p
+        k, v, mask, window = self.kv(i, k, v, window)
+        causal = isinstance(mask, str) or window is not None
+        mask = None if isinstance(mask, str) else mask
+        opts = SdpaOptions(scale=p.scale, causal=causal, window=window)
+        key = (causal, window, None if mask is None else tuple(mask.shape), tuple(k.shape))
+        fn = self.sdpa.get(key)
+        if fn is None:
+            fn = self.sdpa[key] = p.dispatch.pick(SDPA, "auto", q, k, v, mask, opts=opts)
+        return fn(p.xp, q, k, v, mask, opts=opts)  # (B, H, L, D)
+
     def attention(self, x: Any, a: AttnWeights, i: int) -> Any:
         p = self.p
         xp, kn, H, H_kv, D = p.xp, p.kernels, p.H, p.H_kv, p.D
@@ -298,15 +313,7 @@ class _Step:
             rope, offsets, inv, ropts = self._rope(q)
             q = rope(xp, q, offsets, inv, **ropts)
             k = rope(xp, k, offsets, inv, **ropts)
-        k, v, mask, window = self.kv(i, k, v, a.window)
-        causal = isinstance(mask, str) or window is not None
-        mask = None if isinstance(mask, str) else mask
-        opts = SdpaOptions(scale=p.scale, causal=causal, window=window)
-        key = (causal, window, None if mask is None else tuple(mask.shape), tuple(k.shape))
-        fn = self.sdpa.get(key)
-        if fn is None:
-            fn = self.sdpa[key] = p.dispatch.pick(SDPA, "auto", q, k, v, mask, opts=opts)
-        o = fn(xp, q, k, v, mask, opts=opts)  # (B, H, L, D)
+        o = self.attend(i, q, k, v, a.window)  # (B, H, L, D)
         o = xp.reshape(xp.permute_dims(o, (0, 2, 1, 3)), (B, L, H * D))  # (B, L, H*D)
         o = kn.linear(xp, o, a.wo, None)  # (B, L, E)
         return o if a.bo is None else o + a.bo
