@@ -7,6 +7,7 @@ package imports no array library besides NumPy; a backend is loaded when first u
 from portable_llm.attn.block import attention
 from portable_llm.attn.mask import causal_mask
 from portable_llm.attn.padding import left_pad
+from portable_llm.attn.paged import paged_attention
 from portable_llm.attn.sdpa import scaled_dot_product_attention
 from portable_llm.backends import (
     BACKENDS,
@@ -15,6 +16,7 @@ from portable_llm.backends import (
     get_backend,
 )
 from portable_llm.caches.kv import KVCache, RotatingKVCache
+from portable_llm.caches.paged import PagedKVCache, PagePool, PagePoolExhausted
 from portable_llm.core.arrays import asarray, device_of, to_numpy
 from portable_llm.core.dispatch import (
     Trace,
@@ -56,6 +58,9 @@ __all__ = [
     "BackendNotInstalledError",
     "KVCache",
     "Model",
+    "PagePool",
+    "PagePoolExhausted",
+    "PagedKVCache",
     "QuantizedWeight",
     "RotatingKVCache",
     "Trace",
@@ -85,6 +90,7 @@ __all__ = [
     "make_sampler",
     "mlp",
     "moe",
+    "paged_attention",
     "quantize",
     "quantized_linear",
     "register_kernel",

@@ -1,0 +1,197 @@
+"""Argument checks of paged attention, and the options record its implementations receive.
+
+:func:`paged_args` checks the public arguments (reading the block tables and lengths once on
+the host) and turns them into the ``(arrays, {"opts": PagedOptions})`` every implementation
+(portable, blocked, native) is called with:
+``fn(xp, q, k_pages, v_pages, tables, context_lens, opts=o)``. The pool is duck-typed (its
+``k_pages``, ``v_pages``): attention sits below the caches and never imports them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+from portable_llm.attn.sdpa_args import SdpaOptions, check_window, int_option, real_option
+from portable_llm.attn.visibility import visible
+from portable_llm.backends import Backend
+from portable_llm.core.arrays import to_numpy
+from portable_llm.core.checks import check_float
+from portable_llm.core.types import Array
+
+__all__ = ["OP", "PagedOptions", "paged_args"]
+
+OP = "paged_attention"
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedOptions:
+    """The checked options of one paged-attention call (frozen, hashable: JAX compiles on it).
+
+    Attributes
+    ----------
+    sdpa : SdpaOptions
+        ``scale`` and ``softcap`` of the attention over the gathered keys (``causal`` is
+        ``False``: :meth:`mask` holds the per-row causal rule).
+    window : int >= 1 or None
+        Sliding window.
+    block_pages : int >= 1
+        Pages per block of the blocked path.
+    """
+
+    sdpa: SdpaOptions
+    window: int | None = None
+    block_pages: int = 16
+
+    # The native kernels (a lower layer than attn/) reach the gather and the one visibility
+    # rule through the record they are given: these two methods.
+    @staticmethod
+    def gather(xp: Any, pages: Array, tables: Array) -> Array:
+        """The pages ``tables`` ``(B, M)`` names, as contiguous keys ``(B, H_kv, M * P, D)``.
+
+        ``pages`` ``(N, H_kv, P, D)`` is read head-major, ``(H_kv, N, P, D)``, so that the one
+        ``take`` writes each head's ``M * P`` keys contiguously and the result needs no copy.
+        """
+        B, M = tables.shape
+        _, H, P, D = pages.shape
+        g = xp.take(xp.permute_dims(pages, (1, 0, 2, 3)), xp.reshape(tables, (-1,)), axis=1)
+        g = xp.reshape(g, (H, B, M * P, D))  # (H_kv, B, S, D), S = M * P
+        return xp.permute_dims(g, (1, 0, 2, 3))  # (B, H_kv, S, D)
+
+    def mask(self, xp: Any, context_lens: Array, L: int, S: int, first: Any, device: Any) -> Array:
+        """Boolean ``(B, 1, L, S)``: query ``i`` of row ``b`` (at position
+        ``context_lens[b] - L + i``) may see gathered key ``j`` (at position ``first + j``).
+
+        Causal per row (bottom-right), within :attr:`window`: keys past a row's length are
+        after its last query, so they are hidden too.
+        """
+        B = context_lens.shape[0]
+        q0 = xp.reshape(context_lens, (B, 1, 1)) - (L + first)  # per-row q_start: (B, 1, 1)
+        ok = visible(xp, L, S, q_start=q0, window=self.window, device=device)  # (B, L, S)
+        return xp.reshape(ok, (B, 1, L, S))
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    return tuple(x.shape)
+
+
+def _check_int_array(op: str, name: str, x: Any, bk: Backend, ndim: int, layout: str) -> None:
+    if bk.dtype_name(x.dtype) not in ("int8", "int16", "int32", "int64", "uint8", "uint16",
+                                      "uint32", "uint64"):  # fmt: skip
+        raise TypeError(
+            f"{op}: {name} must be an integer array {layout}, got {bk.dtype_name(x.dtype)} "
+            f"with shape {_shape(x)}"
+        )
+    if x.ndim != ndim:
+        raise ValueError(f"{op}: {name} must have shape {layout}, got {_shape(x)}")
+
+
+def _check_metadata(
+    op: str, bk: Backend, tables: Any, lens: Any, L: int, P: int, N: int
+) -> tuple[Any, int]:
+    """Host checks of the block tables and lengths; the tables cut to the pages used (entries
+    past a row's pages zeroed when they point outside the pool) and the widest row's pages."""
+    t, n = to_numpy(tables).astype(np.int64), to_numpy(lens).astype(np.int64)
+    B, M = t.shape
+    for b in range(B):
+        if n[b] < 0:
+            raise ValueError(
+                f"{op}: context_lens[{b}] = {n[b]} is negative (context_lens {n.shape})"
+            )
+        if n[b] < L:
+            raise ValueError(
+                f"{op}: context_lens[{b}] = {n[b]} is shorter than the query length L={L}: the "
+                f"{L} queries are the last L tokens of each row's context"
+            )
+    need = -(-n // P)  # (B,) pages each row uses
+    width = int(need.max()) if B else 0
+    if width > M:
+        b = int(np.argmax(need))
+        raise ValueError(
+            f"{op}: context_lens[{b}] = {n[b]} needs {need[b]} pages of {P} tokens, but "
+            f"block_tables has shape {(B, M)}"
+        )
+    used = np.arange(M)[None, :] < need[:, None]  # (B, M)
+    bad = used & ((t < 0) | (t >= N))
+    if bad.any():
+        b, j = (int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"{op}: block_tables[{b}, {j}] = {t[b, j]} is not a page of the pool (0 .. {N - 1}, "
+            f"k_pages has {N} pages); block_tables has shape {(B, M)}"
+        )
+    width = max(width, 1)
+    if ((~used[:, :width]) & ((t[:, :width] < 0) | (t[:, :width] >= N))).any():
+        # Unused entries are never read, but a gather must not see them out of range.
+        t = np.where(used, t, 0)
+        tables = bk.from_numpy(t[:, :width].astype(np.int32), bk.device_of(tables))
+    elif width < M:
+        tables = tables[:, :width]
+    return tables, width
+
+
+def paged_args(
+    op: str,
+    bk: Backend,
+    q: Any,
+    k_pages: Any,
+    v_pages: Any,
+    tables: Any,
+    lens: Any,
+    *,
+    scale: Any,
+    window: Any,
+    softcap: Any,
+    block_pages: Any,
+) -> tuple[tuple[Any, ...], dict[str, PagedOptions]]:
+    """Validate a paged-attention call before any compute; the arrays and options to run."""
+    check_float(op, "q", q, bk)
+    if q.ndim != 4:
+        raise ValueError(f"{op}: q must have shape (B, H, L, D), got {_shape(q)}")
+    for name, x in (("pool.k_pages", k_pages), ("pool.v_pages", v_pages)):
+        check_float(op, name, x, bk)
+        if x.ndim != 4:
+            raise ValueError(
+                f"{op}: {name} must have shape (num_pages, H_kv, page_size, D), got {_shape(x)}"
+            )
+    if _shape(k_pages) != _shape(v_pages):
+        raise ValueError(
+            f"{op}: pool.k_pages {_shape(k_pages)} and pool.v_pages {_shape(v_pages)} differ"
+        )
+    if q.dtype != k_pages.dtype or q.dtype != v_pages.dtype:
+        raise TypeError(
+            f"{op}: q ({bk.dtype_name(q.dtype)}, {_shape(q)}) and the pool's pages "
+            f"({bk.dtype_name(k_pages.dtype)}, {_shape(k_pages)}) must share one dtype"
+        )
+    B, H, L, D = _shape(q)
+    N, H_kv, P, D_k = _shape(k_pages)
+    if D_k != D:
+        raise ValueError(f"{op}: q {_shape(q)} and pool.k_pages {_shape(k_pages)} differ in D")
+    if H_kv == 0 or H % H_kv:
+        raise ValueError(
+            f"{op}: q's heads H={H} must be a multiple of the pool's H_kv={H_kv}; q {_shape(q)}, "
+            f"pool.k_pages {_shape(k_pages)}"
+        )
+    _check_int_array(op, "block_tables", tables, bk, 2, "(B, max_pages)")
+    _check_int_array(op, "context_lens", lens, bk, 1, "(B,)")
+    if tables.shape[0] != B or lens.shape[0] != B:
+        raise ValueError(
+            f"{op}: block_tables {_shape(tables)} and context_lens {_shape(lens)} must have q's "
+            f"batch size B={B} (q {_shape(q)})"
+        )
+    window = check_window(op, window)
+    if softcap is not None:
+        softcap = real_option(op, "softcap", softcap, "a positive finite number or None", low=0.0)
+    if scale is None:
+        scale = 1.0 / math.sqrt(D) if D else 1.0
+    else:
+        scale = real_option(op, "scale", scale, "a finite number or None")
+    block_pages = int_option(op, "block_pages", block_pages, low=1)
+    if not (bk.is_traced(tables) or bk.is_traced(lens)):
+        tables, _ = _check_metadata(op, bk, tables, lens, L, P, N)
+    opts = PagedOptions(
+        sdpa=SdpaOptions(scale=scale, softcap=softcap), window=window, block_pages=block_pages
+    )
+    return (q, k_pages, v_pages, tables, lens), {"opts": opts}

@@ -1,0 +1,251 @@
+"""The page pool of a paged KV cache: fixed-size pages of one layer, shared by many sequences.
+
+A :class:`PagePool` holds the keys and values of one layer for many sequences in two arrays
+``(num_pages, H_kv, page_size, D)`` (vLLM's layout: page, head, slot, dim). A sequence owns a
+list of page ids, its *block table*: token ``t`` lives in page ``block_table[t // page_size]``,
+slot ``t % page_size``. Pages are handed out lowest-free-first and come back when a sequence
+ends or is rewound, so the memory a sequence holds is its length rounded up to one page.
+
+:class:`PagedKVCache` is one sequence of one layer, with the :class:`~portable_llm.KVCache`
+interface the model uses (``update_and_fetch``, ``offset``, ``trim``, ``make_mask``), and
+:func:`block_tables` packs the tables of a batch for :func:`~portable_llm.paged_attention`.
+Writes go through the backend's :meth:`~portable_llm.backends.Backend.set_slice` (a slice
+assignment; a donated ``dynamic_update_slice`` on JAX), one per page touched. Every write checks
+its arguments first and mutates nothing when they are wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from portable_llm.backends import _LOADED, Backend, get_backend, resolve
+from portable_llm.core.checks import check_float, check_int, check_optional_int
+
+__all__ = ["PagePool", "PagePoolExhausted"]
+
+
+class PagePoolExhausted(RuntimeError):
+    """A :class:`PagePool` has fewer free pages than asked for (nothing was allocated)."""
+
+
+def _backend(op: str, dtype: Any, backend: Any) -> Backend:
+    """``backend`` if given, else the loaded backend whose dtype ``dtype`` is, else NumPy."""
+    if backend is not None:
+        return get_backend(backend)
+    if not isinstance(dtype, str):
+        for bk in _LOADED.values():
+            if dtype in bk.float_set:
+                return bk
+    return get_backend("numpy")
+
+
+class PagePool:
+    """The key and value pages of one layer, shared by the sequences of a batch.
+
+    Parameters
+    ----------
+    num_pages : int, >= 1
+        Pages allocated up front (:meth:`grow` adds more).
+    page_size : int, >= 1
+        Tokens per page.
+    num_kv_heads, head_dim : int, >= 1
+        ``H_kv`` and ``D``.
+    dtype : str or dtype
+        A float dtype name (``"float32"``, ``"bfloat16"``, ...) or the backend's dtype object.
+    backend : str, optional
+        Default: the backend of a ``dtype`` object, else NumPy.
+    device : optional
+        The backend's device (``"cpu"``, ``"cuda:0"``, ...); default: the backend's default.
+
+    Attributes
+    ----------
+    k_pages, v_pages : arrays, shape ``(num_pages, H_kv, page_size, D)``
+        The pages (replaced, not mutated, on JAX: read them again after a write).
+    num_free : int
+        Pages not allocated.
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: Any,
+        *,
+        backend: str | None = None,
+        device: Any = None,
+    ) -> None:
+        name = "PagePool"
+        n = check_int(name, "num_pages", num_pages, low=1)
+        self.page_size = check_int(name, "page_size", page_size, low=1)
+        self.num_kv_heads = check_int(name, "num_kv_heads", num_kv_heads, low=1)
+        self.head_dim = check_int(name, "head_dim", head_dim, low=1)
+        bk = _backend(name, dtype, backend)
+        self.backend = bk
+        self.device = bk.device(device)
+        self.dtype = bk.dtype(dtype, self.device)
+        if self.dtype not in bk.float_set:
+            raise TypeError(f"{name}: dtype must be a float dtype, got {bk.dtype_name(self.dtype)}")
+        self.k_pages = self._zeros(n)
+        self.v_pages = self._zeros(n)
+        self._free: list[int] = list(range(n))  # kept sorted: lowest id first
+        self._used = np.zeros(n, dtype=bool)
+
+    def _zeros(self, n: int) -> Any:
+        shape = (n, self.num_kv_heads, self.page_size, self.head_dim)
+        return self.backend.xp.zeros(shape, dtype=self.dtype, device=self.device)
+
+    @property
+    def num_pages(self) -> int:
+        """Pages in the pool, free or not."""
+        return int(self._used.shape[0])
+
+    @property
+    def num_free(self) -> int:
+        """Pages not allocated."""
+        return len(self._free)
+
+    def __repr__(self) -> str:
+        return (
+            f"PagePool(num_pages={self.num_pages}, page_size={self.page_size}, "
+            f"H_kv={self.num_kv_heads}, D={self.head_dim}, "
+            f"dtype={self.backend.dtype_name(self.dtype)}, backend={self.backend.name!r}, "
+            f"free={self.num_free})"
+        )
+
+    # -- pages ----------------------------------------------------------------------------------
+    def allocate(self, n: int, /) -> list[int]:
+        """``n`` free page ids, lowest first; :class:`PagePoolExhausted` (nothing allocated)
+        when fewer than ``n`` are free."""
+        n = check_int("PagePool.allocate", "n", n, low=0)
+        if n > len(self._free):
+            raise PagePoolExhausted(
+                f"PagePool.allocate: {n} pages asked for, {len(self._free)} free of "
+                f"{self.num_pages} (grow() the pool or release finished sequences)"
+            )
+        got, self._free = self._free[:n], self._free[n:]
+        self._used[got] = True
+        return got
+
+    def free(self, pages: Sequence[int], /) -> None:
+        """Give ``pages`` back; ``ValueError`` (nothing freed) for an unknown, repeated or free
+        id."""
+        ids = [check_int("PagePool.free", "pages[i]", p) for p in pages]
+        for p in ids:
+            if not 0 <= p < self.num_pages:
+                raise ValueError(
+                    f"PagePool.free: page {p} is not in the pool (0 .. {self.num_pages - 1})"
+                )
+            if not self._used[p]:
+                raise ValueError(f"PagePool.free: page {p} is not allocated (double free?)")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"PagePool.free: pages {ids} repeat an id")
+        self._used[ids] = False
+        self._free = sorted(self._free + ids)
+
+    def grow(self, num_pages: int | None = None, /) -> None:
+        """Enlarge the pool to ``num_pages`` pages (default: double); contents and ids are kept."""
+        old = self.num_pages
+        new = check_optional_int("PagePool.grow", "num_pages", num_pages, low=old)
+        new = 2 * old if new is None else new
+        bk = self.backend
+        self.k_pages = bk.set_slice(self._zeros(new), (0, 0, 0, 0), self.k_pages)
+        self.v_pages = bk.set_slice(self._zeros(new), (0, 0, 0, 0), self.v_pages)
+        self._used = np.concatenate([self._used, np.zeros(new - old, dtype=bool)])
+        self._free = self._free + list(range(old, new))
+
+    # -- tokens ---------------------------------------------------------------------------------
+    def check_chunk(self, op: str, k: Any, v: Any, heads_axis: int = 0) -> tuple[Any, Any]:
+        """``k, v`` on the pool's backend, checked: float, the pool's dtype, ``(.., H_kv, L, D)``
+        with ``L >= 1`` from ``heads_axis`` on, v shaped as k."""
+        bk, (k, v) = resolve(op, None, k, v)
+        if bk is not self.backend:
+            raise TypeError(
+                f"{op}: the pool holds {self.backend.name} arrays, got {bk.name} arrays"
+            )
+        for name, a in (("k", k), ("v", v)):
+            check_float(op, name, a, bk)
+            if a.dtype != self.dtype:
+                raise TypeError(
+                    f"{op}: the pool holds {bk.dtype_name(self.dtype)}, got {name} of dtype "
+                    f"{bk.dtype_name(a.dtype)} with shape {tuple(a.shape)}"
+                )
+        H, D = self.num_kv_heads, self.head_dim
+        shape = tuple(k.shape)
+        if (
+            len(shape) != heads_axis + 3
+            or shape[heads_axis] != H
+            or shape[-1] != D
+            or shape[-2] < 1
+        ):
+            lead = "1, " * heads_axis
+            raise ValueError(
+                f"{op}: k must have shape ({lead}H_kv={H}, L >= 1, D={D}), got {shape}"
+            )
+        if tuple(v.shape) != shape:
+            raise ValueError(f"{op}: v must have k's shape {shape}, got {tuple(v.shape)}")
+        return k, v
+
+    def _check_pages(self, op: str, pages: Sequence[int], end: int) -> list[int]:
+        ids = [int(p) for p in pages]
+        need = -(-end // self.page_size)
+        if need > len(ids):
+            raise ValueError(
+                f"{op}: positions up to {end - 1} need {need} pages of {self.page_size}, "
+                f"got {len(ids)} pages"
+            )
+        for p in ids[:need]:
+            if not 0 <= p < self.num_pages or not self._used[p]:
+                raise ValueError(f"{op}: page {p} is not an allocated page of the pool")
+        return ids
+
+    def write(self, pages: Sequence[int], start: int, k: Any, v: Any, /) -> None:
+        """Write ``k, v`` ``(H_kv, L, D)`` at token positions ``start .. start + L - 1`` of the
+        sequence whose pages, in order, are ``pages``.
+
+        Everything is checked first (dtype, shape, positions covered by allocated pages):
+        on error nothing is written.
+        """
+        op = "PagePool.write"
+        start = check_int(op, "start", start, low=0)
+        k, v = self.check_chunk(op, k, v)
+        L = int(k.shape[1])
+        self._write(self._check_pages(op, pages, start + L), start, k, v)
+
+    def _write(self, ids: list[int], start: int, k: Any, v: Any) -> None:
+        """Write checked ``k, v`` ``(H_kv, L, D)``: one ``set_slice`` per page touched."""
+        bk, P, L = self.backend, self.page_size, int(k.shape[1])
+        t = start
+        while t < start + L:
+            page, slot = ids[t // P], t % P
+            n = min(P - slot, start + L - t)
+            i = t - start
+            kc = k[None, :, i : i + n, :]  # (1, H_kv, n, D)
+            vc = v[None, :, i : i + n, :]
+            self.k_pages = bk.set_slice(self.k_pages, (page, 0, slot, 0), kc)
+            self.v_pages = bk.set_slice(self.v_pages, (page, 0, slot, 0), vc)
+            t += n
+
+    def gather(self, pages: Sequence[int], length: int, /) -> tuple[Any, Any]:
+        """The first ``length`` tokens of a sequence's pages, contiguous: ``(k, v)``, each
+        ``(H_kv, length, D)``."""
+        op = "PagePool.gather"
+        length = check_int(op, "length", length, low=0)
+        ids = self._check_pages(op, pages, length)
+        need = -(-length // self.page_size)
+        bk, xp = self.backend, self.backend.xp
+        H, D = self.num_kv_heads, self.head_dim
+        if need == 0:
+            empty = xp.zeros((H, 0, D), dtype=self.dtype, device=self.device)
+            return empty, empty
+        idx = bk.from_numpy(np.asarray(ids[:need], dtype=np.int64), self.device)
+        out = []
+        for pages_arr in (self.k_pages, self.v_pages):
+            g = xp.take(pages_arr, idx, axis=0)  # (n, H_kv, P, D)
+            g = xp.reshape(xp.permute_dims(g, (1, 0, 2, 3)), (H, need * self.page_size, D))
+            out.append(g[:, :length, :])  # (H_kv, length, D)
+        return out[0], out[1]
