@@ -28,7 +28,7 @@ from portable_llm.models.sampler import (
     make_logits_processors,
     make_sampler,
 )
-from portable_llm.models.steps import decode
+from portable_llm.models.steps import PREFILL_STEP_SIZE, check_prefill_step_size, decode
 
 __all__ = ["Generation", "GenerationStats", "generate", "stop_tokens"]
 
@@ -100,6 +100,7 @@ def generate(
     repetition_penalty: float | None = None,
     repetition_context_size: int = 20,
     prompt_cache: list[Any] | None = None,
+    prefill_step_size: int | None = PREFILL_STEP_SIZE,
 ) -> Generation:
     """Stream the model's continuation of ``prompt``.
 
@@ -129,6 +130,10 @@ def generate(
         ``model.make_cache()``, empty or holding an earlier conversation: the prompt follows
         the tokens it holds, and once the iterator is exhausted it holds the prompt and every
         new token too (a final stop token included), ready for the next turn. Not with a batch.
+    prefill_step_size : int, >= 1, optional
+        The prompt runs through the model in chunks of at most this many tokens (default
+        2048), which bounds the prefill's memory; ``None``: one chunk. As for
+        :func:`~portable_llm.generate_step`.
 
     Every argument is checked here, when ``generate`` is called, before the model runs
     (integers may be Python or NumPy integers, never ``bool``): a bad one is a ``TypeError``
@@ -179,8 +184,9 @@ def generate(
             f"generate: prompt_cache must hold one cache per layer "
             f"({model.config.num_hidden_layers}, from model.make_cache()), got {len(prompt_cache)}"
         )
+    chunk = check_prefill_step_size(OP, prefill_step_size)
     stats = GenerationStats(prompt_tokens=sum(len(r) for r in rows))
-    run = _Run(model, make_sampler(**options, seed=seed), processors, stops, stats)
+    run = _Run(model, make_sampler(**options, seed=seed), processors, stops, stats, chunk)
     if batch:
         assert model.tokenizer is not None
         return Generation(_batch_pieces(run, rows, max_new_tokens, model.tokenizer), stats)
@@ -214,6 +220,7 @@ class _Run:
     processors: list[LogitsProcessor]
     stops: frozenset[int]
     stats: GenerationStats
+    prefill_step_size: int | None = PREFILL_STEP_SIZE
 
     def _timed(self, steps: Iterator[tuple[Any, Any]], step: int) -> Any:
         start = time.perf_counter()
@@ -234,6 +241,7 @@ class _Run:
         steps = decode(
             model, ids, sampler=self.sampler, logits_processors=self.processors,
             cache=prompt_cache, left_padding=None, logprobs=False,
+            prefill_step_size=self.prefill_step_size,
         )  # fmt: skip
         last = None
         for step in range(max_new_tokens):
@@ -259,7 +267,7 @@ def _batch_pieces(
     ids, left_padding = left_pad(rows)
     steps = decode(
         run.model, ids, sampler=run.sampler, logits_processors=run.processors, cache=None,
-        left_padding=left_padding, logprobs=False,
+        left_padding=left_padding, logprobs=False, prefill_step_size=run.prefill_step_size,
     )  # fmt: skip
     texts = [tokenizer.stream_decoder() for _ in rows]
     done = [False] * len(rows)

@@ -16,11 +16,17 @@ import numpy as np
 
 from portable_llm.backends import backend_of
 from portable_llm.core.arrays import asarray, to_numpy
+from portable_llm.core.checks import check_optional_int
 from portable_llm.core.types import Array
 from portable_llm.models.sampler import LogitsProcessor, Sampler
 from portable_llm.ops.sampling import greedy
 
-__all__ = ["generate_step"]
+__all__ = ["PREFILL_STEP_SIZE", "generate_step"]
+
+#: The default prefill chunk (mlx-lm's ``prefill_step_size``): a prompt longer than this runs
+#: through the model in chunks of this many tokens, which bounds the prefill's activations
+#: (the attention scores of one chunk are ``(B, H, chunk, S)``, not ``(B, H, L, S)``).
+PREFILL_STEP_SIZE = 2048
 
 
 def generate_step(
@@ -32,6 +38,7 @@ def generate_step(
     logits_processors: Sequence[LogitsProcessor] = (),
     cache: Sequence[Any] | None = None,
     left_padding: Any = None,
+    prefill_step_size: int | None = PREFILL_STEP_SIZE,
 ) -> Generator[tuple[Any, Array], None, None]:
     """Yield the next token and the log-probabilities it was drawn from, step after step.
 
@@ -54,6 +61,11 @@ def generate_step(
     left_padding : integer array ``(B,)``, optional
         Pad tokens at the start of each row of a 2-D ``ids``; only without ``cache`` (give it
         to ``model.make_cache`` instead).
+    prefill_step_size : int, >= 1, optional
+        The prompt goes into the caches in chunks of at most this many tokens (default
+        :data:`PREFILL_STEP_SIZE`, 2048, as mlx-lm), and only the last chunk's last position
+        runs the LM head; ``None``: one chunk. The logits equal those of a one-chunk prefill
+        (within the dtype's rounding), and the prefill's peak memory is bounded by the chunk.
 
     Yields
     ------
@@ -72,6 +84,7 @@ def generate_step(
     return decode(
         model, ids, sampler=sampler, logits_processors=logits_processors, cache=cache,
         left_padding=left_padding, logprobs=True,
+        prefill_step_size=check_prefill_step_size("generate_step", prefill_step_size),
     )  # fmt: skip
 
 
@@ -85,6 +98,7 @@ def decode(
     cache: Sequence[Any] | None,
     left_padding: Any,
     logprobs: bool,
+    prefill_step_size: int | None = PREFILL_STEP_SIZE,
 ) -> Generator[tuple[Any, Array | None], None, None]:
     """:func:`generate_step`'s loop; ``logprobs=False`` yields ``None`` in their place (what
     :func:`~portable_llm.generate` uses: it drops them, and they cost a pass over ``(B, V)``)."""
@@ -102,7 +116,8 @@ def decode(
     # What the processors see: each row's ids without its padding.
     tokens = [row[int(p) :].tolist() for row, p in zip(host, np.reshape(pads, -1), strict=True)]
     prompt_length = host.shape[1]
-    step_ids = asarray(host.tolist(), backend=bk.name, device=model.device)  # (B, L)
+    start = prefill(model, host, cache, prefill_step_size)
+    step_ids = asarray(host[:, start:].tolist(), backend=bk.name, device=model.device)  # (B, L)
     step = 0
     while True:
         logits = model(step_ids, cache=cache, last_only=True)[:, -1, :]  # (B, V)
@@ -125,6 +140,29 @@ def decode(
         # where int64 ids made a tiny model's decode ~15% slower).
         step_ids = asarray(chosen[:, None].tolist(), backend=bk.name, device=model.device)
         step += 1
+
+
+def check_prefill_step_size(op: str, value: Any) -> int | None:
+    """``prefill_step_size`` checked: ``None`` or an int >= 1."""
+    return check_optional_int(op, "prefill_step_size", value, low=1)
+
+
+def prefill(model: Any, host: np.ndarray, cache: Sequence[Any], chunk: int | None) -> int:
+    """Run all but the last chunk of the prompt ``host`` ``(B, L)`` into ``cache``; return
+    where the last chunk starts (``0``: the prompt fits one chunk of ``chunk`` tokens).
+
+    Those chunks need no logits (``last_only``: the head runs on one position) and are
+    computed before the next one starts (:meth:`~portable_llm.backends.Backend.synchronize`:
+    a lazy library would otherwise hold every chunk's activations at once).
+    """
+    bk, L = model.backend, host.shape[1]
+    start = 0
+    while chunk is not None and L - start > chunk:
+        part = host[:, start : start + chunk].tolist()  # (B, chunk)
+        part = asarray(part, backend=bk.name, device=model.device)
+        bk.synchronize(model(part, cache=cache, last_only=True))  # (B, 1, V), dropped
+        start += chunk
+    return start
 
 
 def _log_softmax(xp: Any, logits: Array) -> Array:
