@@ -1,5 +1,5 @@
-"""The ``portable-llm`` command: ``report`` (accuracy, the default), ``bench`` (speed) and
-``generate`` (a checkpoint's continuation of a prompt)."""
+"""The ``portable-llm`` command: ``report`` (accuracy, the default), ``bench`` (speed),
+``generate`` (a checkpoint's continuation of a prompt) and ``batch`` (several prompts at once)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from portable_llm import __version__
+from portable_llm.tools.batch import add_batch_parser, run_batch
 from portable_llm.tools.generate import add_generate_parser, run_generate
 from portable_llm.tools.report import UsageError, run_report
 
@@ -21,7 +22,7 @@ def _parser() -> argparse.ArgumentParser:
         "and speed (bench).",
     )
     parser.add_argument("--version", action="version", version=f"portable-llm {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{report,bench,generate}")
+    sub = parser.add_subparsers(dest="command", metavar="{report,bench,generate,batch}")
 
     report = sub.add_parser(
         "report",
@@ -64,6 +65,7 @@ def _parser() -> argparse.ArgumentParser:
         help="where --model writes its checkpoint (default ~/.cache/portable_llm/bench)",
     )
     add_generate_parser(sub)
+    add_batch_parser(sub)
     return parser
 
 
@@ -71,13 +73,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); return the exit code."""
     args_list = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
-    commands = ("report", "bench", "generate", "-h", "--help", "--version")
+    commands = ("report", "bench", "generate", "batch", "-h", "--help", "--version")
     if not args_list or args_list[0] not in commands:
         args_list.insert(0, "report")  # the report is the default command
     args = parser.parse_args(args_list)
     try:
         if args.command == "generate":
             return run_generate(args)
+        if args.command == "batch":
+            return run_batch(args)
         if args.command == "bench" and args.model:
             from portable_llm.tools.model_bench import run_model_bench
 

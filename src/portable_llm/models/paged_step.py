@@ -1,0 +1,93 @@
+"""One forward of several sequences over paged KV caches (what :mod:`~portable_llm.models.batch`
+runs each step).
+
+:class:`PagedStep` is the prepared forward's shared state (:class:`~portable_llm.models.prepared.
+_Step`) with another cache: row ``b`` of the batch is one sequence, whose layer ``i`` keeps its
+keys and values in a :class:`~portable_llm.caches.paged.PagedKVCache` of that layer's
+:class:`~portable_llm.caches.paged.PagePool`. Each layer appends every row's new keys and
+values to the row's cache and attends with :func:`~portable_llm.attn.paged.paged_attention`
+over the pool: rows of different lengths in one batch, no padding and no gather. RoPE takes
+each row's own position (the offset of its cache).
+
+The block tables of a step are built once, at the first layer: every layer's pool allocates
+the same page ids for a sequence (the batch generator reserves a sequence's pages in every
+layer at once, and frees them at once), so the tables and lengths are the same in every layer.
+
+A model without a prepared forward (quantized or mixed-dtype weights) runs each sequence alone
+through ``model(ids, cache=caches)``: :func:`forward` does that, with the same result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from portable_llm.attn.paged import paged_attention
+from portable_llm.caches.paged import PagedKVCache, block_tables
+from portable_llm.core.arrays import asarray
+from portable_llm.models.prepared import Prepared, _Step
+from portable_llm.ops.embedding import embedding
+
+__all__ = ["PagedStep", "forward"]
+
+
+class PagedStep(_Step):
+    """What the layers of one paged forward share (see the module docstring).
+
+    Parameters
+    ----------
+    p : Prepared
+    caches : one list per row: that sequence's caches, one per layer
+    positions : each row's first position (its caches' offset before this forward)
+    L : the new tokens per row
+    """
+
+    def __init__(
+        self, p: Prepared, caches: Sequence[Sequence[PagedKVCache]], positions: list[int], L: int
+    ) -> None:
+        rows = None
+        if len(positions) > 1:  # (B,) RoPE offsets, one per row
+            rows = asarray(positions, backend=p.bk.name, device=p.bk.device_of(p.embed))
+        super().__init__(p, None, None, rows, positions[0], L)
+        self.seqs = caches
+        self.tables: tuple[Any, Any] | None = None  # (B, max_pages), (B,): the same per layer
+
+    def attend(self, i: int, q: Any, k: Any, v: Any, window: int | None) -> Any:
+        """Append the rows' keys and values ``(B, H_kv, L, D)`` to their caches of layer ``i``;
+        the paged attention of ``q`` ``(B, H, L, D)`` over them."""
+        layer = [seq[i] for seq in self.seqs]
+        if len(layer) == 1:
+            layer[0].append(k, v)
+        else:
+            for b, cache in enumerate(layer):
+                cache.append(k[b : b + 1, ...], v[b : b + 1, ...])  # (1, H_kv, L, D)
+        if self.tables is None:
+            self.tables = block_tables(layer)
+        tables, lengths = self.tables
+        pool = layer[0].pool
+        return paged_attention(q, pool, tables, lengths, scale=self.p.scale, window=window)
+
+
+def forward(model: Any, caches: Sequence[Sequence[PagedKVCache]], chunks: list[list[int]]) -> Any:
+    """The logits ``(B, V)`` of the last position of each row after its tokens ``chunks[b]``
+    (all of one length ``L``), which follow what the row's caches hold; the caches then hold
+    them too.
+
+    ``caches[b]``: row ``b``'s caches, one per layer. The prepared forward runs the rows as one
+    batch (:class:`PagedStep`); a model without one runs each row alone.
+    """
+    bk, p = model.backend, model.prepared
+    if p is None:
+        xp = bk.xp
+        rows = [
+            model(asarray([chunk], backend=bk.name, device=model.device), cache=seq,
+                  last_only=True)[:, -1, :]  # (1, V)
+            for seq, chunk in zip(caches, chunks, strict=True)
+        ]  # fmt: skip
+        return rows[0] if len(rows) == 1 else xp.concat(rows, axis=0)  # (B, V)
+    ids = asarray(chunks, backend=bk.name, device=model.device)  # (B, L)
+    head = model.embed if model.lm_head is None else model.lm_head
+    h = embedding(ids, model.embed)  # (B, L, E)
+    step = PagedStep(p, caches, [seq[0].offset for seq in caches], len(chunks[0]))
+    h = p.run_layers(h, step, p.layers)
+    return p.head_logits(h[:, -1:, :], model.norm, head)[:, -1, :]  # (B, V)

@@ -1,0 +1,294 @@
+"""Continuous batching (models/batch.py): every request gets the tokens it gets alone.
+
+The oracle is :func:`portable_llm.generate` run on each request alone (its dense KV cache, the
+whole prompt at once): greedy ids equal token for token, whatever the arrival order, the
+prefill chunk and the batch size, with unequal prompts and requests that end at different
+steps. The tiny random checkpoints have clear greedy winners (``random_tensors``), so float32
+rounding does not flip a token; NumPy runs in float64.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import re
+
+import numpy as np
+import pytest
+
+import portable_llm as pl
+from portable_llm.models import load
+from portable_llm.models.batch import BatchGenerator, Request, batch_generate
+from portable_llm.testing.checkpoints import tiny_config, write_checkpoint, write_tokenizer
+from portable_llm.tools.cli import main
+
+FAMILIES = ["llama", "mistral", "qwen3", "qwen2_moe"]
+#: (prompt length, max_new_tokens) of the requests of the main test: unequal prompts, and
+#: requests that end at different steps.
+SHAPES = [(3, 6), (9, 3), (5, 8), (12, 5), (1, 4)]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = {}
+    for i, family in enumerate(FAMILIES):
+        folder = tmp_path_factory.mktemp(f"batch_{family}")
+        cfg = tiny_config(family)
+        write_checkpoint(folder, cfg, seed=40 + i)
+        if family == "llama":
+            write_tokenizer(folder, vocab_size=cfg["vocab_size"])
+        out[family] = folder
+    return out
+
+
+def _model(folders: dict, family: str, backend: str) -> pl.Model:
+    dtype = "float64" if backend == "numpy" else "float32"
+    return load(folders[family], backend=backend, dtype=dtype)
+
+
+def _op_by_op(model: pl.Model) -> pl.Model:
+    """The model without its prepared forward (the public ops, layer by layer)."""
+    slow = copy.copy(model)
+    slow.prepared = None
+    return slow
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return [int(i) for i in np.random.default_rng(seed).integers(3, 300, size=n)]
+
+
+def _alone(model: pl.Model, prompt: list[int], new: int, stop: tuple[int, ...] = ()) -> list[int]:
+    return list(pl.generate(model, prompt, max_new_tokens=new, stop=stop))
+
+
+def _run(gen: BatchGenerator, later: list[Request] = (), every: int = 2) -> dict:
+    """Step ``gen`` until done, adding one of ``later`` every ``every`` steps; each request's
+    tokens and finish reason by id, checking that a request's last event is its only finish."""
+    tokens: dict[int, list[int]] = {}
+    reasons: dict[int, str] = {}
+    pending = list(later)
+    steps = 0
+    while gen.has_work or pending:
+        if pending and steps % every == 0:
+            gen.add(pending.pop(0))
+        for rid, token, reason in gen.step():
+            assert rid not in reasons, f"request {rid} got a token after it finished"
+            tokens.setdefault(rid, []).append(token)
+            if reason is not None:
+                reasons[rid] = reason
+        steps += 1
+        assert steps < 500, "the generator does not finish"
+    return {rid: (tokens[rid], reasons[rid]) for rid in tokens}
+
+
+def _expected(model: pl.Model, requests: list[Request]) -> list[tuple[list[int], str]]:
+    """Each request alone: its tokens (a final stop token included) and finish reason."""
+    out = []
+    for r in requests:
+        stop = tuple(r.stop or ())
+        ids = _alone(model, list(r.prompt_ids), r.max_new_tokens, stop)
+        if len(ids) < r.max_new_tokens:  # generate stopped at a stop token (not yielded)
+            full = _alone(model, list(r.prompt_ids), len(ids) + 1)
+            out.append((full, "stop"))
+        else:
+            out.append((ids, "length"))
+    return out
+
+
+def _requests(model: pl.Model) -> list[Request]:
+    """SHAPES, the third request with a stop id it meets at its 3rd token (computed alone)."""
+    reqs = [Request(_prompt(i, n), new, stop=()) for i, (n, new) in enumerate(SHAPES)]
+    third = _alone(model, list(reqs[2].prompt_ids), reqs[2].max_new_tokens)
+    stop = third[2]
+    if stop in third[:2]:  # it must end there, not earlier
+        pytest.fail(f"the stop id {stop} occurs before the 3rd token of {third}")
+    reqs[2].stop = (stop,)
+    return reqs
+
+
+@pytest.mark.slow_on("jax")
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+@pytest.mark.parametrize("order", ["fifo", "reversed"])
+def test_greedy_equals_each_request_alone(
+    folders: dict, backend: str, chunk: int, order: str
+) -> None:
+    model = _model(folders, "llama", backend)
+    reqs = _requests(model)
+    expected = _expected(model, reqs)
+    if order == "reversed":
+        reqs, expected = reqs[::-1], expected[::-1]
+    gen = BatchGenerator(model, max_batch=3, prefill_chunk=chunk, page_size=4)
+    first = [gen.add(r) for r in reqs[:2]]  # two at once, the others arrive while they run
+    got = _run(gen, reqs[2:])
+    assert first == [0, 1]
+    assert [got[i] for i in range(len(reqs))] == expected
+    assert all(pool.num_free == pool.num_pages for pool in gen.pools)
+
+
+@pytest.mark.slow_on("jax")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_families_and_the_op_by_op_path(folders: dict, backend: str, family: str) -> None:
+    """Sliding windows (mistral: 4, qwen2_moe: 3, shorter than the sequences), q/k norms
+    (qwen3), MoE layers; and a model without a prepared forward (each row run alone through
+    ``model(ids, cache=...)``)."""
+    model = _model(folders, family, backend)
+    reqs = [Request(_prompt(10 + i, n), new, stop=()) for i, (n, new) in enumerate(SHAPES[:3])]
+    expected = _expected(model, reqs)
+    for prepared in (True, False):
+        m = model if prepared else _op_by_op(model)
+        assert (m.prepared is not None) is prepared
+        gen = BatchGenerator(m, max_batch=4, prefill_chunk=4, page_size=2)
+        for r in reqs:
+            gen.add(r)
+        got = _run(gen)
+        assert [got[i] for i in range(len(reqs))] == expected, f"prepared={prepared}"
+
+
+@pytest.mark.slow_on("jax")
+def test_requests_wait_for_pages_and_reuse_them(folders: dict, backend: str) -> None:
+    """A pool with room for one request: the others wait, then reuse its pages."""
+    model = _model(folders, "llama", backend)
+    reqs = [Request(_prompt(20 + i, 6), 5, stop=()) for i in range(3)]
+    gen = BatchGenerator(model, max_batch=3, pool_pages=3, page_size=4)  # 10 tokens: 3 pages
+    for r in reqs:
+        gen.add(r)
+    seen = []
+    got: dict[int, list[int]] = {}
+    while gen.has_work:
+        for rid, token, _ in gen.step():
+            got.setdefault(rid, []).append(token)
+        seen.append(gen.pools[0].num_free)
+    assert min(seen) == 0 and gen.pools[0].num_pages == 3  # one request at a time, no growth
+    assert [got[i] for i in range(3)] == [t for t, _ in _expected(model, reqs)]
+    assert all(pool.num_free == 3 for pool in gen.pools)
+
+
+@pytest.mark.slow_on("jax")
+def test_the_pools_grow_for_a_long_prompt(folders: dict, backend: str) -> None:
+    model = _model(folders, "llama", backend)
+    req = Request(_prompt(30, 300), 3, stop=())
+    gen = BatchGenerator(model, max_batch=1, page_size=16, max_seq_len=400)
+    before = gen.pools[0].num_pages
+    gen.add(req)
+    got = _run(gen)
+    assert gen.pools[0].num_pages > before == 16  # 256 tokens: 16 pages, grown for 302
+    assert all(pool.num_pages == gen.pools[0].num_pages for pool in gen.pools)
+    assert got[0] == _expected(model, [req])[0]
+
+
+def test_max_seq_len_is_enforced_before_any_page_is_allocated(folders: dict) -> None:
+    model = _model(folders, "llama", "numpy")
+    gen = BatchGenerator(model, page_size=4)  # max_seq_len: max_position_embeddings (128)
+    assert gen.max_seq_len == 128
+    gen.add(Request(_prompt(0, 120), 8))  # 128 tokens: fits
+    free = [pool.num_free for pool in gen.pools]
+    with pytest.raises(ValueError, match=r"120 tokens\) plus max_new_tokens \(9\) is 129"):
+        gen.add(Request(_prompt(0, 120), 9))
+    short = BatchGenerator(model, max_seq_len=10)
+    with pytest.raises(ValueError, match=r"more than max_seq_len \(10\)"):
+        short.add(Request(_prompt(0, 8), 3))
+    assert not short.has_work
+    assert [pool.num_free for pool in gen.pools] == free
+    fixed = BatchGenerator(model, pool_pages=2, page_size=4)
+    with pytest.raises(ValueError, match=r"needs 3 pages of 4 tokens, more than pool_pages \(2\)"):
+        fixed.add(Request(_prompt(0, 6), 4))
+    assert not fixed.has_work
+
+
+@pytest.mark.slow_on("jax")
+def test_an_exception_in_a_step_frees_every_page(folders: dict, backend: str) -> None:
+    model = _model(folders, "llama", backend)
+    calls = []
+
+    def flaky(logits: object) -> object:
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("sampler failed")
+        return pl.greedy(logits)
+
+    gen = BatchGenerator(model, max_batch=2, prefill_chunk=4, page_size=2)
+    gen.add(Request(_prompt(1, 5), 8))
+    gen.add(Request(_prompt(2, 7), 8, sampler=flaky))
+    gen.add(Request(_prompt(3, 3), 8))  # waiting
+    with pytest.raises(RuntimeError, match="sampler failed"):
+        while gen.has_work:
+            gen.step()
+    assert len(calls) == 3
+    assert all(pool.num_free == pool.num_pages for pool in gen.pools)
+    assert not gen.has_work
+    # The generator is usable again, and its pages reused.
+    rid = gen.add(Request(_prompt(1, 5), 4, stop=()))
+    assert _run(gen)[rid][0] == _alone(model, _prompt(1, 5), 4)
+
+
+def test_seeded_samplers_draw_as_alone(folders: dict) -> None:
+    """Each request's seeded sampler sees its own row, once per token: the same draws as
+    ``generate`` with that seed (NumPy float64, so the logits agree to rounding)."""
+    model = _model(folders, "llama", "numpy")
+    opts = {"temperature": 1.5, "top_p": 0.95}
+    prompts = [_prompt(50 + i, n) for i, n in enumerate((4, 7, 2))]
+    gen = BatchGenerator(model, prefill_chunk=5, page_size=4)
+    for i, p in enumerate(prompts):
+        gen.add(Request(p, 10, sampler=pl.make_sampler(**opts, seed=i), stop=()))
+    got = _run(gen)
+    for i, p in enumerate(prompts):
+        alone = list(pl.generate(model, p, max_new_tokens=10, stop=(), seed=i, **opts))
+        assert got[i] == (alone, "length")
+
+
+@pytest.mark.slow_on("jax")
+def test_batch_generate_ids_and_text(folders: dict, backend: str) -> None:
+    model = _model(folders, "llama", backend)
+    prompts = [_prompt(60, 5), _prompt(61, 2), _prompt(62, 9)]
+    got = batch_generate(model, prompts, max_new_tokens=5, max_batch=2, prefill_chunk=3)
+    assert got == [_alone(model, p, 5, tuple(model.config.eos_token_id)) for p in prompts]
+    texts = ["The cache keeps", "RMSNorm divides each vector", "A"]
+    got_text = batch_generate(model, texts, max_new_tokens=6)
+    assert got_text == ["".join(pl.generate(model, t, max_new_tokens=6)) for t in texts]
+    assert batch_generate(model, prompts, max_new_tokens=0) == [[], [], []]
+
+
+def test_bad_arguments_are_clear_errors(folders: dict) -> None:
+    model = _model(folders, "llama", "numpy")
+    for kwargs, match in [
+        ({"max_batch": 0}, "max_batch"),
+        ({"prefill_chunk": 0}, "prefill_chunk"),
+        ({"pool_pages": 0}, "pool_pages"),
+        ({"page_size": 0}, "page_size"),
+        ({"max_seq_len": 0}, "max_seq_len"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            BatchGenerator(model, **kwargs)
+    gen = BatchGenerator(model)
+    for req, err, match in [
+        (Request([], 3), ValueError, "no tokens"),
+        (Request([1, 300], 3), ValueError, r"\[0, 300\) \(vocab_size\), got 1 to 300"),
+        (Request([[1, 2]], 3), ValueError, r"shape \(1, 2\)"),
+        (Request([1, 2], 0), ValueError, "max_new_tokens"),
+        (Request([1, 2], 3, sampler=5), TypeError, "sampler must be callable"),  # type: ignore[arg-type]
+        (Request([1, 2], 3, stop="x"), TypeError, "stop must be"),
+    ]:
+        with pytest.raises(err, match=match):
+            gen.add(req)
+    with pytest.raises(TypeError, match="expected a Request, got list"):
+        gen.add([1, 2])  # type: ignore[arg-type]
+    assert not gen.has_work
+    assert all(pool.num_free == pool.num_pages for pool in gen.pools)
+    with pytest.raises(TypeError, match="all strings or all token-id"):
+        batch_generate(model, ["a", [1, 2]], max_new_tokens=2)
+
+
+def test_cli_batch_prints_each_stream_and_the_aggregate_speed(folders: dict, capsys) -> None:
+    model = _model(folders, "llama", "numpy")
+    prompts = ["The cache keeps", "RMSNorm divides"]
+    args = [str(folders["llama"]), "--max-tokens", "4", "--dtype", "float64"]
+    assert main(["batch", *args, "--prompt", prompts[0], "--prompt", prompts[1]]) == 0
+    out = capsys.readouterr().out
+    for i, p in enumerate(prompts):
+        text = "".join(pl.generate(model, p, max_new_tokens=4))
+        streamed = [
+            line[len(f"[{i}] ") :] for line in out.splitlines() if line.startswith(f"[{i}] ")
+        ]
+        assert "".join(ast.literal_eval(piece) for piece in streamed) == text
+        assert re.search(rf"^--- \[{i}\] (stop|length), \d tokens\n{re.escape(text)}$", out, re.M)
+    assert "2 requests" in out and "tokens/s" in out
