@@ -223,3 +223,30 @@ def quantized_linear(
         x, packed, scales, biases, transpose=True, group_size=group_size, bits=bits
     )
     return y if bias is None else y + bias
+
+
+# -- paged attention (portable_llm.attn.paged) -------------------------------------------------
+# The pages a batch uses are gathered into contiguous keys (one take), then attended by the
+# fused SDPA kernel above with the per-row causal mask of the options record
+# (opts: attn.paged_args.PagedOptions).
+
+
+def _paged_applies(
+    q: Any, k_pages: Any, v_pages: Any, tables: Any, lens: Any, *, opts: Any
+) -> bool:
+    return _sdpa_applies(q, k_pages, v_pages, None, opts=opts.sdpa)
+
+
+@native(
+    "mlx",
+    "paged_attention",
+    kernel="mx.take + mx.fast.scaled_dot_product_attention",
+    applies=_paged_applies,
+    auto_dtypes=_BELOW_FLOAT64,
+)
+def paged_attention(
+    xp: Any, q: Any, k_pages: Any, v_pages: Any, tables: Any, lens: Any, *, opts: Any
+) -> Any:
+    k, v = opts.gather(xp, k_pages, tables), opts.gather(xp, v_pages, tables)  # (B, H_kv, S, D)
+    mask = opts.mask(xp, lens, q.shape[2], k.shape[2], 0, None)  # (B, 1, L, S)
+    return scaled_dot_product_attention(xp, q, k, v, mask, opts=opts.sdpa)
