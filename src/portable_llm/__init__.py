@@ -32,6 +32,7 @@ from portable_llm.models import (
     load,
     make_logits_processors,
     make_sampler,
+    speculative_generate,
 )
 from portable_llm.ops.activations import (
     ACTIVATIONS,
@@ -103,6 +104,7 @@ __all__ = [
     "scaled_dot_product_attention",
     "silu",
     "softmax",
+    "speculative_generate",
     "to_numpy",
     "trace",
     "unembed",

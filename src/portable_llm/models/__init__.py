@@ -6,6 +6,7 @@ from portable_llm.models.generate import Generation, GenerationStats, generate
 from portable_llm.models.loader import load
 from portable_llm.models.model import Model
 from portable_llm.models.sampler import make_logits_processors, make_sampler
+from portable_llm.models.speculative import SpeculativeStats, speculative_generate
 from portable_llm.models.steps import generate_step
 from portable_llm.models.tokenizer import Tokenizer
 
@@ -16,6 +17,7 @@ __all__ = [
     "Generation",
     "GenerationStats",
     "Model",
+    "SpeculativeStats",
     "Tokenizer",
     "generate",
     "generate_step",
@@ -23,4 +25,5 @@ __all__ = [
     "make_logits_processors",
     "make_sampler",
     "read_config",
+    "speculative_generate",
 ]

@@ -1,0 +1,334 @@
+""":func:`speculative_generate`: a small draft model proposes, the target verifies in one forward.
+
+Each round the draft proposes ``k`` tokens one at a time; the target runs the last accepted
+token and the ``k`` proposals in one forward (``last_only=False``: ``k + 1`` distributions), and
+keeps the longest prefix it accepts plus one token of its own (the correction at the first
+rejection, or a bonus token when it accepts all). Both caches then forget the rejected tokens
+(:meth:`~portable_llm.KVCache.trim`). Greedy: a proposal is accepted when it is the target's
+argmax, so the output is the target's greedy output token for token. Sampling: Leviathan et al.
+(2023)'s rule, whose output has the target's distribution exactly (see ``docs/speculative.md``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from portable_llm.caches.kv import KVCache
+from portable_llm.core.arrays import asarray
+from portable_llm.core.checks import check_int, check_optional_int
+from portable_llm.core.types import Array
+from portable_llm.models.generate import (
+    Generation,
+    GenerationStats,
+    _ids,
+    _sampling_options,
+    _stop_ids,
+    stop_tokens,
+)
+from portable_llm.models.model import Model
+from portable_llm.models.steps import PREFILL_STEP_SIZE, check_prefill_step_size, prefill
+from portable_llm.ops.sampling import GREEDY_BELOW, greedy, logprobs, sample
+
+__all__ = ["SpeculativeStats", "speculative_generate"]
+
+OP = "speculative_generate"
+
+
+@dataclass
+class SpeculativeStats(GenerationStats):
+    """:class:`~portable_llm.models.GenerationStats` plus the draft's record.
+
+    ``decode_steps`` counts the tokens decoded after the first (a final stop token included),
+    as :func:`~portable_llm.generate` does, so ``decode_tokens_per_second`` compares with it;
+    the target's forwards are :attr:`rounds`.
+    """
+
+    #: Tokens the draft proposed.
+    draft_tokens: int = 0
+    #: Proposals the target accepted.
+    accepted_tokens: int = 0
+    #: Verifying forwards of the target after the prefill.
+    rounds: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """``accepted_tokens / draft_tokens`` (``0.0`` before any proposal)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+
+def speculative_generate(
+    model: Model,
+    draft_model: Model,
+    prompt: str | Sequence[int] | Any,
+    /,
+    *,
+    num_draft_tokens: int = 4,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    seed: int | None = None,
+    stop: Iterable[int] | None = None,
+    prefill_step_size: int | None = PREFILL_STEP_SIZE,
+) -> Generation:
+    """Stream ``model``'s continuation of ``prompt``, with ``draft_model`` proposing tokens.
+
+    Parameters
+    ----------
+    model : Model
+        The target: the output is its greedy output (``temperature=0``), or has its sampling
+        distribution.
+    draft_model : Model
+        A cheaper model with the same vocabulary (same ``vocab_size``, and the same token ids
+        when both have a tokenizer); any backend.
+    prompt : str, or a sequence or 1-D array of token ids
+        As for :func:`~portable_llm.generate` (one prompt, not a batch): text yields text
+        pieces, ids yield ids (``int``).
+    num_draft_tokens : int, >= 0
+        Proposals per round, ``k``: the target verifies ``k + 1`` tokens per forward. ``0`` is
+        plain decoding by the target (the draft never runs).
+    max_new_tokens, temperature, top_k, top_p, min_p, seed, stop, prefill_step_size
+        As for :func:`~portable_llm.generate`. The filters apply to both models' logits (the
+        transform of :func:`~portable_llm.sample`), and the acceptance rule compares the
+        filtered distributions. ``seed``: every draw (proposals, acceptance tests, corrections)
+        comes from a seed of ``numpy.random.default_rng(seed)``, as in
+        :func:`~portable_llm.make_sampler`.
+
+    Returns
+    -------
+    Generation
+        An iterator; its ``stats`` is a :class:`SpeculativeStats` (``acceptance_rate``).
+
+    Raises
+    ------
+    ValueError
+        Before running: the vocabularies differ, a bad option (as :func:`generate`).
+
+    Notes
+    -----
+    Every layer of both models gets a :class:`~portable_llm.KVCache` (fixed-size views where the
+    backend compiles per shape), also a sliding-window layer, whose mask applies the window: a
+    :class:`~portable_llm.RotatingKVCache` cannot rewind more than one token once it wrapped.
+    """
+    text = isinstance(prompt, str)
+    _check_pair(model, draft_model)
+    if text:
+        if model.tokenizer is None:
+            raise ValueError(f"{OP}: a text prompt needs the checkpoint's tokenizer.json")
+        ids = model.tokenizer.encode_prompt(prompt)
+    elif isinstance(prompt, list | tuple) and prompt and isinstance(prompt[0], str):
+        raise ValueError(f"{OP}: prompt must be one prompt (str or token ids), not a batch")
+    else:
+        ids = _ids(prompt)
+    V = model.config.vocab_size
+    if not ids:
+        raise ValueError(f"{OP}: the prompt has no tokens")
+    if min(ids) < 0 or max(ids) >= V:
+        raise ValueError(
+            f"{OP}: prompt token ids must lie in [0, {V}) (vocab_size), got {min(ids)} to "
+            f"{max(ids)}"
+        )
+    run = _Speculation(
+        model=model,
+        draft=draft_model,
+        k=check_int(OP, "num_draft_tokens", num_draft_tokens, low=0),
+        options=_sampling_options(temperature, top_k, top_p, min_p, V),
+        keys=np.random.default_rng(check_optional_int(OP, "seed", seed, low=0)),
+        chunk=check_prefill_step_size(OP, prefill_step_size),
+        stats=SpeculativeStats(prompt_tokens=len(ids)),
+    )
+    stops = frozenset(stop_tokens(model) if stop is None else _stop_ids(stop))
+    max_new_tokens = check_int(OP, "max_new_tokens", max_new_tokens, low=0)
+    tokens = run.tokens(ids, max_new_tokens, stops)
+    if text:
+        assert model.tokenizer is not None
+        return Generation(model.tokenizer.stream(tokens), run.stats)
+    return Generation(tokens, run.stats)
+
+
+def _check_pair(model: Model, draft: Model) -> None:
+    """The draft's ids must mean the target's: same vocab_size and tokenizer vocabulary."""
+    vm, vd = model.config.vocab_size, draft.config.vocab_size
+    if vm != vd:
+        raise ValueError(
+            f"{OP}: the draft's vocab_size ({vd}) differs from the target's ({vm}); the draft "
+            "must use the target's tokenizer"
+        )
+    tm, td = model.tokenizer, draft.tokenizer
+    if tm is None or td is None:
+        return
+    # The tokenizers' own vocabularies (token -> id, added tokens included).
+    am, ad = (t._tok.get_vocab(with_added_tokens=True) for t in (tm, td))
+    if am != ad:
+        diff = sorted(set(am.items()) ^ set(ad.items()), key=lambda item: item[1])[:3]
+        raise ValueError(
+            f"{OP}: the draft's tokenizer differs from the target's ({len(ad)} and {len(am)} "
+            f"tokens; first differences (token, id): {diff})"
+        )
+
+
+def _caches(model: Model) -> list[KVCache]:
+    """A rewindable cache per layer (see the notes of :func:`speculative_generate`)."""
+    static = model.backend.static_shapes
+    return [KVCache(static_shapes=static) for _ in range(model.config.num_hidden_layers)]
+
+
+@dataclass
+class _Speculation:
+    """One run: the two models, the options, the draws' seeds and the statistics."""
+
+    model: Model
+    draft: Model
+    k: int
+    options: dict[str, Any]  # temperature, top_k, top_p, min_p
+    keys: np.random.Generator  # seeds of the draws, in order
+    chunk: int | None
+    stats: SpeculativeStats
+
+    @property
+    def greedy(self) -> bool:
+        return bool(self.options["temperature"] < GREEDY_BELOW)
+
+    def _key(self) -> int:
+        return int(self.keys.integers(0, 2**63))
+
+    def _forward(self, model: Model, ids: list[int], cache: list[KVCache], last: bool) -> Array:
+        x = asarray([ids], backend=model.backend.name, device=model.device)  # (1, L)
+        return model(x, cache=cache, last_only=last)[0]  # (L | 1, V)
+
+    def _prefill(self, model: Model, ids: list[int], cache: list[KVCache]) -> Array:
+        """Logits ``(V,)`` of the prompt's last position (the prompt then in ``cache``)."""
+        host = np.asarray([ids], dtype=np.int64)  # (1, L)
+        start = prefill(model, host, cache, self.chunk)
+        return self._forward(model, ids[start:], cache, True)[-1]
+
+    def _draw(self, model: Model, logits: Array) -> tuple[int, Array | None]:
+        """A token of the filtered distribution of ``model``'s ``logits`` ``(V,)``, and its
+        log-probs ``(V,)`` (``None`` when greedy)."""
+        if self.greedy:
+            return _host(model, greedy(logits[None]))[0], None
+        ids, lp = sample(logits[None], key=self._key(), return_logprobs=True, **self.options)
+        return _host(model, ids)[0], lp[0, ...]
+
+    def tokens(self, ids: list[int], max_new: int, stops: frozenset[int]) -> Iterator[int]:
+        """The new token ids, one at a time; fills ``stats`` as it goes."""
+        stats = self.stats
+        if max_new == 0:
+            stats.finish_reason = "length"
+            return
+        start = time.perf_counter()
+        target_cache = _caches(self.model)
+        draft_cache = _caches(self.draft) if self.k else []
+        first, _ = self._draw(self.model, self._prefill(self.model, ids, target_cache))
+        if self.k:
+            self._prefill(self.draft, ids, draft_cache)
+        stats.prefill_seconds = time.perf_counter() - start
+        done = 0
+        pending = [first]  # tokens the draft has not seen, the last one also new to the target
+        round_tokens = [first]
+        while True:
+            for token in round_tokens:
+                if token in stops:
+                    stats.stop_token = token
+                    stats.finish_reason = "stop"
+                    return
+                stats.generated_tokens += 1
+                done += 1
+                yield token
+                if done == max_new:
+                    stats.finish_reason = "length"
+                    return
+            start = time.perf_counter()
+            n = min(self.k, max_new - done - 1)  # a round yields up to n + 1 tokens
+            round_tokens, pending = self._round(n, pending, target_cache, draft_cache)
+            stats.decode_seconds += time.perf_counter() - start
+            stats.decode_steps += _counted(round_tokens, stops)
+            stats.rounds += 1
+
+    def _round(
+        self, n: int, pending: list[int], target_cache: list[KVCache], draft_cache: list[KVCache]
+    ) -> tuple[list[int], list[int]]:
+        """Propose ``n`` tokens, verify them; return the round's tokens and the new pending."""
+        proposals: list[int] = []
+        qs: list[Array] = []
+        feed = pending
+        for _ in range(n):
+            logits = self._forward(self.draft, feed, draft_cache, True)[-1]  # (V,)
+            token, q = self._draw(self.draft, logits)
+            proposals.append(token)
+            if q is not None:
+                qs.append(q)
+            feed = [token]
+        logits = self._forward(self.model, [pending[-1], *proposals], target_cache, False)
+        accepted, nxt = self._verify(logits, proposals, qs)  # logits (n + 1, V)
+        self.stats.draft_tokens += n
+        self.stats.accepted_tokens += accepted
+        _trim(target_cache, n - accepted)
+        if n == 0:  # the draft did not run: what it has not seen grows (k = 0: it never runs)
+            return [nxt], [*pending, nxt] if self.k else [nxt]
+        if accepted == n:  # the draft never saw its last proposal
+            return [*proposals, nxt], [proposals[-1], nxt]
+        _trim(draft_cache, n - 1 - accepted)
+        return [*proposals[:accepted], nxt], [nxt]
+
+    def _verify(self, logits: Array, proposals: list[int], qs: list[Array]) -> tuple[int, int]:
+        """How many proposals the target accepts, and its own next token.
+
+        ``logits`` ``(n + 1, V)``: row ``i`` is the target's distribution of proposal ``i``
+        (row ``n``: the token after all of them)."""
+        bk, n = self.model.backend, len(proposals)
+        if self.greedy:
+            best = _host(self.model, greedy(logits))  # (n + 1,)
+            accepted = next((i for i in range(n) if best[i] != proposals[i]), n)
+            return accepted, best[accepted]
+        xp = bk.xp
+        p = logprobs(logits, **self.options)  # (n + 1, V), the filtered log-probs
+        accepted = n
+        if n:
+            dev = self.model.device
+            q = xp.stack([asarray(x, backend=bk.name, device=dev) for x in qs])  # (n, V)
+            q = xp.astype(q, p.dtype)
+            d = asarray([[t] for t in proposals], backend=bk.name, device=dev)  # (n, 1)
+            p_d = xp.exp(xp.take_along_axis(p[:n, ...], d, axis=-1))  # (n, 1)
+            q_d = xp.exp(xp.take_along_axis(q, d, axis=-1))  # (n, 1)
+            u = xp.astype(bk.uniform(bk.rng(self._key(), p), (n, 1), p), p.dtype)  # (n, 1)
+            ok = bk.to_numpy(u * q_d < p_d).reshape(-1)  # accept with probability min(1, p/q)
+            accepted = int(np.argmin(ok)) if not ok.all() else n
+        if accepted < n:  # resample from norm(max(0, p - q))
+            p_a = xp.exp(p[accepted, ...])  # (V,)
+            residual = xp.maximum(p_a - xp.exp(q[accepted, ...]), xp.zeros_like(p_a))
+            # p == q up to rounding leaves nothing: then p itself (p - q is 0 in exact math).
+            residual = xp.where(xp.sum(residual) > 0, residual, p_a)
+            positive = residual > 0
+            ones, none = xp.ones_like(residual), xp.full_like(residual, -math.inf)
+            row = xp.where(positive, xp.log(xp.where(positive, residual, ones)), none)
+        else:  # all accepted: a bonus token from the target's last distribution
+            row = p[n, ...]
+        # sample at temperature 1 without filters draws from softmax(row) = exp(row) / sum.
+        return accepted, _host(self.model, sample(row[None], temperature=1.0, key=self._key()))[0]
+
+
+def _host(model: Model, ids: Array) -> list[int]:
+    """Token ids ``(B..)`` of ``model``'s backend as a list of ints on the host."""
+    return [int(t) for t in model.backend.to_numpy(ids).reshape(-1)]
+
+
+def _trim(cache: list[KVCache], n: int) -> None:
+    if n:
+        for c in cache:
+            c.trim(n)
+
+
+def _counted(tokens: list[int], stops: frozenset[int]) -> int:
+    """Tokens of a round that count as decoded: up to and including the first stop token."""
+    for i, token in enumerate(tokens):
+        if token in stops:
+            return i + 1
+    return len(tokens)
