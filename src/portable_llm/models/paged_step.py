@@ -6,8 +6,8 @@ _Step`) with another cache: row ``b`` of the batch is one sequence, whose layer 
 keys and values in a :class:`~portable_llm.caches.paged.PagedKVCache` of that layer's
 :class:`~portable_llm.caches.paged.PagePool`. Each layer appends every row's new keys and
 values to the row's cache and attends with :func:`~portable_llm.attn.paged.paged_attention`
-over the pool: rows of different lengths in one batch, no padding and no gather. RoPE takes
-each row's own position (the offset of its cache).
+over the pool: rows of different lengths in one batch, no padding. RoPE takes each row's own
+position (the offset of its cache).
 
 The block tables of a step are built once, at the first layer: every layer's pool allocates
 the same page ids for a sequence (the batch generator reserves a sequence's pages in every
@@ -22,10 +22,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from portable_llm.attn.paged import paged_attention
+from portable_llm.attn.paged import OP as PAGED  # (importing it registers the kernels)
+from portable_llm.attn.paged_args import paged_args
 from portable_llm.caches.paged import PagedKVCache, block_tables
 from portable_llm.core.arrays import asarray
-from portable_llm.models.prepared import Prepared, _Step
+from portable_llm.models.prepared import Fn, Prepared, _Step
 from portable_llm.ops.embedding import embedding
 
 __all__ = ["PagedStep", "forward"]
@@ -51,10 +52,16 @@ class PagedStep(_Step):
         super().__init__(p, None, None, rows, positions[0], L)
         self.seqs = caches
         self.tables: tuple[Any, Any] | None = None  # (B, max_pages), (B,): the same per layer
+        self.paged: dict[int | None, tuple[Fn, Any, Any]] = {}  # window -> (fn, tables, opts)
 
     def attend(self, i: int, q: Any, k: Any, v: Any, window: int | None) -> Any:
         """Append the rows' keys and values ``(B, H_kv, L, D)`` to their caches of layer ``i``;
-        the paged attention of ``q`` ``(B, H, L, D)`` over them."""
+        the paged attention of ``q`` ``(B, H, L, D)`` over them.
+
+        :func:`~portable_llm.attn.paged.paged_attention`'s checks and kernel choice run at the
+        first layer of each window: the pools of the other layers have the same shape and
+        dtype, and the tables and lengths are the same.
+        """
         layer = [seq[i] for seq in self.seqs]
         if len(layer) == 1:
             layer[0].append(k, v)
@@ -63,9 +70,18 @@ class PagedStep(_Step):
                 cache.append(k[b : b + 1, ...], v[b : b + 1, ...])  # (1, H_kv, L, D)
         if self.tables is None:
             self.tables = block_tables(layer)
-        tables, lengths = self.tables
-        pool = layer[0].pool
-        return paged_attention(q, pool, tables, lengths, scale=self.p.scale, window=window)
+        pool, (tables, lengths) = layer[0].pool, self.tables
+        p = self.p
+        got = self.paged.get(window)
+        if got is None:
+            args, opts = paged_args(
+                PAGED, p.bk, q, pool.k_pages, pool.v_pages, tables, lengths, scale=p.scale,
+                window=window, softcap=None, block_pages=16,
+            )  # fmt: skip
+            fn = p.dispatch.pick(PAGED, "auto", *args, **opts)
+            got = self.paged[window] = (fn, args[3], opts["opts"])
+        fn, tables, opts = got
+        return fn(p.xp, q, pool.k_pages, pool.v_pages, tables, lengths, opts=opts)  # (B, H, L, D)
 
 
 def forward(model: Any, caches: Sequence[Sequence[PagedKVCache]], chunks: list[list[int]]) -> Any:
