@@ -1,5 +1,6 @@
 """Hugging Face checkpoints on any backend: config, weights, the decoder, tokenizer, generation."""
 
+from portable_llm.models.batch import BatchGenerator, Request, batch_generate
 from portable_llm.models.config import SUPPORTED_MODEL_TYPES, DecoderConfig, read_config
 from portable_llm.models.files import CheckpointError
 from portable_llm.models.generate import Generation, GenerationStats, generate
@@ -12,13 +13,16 @@ from portable_llm.models.tokenizer import Tokenizer
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
+    "BatchGenerator",
     "CheckpointError",
     "DecoderConfig",
     "Generation",
     "GenerationStats",
     "Model",
+    "Request",
     "SpeculativeStats",
     "Tokenizer",
+    "batch_generate",
     "generate",
     "generate_step",
     "load",
