@@ -16,7 +16,7 @@ import pytest
 import portable_llm as pl
 from portable_llm.attn.padding import left_pad
 from portable_llm.models import load
-from portable_llm.models.prepared import Prepared
+from portable_llm.models.prepared import Prepared, QLinear
 from portable_llm.testing import assert_close
 from portable_llm.testing.checkpoints import tiny_config, write_checkpoint
 
@@ -177,3 +177,62 @@ def test_compiled_step_left_padded_batch(folders: dict, backend: str) -> None:
         token = pl.asarray(np.array([[7 + t], [9 + t]]), backend=backend)
         assert_close(model(token, cache=fast), eager(token, cache=slow), err_msg=f"step {t}")
     assert model.compiled is not None and model.compiled.traces == 1
+
+
+# -- quantized weights -------------------------------------------------------------------------
+
+QUANT_FAMILIES = ["qwen2", "qwen3", "mistral"]
+
+
+@pytest.fixture(scope="module")
+def quant_folders(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Checkpoints whose every K (E, H * D, I) is a multiple of the group size 32."""
+    out = {}
+    for i, family in enumerate(QUANT_FAMILIES):
+        folder = tmp_path_factory.mktemp(f"prep_q_{family}")
+        cfg = tiny_config(family, intermediate_size=64, tie_word_embeddings=family != "qwen2")
+        write_checkpoint(folder, cfg, seed=40 + i)
+        out[family] = folder
+    return out
+
+
+def _quantized_model(folder: object, backend: str, dtype: str, bits: int) -> pl.Model:
+    """The checkpoint with its projections, embedding and LM head quantized (MLX's format,
+    group 32), the other weights in ``dtype``."""
+    from safetensors.numpy import load_file
+
+    if dtype not in pl.get_backend(backend).float_dtypes():
+        pytest.skip(f"{backend} has no {dtype}")
+    config = load(folder, backend="numpy", dtype="float32").config
+    weights = {}
+    for name, w in load_file(folder / "model.safetensors").items():  # type: ignore[operator]
+        w = pl.asarray(w.astype(np.float32), backend=backend, dtype=dtype)
+        quantized = name.endswith(("_proj.weight", "embed_tokens.weight", "lm_head.weight"))
+        weights[name] = pl.quantize(w, bits=bits, group_size=32) if quantized else w
+    return pl.Model(config, weights, pl.get_backend(backend))
+
+
+@pytest.mark.slow_on("jax")
+@pytest.mark.parametrize("family", QUANT_FAMILIES)
+@pytest.mark.parametrize(("dtype", "bits"), [("float32", 4), ("bfloat16", 4), ("float32", 3)])
+def test_prepared_quantized_equals_op_by_op(
+    quant_folders: dict, family: str, backend: str, dtype: str, bits: int
+) -> None:
+    """Quantized projections, embedding and head: the prepared forward binds each weight's
+    quantized_linear kernel at load (torch's int4 kernel for 4-bit bfloat16, MLX's
+    quantized_matmul for float32, the portable path elsewhere) and gives the op-by-op path's
+    logits bit for bit: a full forward, then a prefill and decode steps on caches."""
+    model = _quantized_model(quant_folders[family], backend, dtype, bits)
+    assert model.prepared is not None and model.prepared.quantized
+    assert model.compiled is None  # quantized weights run the eager prepared forward
+    attn = model.prepared.layers[0].attn
+    assert isinstance(attn.wq, QLinear) and isinstance(model.prepared.layers[1].mlp.w_down, QLinear)
+    slow = _op_by_op(model)
+    ids = _ids(7, L)
+    _same(model(ids[None]), slow(ids[None]), "full forward")
+    fast_cache, slow_cache = model.make_cache(), slow.make_cache()
+    start = 0
+    for stop in (6, 7, 8):
+        chunk = ids[None, start:stop]
+        _same(model(chunk, cache=fast_cache), slow(chunk, cache=slow_cache), f"{start}..{stop}")
+        start = stop

@@ -117,9 +117,10 @@ class Model:
     come from the folder when it has them.
 
     ``prepared`` (default ``True``): when every weight is a plain array of the model's backend
-    and dtype, the forward is the prepared one (:mod:`portable_llm.models.prepared`: weights
-    bound into typed records, kernels chosen once, the mask and RoPE table built once per
-    forward); ``False``, or a quantized or mixed-dtype weight, composes the public ops layer by
+    and dtype, or a :class:`~portable_llm.QuantizedWeight` of that backend (projections,
+    embedding, LM head), the forward is the prepared one (:mod:`portable_llm.models.prepared`:
+    weights bound into typed records, kernels chosen once, the mask and RoPE table built once
+    per forward); ``False``, or a mixed-dtype float weight, composes the public ops layer by
     layer (:attr:`prepared` is then ``None``). Both give the same logits, bit for bit.
     """
 
@@ -146,17 +147,19 @@ class Model:
         self.tokenizer = tokenizer
         self.generation_config = dict(generation_config or {})
         #: The prepared forward (:mod:`portable_llm.models.prepared`): built when ``prepared``
-        #: and every weight is a plain array of the model's backend and dtype; ``None`` runs
-        #: the op-by-op path (the public ops, each checking its arguments).
+        #: and every weight is a plain array of the model's backend and dtype (or a quantized
+        #: weight of that backend); ``None`` runs the op-by-op path (the public ops, each
+        #: checking its arguments).
         self.prepared: Prepared | None = None
         if prepared and preparable(backend, self.dtype, self._top_arrays(), self.blocks):
             self.prepared = Prepared(
                 config, backend, self.dtype, self.embed, self.norm, self.lm_head, self.blocks
             )
         #: The compiled decode step (:mod:`portable_llm.models.compiled`; JAX), run by a call
-        #: with one token per row and caches that hold the prompt; ``None`` elsewhere.
+        #: with one token per row and caches that hold the prompt; ``None`` elsewhere (and for
+        #: quantized weights, which the prepared forward runs eagerly).
         self.compiled: CompiledStep | None = None
-        if compile and self.prepared is not None:
+        if compile and self.prepared is not None and not self.prepared.quantized:
             self.compiled = compiled_step(self.prepared)
 
     def _top_arrays(self) -> list[Any]:
@@ -219,12 +222,7 @@ class Model:
             if backend_of(left_padding) is not bk or bk.device_of(left_padding) != self.device:
                 left_padding = asarray(host, backend=bk.name, device=self.device)
         if self.prepared is not None:
-            head = self.embed if self.lm_head is None else self.lm_head
-            top = (self.embed, self.norm, head)
-            if self.compiled is not None and self.compiled.applies(ids, cache):
-                assert cache is not None
-                return self.compiled(ids, cache, top)
-            return self.prepared(ids, cache, left_padding, last_only, top)
+            return self._prepared(ids, cache, left_padding, last_only, check_ids=True)
         eps = self.config.rms_norm_eps
         h = embedding(ids, self.embed)  # (B, L, E)
         for i, block in enumerate(self.blocks):
@@ -237,13 +235,37 @@ class Model:
             return unembed(h, self.embed)  # (B, L, V)
         return linear(h, self.lm_head)  # (B, L, V)
 
+    def _prepared(
+        self, ids: Any, cache: Any, left_padding: Any, last_only: bool, *, check_ids: bool
+    ) -> Any:
+        """The compiled step where it applies, else the prepared forward."""
+        assert self.prepared is not None
+        head = self.embed if self.lm_head is None else self.lm_head
+        top = (self.embed, self.norm, head)
+        if self.compiled is not None and self.compiled.applies(ids, cache):
+            return self.compiled(ids, cache, top)
+        return self.prepared(ids, cache, left_padding, last_only, top, check_ids=check_ids)
+
     def decode_step(self, ids: Any, /, *, cache: Sequence[Any]) -> Any:
-        """Logits ``(B, 1, V)`` of one new token per row (``ids`` ``(B, 1)``) after what
-        ``cache`` holds: ``model(ids, cache=cache)``, which runs the compiled step
-        (:attr:`compiled`) where there is one, the prepared forward elsewhere. On MLX the
-        result is lazy: ``mx.async_eval`` of the next token lets the host queue the step after.
+        """Logits ``(B, 1, V)`` of one new token per row after what ``cache`` holds.
+
+        ``ids`` ``(B, 1)``: an integer array of the model's backend on its device, as a
+        sampler gives them. ``model(ids, cache=cache, last_only=True)``, without the host read
+        of the ids' range check: an id outside ``[0, V)`` gives NaN logits, not a ValueError,
+        and nothing waits for the device, so a lazy backend (MLX) can queue the next step
+        before this one ran. Runs the compiled step (:attr:`compiled`) where there is one, the
+        prepared forward elsewhere; other ids (a list, another backend) go through ``model``.
         """
-        return self(ids, cache=cache, last_only=True)
+        bk = self.backend
+        if (
+            self.prepared is None
+            or backend_of(ids) is not bk
+            or bk.device_of(ids) != self.device
+            or ids.ndim != 2
+            or len(cache) != len(self.blocks)
+        ):
+            return self(ids, cache=cache, last_only=True)
+        return self._prepared(ids, cache, None, True, check_ids=False)
 
     def make_cache(self, *, left_padding: Any = None, step: int = 256) -> list[Any]:
         """One KV cache per layer: a :class:`~portable_llm.KVCache`, or for a sliding-window

@@ -11,13 +11,19 @@ The layers then call those implementations directly: no backend resolution and n
 checks per layer (the public ops keep theirs for users). The results are bit for bit those of
 the op-by-op path (``Model(..., prepared=False)``), which composes the public ops: the same
 kernels receive the same arrays and options.
+
+A projection weight may be a :class:`~portable_llm.ops.quant.QuantizedWeight` (mlx-lm folders,
+GGUF files kept quantized): it is bound as a :class:`QLinear`, whose ``quantized_linear`` kernel
+is chosen once per shape of the activations (as the public op chooses it per call) and then called
+directly.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from portable_llm.attn.padding import nonnegative
@@ -30,9 +36,10 @@ from portable_llm.models.config import DecoderConfig
 from portable_llm.ops.activations import activation_op
 from portable_llm.ops.embedding import embedding
 from portable_llm.ops.moe import moe
+from portable_llm.ops.quant import QuantizedWeight
 from portable_llm.rotary.args import dispatch_args as rope_dispatch_args
 
-__all__ = ["AttnWeights", "Kernels", "Layer", "MlpWeights", "Prepared", "preparable"]
+__all__ = ["AttnWeights", "Kernels", "Layer", "MlpWeights", "Prepared", "QLinear", "preparable"]
 
 Fn = Callable[..., Any]
 
@@ -45,10 +52,44 @@ class Kernels:
     rms_norm: Fn  # fn(xp, x, w, *, eps)
     act: Fn  # fn(xp, x)
 
+    def project(self, xp: Any, x: Any, w: Any, b: Any) -> Any:
+        """``x @ w.T + b`` for a float weight or a :class:`QLinear`."""
+        if type(w) is QLinear:
+            return w(xp, x, b)
+        return self.linear(xp, x, w, b)
+
+
+@dataclass(frozen=True)
+class QLinear:
+    """A quantized projection ``(N, K)`` (MLX's affine format) with its kernels.
+
+    ``quantized_linear``'s kernel is chosen once per weight and shape of ``x``'s leading axes
+    (``auto`` looks at the row count: a few rows of a decode step take another portable path
+    than a prefill), then called directly.
+    """
+
+    packed: Any  # (N, K * bits / 32) uint32
+    scales: Any  # (N, K / group_size)
+    biases: Any  # (N, K / group_size)
+    bits: int
+    group_size: int
+    pick: Fn  # pick(x, packed, scales, biases, b, **format): the dispatcher's auto choice
+    fns: dict[tuple[Any, ...], Fn] = field(default_factory=dict, compare=False, repr=False)
+
+    def __call__(self, xp: Any, x: Any, b: Any) -> Any:
+        """``x @ dequantize(w).T + b`` in x's dtype."""
+        opts = {"bits": self.bits, "group_size": self.group_size}
+        key = (*x.shape[:-1], b is None)
+        fn = self.fns.get(key)
+        if fn is None:
+            fn = self.fns[key] = self.pick(x, self.packed, self.scales, self.biases, b, **opts)
+        return fn(xp, x, self.packed, self.scales, self.biases, b, **opts)
+
 
 @dataclass(frozen=True)
 class AttnWeights:
-    """One layer's attention: projections ``(out, E)``, optional biases and q/k norms."""
+    """One layer's attention: projections ``(out, E)`` (arrays or :class:`QLinear`), optional
+    biases and q/k norms."""
 
     wq: Any  # (H * D, E)
     wk: Any  # (H_kv * D, E)
@@ -65,7 +106,7 @@ class AttnWeights:
 
 @dataclass(frozen=True)
 class MlpWeights:
-    """A dense gated MLP: ``down(act(gate(x)) * up(x))``."""
+    """A dense gated MLP: ``down(act(gate(x)) * up(x))`` (weights: arrays or :class:`QLinear`)."""
 
     w_gate: Any  # (I, E)
     w_up: Any  # (I, E)
@@ -95,29 +136,61 @@ def _arrays(block: Any) -> list[Any]:
     return [x for x in out if x is not None]
 
 
+#: The weights that may be quantized: the projections (``_arrays`` lists the others first).
+_PROJECTIONS = ("wq", "wk", "wv", "wo")
+
+
+def _projections(block: Any) -> list[Any]:
+    return [*(block.attn[k] for k in _PROJECTIONS), *(block.mlp or ())]
+
+
 def preparable(bk: Backend, dtype: Any, arrays: Sequence[Any], blocks: Sequence[Any]) -> bool:
-    """Whether every weight the prepared layers bind is a plain ``bk`` array of ``dtype``
-    (not a quantized weight, not another float dtype that the ops would cast per call)."""
+    """Whether every weight the prepared layers bind is a plain ``bk`` array of ``dtype`` (not
+    another float dtype that the ops would cast per call) or, for the embedding, the LM head and
+    the projections, a :class:`~portable_llm.ops.quant.QuantizedWeight` of ``bk``."""
+    quantizable = {id(w) for w in arrays} | {id(w) for b in blocks for w in _projections(b)}
     for x in [*arrays, *(w for b in blocks for w in _arrays(b))]:
+        if isinstance(x, QuantizedWeight):
+            if x.backend is not bk or id(x) not in quantizable:
+                return False
+            continue
         try:
             if backend_of(x) is not bk or x.dtype != dtype:
                 return False
-        except TypeError:  # a type no backend knows (a quantized weight)
+        except TypeError:  # a type no backend knows
             return False
     return True
 
 
-def _layer(block: Any) -> Layer:
+def _bind(d: Any, w: Any) -> Any:
+    """``w``, or for a quantized weight its :class:`QLinear`."""
+    if not isinstance(w, QuantizedWeight):
+        return w
+    pick = partial(d.pick, "quantized_linear", "auto")
+    return QLinear(*w.arrays, bits=w.bits, group_size=w.group_size, pick=pick)
+
+
+def _layer(block: Any, bind: Callable[[Any], Any]) -> Layer:
     a = block.attn
+    wq, wk, wv, wo = (bind(a[k]) for k in _PROJECTIONS)
     attn = AttnWeights(
-        wq=a["wq"], wk=a["wk"], wv=a["wv"], wo=a["wo"], bq=a["bq"], bk=a["bk"], bv=a["bv"],
+        wq=wq, wk=wk, wv=wv, wo=wo, bq=a["bq"], bk=a["bk"], bv=a["bv"],
         bo=block.o_bias, q_norm=a["q_norm"], k_norm=a["k_norm"], window=a["window"],
     )  # fmt: skip
     dense = None
     if block.mlp is not None:
         opts = block.mlp_options
-        dense = MlpWeights(*block.mlp, *(opts.get(f"b_{k}") for k in ("gate", "up", "down")))
+        biases = (opts.get(f"b_{k}") for k in ("gate", "up", "down"))
+        dense = MlpWeights(*(bind(w) for w in block.mlp), *biases)
     return Layer(block.input_norm, block.post_norm, attn, dense, block.moe)
+
+
+def _attn_projections(a: AttnWeights) -> tuple[Any, ...]:
+    return a.wq, a.wk, a.wv, a.wo
+
+
+def _mlp_projections(m: MlpWeights | None) -> tuple[Any, ...]:
+    return () if m is None else (m.w_gate, m.w_up, m.w_down)
 
 
 def _heads(xp: Any, y: Any, n: int, d: int) -> Any:
@@ -157,7 +230,15 @@ class Prepared:
         self.xp = bk.xp
         self.embed, self.norm = embed, norm
         self.head = embed if lm_head is None else lm_head  # (V, E)
-        self.layers = [_layer(b) for b in blocks]
+        d = self.dispatch = dispatcher(bk)
+        self.layers = [_layer(b, lambda w: _bind(d, w)) for b in blocks]
+        self._head = _bind(d, self.head)  # a quantized head's QLinear
+        #: Whether a weight is quantized (the compiled step takes plain arrays only).
+        self.quantized = isinstance(embed, QuantizedWeight) or any(
+            type(w) is QLinear
+            for layer in self.layers
+            for w in (*_attn_projections(layer.attn), *_mlp_projections(layer.mlp), self._head)
+        )
         self.H, self.H_kv, self.D = (
             config.num_attention_heads,
             config.num_key_value_heads,
@@ -166,11 +247,10 @@ class Prepared:
         self.eps = config.rms_norm_eps
         self.scale = 1.0 / math.sqrt(self.D)
         self.rope = dict(config.rope) if config.rope is not None else None
-        d = dispatcher(bk)
-        x = bk.xp.zeros((1, 1, config.hidden_size), dtype=dtype, device=bk.device_of(embed))
-        self.dispatch = d
+        E = config.hidden_size
+        x = bk.xp.zeros((1, 1, E), dtype=dtype, device=bk.device_of(norm))
         self.kernels = Kernels(
-            linear=d.pick("linear", "auto", x, embed, None),
+            linear=d.pick("linear", "auto", x, bk.xp.zeros((1, E), dtype=dtype), None),
             rms_norm=d.pick("rms_norm", "auto", x, norm, eps=self.eps),
             act=d.pick(activation_op(config.hidden_act, "model"), "auto", x),
         )
@@ -183,12 +263,14 @@ class Prepared:
         pad: Any,
         last_only: bool,
         top: tuple[Any, Any, Any] | None = None,
+        check_ids: bool = True,
     ) -> Any:
         """Logits ``(B, L | 1, V)`` of ``ids`` ``(B, L)`` (already on the model's backend and
         device; ``pad`` checked by the model). ``top``: the model's ``(embed, norm, head)``
-        as they are now (default: those bound here)."""
+        as they are now (default: those bound here). ``check_ids=False``: the embedding does
+        not read the ids back (a decode loop's own ids; out of range: NaN rows)."""
         embed, norm, head = top or (self.embed, self.norm, self.head)
-        h = embedding(ids, embed)  # (B, L, E): the public op keeps the ids' range check
+        h = embedding(ids, embed, check=check_ids)  # (B, L, E): the public op
         L = ids.shape[1]
         offset = 0
         if cache is not None:
@@ -211,9 +293,9 @@ class Prepared:
             r = kn.rms_norm(xp, h, layer.post_norm, eps=eps)
             if layer.mlp is not None:
                 m = layer.mlp
-                gate = kn.linear(xp, r, m.w_gate, m.b_gate)  # (B, L, I)
-                up = kn.linear(xp, r, m.w_up, m.b_up)  # (B, L, I)
-                out = kn.linear(xp, kn.act(xp, gate) * up, m.w_down, m.b_down)  # (B, L, E)
+                gate = kn.project(xp, r, m.w_gate, m.b_gate)  # (B, L, I)
+                up = kn.project(xp, r, m.w_up, m.b_up)  # (B, L, I)
+                out = kn.project(xp, kn.act(xp, gate) * up, m.w_down, m.b_down)  # (B, L, E)
             else:
                 assert layer.moe is not None
                 out = moe(r, *layer.moe["arrays"], **layer.moe["options"])
@@ -223,7 +305,11 @@ class Prepared:
     def head_logits(self, h: Any, norm: Any, head: Any) -> Any:
         """The final norm and the LM head: ``(B, L, E)`` -> ``(B, L, V)``."""
         kn = self.kernels
-        return kn.linear(self.xp, kn.rms_norm(self.xp, h, norm, eps=self.eps), head, None)
+        if head is self.head:
+            head = self._head
+        elif isinstance(head, QuantizedWeight):  # another head than the one bound at load
+            head = _bind(self.dispatch, head)
+        return kn.project(self.xp, kn.rms_norm(self.xp, h, norm, eps=self.eps), head, None)
 
 
 class _Step:
@@ -302,9 +388,9 @@ class _Step:
         p = self.p
         xp, kn, H, H_kv, D = p.xp, p.kernels, p.H, p.H_kv, p.D
         B, L = x.shape[0], x.shape[1]
-        q = _heads(xp, kn.linear(xp, x, a.wq, a.bq), H, D)  # (B, H, L, D)
-        k = _heads(xp, kn.linear(xp, x, a.wk, a.bk), H_kv, D)  # (B, H_kv, L, D)
-        v = _heads(xp, kn.linear(xp, x, a.wv, a.bv), H_kv, D)  # (B, H_kv, L, D)
+        q = _heads(xp, kn.project(xp, x, a.wq, a.bq), H, D)  # (B, H, L, D)
+        k = _heads(xp, kn.project(xp, x, a.wk, a.bk), H_kv, D)  # (B, H_kv, L, D)
+        v = _heads(xp, kn.project(xp, x, a.wv, a.bv), H_kv, D)  # (B, H_kv, L, D)
         if a.q_norm is not None:
             q = kn.rms_norm(xp, q, a.q_norm, eps=p.eps)
         if a.k_norm is not None:
@@ -315,5 +401,5 @@ class _Step:
             k = rope(xp, k, offsets, inv, **ropts)
         o = self.attend(i, q, k, v, a.window)  # (B, H, L, D)
         o = xp.reshape(xp.permute_dims(o, (0, 2, 1, 3)), (B, L, H * D))  # (B, L, H*D)
-        o = kn.linear(xp, o, a.wo, None)  # (B, L, E)
+        o = kn.project(xp, o, a.wo, None)  # (B, L, E)
         return o if a.bo is None else o + a.bo
