@@ -178,6 +178,7 @@ class PagePool:
         shape = tuple(k.shape)
         if (
             len(shape) != heads_axis + 3
+            or shape[:heads_axis] != (1,) * heads_axis
             or shape[heads_axis] != H
             or shape[-1] != D
             or shape[-2] < 1
