@@ -136,3 +136,17 @@ def test_bad_prefill_step_size_is_refused_before_running(folders: dict, bad: obj
         pl.generate(model, [5, 6, 7], prefill_step_size=bad)  # type: ignore[arg-type]
     with pytest.raises(error, match="prefill_step_size"):
         pl.generate_step(model, [5, 6, 7], prefill_step_size=bad)  # type: ignore[arg-type]
+
+
+def test_cli_prefill_step_size(folders: dict, capsys: pytest.CaptureFixture) -> None:
+    from portable_llm.tools.cli import main
+
+    folder, _, _ = folders["mistral"]
+    prompt = _ids(10, 9)
+    want = list(pl.generate(load(folder), prompt, max_new_tokens=5, prefill_step_size=None))
+    ids = ",".join(map(str, prompt))
+    args = ["generate", str(folder), "--ids", ids, "--max-new-tokens", "5"]
+    assert main([*args, "--prefill-step-size", "2"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == ",".join(map(str, want))
+    assert main([*args, "--prefill-step-size", "0"]) == 1
+    assert "prefill_step_size" in capsys.readouterr().err

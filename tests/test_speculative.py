@@ -14,6 +14,7 @@ same threshold is shown to reject the draft's own distribution.
 
 from __future__ import annotations
 
+import re
 from statistics import NormalDist
 from types import SimpleNamespace
 from typing import Any
@@ -199,6 +200,24 @@ def test_bad_options_are_refused_before_running(
         pl.speculative_generate(model, _Unused(model), PROMPT, **options)
     with pytest.raises(ValueError, match="not a batch"):
         pl.speculative_generate(model, model, ["a", "b"])
+
+
+def test_cli_generate_with_a_draft(llama: tuple, capsys: pytest.CaptureFixture) -> None:
+    from portable_llm.tools.cli import main
+
+    want = list(pl.generate(load(llama[0]), PROMPT, max_new_tokens=NEW))  # ends at EOS
+    ids = ",".join(map(str, PROMPT))
+    args = ["generate", str(llama[0]), "--ids", ids, "--max-new-tokens", str(NEW)]
+    assert main([*args, "--draft", str(llama[1]), "--num-draft-tokens", "3"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == ",".join(map(str, want))
+    assert re.fullmatch(
+        r"draft Model\(.*\): \d+ of \d+ proposed tokens accepted \(acceptance rate "
+        r"[\d.]+\), \d+ verifying forwards",
+        out[-1],
+    )
+    assert main([*args, "--draft", str(llama[2])]) == 1  # another tokenizer
+    assert "tokenizer differs" in capsys.readouterr().err
 
 
 # -- sampling: the output has the target's distribution ------------------------------------------

@@ -201,20 +201,20 @@ class _Speculation:
 
     def _forward(self, model: Model, ids: list[int], cache: list[KVCache], last: bool) -> Array:
         x = asarray([ids], backend=model.backend.name, device=model.device)  # (1, L)
-        return model(x, cache=cache, last_only=last)[0]  # (L | 1, V)
+        return model(x, cache=cache, last_only=last)[0, ...]  # (L | 1, V)
 
     def _prefill(self, model: Model, ids: list[int], cache: list[KVCache]) -> Array:
         """Logits ``(V,)`` of the prompt's last position (the prompt then in ``cache``)."""
         host = np.asarray([ids], dtype=np.int64)  # (1, L)
         start = prefill(model, host, cache, self.chunk)
-        return self._forward(model, ids[start:], cache, True)[-1]
+        return self._forward(model, ids[start:], cache, True)[-1, ...]
 
     def _draw(self, model: Model, logits: Array) -> tuple[int, Array | None]:
         """A token of the filtered distribution of ``model``'s ``logits`` ``(V,)``, and its
         log-probs ``(V,)`` (``None`` when greedy)."""
         if self.greedy:
-            return _host(model, greedy(logits[None]))[0], None
-        ids, lp = sample(logits[None], key=self._key(), return_logprobs=True, **self.options)
+            return _host(model, greedy(logits[None, ...]))[0], None
+        ids, lp = sample(logits[None, ...], key=self._key(), return_logprobs=True, **self.options)
         return _host(model, ids)[0], lp[0, ...]
 
     def tokens(self, ids: list[int], max_new: int, stops: frozenset[int]) -> Iterator[int]:
@@ -260,7 +260,7 @@ class _Speculation:
         qs: list[Array] = []
         feed = pending
         for _ in range(n):
-            logits = self._forward(self.draft, feed, draft_cache, True)[-1]  # (V,)
+            logits = self._forward(self.draft, feed, draft_cache, True)[-1, ...]  # (V,)
             token, q = self._draw(self.draft, logits)
             proposals.append(token)
             if q is not None:
@@ -312,7 +312,9 @@ class _Speculation:
         else:  # all accepted: a bonus token from the target's last distribution
             row = p[n, ...]
         # sample at temperature 1 without filters draws from softmax(row) = exp(row) / sum.
-        return accepted, _host(self.model, sample(row[None], temperature=1.0, key=self._key()))[0]
+        return accepted, _host(
+            self.model, sample(row[None, ...], temperature=1.0, key=self._key())
+        )[0]
 
 
 def _host(model: Model, ids: Array) -> list[int]:

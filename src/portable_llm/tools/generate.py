@@ -49,6 +49,27 @@ def add_generate_parser(sub: Any) -> None:
     p.add_argument(
         "--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template"
     )
+    p.add_argument(
+        "--prefill-step-size",
+        type=int,
+        default=2048,
+        metavar="N",
+        help="the prompt goes through the model in chunks of N tokens (default 2048)",
+    )
+    p.add_argument(
+        "--draft",
+        default=None,
+        metavar="PATH",
+        help="speculative decoding: a smaller checkpoint (folder or .gguf, kept quantized) with "
+        "the same tokenizer proposes tokens that the model verifies; prints the acceptance rate",
+    )
+    p.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=4,
+        metavar="K",
+        help="tokens the --draft proposes per round (default 4)",
+    )
 
 
 def _ids(text: str) -> list[int]:
@@ -74,6 +95,7 @@ def run_generate(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """
     from portable_llm.models.generate import generate
     from portable_llm.models.loader import load
+    from portable_llm.models.speculative import SpeculativeStats, speculative_generate
 
     out = out if out is not None else sys.stdout
     err = sys.stderr
@@ -83,6 +105,10 @@ def run_generate(args: argparse.Namespace, out: TextIO | None = None) -> int:
             raise ValueError("--chat needs a text --prompt, not --ids")
         start = time.perf_counter()
         model = load(args.path, backend=args.backend, dtype=args.dtype, device=args.device)
+        draft_path = getattr(args, "draft", None)
+        draft = None
+        if draft_path is not None:
+            draft = load(draft_path, backend=args.backend, dtype=args.dtype, device=args.device)
         loaded = time.perf_counter() - start
         prompt: Any = ids
         if ids is None:
@@ -95,11 +121,19 @@ def run_generate(args: argparse.Namespace, out: TextIO | None = None) -> int:
             if args.chat:  # transformers' chat ids: the template writes its own BOS
                 messages = [{"role": "user", "content": prompt}]
                 prompt = model.tokenizer.apply_chat_template(messages, tokenize=True)
-        gen = generate(
-            model, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-            top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
-            repetition_penalty=getattr(args, "repetition_penalty", None),
-        )  # fmt: skip
+        options = {
+            "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+            "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p, "seed": args.seed,
+            "prefill_step_size": getattr(args, "prefill_step_size", 2048),
+        }  # fmt: skip
+        if draft is None:
+            penalty = getattr(args, "repetition_penalty", None)
+            gen = generate(model, prompt, **options, repetition_penalty=penalty)
+        elif getattr(args, "repetition_penalty", None) is not None:
+            raise ValueError("--repetition-penalty is not supported with --draft")
+        else:
+            k = args.num_draft_tokens
+            gen = speculative_generate(model, draft, prompt, num_draft_tokens=k, **options)
         pieces = model.tokenizer.stream(gen) if args.chat else gen  # the chat prompt is ids
         for i, piece in enumerate(pieces):
             text = piece if ids is None else f"{',' if i else ''}{piece}"
@@ -118,6 +152,12 @@ def run_generate(args: argparse.Namespace, out: TextIO | None = None) -> int:
         f"{s.decode_tokens_per_second:.1f} tokens/s",
         file=out,
     )
+    if isinstance(s, SpeculativeStats):
+        print(
+            f"draft {draft!r}: {s.accepted_tokens} of {s.draft_tokens} proposed tokens accepted "
+            f"(acceptance rate {s.acceptance_rate:.2f}), {s.rounds} verifying forwards",
+            file=out,
+        )
     return 0
 
 
