@@ -50,9 +50,9 @@ class PagedStep(_Step):
         if len(positions) > 1:  # (B,) RoPE offsets, one per row
             rows = asarray(positions, backend=p.bk.name, device=p.bk.device_of(p.embed))
         super().__init__(p, None, None, rows, positions[0], L)
-        self.seqs = caches
-        self.tables: tuple[Any, Any] | None = None  # (B, max_pages), (B,): the same per layer
-        self.paged: dict[int | None, tuple[Fn, Any, Any]] = {}  # window -> (fn, tables, opts)
+        self.paged_seqs = caches
+        self.paged_tables: tuple[Any, Any] | None = None  # (B, max_pages), (B,): the same per layer
+        self.paged_fns: dict[int | None, tuple[Fn, Any, Any]] = {}  # window -> (fn, tables, opts)
 
     def attend(self, i: int, q: Any, k: Any, v: Any, window: int | None) -> Any:
         """Append the rows' keys and values ``(B, H_kv, L, D)`` to their caches of layer ``i``;
@@ -62,24 +62,24 @@ class PagedStep(_Step):
         first layer of each window: the pools of the other layers have the same shape and
         dtype, and the tables and lengths are the same.
         """
-        layer = [seq[i] for seq in self.seqs]
+        layer = [seq[i] for seq in self.paged_seqs]
         if len(layer) == 1:
             layer[0].append(k, v)
         else:
             for b, cache in enumerate(layer):
                 cache.append(k[b : b + 1, ...], v[b : b + 1, ...])  # (1, H_kv, L, D)
-        if self.tables is None:
-            self.tables = block_tables(layer)
-        pool, (tables, lengths) = layer[0].pool, self.tables
+        if self.paged_tables is None:
+            self.paged_tables = block_tables(layer)
+        pool, (tables, lengths) = layer[0].pool, self.paged_tables
         p = self.p
-        got = self.paged.get(window)
+        got = self.paged_fns.get(window)
         if got is None:
             args, opts = paged_args(
                 PAGED, p.bk, q, pool.k_pages, pool.v_pages, tables, lengths, scale=p.scale,
                 window=window, softcap=None, block_pages=16,
             )  # fmt: skip
             fn = p.dispatch.pick(PAGED, "auto", *args, **opts)
-            got = self.paged[window] = (fn, args[3], opts["opts"])
+            got = self.paged_fns[window] = (fn, args[3], opts["opts"])
         fn, tables, opts = got
         return fn(p.xp, q, pool.k_pages, pool.v_pages, tables, lengths, opts=opts)  # (B, H, L, D)
 
