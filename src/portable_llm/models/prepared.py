@@ -38,6 +38,7 @@ from portable_llm.ops.embedding import embedding
 from portable_llm.ops.moe import moe
 from portable_llm.ops.quant import QuantizedWeight
 from portable_llm.rotary.args import dispatch_args as rope_dispatch_args
+from portable_llm.rotary.rope import _angles, _rotate
 
 __all__ = ["AttnWeights", "Kernels", "Layer", "MlpWeights", "Prepared", "QLinear", "preparable"]
 
@@ -203,6 +204,23 @@ def _mask_key(cache: Any, window: int | None) -> tuple[Any, ...]:
     return (type(cache), window, getattr(cache, "max_size", None), getattr(cache, "keep", None))
 
 
+def _rope_tables(
+    xp: Any, x: Any, offsets: Any, inv: Any, *, offset: int, dims: int, traditional: bool,
+    attention: float,
+) -> tuple[Any, Any]:  # fmt: skip
+    """cos and sin of the portable RoPE kernel (``rotary.rope._rope``, its steps) for ``x``
+    ``(B, .., L, D)``: ``(L, D')`` or ``(B, 1.., L, D')``, in x's dtype."""
+    L = x.shape[-2]
+    positions = xp.arange(offset, offset + L, device=getattr(x, "device", None))  # (L,)
+    if offsets is not None:  # () -> (L,); (B,) -> (B, L)
+        positions = xp.reshape(offsets, (*tuple(offsets.shape), 1)) + positions
+    cos, sin = _angles(xp, positions, inv, attention)  # (L, h) or (B, L, h)
+    if cos.ndim == 3:  # (B, L, h) -> (B, 1.., L, h) against x (B, .., L, D)
+        shape = (cos.shape[0], *(1,) * (x.ndim - 3), *tuple(cos.shape)[1:])
+        cos, sin = xp.reshape(cos, shape), xp.reshape(sin, shape)
+    return xp.astype(cos, x.dtype), xp.astype(sin, x.dtype)
+
+
 class Prepared:
     """The forward of a model whose weights were checked at load (see the module docstring).
 
@@ -247,6 +265,7 @@ class Prepared:
         self.eps = config.rms_norm_eps
         self.scale = 1.0 / math.sqrt(self.D)
         self.rope = dict(config.rope) if config.rope is not None else None
+        self.portable_rope = d.portable_impl("rope")
         E = config.hidden_size
         x = bk.xp.zeros((1, 1, E), dtype=dtype, device=bk.device_of(norm))
         self.kernels = Kernels(
@@ -326,6 +345,7 @@ class _Step:
             L,
         )
         self.rope: tuple[Fn, Any, Any, dict[str, Any]] | None = None
+        self.tables: tuple[Any, Any] | None = None  # the portable RoPE's cos and sin
         self.masks: dict[tuple[Any, ...], tuple[Any, Any]] = {}
         self.sdpa: dict[tuple[Any, ...], Fn] = {}
 
@@ -338,6 +358,25 @@ class _Step:
             fn = p.dispatch.pick("rope", "auto", q, offsets, inv, **ropts)
             self.rope = (fn, offsets, inv, ropts)
         return self.rope
+
+    def rotate(self, q: Any, k: Any) -> tuple[Any, Any]:
+        """RoPE of ``q`` ``(B, H, L, D)`` and ``k`` ``(B, H_kv, L, D)`` at this step's positions.
+
+        With the portable kernel, its cos and sin tables are computed once per forward (the
+        kernel's own steps) and every layer only rotates; a native kernel runs per call.
+        """
+        fn, offsets, inv, ropts = self._rope(q)
+        xp = self.p.xp
+        if fn is not self.p.portable_rope:
+            return fn(xp, q, offsets, inv, **ropts), fn(xp, k, offsets, inv, **ropts)
+        if self.tables is None:
+            self.tables = _rope_tables(xp, q, offsets, inv, **ropts)
+        cos, sin = self.tables
+        dims, traditional = ropts["dims"], ropts["traditional"]
+        return (
+            _rotate(xp, q, cos, sin, cos, sin, dims, traditional),
+            _rotate(xp, k, cos, sin, cos, sin, dims, traditional),
+        )
 
     def _mask(self, layer_cache: Any, window: int | None, k: Any) -> tuple[Any, Any]:
         """``(mask, window)`` of the layer's attention, built once per kind of layer."""
@@ -396,9 +435,7 @@ class _Step:
         if a.k_norm is not None:
             k = kn.rms_norm(xp, k, a.k_norm, eps=p.eps)
         if p.rope is not None:
-            rope, offsets, inv, ropts = self._rope(q)
-            q = rope(xp, q, offsets, inv, **ropts)
-            k = rope(xp, k, offsets, inv, **ropts)
+            q, k = self.rotate(q, k)
         o = self.attend(i, q, k, v, a.window)  # (B, H, L, D)
         o = xp.reshape(xp.permute_dims(o, (0, 2, 1, 3)), (B, L, H * D))  # (B, L, H*D)
         o = kn.project(xp, o, a.wo, None)  # (B, L, E)
