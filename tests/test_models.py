@@ -364,12 +364,14 @@ def test_make_cache_asks_for_fixed_size_views_where_shapes_compile(
     checkpoints: dict, backend: str
 ) -> None:
     """``KVCache()`` returns exactly ``offset`` keys on every backend; the model asks for the
-    fixed-size views on a backend that compiles per shape (JAX), and its decode is still the
-    full forward there (``test_cached_decode_equals_full_forward``)."""
+    fixed-size views on a backend that compiles per shape (JAX) and where it has a compiled
+    decode step (MLX), and its decode is still the full forward there
+    (``test_cached_decode_equals_full_forward``)."""
     folder, _, _ = checkpoints["qwen2"]
     model = load(folder, backend=backend, dtype="float32")
-    static = pl.get_backend(backend).static_shapes
-    assert static is (backend == "jax")
+    assert pl.get_backend(backend).static_shapes is (backend == "jax")
+    static = backend in ("jax", "mlx")
+    assert (model.compiled is not None) is static
     caches = model.make_cache(step=8)
     assert caches and all(isinstance(c, pl.KVCache) for c in caches)
     assert all(c.static_shapes is static for c in caches)

@@ -101,6 +101,15 @@ class Backend:
         """
         return x
 
+    def launch(self, x: Any) -> None:
+        """Start computing ``x`` (an array, or a tuple/list of arrays) without waiting for it.
+
+        For a lazy library (MLX: ``mx.async_eval``), so that the host can build the next piece
+        of work while this one runs (a decode loop queues step ``t + 1`` before it reads token
+        ``t``). A no-op where a call has started its work by the time it returns (NumPy,
+        array-api-strict, torch, JAX).
+        """
+
     def asynchronous(self, device: Any = None) -> bool:
         """Whether work on ``device`` (default: the default device) may still run after a call
         returns, so that a timer needs :meth:`synchronize` (``False``: it is a no-op there)."""

@@ -67,6 +67,9 @@ class MlxBackend(Backend):
         self.mx.eval(x)  # MLX is lazy: this computes x (and every array it depends on)
         return x
 
+    def launch(self, x: Any) -> None:
+        self.mx.async_eval(x)
+
     def asynchronous(self, device: Any = None) -> bool:
         return True  # lazy: nothing is computed until evaluated
 

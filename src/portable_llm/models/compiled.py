@@ -1,21 +1,24 @@
 """One compiled decode step: a whole token under one compilation, where the backend compiles.
 
-JAX (the one backend here whose arrays are immutable and whose programs compile per shape):
-the prepared forward of one token runs under one ``jax.jit``. Every layer's key and value
-buffers go in donated and come back updated functionally (``lax.dynamic_update_slice`` at the
-traced offset), the offset is a traced scalar, and the keys are the caches' fixed-size views
-(``KVCache(static_shapes=True)``, which :meth:`Model.make_cache` gives on JAX), so one
-compilation serves every token until the caches grow (every ``step`` tokens). The weights are
-arguments, not constants folded into the program. :attr:`CompiledStep.traces` counts the
-compilations.
+JAX and MLX: the prepared forward of one token runs under one ``jax.jit`` (``mx.compile``).
+Every layer's key and value buffers go in (donated on JAX; MLX reuses a buffer nothing else
+holds) and come back updated functionally (``lax.dynamic_update_slice`` / ``mx.slice_update``
+at the offset, itself an input), and the keys are the caches' fixed-size views
+(``KVCache(static_shapes=True)``, which :meth:`Model.make_cache` gives where a compiled step
+exists), so one compilation serves every token until the caches grow (every ``step`` tokens).
+The weights are arguments, not constants folded into the program. :attr:`CompiledStep.traces`
+counts the compilations.
 
 The step applies to a decode step (``L = 1``) on plain :class:`~portable_llm.KVCache` caches
 that already hold the prompt, on a model of dense layers without ``"dynamic"`` RoPE (whose
 table depends on the position); anything else runs the eager prepared forward. The caches keep
 their meaning: after a compiled step they hold what an eager step would have left in them.
+Token ids go in unchecked: an id outside ``[0, V)`` gives a row of NaN (the embedding's
+``"masked"`` implementation), so its logits have no distribution and the decode loop stops with
+its error.
 
-NumPy, array-api-strict, torch and MLX run the eager prepared forward (see ``docs/models.md``,
-"Speed", for what was measured).
+NumPy, array-api-strict and torch run the eager prepared forward (see ``docs/models.md``,
+"Speed", and ``benchmarks/README.md`` for what was measured).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from portable_llm.attn.visibility import visible
 from portable_llm.backends import Backend, backend_of
 from portable_llm.caches.kv import KVCache
 from portable_llm.models.prepared import Layer, Prepared, _Step
+from portable_llm.rotary.args import dispatch_args as rope_dispatch_args
 
 __all__ = ["CompiledStep", "compiled_step"]
 
@@ -40,12 +44,30 @@ def _jax_jit(bk: Backend) -> Callable[..., Any]:
 
 
 def _jax_update(bk: Backend) -> Callable[..., Any]:
-    return bk.jax.lax.dynamic_update_slice  # type: ignore[attr-defined]
+    update = bk.jax.lax.dynamic_update_slice  # type: ignore[attr-defined]
+
+    def at(buf: Any, value: Any, offset: Any) -> Any:
+        zero = offset * 0  # indices of one integer type (int64 under jax_enable_x64)
+        return update(buf, value, (zero, zero, offset, zero))
+
+    return at
 
 
-#: backend name -> (jit with the cache buffers donated, functional slice update), per library.
+def _mlx_jit(bk: Backend) -> Callable[..., Any]:
+    return bk.mx.compile  # type: ignore[attr-defined,no-any-return]
+
+
+def _mlx_update(bk: Backend) -> Callable[..., Any]:
+    mx = bk.mx  # type: ignore[attr-defined]
+    return lambda buf, value, offset: mx.slice_update(buf, value, offset[None], axes=(2,))
+
+
+#: backend name -> (compile, with the cache buffers donated where the library asks for it;
+#: ``update(buf (B, H_kv, capacity, D), value (B, H_kv, 1, D), offset ()) -> buf`` written at
+#: column ``offset``, functionally), per library.
 _COMPILERS: dict[str, tuple[Callable[[Backend], Any], Callable[[Backend], Any]]] = {
     "jax": (_jax_jit, _jax_update),
+    "mlx": (_mlx_jit, _mlx_update),
 }
 
 
@@ -109,11 +131,20 @@ class _TracedStep(_Step):
         self.update, self.ks, self.vs = update, ks, vs
         self.S = int(ks[0].shape[2]) - 1  # the fixed-size view: capacity - 1 keys
 
+    def _rope(self, q: Any) -> tuple[Any, Any, Any, dict[str, Any]]:
+        """RoPE at the traced offset: the options parsed as for position 0 (nothing read back
+        from the offset, which MLX cannot read in a trace), the positions the offset's."""
+        if self.rope is None:
+            p = self.p
+            _, (_, _, inv), ropts = rope_dispatch_args(q, 0, **p.rope, backend=p.bk)
+            offsets = self.offset if self.rows is None else self.rows  # () or (B,)
+            fn = p.dispatch.pick("rope", "auto", q, offsets, inv, **ropts)
+            self.rope = (fn, offsets, inv, ropts)
+        return self.rope
+
     def kv(self, i: int, k: Any, v: Any, window: int | None) -> tuple[Any, Any, Any, Any]:
-        zero = self.offset * 0  # indices of one integer type (int64 under jax_enable_x64)
-        start = (zero, zero, self.offset, zero)
-        self.ks[i] = self.update(self.ks[i], k, start)  # (B, H_kv, capacity, D)
-        self.vs[i] = self.update(self.vs[i], v, start)
+        self.ks[i] = self.update(self.ks[i], k, self.offset)  # (B, H_kv, capacity, D)
+        self.vs[i] = self.update(self.vs[i], v, self.offset)
         S = self.S
         key = ("view", window)
         mask = self.masks.get(key)

@@ -19,7 +19,7 @@ import numpy as np
 
 from portable_llm.attn.padding import left_pad
 from portable_llm.backends import backend_of
-from portable_llm.core.arrays import asarray, to_numpy
+from portable_llm.core.arrays import to_numpy
 from portable_llm.core.checks import check_int, check_optional_int, check_real
 from portable_llm.models.model import Model
 from portable_llm.models.sampler import (
@@ -241,12 +241,12 @@ class _Run:
         steps = decode(
             model, ids, sampler=self.sampler, logits_processors=self.processors,
             cache=prompt_cache, left_padding=None, logprobs=False,
-            prefill_step_size=self.prefill_step_size,
+            prefill_step_size=self.prefill_step_size, max_tokens=max_new_tokens,
         )  # fmt: skip
-        last = None
+        stops = self.stops
         for step in range(max_new_tokens):
             last = self._timed(steps, step)
-            if last in self.stops:
+            if last in stops:
                 stats.stop_token = last
                 break
             stats.generated_tokens += 1
@@ -254,10 +254,7 @@ class _Run:
         stats.finish_reason = "length" if stats.stop_token is None else "stop"
         steps.close()
         if prompt_cache is not None:  # the cache then holds every token of the conversation
-            pending = ids if last is None else [last]
-            bk = model.backend
-            model(asarray([pending], backend=bk.name, device=model.device), cache=prompt_cache,
-                  last_only=True)  # fmt: skip
+            steps.feed_last()
 
 
 def _batch_pieces(
@@ -268,6 +265,7 @@ def _batch_pieces(
     steps = decode(
         run.model, ids, sampler=run.sampler, logits_processors=run.processors, cache=None,
         left_padding=left_padding, logprobs=False, prefill_step_size=run.prefill_step_size,
+        max_tokens=max_new_tokens,
     )  # fmt: skip
     texts = [tokenizer.stream_decoder() for _ in rows]
     done = [False] * len(rows)

@@ -272,14 +272,16 @@ class Model:
         layer a :class:`~portable_llm.RotatingKVCache` of the window's size.
 
         On a backend that compiles per shape (:attr:`Backend.static_shapes
-        <portable_llm.backends.Backend.static_shapes>`, JAX) each ``KVCache`` returns
-        fixed-size views (``static_shapes=True``), so decode steps reuse the compiled ops; the
-        model attends with the caches' own masks, which hide the unused slots.
+        <portable_llm.backends.Backend.static_shapes>`, JAX), and wherever the model has a
+        compiled step (:attr:`compiled`: MLX too), each ``KVCache`` returns fixed-size views
+        (``static_shapes=True``), so decode steps reuse the compiled program; the model attends
+        with the caches' own masks, which hide the unused slots.
 
         ``left_padding`` (``(B,)``): the pad tokens of each row of a left-padded batch
         (:func:`~portable_llm.left_pad`).
         """
-        static = self.backend.static_shapes  # fixed-size views where shapes compile (JAX)
+        # Fixed-size views where shapes compile (JAX) and where a compiled step runs (MLX).
+        static = self.backend.static_shapes or self.compiled is not None
         caches: list[Any] = []
         for i in range(self.config.num_hidden_layers):
             window = self.config.window(i)

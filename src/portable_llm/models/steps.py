@@ -9,7 +9,8 @@ takes their log-softmax (the ``logprobs`` yielded) and lets the sampler pick the
 from __future__ import annotations
 
 import math
-from collections.abc import Generator, Sequence
+from collections.abc import Iterator, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,7 @@ import numpy as np
 from portable_llm.backends import backend_of
 from portable_llm.core.arrays import asarray, to_numpy
 from portable_llm.core.checks import check_optional_int
+from portable_llm.core.dispatch import dispatcher
 from portable_llm.core.types import Array
 from portable_llm.models.sampler import LogitsProcessor, Sampler
 from portable_llm.ops.sampling import greedy
@@ -39,7 +41,7 @@ def generate_step(
     cache: Sequence[Any] | None = None,
     left_padding: Any = None,
     prefill_step_size: int | None = PREFILL_STEP_SIZE,
-) -> Generator[tuple[Any, Array], None, None]:
+) -> Iterator[tuple[Any, Array]]:
     """Yield the next token and the log-probabilities it was drawn from, step after step.
 
     Parameters
@@ -73,8 +75,12 @@ def generate_step(
     logprobs : array ``(V,)`` or ``(B, V)``, float32 (float64 for float64 logits)
         ``log_softmax`` of the processed logits, on the model's backend.
 
-    The generator never ends by itself: stop iterating when done. Token ``t`` is fed to the
-    model only when token ``t + 1`` is asked for, so stopping costs no forward pass.
+    The iterator never ends by itself: stop iterating when done. On NumPy,
+    array-api-strict and torch on the CPU, token ``t`` is fed to the model only when token
+    ``t + 1`` is asked for, so stopping costs no forward pass. Where the backend runs
+    asynchronously (MLX, JAX, a GPU) and there are no ``logits_processors``, step ``t + 1``
+    is queued before token ``t`` is read back (mlx-lm's pipelining): the device computes while
+    the host yields, and the caches already hold token ``t`` when it is yielded.
 
     Raises
     ------
@@ -99,10 +105,11 @@ def decode(
     left_padding: Any,
     logprobs: bool,
     prefill_step_size: int | None = PREFILL_STEP_SIZE,
-) -> Generator[tuple[Any, Array | None], None, None]:
+    max_tokens: int | None = None,
+) -> Decode:
     """:func:`generate_step`'s loop; ``logprobs=False`` yields ``None`` in their place (what
-    :func:`~portable_llm.generate` uses: it drops them, and they cost a pass over ``(B, V)``)."""
-    bk = model.backend
+    :func:`~portable_llm.generate` uses: it drops them, and they cost a pass over ``(B, V)``).
+    ``max_tokens``: no step is queued for a token past this many."""
     host = np.asarray(to_numpy(ids) if backend_of(ids) is not None else ids, dtype=np.int64)
     single = host.ndim == 1
     if single:
@@ -112,34 +119,109 @@ def decode(
         cache = model.make_cache(left_padding=left_padding)
     elif left_padding is not None:
         raise ValueError("generate_step: with a cache, give left_padding to make_cache()")
-    sampler = greedy if sampler is None else sampler
     # What the processors see: each row's ids without its padding.
     tokens = [row[int(p) :].tolist() for row, p in zip(host, np.reshape(pads, -1), strict=True)]
-    prompt_length = host.shape[1]
-    start = prefill(model, host, cache, prefill_step_size)
-    step_ids = asarray(host[:, start:].tolist(), backend=bk.name, device=model.device)  # (B, L)
-    step = 0
-    while True:
-        logits = model(step_ids, cache=cache, last_only=True)[:, -1, :]  # (B, V)
-        for processor in logits_processors:
-            logits = processor(tokens, logits)
-        lp = _log_softmax(bk.xp, logits) if logprobs else None  # (B, V)
-        chosen = bk.to_numpy(sampler(logits)).astype(np.int64).reshape(-1)  # (B,)
-        if (chosen < 0).any():  # sample's mark for a row with no distribution
+    return Decode(
+        model, host, cache, single=single, sampler=sampler, processors=list(logits_processors),
+        tokens=tokens, logprobs=logprobs, prefill_step_size=prefill_step_size,
+        max_tokens=max_tokens,
+    )  # fmt: skip
+
+
+class Decode:
+    """The decode loop as an iterator of ``(token, logprobs)`` (see :func:`generate_step`).
+
+    Per token it runs the forward (:meth:`Model.decode_step <portable_llm.Model.decode_step>`:
+    the sampler's ids go back in on the device, unchecked and never through the host), the
+    processors and the sampler, and reads the chosen ids to the host once (``to_numpy``): the
+    yielded token, the NaN mark (``-1``) and the stop checks all use that one read.
+
+    Where the backend runs asynchronously (:meth:`Backend.asynchronous
+    <portable_llm.backends.Backend.asynchronous>`: MLX, JAX) and no logits processor needs the
+    host's ids, step ``t + 1`` is queued (:meth:`~portable_llm.backends.Backend.launch`) before
+    token ``t`` is read back, so the host builds the next step while the device computes this
+    one (mlx-lm's pipelining); the caches then already hold token ``t`` when it is yielded.
+    """
+
+    def __init__(
+        self, model: Any, host: np.ndarray, cache: Sequence[Any], *, single: bool,
+        sampler: Sampler | None, processors: list[LogitsProcessor], tokens: list[list[int]],
+        logprobs: bool, prefill_step_size: int | None, max_tokens: int | None,
+    ) -> None:  # fmt: skip
+        self.model, self.host, self.cache, self.single = model, host, cache, single
+        self.bk = model.backend
+        self.sampler = sampler
+        self.processors, self.tokens, self.logprobs = processors, tokens, logprobs
+        self.chunk, self.max_tokens = prefill_step_size, max_tokens
+        self.pipelined = not processors and self.bk.asynchronous(model.device)
+        #: Tokens yielded so far.
+        self.step = 0
+        self._next: tuple[Any, Any] | None = None  # token t's (ids (B,), logprobs), queued
+        self._unfed: Any = None  # the last yielded ids (B, 1), not yet in the caches
+
+    def __iter__(self) -> Decode:
+        return self
+
+    def __next__(self) -> tuple[Any, Array | None]:
+        if self._next is None:
+            self._next = self._prefill() if self.step == 0 else self._forward(self._unfed)
+        ids, lp = self._next
+        self._next, self._unfed = None, ids[:, None]  # (B, 1)
+        if self.pipelined and (self.max_tokens is None or self.step + 1 < self.max_tokens):
+            self._next = self._forward(self._unfed)  # step t + 1, queued before t is read
+            self.bk.launch(self._next)
+            self._unfed = None
+        chosen = self.bk.to_numpy(ids).tolist()  # (B,): the one host read of the step
+        if min(chosen) < 0:  # the sampler's mark for a row with no distribution
             raise ValueError(
-                f"generate: the logits of step {step} (after {prompt_length + step} tokens) are "
-                "NaN or all -inf; the weights or the dtype overflowed"
+                f"generate: the logits of step {self.step} (after "
+                f"{self.host.shape[1] + self.step} tokens) are NaN or all -inf; the weights or "
+                "the dtype overflowed"
             )
-        for row, t in zip(tokens, chosen.tolist(), strict=True):
-            row.append(t)
-        if single:
-            yield int(chosen[0]), None if lp is None else lp[0, ...]
-        else:
-            yield chosen, lp
-        # From Python ints, as the prompt: the backend's default integer dtype (int32 on MLX,
-        # where int64 ids made a tiny model's decode ~15% slower).
-        step_ids = asarray(chosen[:, None].tolist(), backend=bk.name, device=model.device)
-        step += 1
+        if self.processors:
+            for row, t in zip(self.tokens, chosen, strict=True):
+                row.append(t)
+        self.step += 1
+        if self.single:
+            return chosen[0], None if lp is None else lp[0, ...]
+        return np.asarray(chosen, dtype=np.int64), lp
+
+    def close(self) -> None:
+        """Stop: nothing is held (a queued step's tokens are in the caches already)."""
+        self._next = None
+
+    def feed_last(self) -> None:
+        """Put the last token yielded into the caches where no step has yet (after the
+        limit, or on a backend that feeds a token only when the next one is asked for); before
+        the first token, the prompt. The caches then hold every token seen."""
+        if self.step == 0:
+            start = prefill(self.model, self.host, self.cache, self.chunk)
+            self.model(self.host[:, start:].tolist(), cache=self.cache, last_only=True)
+        elif self._unfed is not None:
+            self.model.decode_step(self._unfed, cache=self.cache)
+            self._unfed = None
+
+    def _prefill(self) -> tuple[Any, Any]:
+        bk, model = self.bk, self.model
+        start = prefill(model, self.host, self.cache, self.chunk)
+        rest = asarray(self.host[:, start:].tolist(), backend=bk.name, device=model.device)
+        logits = model(rest, cache=self.cache, last_only=True)[:, -1, :]  # (B, V)
+        if self.sampler is None or self.sampler is greedy:  # its kernel, chosen once
+            fn = dispatcher(bk).pick("greedy", "auto", logits)
+            self.sampler = partial(fn, bk.xp)
+        return self._sample(logits)
+
+    def _forward(self, ids: Any) -> tuple[Any, Any]:
+        """Logits of ``ids`` ``(B, 1)`` (the sampler's ids, on the device), sampled."""
+        logits = self.model.decode_step(ids, cache=self.cache)[:, -1, :]  # (B, V)
+        return self._sample(logits)
+
+    def _sample(self, logits: Any) -> tuple[Any, Any]:
+        for processor in self.processors:
+            logits = processor(self.tokens, logits)
+        lp = _log_softmax(self.bk.xp, logits) if self.logprobs else None  # (B, V)
+        assert self.sampler is not None
+        return self.sampler(logits), lp  # ids (B,)
 
 
 def check_prefill_step_size(op: str, value: Any) -> int | None:

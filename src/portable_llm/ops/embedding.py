@@ -64,7 +64,9 @@ def _check_ids(bk: Backend, ids: Array, index: Array, vocab: int) -> None:
         )
 
 
-def embedding(ids: Array, table: Array, /, *, backend: str | None = None) -> Array:
+def embedding(
+    ids: Array, table: Array, /, *, check: bool = True, backend: str | None = None
+) -> Array:
     """Look up the rows of ``table`` for token ids (``nn.Embedding``, HF ``embed_tokens``).
 
     Parameters
@@ -74,6 +76,12 @@ def embedding(ids: Array, table: Array, /, *, backend: str | None = None) -> Arr
         that are not int32/int64 are cast to one first: torch's ``index_select`` takes no other).
     table : array, shape ``(V, E)``, float dtype
         The embedding matrix (HF ``embed_tokens.weight``).
+    check : bool
+        ``True`` (default): an id outside ``[0, V)`` is a ``ValueError`` (a host read, below).
+        ``False``: the ids are not read; an id outside ``[0, V)`` gives a row of NaN, as under
+        tracing. For a caller that made the ids itself (a decode loop feeding back its
+        sampler's ids): no device sync, so the next step can be queued before this one ran.
+        A quantized ``table`` always checks.
     backend : str, optional
         Array library to compute with; inferred from the arrays when ``None``.
 
@@ -109,8 +117,10 @@ def embedding(ids: Array, table: Array, /, *, backend: str | None = None) -> Arr
     check_float("embedding", "table", table, bk)
     if table.ndim != 2:
         raise ValueError(f"embedding: table must have shape (V, E), got {tuple(table.shape)}")
+    if not isinstance(check, bool):
+        raise TypeError(f"embedding: check must be a bool, got {check!r}")
     index = _as_index(bk, ids, name, table.shape[0])
-    if bk.is_traced(ids):
+    if not check or bk.is_traced(ids):
         return pick(bk, "embedding", "masked")(bk.xp, index, table)
     _check_ids(bk, ids, index, table.shape[0])
     return pick(bk, "embedding", "portable")(bk.xp, index, table)
