@@ -22,11 +22,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from portable_llm.attn.paged import OP as PAGED  # (importing it registers the kernels)
-from portable_llm.attn.paged_args import paged_args
+from portable_llm.attn.paged import paged_attention
 from portable_llm.caches.paged import PagedKVCache, block_tables
 from portable_llm.core.arrays import asarray
-from portable_llm.models.prepared import Fn, Prepared, _Step
+from portable_llm.models.prepared import Prepared, _Step
 from portable_llm.ops.embedding import embedding
 
 __all__ = ["PagedStep", "forward"]
@@ -51,17 +50,11 @@ class PagedStep(_Step):
             rows = asarray(positions, backend=p.bk.name, device=p.bk.device_of(p.embed))
         super().__init__(p, None, None, rows, positions[0], L)
         self.paged_seqs = caches
-        self.paged_tables: tuple[Any, Any] | None = None  # (B, max_pages), (B,): the same per layer
-        self.paged_fns: dict[int | None, tuple[Fn, Any, Any]] = {}  # window -> (fn, tables, opts)
+        self.paged_tables: tuple[Any, Any] | None = None  # (B, max_pages), (B,): every layer's
 
     def attend(self, i: int, q: Any, k: Any, v: Any, window: int | None) -> Any:
         """Append the rows' keys and values ``(B, H_kv, L, D)`` to their caches of layer ``i``;
-        the paged attention of ``q`` ``(B, H, L, D)`` over them.
-
-        :func:`~portable_llm.attn.paged.paged_attention`'s checks and kernel choice run at the
-        first layer of each window: the pools of the other layers have the same shape and
-        dtype, and the tables and lengths are the same.
-        """
+        the paged attention of ``q`` ``(B, H, L, D)`` over them."""
         layer = [seq[i] for seq in self.paged_seqs]
         if len(layer) == 1:
             layer[0].append(k, v)
@@ -70,18 +63,9 @@ class PagedStep(_Step):
                 cache.append(k[b : b + 1, ...], v[b : b + 1, ...])  # (1, H_kv, L, D)
         if self.paged_tables is None:
             self.paged_tables = block_tables(layer)
-        pool, (tables, lengths) = layer[0].pool, self.paged_tables
-        p = self.p
-        got = self.paged_fns.get(window)
-        if got is None:
-            args, opts = paged_args(
-                PAGED, p.bk, q, pool.k_pages, pool.v_pages, tables, lengths, scale=p.scale,
-                window=window, softcap=None, block_pages=16,
-            )  # fmt: skip
-            fn = p.dispatch.pick(PAGED, "auto", *args, **opts)
-            got = self.paged_fns[window] = (fn, args[3], opts["opts"])
-        fn, tables, opts = got
-        return fn(p.xp, q, pool.k_pages, pool.v_pages, tables, lengths, opts=opts)  # (B, H, L, D)
+        tables, lengths = self.paged_tables
+        pool, scale = layer[0].pool, self.p.scale
+        return paged_attention(q, pool, tables, lengths, scale=scale, window=window)
 
 
 def forward(model: Any, caches: Sequence[Sequence[PagedKVCache]], chunks: list[list[int]]) -> Any:
