@@ -81,7 +81,7 @@ def _check(
 
 
 @pytest.mark.slow_on("jax")
-@pytest.mark.parametrize("impl", ["auto", "portable", "blocked"])
+@pytest.mark.parametrize("impl", ["auto", "portable", "blocked", "pool"])
 @pytest.mark.parametrize("L", [1, 3])
 @pytest.mark.parametrize(("H", "h_kv"), [(4, 2), (2, 2)])
 @pytest.mark.parametrize(
@@ -114,7 +114,7 @@ def test_native_equals_portable(backend: str, dtype: str, L: int) -> None:
     s = Scattered(5, LENS, dtype=dtype, backend=backend)
     q, _ = random_array(7, (len(LENS), 4, L, D), dtype, backend=backend)
     if nat.applies is not None and not nat.applies(
-        q, s.pool.k_pages, s.pool.v_pages, s.tables, s.lens, opts=_opts()
+        q, s.pool.k_pages, s.pool.v_pages, s.tables, s.lens, None, opts=_opts()
     ):
         pytest.skip(f"{backend}'s kernel does not apply to {dtype} here")
     for window in (None, 3):
@@ -252,3 +252,56 @@ def test_unused_entries_are_not_read() -> None:
     t[2, 1:] = -1  # row 2 uses 1 page
     out = paged_attention(q, s.pool, t, s.lens)
     assert_close(out, s.expected(q64), dtype="float32")
+
+
+# -- which path auto takes, and pages shared by rows ---------------------------------------------
+
+
+def _impl_taken(q: object, s: Scattered) -> str:
+    with pl.trace() as t:
+        paged_attention(q, s.pool, s.tables, s.lens)
+    return next(e.impl for e in t if e.op == "paged_attention")
+
+
+def test_auto_takes_pool_for_decode_over_a_full_pool(backend: str) -> None:
+    full = Scattered(6, LENS, spare=0, backend=backend)  # 7 of 7 pages used
+    sparse = Scattered(6, LENS, spare=20, backend=backend)  # 7 of 27
+    q1, _ = random_array(1, (3, 4, 1, D), "float32", backend=backend)  # G * L = 2 <= P = 4
+    q3, _ = random_array(1, (3, 4, 3, D), "float32", backend=backend)  # G * L = 6 > P
+    assert _impl_taken(q1, full) == "pool"
+    assert _impl_taken(q1, sparse) != "pool"
+    assert _impl_taken(q3, full) != "pool"
+
+
+def test_rows_sharing_pages() -> None:
+    """Two rows over one prompt's pages (a shared prefix) and a page each of their own: the
+    gather paths attend them; impl="pool", which needs one owner per page, refuses."""
+    pool = pl.PagePool(4, 4, 2, D, "float32")
+    pages = pool.allocate(4)
+    k, k64 = random_array(1, (2, 12, D), "float32")
+    v, v64 = random_array(2, (2, 12, D), "float32")
+    k1, k1_64 = random_array(3, (2, 4, D), "float32")
+    v1, v1_64 = random_array(4, (2, 4, D), "float32")
+    pool.write(pages[:3], 0, k, v)  # the prefix (8 tokens) and row 0's own page
+    pool.write([pages[0], pages[1], pages[3]], 8, k1, v1)  # row 1's own page
+    tables = np.asarray([pages[:3], [pages[0], pages[1], pages[3]]], dtype=np.int32)
+    lens = np.asarray([10, 11], dtype=np.int32)
+    q, q64 = random_array(5, (2, 4, 1, D), "float32")
+    rows = [
+        (k64[:, :10], v64[:, :10]),
+        (
+            np.concatenate([k64[:, :8], k1_64[:, :3]], 1),
+            np.concatenate([v64[:, :8], v1_64[:, :3]], 1),
+        ),
+    ]
+    want = np.concatenate(
+        [
+            reference.scaled_dot_product_attention(
+                q64[b : b + 1], kb[None], vb[None], mask="causal"
+            )
+            for b, (kb, vb) in enumerate(rows)
+        ]
+    )
+    assert_close(paged_attention(q, pool, tables, lens), want, dtype="float32")
+    with pytest.raises(ValueError, match="impl='pool' needs each page in at most one row"):
+        paged_attention(q, pool, tables, lens, impl="pool")

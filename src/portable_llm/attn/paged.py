@@ -6,13 +6,17 @@ queries are its last ``L`` tokens (positions ``context_lens[b] - L .. context_le
 attend causally, bottom-right per row, so one call serves a decode batch of unequal lengths
 (``L = 1``) and chunked prefill (``L > 1``).
 
-Implementations (all called ``fn(xp, q, k_pages, v_pages, tables, context_lens, opts=o)``):
+Implementations (all called ``fn(xp, q, k_pages, v_pages, tables, context_lens, page_map,
+opts=o)``):
 
 - ``"portable"``: gather the pages each row uses into contiguous keys with one ``take``, then the
   direct attention of :mod:`portable_llm.attn.sdpa` under the per-row mask (scores, softmax and
   sum in float32, rounded once to q's dtype);
 - ``"blocked"``: flash attention's online softmax over blocks of ``block_pages`` pages, gathering
   one block at a time (the tiled SDPA's block step): memory ``O(L x block)`` per head;
+- ``"pool"``: no gather: every page attended where it lies in the pool, the pages of each row
+  then combined (:mod:`portable_llm.attn.paged_pool`); ``auto`` takes it for decode batches
+  whose pages fill most of the pool;
 - ``"native"``: a backend's fused attention kernel over the gathered keys, with the same mask.
 """
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from portable_llm.attn import paged_pool  # noqa: F401  (registers impl="pool")
 from portable_llm.attn.paged_args import OP, PagedOptions, paged_args
 from portable_llm.attn.sdpa import _sdpa_direct, _tiled_block, _tiled_finish, empty
 from portable_llm.backends import backend_of, resolve
@@ -41,7 +46,15 @@ def _device(x: Any) -> Any:
 
 @portable(OP, pure=True)
 def _paged_direct(
-    xp: Any, q: Any, k_pages: Any, v_pages: Any, tables: Any, lens: Any, *, opts: PagedOptions
+    xp: Any,
+    q: Any,
+    k_pages: Any,
+    v_pages: Any,
+    tables: Any,
+    lens: Any,
+    page_map: Any,
+    *,
+    opts: PagedOptions,
 ) -> Any:
     """Gather every page used, then the direct attention under the per-row causal mask."""
     k = opts.gather(xp, k_pages, tables)  # (B, H_kv, S, D)
@@ -91,7 +104,15 @@ def _blocked_block(
 
 @portable(OP, "blocked")
 def _paged_blocked(
-    xp: Any, q: Any, k_pages: Any, v_pages: Any, tables: Any, lens: Any, *, opts: PagedOptions
+    xp: Any,
+    q: Any,
+    k_pages: Any,
+    v_pages: Any,
+    tables: Any,
+    lens: Any,
+    page_map: Any,
+    *,
+    opts: PagedOptions,
 ) -> Any:
     """Flash attention's online softmax over blocks of ``opts.block_pages`` pages.
 
@@ -124,7 +145,11 @@ def _blocked_finish(xp: Any, acc: Any, total: Any, q: Any) -> Any:
 
 
 @auto_portable(OP)
-def _auto(q: Any, k_pages: Any, v_pages: Any, tables: Any, lens: Any, **options: Any) -> str:
+def _auto(
+    q: Any, k_pages: Any, v_pages: Any, tables: Any, lens: Any, page_map: Any, **options: Any
+) -> str:
+    if page_map is not None:  # paged_args found that the pool-wide path pays
+        return "pool"
     scores = q.shape[2] * (q.shape[1] // k_pages.shape[1]) * tables.shape[1] * k_pages.shape[2]
     return "blocked" if scores >= BLOCKED_MIN_KEYS else "portable"
 
@@ -166,10 +191,12 @@ def paged_attention(
         Gemma-2's ``softcap * tanh(scores / softcap)``, before the mask.
     block_pages : int, >= 1
         Pages per block of ``impl="blocked"``.
-    impl : {"auto", "portable", "blocked", "native"}
-        ``"auto"``: the backend's native kernel where it keeps this meaning, else ``"blocked"``
-        when a row's ``G * L * M * P`` scores reach :data:`BLOCKED_MIN_KEYS`, else
-        ``"portable"``.
+    impl : {"auto", "portable", "blocked", "pool", "native"}
+        ``"auto"``: ``"pool"`` when ``G * L <= P`` and the rows use at least half of the pool's
+        pages, each page in one row (decode); else the backend's native kernel where it keeps
+        this meaning; else ``"blocked"`` when a row's ``G * L * M * P`` scores reach
+        :data:`BLOCKED_MIN_KEYS`; else ``"portable"``. ``"pool"`` needs each page in at most
+        one row.
     backend : str, optional
 
     Returns
@@ -192,7 +219,14 @@ def paged_attention(
             raise TypeError(f"{OP}: pool must have k_pages and v_pages (a PagePool), got {pool!r}")
     bk, arrays = resolve(OP, backend, q, pool.k_pages, pool.v_pages, block_tables, context_lens)
     args, opts = paged_args(
-        OP, bk, *arrays, scale=scale, window=window, softcap=softcap, block_pages=block_pages
+        OP,
+        bk,
+        *arrays,
+        scale=scale,
+        window=window,
+        softcap=softcap,
+        block_pages=block_pages,
+        impl=impl,
     )
     fn = pick(bk, OP, impl, *args, **opts)
     if empty(args[0]):

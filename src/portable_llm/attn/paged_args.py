@@ -3,7 +3,7 @@
 :func:`paged_args` checks the public arguments (reading the block tables and lengths once on
 the host) and turns them into the ``(arrays, {"opts": PagedOptions})`` every implementation
 (portable, blocked, native) is called with:
-``fn(xp, q, k_pages, v_pages, tables, context_lens, opts=o)``. The pool is duck-typed (its
+``fn(xp, q, k_pages, v_pages, tables, context_lens, page_map, opts=o)``. The pool is duck-typed (its
 ``k_pages``, ``v_pages``): attention sits below the caches and never imports them.
 """
 
@@ -22,7 +22,7 @@ from portable_llm.core.arrays import to_numpy
 from portable_llm.core.checks import check_float
 from portable_llm.core.types import Array
 
-__all__ = ["OP", "PagedOptions", "paged_args"]
+__all__ = ["OP", "UNUSED", "PagedOptions", "paged_args"]
 
 OP = "paged_attention"
 
@@ -91,9 +91,10 @@ def _check_int_array(op: str, name: str, x: Any, bk: Backend, ndim: int, layout:
 
 def _check_metadata(
     op: str, bk: Backend, tables: Any, lens: Any, L: int, P: int, N: int
-) -> tuple[Any, int]:
+) -> tuple[Any, np.ndarray, np.ndarray]:
     """Host checks of the block tables and lengths; the tables cut to the pages used (entries
-    past a row's pages zeroed when they point outside the pool) and the widest row's pages."""
+    past a row's pages zeroed when they point outside the pool), and on the host the table
+    entries and which of them the lengths use."""
     t, n = to_numpy(tables).astype(np.int64), to_numpy(lens).astype(np.int64)
     B, M = t.shape
     for b in range(B):
@@ -129,7 +130,24 @@ def _check_metadata(
         tables = bk.from_numpy(t[:, :width].astype(np.int32), bk.device_of(tables))
     elif width < M:
         tables = tables[:, :width]
-    return tables, width
+    return tables, t, used
+
+
+#: Position of the first slot of a page no row uses, in a page map: after every query.
+UNUSED = 1 << 30
+
+
+def _page_map(t: np.ndarray, used: np.ndarray, N: int, P: int) -> np.ndarray | None:
+    """``(2, N)`` int32: the row that owns each page of the pool and the position of its first
+    slot (:data:`UNUSED` for pages no row uses); ``None`` when a page is in two rows."""
+    ids = t[used]
+    if np.unique(ids).size != ids.size:
+        return None
+    rows, cols = np.nonzero(used)  # the same (row-major) order as t[used]
+    out = np.zeros((2, N), dtype=np.int64)
+    out[1] = UNUSED
+    out[0, ids], out[1, ids] = rows, cols * P
+    return out.astype(np.int32)
 
 
 def paged_args(
@@ -145,8 +163,14 @@ def paged_args(
     window: Any,
     softcap: Any,
     block_pages: Any,
+    impl: str,
 ) -> tuple[tuple[Any, ...], dict[str, PagedOptions]]:
-    """Validate a paged-attention call before any compute; the arrays and options to run."""
+    """Validate a paged-attention call before any compute; the arrays and options to run.
+
+    The arrays are ``(q, k_pages, v_pages, tables, context_lens, page_map)``; ``page_map``
+    (``(2, N)`` int32, see :func:`_page_map`) is given when the pool-wide path is to run
+    (``impl="pool"``, or ``"auto"`` where it pays), else ``None``.
+    """
     check_float(op, "q", q, bk)
     if q.ndim != 4:
         raise ValueError(f"{op}: q must have shape (B, H, L, D), got {_shape(q)}")
@@ -189,9 +213,21 @@ def paged_args(
     else:
         scale = real_option(op, "scale", scale, "a finite number or None")
     block_pages = int_option(op, "block_pages", block_pages, low=1)
+    page_map = None
     if not (bk.is_traced(tables) or bk.is_traced(lens)):
-        tables, _ = _check_metadata(op, bk, tables, lens, L, P, N)
+        tables, t, used = _check_metadata(op, bk, tables, lens, L, P, N)
+        # The pool-wide path reads every page of the pool once, and copies q once per page:
+        # it pays when the rows' pages fill most of the pool and G * L <= P (decode).
+        dense = 2 * int(used.sum()) >= N and (H // H_kv) * L <= P
+        if impl == "pool" or (impl == "auto" and dense):
+            host = _page_map(t, used, N, P)
+            if host is None and impl == "pool":
+                raise ValueError(
+                    f"{op}: impl='pool' needs each page in at most one row; block_tables "
+                    f"{_shape(tables)} gives a page to two rows"
+                )
+            page_map = None if host is None else bk.from_numpy(host, bk.device_of(q))
     opts = PagedOptions(
         sdpa=SdpaOptions(scale=scale, softcap=softcap), window=window, block_pages=block_pages
     )
-    return (q, k_pages, v_pages, tables, lens), {"opts": opts}
+    return (q, k_pages, v_pages, tables, lens, page_map), {"opts": opts}

@@ -220,9 +220,16 @@ def _paged_gather(pages: Any, tables: Any) -> Any:
 
 
 def _paged_applies(
-    q: Any, k_pages: Any, v_pages: Any, tables: Any, lens: Any, *, opts: Any
+    q: Any, k_pages: Any, v_pages: Any, tables: Any, lens: Any, page_map: Any, *, opts: Any
 ) -> bool:
     return _sdpa_applies(q, k_pages, v_pages, None, opts=opts.sdpa)
+
+
+def _paged_prefer(*args: Any, opts: Any) -> bool:
+    # Where the arguments came with a page map (decode over a full pool), the portable
+    # pool-wide path reads each key once, where a gather reads it three times: faster here
+    # too (measured at S = 2048).
+    return args[5] is None
 
 
 @native(
@@ -230,9 +237,18 @@ def _paged_applies(
     "paged_attention",
     kernel="torch indexing + torch.nn.functional.scaled_dot_product_attention",
     applies=_paged_applies,
+    prefer=_paged_prefer,
 )
 def paged_attention(
-    xp: Any, q: Any, k_pages: Any, v_pages: Any, tables: Any, lens: Any, *, opts: Any
+    xp: Any,
+    q: Any,
+    k_pages: Any,
+    v_pages: Any,
+    tables: Any,
+    lens: Any,
+    page_map: Any,
+    *,
+    opts: Any,
 ) -> Any:
     k, v = _paged_gather(k_pages, tables), _paged_gather(v_pages, tables)  # (B, H_kv, S, D)
     mask = opts.mask(xp, lens, q.shape[2], k.shape[2], 0, q.device)  # (B, 1, L, S)

@@ -1,0 +1,77 @@
+"""Paged attention without a gather: every page of the pool attended where it lies, then the
+pages of each row combined (flash-decoding's split-softmax, one split per page).
+
+The gather paths copy each row's pages into contiguous keys, then read the copy: three passes
+over the keys where dense attention makes one. Here each page ``n`` of the pool meets the
+queries of the row that owns it (``page_map[0, n]``), in one batched matmul over the pool's own
+``(N, H_kv, P, D)`` arrays, and keeps its partial softmax: the page's max ``m_n``, sum ``l_n``
+and weighted values ``o_n``. Row ``b`` then combines its pages ``j`` (read through its block
+table): with ``M_b = max_j m_j``,
+
+    out_b = sum_j exp(m_j - M_b) o_j / sum_j exp(m_j - M_b) l_j.
+
+The keys are read once; the copies are of q (once per page) and of the per-page partials, each
+``G * L / P`` the size of the keys. So it pays when ``G * L <= P`` (decode) and the rows' pages
+fill most of the pool (pages no row uses are attended too, then dropped); a page in two rows
+cannot be owned by one. :func:`~portable_llm.attn.paged_args.paged_args` builds ``page_map``
+where it pays.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from portable_llm.attn.paged_args import OP, PagedOptions
+from portable_llm.attn.sdpa import _block_scores, _finish
+from portable_llm.attn.visibility import visible
+from portable_llm.core.checks import float_compute_dtype
+from portable_llm.core.dispatch import portable
+
+__all__: list[str] = []
+
+
+def _device(x: Any) -> Any:
+    return getattr(x, "device", None)  # MLX arrays have none (unified memory)
+
+
+@portable(OP, "pool", pure=True)
+def _paged_pool(
+    xp: Any,
+    q: Any,
+    k_pages: Any,
+    v_pages: Any,
+    tables: Any,
+    lens: Any,
+    page_map: Any,
+    *,
+    opts: PagedOptions,
+) -> Any:
+    B, H, L, D = q.shape
+    N, h_kv, P, _ = k_pages.shape
+    G, M = H // h_kv, tables.shape[1]
+    dev = _device(q)
+    qg = xp.reshape(q, (B, h_kv, G * L, D))  # (B, H_kv, G*L, D)
+    qg = xp.astype(qg, float_compute_dtype(xp, q.dtype)) * opts.sdpa.scale
+    owner, first = page_map[0, :], page_map[1, :]  # (N,), (N,)
+    qo = xp.take(qg, owner, axis=0)  # (N, H_kv, G*L, D): each page's row's queries
+    # Page n's slots sit at positions first[n] + 0 .. P - 1; its row's queries at
+    # lens[owner[n]] - L + i. Pages no row uses have first = UNUSED: after every query.
+    q0 = xp.reshape(xp.take(lens, owner, axis=0) - L - first, (N, 1, 1))  # (N, 1, 1)
+    ok = xp.reshape(visible(xp, L, P, q_start=q0, window=opts.window, device=dev), (N, 1, 1, L, P))
+    s = _block_scores(xp, qo, k_pages, ok, 0, grid=(N, h_kv, G, L), opts=opts.sdpa)
+    m = xp.max(s, axis=-1, keepdims=True)  # (N, H_kv, G*L, 1); -inf: the page hides all
+    p = xp.exp(s - xp.where(m == -math.inf, 0.0, m))
+    part = xp.matmul(p, xp.astype(v_pages, qg.dtype, copy=False))  # (N, H_kv, G*L, D)
+    total = xp.sum(p, axis=-1, keepdims=True)  # (N, H_kv, G*L, 1)
+    # Combine each row's pages, read through its table; entries past its pages are dropped.
+    flat = xp.reshape(tables, (-1,))  # (B*M,)
+    need = (lens + (P - 1)) // P  # (B,) pages each row uses
+    used = xp.reshape(xp.arange(M, device=dev), (1, M)) < xp.reshape(need, (B, 1))  # (B, M)
+    used = xp.reshape(used, (B, M, 1, 1, 1))
+    mr = xp.where(used, xp.reshape(xp.take(m, flat, axis=0), (B, M, h_kv, G * L, 1)), -math.inf)
+    top = xp.max(mr, axis=1, keepdims=True)  # (B, 1, H_kv, G*L, 1): finite (a query sees itself)
+    w = xp.exp(mr - top)  # (B, M, H_kv, G*L, 1); 0 for dropped entries and hidden pages
+    acc = xp.sum(w * xp.reshape(xp.take(part, flat, axis=0), (B, M, h_kv, G * L, D)), axis=1)
+    tot = xp.sum(w * xp.reshape(xp.take(total, flat, axis=0), (B, M, h_kv, G * L, 1)), axis=1)
+    return _finish(xp, acc, tot, q)  # (B, H, L, D)
