@@ -124,6 +124,9 @@ def test_quantized_linear_matches_reference(backend, dtype, bits, group, lead, s
     want = xr @ to64(dequantize(qw), backend).T + (0 if br is None else br)
     out = qlinear(x, qw, b)
     assert_close(out, want, backend=backend, dtype=dtype)
+    # both portable formulations: dequantize-then-matmul, and per-group sums (auto's for few rows)
+    for impl in ("portable", "grouped"):
+        assert_close(qlinear(x, qw, b, impl=impl), want, backend=backend, dtype=dtype)
     assert_close(pl.linear(x, qw, b), want, backend=backend, dtype=dtype)
     # the dequantized weight itself is the float64 decoder's (to its rounding)
     assert np.all(np.abs(to64(dequantize(qw), backend) - wd) <= 4 * U[dtype] * (np.abs(wd) + 1))

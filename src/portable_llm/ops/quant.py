@@ -21,8 +21,8 @@ import math
 from typing import Any
 
 from portable_llm.backends import Backend, backend_of, get_backend, resolve
-from portable_llm.core.checks import check_float, check_int, check_ndim
-from portable_llm.core.dispatch import pick, portable
+from portable_llm.core.checks import check_float, check_int, check_ndim, float_compute_dtype
+from portable_llm.core.dispatch import auto_portable, pick, portable
 
 __all__ = ["BITS", "GROUP_SIZES", "QuantizedWeight", "dequantize", "quantize", "quantized_linear"]
 
@@ -194,8 +194,11 @@ def _unpack(xp: Any, packed: Any, *, bits: int) -> Any:
     mask = (1 << bits) - 1
     lead, w = tuple(packed.shape[:-1]), packed.shape[-1]
     if 32 % bits == 0:  # whole codes per word: code i of a word sits at bits*i
-        parts = [(words >> (bits * i)) & mask for i in range(32 // bits)]
-        codes = xp.stack(parts, axis=-1)  # (.., W, 32/bits)
+        # One broadcast shift (measured 2-4x faster on torch than a stack of 32/bits shifts,
+        # whose last-axis stack writes with a stride).
+        device = getattr(packed, "device", None)  # MLX arrays have none (unified memory)
+        shifts = xp.arange(0, 32, bits, dtype=xp.int32, device=device)  # (32/bits,)
+        codes = (words[..., None] >> shifts) & mask  # (.., W, 32/bits)
         return xp.reshape(codes, (*lead, w * 32 // bits))
     blocks = xp.reshape(words, (*lead, w // bits, bits))  # (.., W/bits, bits): 32 codes each
     parts = []
@@ -296,6 +299,52 @@ def _quantized_linear(
     if w.dtype != x.dtype:
         w = xp.astype(w, x.dtype)
     return _linear(xp, x, w, bias)
+
+
+@portable("quantized_linear", "grouped", pure=True)
+def _quantized_linear_grouped(
+    xp: Any, x: Any, packed: Any, scales: Any, biases: Any, bias: Any, *, bits: int,
+    group_size: int,
+) -> Any:  # fmt: skip
+    """The same product without the dequantized weight, for few rows of x (decode):
+    ``y[m, n] = sum_g scales[n, g] * (x_g . q[n, g, :]) + biases[n, g] * sum(x_g)``.
+
+    The codes go straight into one batched matmul per group (no scale-and-bias pass over the
+    (O, I) weight); the bias term needs only the per-group sums of x. Accumulated in float32
+    (float64 for float64 x) and returned in x's dtype. The weight is never rounded to scales'
+    dtype, so ``auto`` takes this path only where that rounding cannot show: scales of x's
+    dtype, float32 or float64.
+    """
+    ct = float_compute_dtype(xp, x.dtype)
+    lead, k = tuple(x.shape[:-1]), x.shape[-1]
+    n, g = scales.shape[0], k // group_size
+    codes = _unpack(xp, packed, bits=bits)  # (O, I) int32
+    q = xp.reshape(xp.astype(codes, ct), (n, g, group_size))  # (O, G, gs)
+    xg = xp.reshape(xp.astype(x, ct), (-1, g, group_size))  # (M, G, gs)
+    xg = xp.permute_dims(xg, (1, 0, 2))  # (G, M, gs)
+    dots = xp.matmul(xg, xp.permute_dims(q, (1, 2, 0)))  # (G, M, O): x_g . q[n, g, :]
+    s = xp.astype(xp.permute_dims(scales, (1, 0)), ct)  # (G, O)
+    b = xp.astype(biases, ct)  # (O, G)
+    y = xp.sum(dots * s[:, None, :], axis=0)  # (M, O)
+    y = y + xp.matmul(xp.permute_dims(xp.sum(xg, axis=-1), (1, 0)), xp.matrix_transpose(b))
+    if bias is not None:
+        y = y + xp.astype(bias, ct)
+    return xp.reshape(xp.astype(y, x.dtype), (*lead, n))  # (N.., O)
+
+
+#: ``auto`` takes the grouped path while the rows of x are at most ``group_size / GROUPED_ROWS``
+#: (its (G, M, O) partial sums then stay below a quarter of the (O, I) weight it avoids).
+GROUPED_ROWS = 4
+_WIDE = ("float32", "float64")
+
+
+@auto_portable("quantized_linear")
+def _auto(x: Any, packed: Any, scales: Any, biases: Any, bias: Any, **fmt: Any) -> str:
+    rows = math.prod(x.shape[:-1])
+    # Only where skipping the weight's rounding to scales' dtype cannot show: scales of x's
+    # dtype, float32 or float64 (half dtypes keep the dequantized weight, rounded as MLX does).
+    exact = scales.dtype == x.dtype and backend_of(x).dtype_name(x.dtype) in _WIDE
+    return "grouped" if exact and rows * GROUPED_ROWS <= fmt["group_size"] else "portable"
 
 
 @portable("quantized_embedding")  # not compiled on JAX, as dequantize: rows equal dequantize's

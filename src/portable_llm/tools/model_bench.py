@@ -7,6 +7,10 @@ Each engine then loads it (timed), and runs greedy generation twice with the sam
 shape, torch and MLX warm their allocators); the second is reported: prefill tokens/s (prompt
 tokens over the time to the first new token) and decode tokens/s (the later tokens). Every
 engine runs on the same checkpoint, in the same process, one after the other.
+
+A ``.gguf`` file runs kept quantized on every backend (``pl.load(path)``), next to llama.cpp
+(``llama-cpp-python``, when installed) on the same file with torch's thread count; the table
+ends with each backend's decode speed as a fraction of llama.cpp's.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import numpy as np
 
 from portable_llm.tools.report import UsageError, backend_names, format_table, load_for_dtype
 
-__all__ = ["PEERS", "QWEN2_0_5B", "TINY", "run_model_bench", "write_bench_checkpoint"]
+__all__ = ["GGUF_PEERS", "PEERS", "QWEN2_0_5B", "TINY", "run_model_bench", "write_bench_checkpoint"]
 
 #: Qwen2-0.5B's config.json, the fields a decoder reads.
 QWEN2_0_5B: dict[str, Any] = {
@@ -181,6 +185,55 @@ PEERS: dict[str, tuple[tuple[str, str, Callable[[Path, str], tuple[float, Runner
     "mlx": (("mlx-lm", "mlx_lm", _mlx_lm),),
 }
 
+
+def _threads() -> int:
+    """The thread count every engine gets: torch's (its default is the core count), else 2."""
+    try:
+        import torch
+    except ImportError:
+        return 2
+    return int(torch.get_num_threads())
+
+
+def _llama_cpp(path: Path, dtype: str) -> tuple[float, Runner]:
+    """llama.cpp on the same ``.gguf`` file: greedy over its logits, the same thread count."""
+    import llama_cpp
+
+    start = time.perf_counter()
+    threads = _threads()
+    llm = llama_cpp.Llama(
+        model_path=str(path), n_ctx=PREFILL + DECODE + 8, n_batch=PREFILL, n_threads=threads,
+        n_threads_batch=threads, verbose=False,
+    )  # fmt: skip
+    loaded = time.perf_counter() - start
+    vocab = llm.n_vocab()
+
+    def last_token() -> int:
+        # The last position's logits, read in place (llm.scores holds them only with
+        # logits_all=True, which would compute the LM head at every prompt position).
+        logits = np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(vocab,))
+        return int(np.argmax(logits))
+
+    def run(ids: np.ndarray, n: int) -> tuple[float, float]:
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval([int(i) for i in ids[0]])
+        token = last_token()
+        t1 = time.perf_counter()
+        for _ in range(n - 1):
+            llm.eval([token])
+            token = last_token()
+        return t1 - t0, time.perf_counter() - t1
+
+    return loaded, run
+
+
+#: Engines that read a ``.gguf`` file themselves, run once next to all backends: (engine name,
+#: module that must be installed, (file, dtype) -> (load seconds, runner)).
+GGUF_PEERS: tuple[tuple[str, str, Callable[[Path, str], tuple[float, Runner]]], ...] = (
+    ("llama.cpp", "llama_cpp", _llama_cpp),
+)
+
 _HEADERS = ("engine", "backend", "dtype", "load", f"prefill tok/s (L={PREFILL})", "decode tok/s",
             "warm-up run", "load avg")  # fmt: skip
 
@@ -197,8 +250,9 @@ def run_model_bench(
 ) -> int:
     """Benchmark the checkpoint on every selected backend and on the installed oracles.
 
-    ``folder``: any checkpoint folder (config.json and safetensors); default the random
-    checkpoint of ``config`` (Qwen2-0.5B's shape), written once under ``cache_dir``.
+    ``folder``: any checkpoint folder (config.json and safetensors) or ``.gguf`` file (kept
+    quantized, next to llama.cpp); default the random checkpoint of ``config`` (Qwen2-0.5B's
+    shape), written once under ``cache_dir``.
     """
     out = file if file is not None else sys.stdout
     names = backend_names(backends)
@@ -207,32 +261,72 @@ def run_model_bench(
     if folder is None:
         folder = write_bench_checkpoint(cache_dir, config)
         vocab = (config or QWEN2_0_5B)["vocab_size"]
+    elif Path(folder).suffix == ".gguf" and Path(folder).is_file():
+        folder = Path(folder)
+        vocab = _gguf_vocab(folder)
     else:
         folder = Path(folder)
         if not (folder / "config.json").is_file():
             raise UsageError(f"--model: {folder} has no config.json")
         vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
     print(f"checkpoint: {folder} (ready in {time.perf_counter() - start:.1f} s)", file=out)
+    gguf = folder.suffix == ".gguf"
     rows: list[list[str]] = []
     ids = np.random.default_rng(0).integers(0, min(vocab, 1000), size=(1, PREFILL))
     for name in names:
         if load_for_dtype(name, dtype, out) is None:
             continue
         engines = [("portable_llm", partial(_ours, folder, name, dtype))]
-        for engine, module, peer in PEERS.get(name, ()):
+        for engine, module, peer in () if gguf else PEERS.get(name, ()):
             if _installed(module):
                 engines.append((engine, partial(peer, folder, dtype)))
         rows.extend(_row(engine, name, dtype, make, decode, ids) for engine, make in engines)
     if not rows:
         raise UsageError(f"no selected backend is installed with {dtype}")
+    notes = []
+    for engine, module, peer in GGUF_PEERS if gguf else ():
+        if _installed(module):
+            make = partial(peer, folder, dtype)
+            rows.append(_row(engine, "-", "(file's)", make, decode, ids))
+        else:
+            notes.append(f"{engine} skipped: {module} is not installed")
     print(format_table(_HEADERS, rows), file=out)
+    peers = (
+        f"llama.cpp runs on the same file with {_threads()} threads, as torch"
+        if gguf
+        else "transformers runs next to the torch backend, mlx-lm next to the mlx backend"
+    )
     print(
         f"\ngreedy decoding of {decode} tokens after a {PREFILL}-token prompt, twice; the second "
-        "run is reported (the warm-up column is the first: compilation, allocation). "
-        "transformers runs next to the torch backend, mlx-lm next to the mlx backend.",
+        f"run is reported (the warm-up column is the first: compilation, allocation). {peers}.",
         file=out,
     )
+    for line in [*notes, *_ratios(rows)]:
+        print(line, file=out)
     return 0
+
+
+def _gguf_vocab(path: Path) -> int:
+    """The vocabulary size of a ``.gguf`` file (its token list), read without loading it."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(path, "r").fields.get("tokenizer.ggml.tokens")
+    if field is None:
+        raise UsageError(f"--model: {path} has no tokenizer.ggml.tokens")
+    return len(field.data)
+
+
+def _ratios(rows: list[list[str]]) -> list[str]:
+    """Each portable_llm row's decode tok/s over llama.cpp's, when llama.cpp ran."""
+    peer = [r for r in rows if r[0] == "llama.cpp" and r[5] != "-"]
+    if not peer:
+        return []
+    base = float(peer[0][5])
+    return [
+        f"decode / llama.cpp: {r[1]} {r[2]} {float(r[5]) / base:.2f}x"
+        for r in rows
+        if r[0] == "portable_llm" and r[5] != "-"
+    ]
 
 
 def _installed(module: str) -> bool:
