@@ -15,8 +15,9 @@ import pytest
 
 import portable_llm as pl
 from portable_llm.attn.padding import left_pad
+from portable_llm.core.dispatch import dispatcher
 from portable_llm.models import load
-from portable_llm.models.prepared import Prepared, QLinear
+from portable_llm.models.prepared import Packed, Prepared, QLinear
 from portable_llm.testing import assert_close
 from portable_llm.testing.checkpoints import tiny_config, write_checkpoint
 
@@ -69,11 +70,15 @@ def test_prepared_forward_equals_op_by_op(
 
 @pytest.mark.slow_on("jax")
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2_moe"])
-def test_prepared_cached_decode_equals_op_by_op(folders: dict, family: str, backend: str) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prepared_cached_decode_equals_op_by_op(
+    folders: dict, family: str, backend: str, dtype: str
+) -> None:
     """Prefill, single tokens and a chunk, with the caches' masks (rotating windows included):
     each step equal to the op-by-op path's step on caches of its own (the eager prepared
-    step: JAX's compiled step is checked against it below)."""
-    model = _eager(_loaded(folders, family, backend, "float32"))
+    step: JAX's compiled step is checked against it below). In bfloat16 on torch's CPU the
+    projections run packed (``pack_linear``): the same bits on one row and on many."""
+    model = _eager(_loaded(folders, family, backend, dtype))
     slow = _op_by_op(model)
     ids = _ids(2, L)
     fast_cache, slow_cache = model.make_cache(), slow.make_cache()
@@ -98,6 +103,20 @@ def test_prepared_left_padded_batch_equals_op_by_op(
     _same(model(ids, cache=caches[0]), slow(ids, cache=caches[1]), "prefill")
     nxt = pl.asarray(np.array([[7], [9]]), backend=backend)
     _same(model(nxt, cache=caches[0]), slow(nxt, cache=caches[1]), "decode")
+
+
+def test_projections_packed_where_the_backend_packs(folders: dict, backend: str) -> None:
+    """A projection is bound :class:`Packed` exactly where the dispatcher's ``pack_linear``
+    packs it (torch's CPU in bfloat16), the plain weight elsewhere; the head likewise."""
+    for dtype in pl.get_backend(backend).float_dtypes():
+        model = load(folders["llama"], backend=backend, dtype=dtype)
+        assert model.prepared is not None
+        d = dispatcher(model.backend)
+        pack = d.pick("pack_linear", "auto", model.blocks[0].attn["wq"])
+        packs = pack is not d.portable_impl("pack_linear")
+        for got in (model.prepared.layers[0].attn.wq, model.prepared.layers[1].mlp.w_down):
+            assert isinstance(got, Packed) is packs, dtype
+        assert isinstance(model.prepared._head, Packed) is packs
 
 
 def test_prepared_is_skipped_for_mixed_dtypes(folders: dict) -> None:

@@ -31,7 +31,7 @@ from portable_llm.attn.sdpa import OP as SDPA
 from portable_llm.attn.sdpa_args import SdpaOptions
 from portable_llm.attn.visibility import visible
 from portable_llm.backends import Backend, backend_of, resolve
-from portable_llm.core.dispatch import dispatcher
+from portable_llm.core.dispatch import dispatcher, portable
 from portable_llm.models.config import DecoderConfig
 from portable_llm.ops.activations import activation_op
 from portable_llm.ops.embedding import embedding
@@ -40,7 +40,16 @@ from portable_llm.ops.quant import QuantizedWeight
 from portable_llm.rotary.args import dispatch_args as rope_dispatch_args
 from portable_llm.rotary.rope import _angles, _rotate
 
-__all__ = ["AttnWeights", "Kernels", "Layer", "MlpWeights", "Prepared", "QLinear", "preparable"]
+__all__ = [
+    "AttnWeights",
+    "Kernels",
+    "Layer",
+    "MlpWeights",
+    "Packed",
+    "Prepared",
+    "QLinear",
+    "preparable",
+]
 
 Fn = Callable[..., Any]
 
@@ -54,10 +63,29 @@ class Kernels:
     act: Fn  # fn(xp, x)
 
     def project(self, xp: Any, x: Any, w: Any, b: Any) -> Any:
-        """``x @ w.T + b`` for a float weight or a :class:`QLinear`."""
-        if type(w) is QLinear:
+        """``x @ w.T + b`` for a float weight, a :class:`Packed` or a :class:`QLinear` one."""
+        if type(w) in _BOUND:
             return w(xp, x, b)
         return self.linear(xp, x, w, b)
+
+
+@portable("pack_linear")
+def _unpacked(xp: Any, w: Any) -> Any:
+    """No packed layout: the weight as it is (a backend's native kernel may pack it)."""
+    return w
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A float projection in a layout that the backend packed once at load (``pack_linear``,
+    e.g. oneDNN's for bfloat16 on torch's CPU), with its ``packed_linear`` kernel: the bits of
+    ``linear`` on the plain weight (tested)."""
+
+    w: Any  # (O, I), packed
+    fn: Fn  # fn(xp, x, w, b)
+
+    def __call__(self, xp: Any, x: Any, b: Any) -> Any:
+        return self.fn(xp, x, self.w, b)
 
 
 @dataclass(frozen=True)
@@ -85,6 +113,9 @@ class QLinear:
         if fn is None:
             fn = self.fns[key] = self.pick(x, self.packed, self.scales, self.biases, b, **opts)
         return fn(xp, x, self.packed, self.scales, self.biases, b, **opts)
+
+
+_BOUND = (Packed, QLinear)  # projections that carry their kernel
 
 
 @dataclass(frozen=True)
@@ -164,11 +195,15 @@ def preparable(bk: Backend, dtype: Any, arrays: Sequence[Any], blocks: Sequence[
 
 
 def _bind(d: Any, w: Any) -> Any:
-    """``w``, or for a quantized weight its :class:`QLinear`."""
-    if not isinstance(w, QuantizedWeight):
+    """``w`` bound for the prepared forward: a :class:`QLinear` for a quantized weight, a
+    :class:`Packed` one where the backend packs it (``pack_linear``), else ``w`` itself."""
+    if isinstance(w, QuantizedWeight):
+        pick = partial(d.pick, "quantized_linear", "auto")
+        return QLinear(*w.arrays, bits=w.bits, group_size=w.group_size, pick=pick)
+    packed = d.pick("pack_linear", "auto", w)(d.backend.xp, w)
+    if packed is w:
         return w
-    pick = partial(d.pick, "quantized_linear", "auto")
-    return QLinear(*w.arrays, bits=w.bits, group_size=w.group_size, pick=pick)
+    return Packed(packed, d.pick("packed_linear", "native"))
 
 
 def _layer(block: Any, bind: Callable[[Any], Any]) -> Layer:
