@@ -27,11 +27,13 @@ import textwrap
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 from typing import Any, TextIO
 
 import numpy as np
 
 from portable_llm.attn.block import attention
+from portable_llm.attn.paged import paged_attention
 from portable_llm.attn.sdpa import scaled_dot_product_attention
 from portable_llm.backends import (
     _ALIASES,
@@ -355,6 +357,49 @@ CASES.extend([
          seed=160),
     Case("attention+cache", "attention", _decode_case, _decode_call, _decode_reference, seed=190),
 ])  # fmt: skip
+
+
+# -- paged attention: decode over keys in a pool's pages, read through block tables -----------
+
+_PAGED = (8, 2, 4, 8)  # H, H_kv, page size P, D
+_PAGED_LENS = (7, 13, 4)  # unequal rows: a partial page, several pages, less than a page
+
+
+def _paged_case(seed: int, dtype: str, backend: str) -> Inputs:
+    H, h_kv, P, D = _PAGED
+    need = [-(-n // P) for n in _PAGED_LENS]
+    order = np.random.default_rng(seed).permutation(sum(need) + 1).astype(np.int32)
+    tables = np.zeros((len(need), max(need)), dtype=np.int32)  # pages in a shuffled order
+    for b, n in enumerate(need):
+        tables[b, :n], order = order[:n], order[n:]
+    lens = np.asarray(_PAGED_LENS, dtype=np.int32)
+    q = random_array(seed, (len(need), H, 1, D), dtype, backend=backend)
+    k = random_array(seed + 1, (sum(need) + 1, h_kv, P, D), dtype, backend=backend)
+    v = random_array(seed + 2, (sum(need) + 1, h_kv, P, D), dtype, backend=backend)
+    ids = [(asarray(a, backend=backend), a) for a in (tables, lens)]
+    return _inputs(q, k, v, *ids)
+
+
+def _paged_call(q: Any, k: Any, v: Any, tables: Any, lens: Any, *, impl: str) -> Any:
+    pool = SimpleNamespace(k_pages=k, v_pages=v)  # paged_attention reads only the pages
+    return paged_attention(q, pool, tables, lens, impl=impl)
+
+
+def _paged_reference(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, tables: np.ndarray, lens: np.ndarray
+) -> np.ndarray:
+    """Each row alone: dense causal attention over its keys, gathered in order."""
+    rows = []
+    for b, n in enumerate(lens.tolist()):
+        pages = tables[b, : -(-n // k.shape[2])]
+        kb, vb = (np.concatenate(list(a[pages]), axis=1)[None, :, :n] for a in (k, v))
+        rows.append(reference.scaled_dot_product_attention(q[b : b + 1], kb, vb, mask="causal"))
+    return np.concatenate(rows, axis=0)
+
+
+CASES.append(
+    Case("paged_attention", "paged_attention", _paged_case, _paged_call, _paged_reference, seed=220)
+)
 
 
 # -- quantized weights (MLX's affine layout): dequantize and the quantized matmul --------------
