@@ -368,14 +368,15 @@ _PAGED_LENS = (7, 13, 4)  # unequal rows: a partial page, several pages, less th
 def _paged_case(seed: int, dtype: str, backend: str) -> Inputs:
     H, h_kv, P, D = _PAGED
     need = [-(-n // P) for n in _PAGED_LENS]
-    order = np.random.default_rng(seed).permutation(sum(need) + 1).astype(np.int32)
+    N = 2 * sum(need) + 1  # half the pool free: auto gathers (the pool-wide path pays when full)
+    order = np.random.default_rng(seed).permutation(N).astype(np.int32)
     tables = np.zeros((len(need), max(need)), dtype=np.int32)  # pages in a shuffled order
     for b, n in enumerate(need):
         tables[b, :n], order = order[:n], order[n:]
     lens = np.asarray(_PAGED_LENS, dtype=np.int32)
     q = random_array(seed, (len(need), H, 1, D), dtype, backend=backend)
-    k = random_array(seed + 1, (sum(need) + 1, h_kv, P, D), dtype, backend=backend)
-    v = random_array(seed + 2, (sum(need) + 1, h_kv, P, D), dtype, backend=backend)
+    k = random_array(seed + 1, (N, h_kv, P, D), dtype, backend=backend)
+    v = random_array(seed + 2, (N, h_kv, P, D), dtype, backend=backend)
     ids = [(asarray(a, backend=backend), a) for a in (tables, lens)]
     return _inputs(q, k, v, *ids)
 
