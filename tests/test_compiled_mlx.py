@@ -16,7 +16,7 @@ import pytest
 
 import portable_llm as pl
 from portable_llm.models import load
-from portable_llm.testing import assert_close
+from portable_llm.testing import MODEL_TOLERANCES, assert_close, tolerance
 from portable_llm.testing.checkpoints import tiny_config, write_checkpoint
 
 STEPS = 7  # decode steps: with step=4 the caches grow twice (capacities 8, 12, 16)
@@ -49,17 +49,20 @@ def _prompt(seed: int, n: int) -> list[int]:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_compiled_step_equals_eager_step(folder: object, backend: str, dtype: str) -> None:
     """Greedy decoding, each model feeding back its own tokens: every step's logits agree
-    within the dtype's tolerance and the tokens are identical; one compilation per capacity."""
+    within the dtype's whole-model tolerance (a compiler may fuse and round differently in
+    half precision) and the tokens are identical; one compilation per capacity."""
     model, eager = _models(folder, backend, dtype)
+    tol = MODEL_TOLERANCES.get(dtype, tolerance(dtype))
     fast, slow = model.make_cache(step=4), eager.make_cache(step=4)
-    assert all(c.static_shapes for c in fast) and not any(c.static_shapes for c in slow)
+    assert all(c.static_shapes for c in fast)
+    assert all(c.static_shapes is pl.get_backend(backend).static_shapes for c in slow)
     prompt = pl.asarray([_prompt(1, 5)], backend=backend)  # (1, 5)
     got = model(prompt, cache=fast, last_only=True)
     want = eager(prompt, cache=slow, last_only=True)
     assert model.compiled is not None and model.compiled.traces == 0  # the prefill is eager
     tokens: list[tuple[int, int]] = []
     for t in range(STEPS):
-        assert_close(got, want, dtype=dtype, err_msg=f"step {t}")
+        assert_close(got, want, dtype=dtype, rtol=tol.rtol, atol=tol.atol, err_msg=f"step {t}")
         a, b = pl.greedy(got[:, -1, :]), pl.greedy(want[:, -1, :])  # (1,)
         tokens.append((int(pl.to_numpy(a)[0]), int(pl.to_numpy(b)[0])))
         got = model.decode_step(a[:, None], cache=fast)  # (1, 1, V)

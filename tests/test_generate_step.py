@@ -224,3 +224,105 @@ def test_generate_checks_the_new_arguments(mistral: tuple) -> None:
         pl.generate(model, [1, 2], prompt_cache=[])
     with pytest.raises(ValueError, match="prompt_cache is for one prompt"):
         pl.generate(model, ["a", "b"], prompt_cache=model.make_cache())
+
+
+# -- the decode loop's device path: ids fed back unchecked, pipelining ----------------------------
+
+
+def _with_nan_row(model: pl.Model, token: int) -> pl.Model:
+    """The model with the embedding row of ``token`` NaN (its LM head kept finite): the first
+    forward fed ``token`` gives NaN logits."""
+    bk = model.backend
+    table = pl.to_numpy(model.embed).copy()
+    if model.lm_head is None:
+        model.lm_head = model.embed
+    table[token] = np.nan
+    model.embed = bk.from_numpy(table, model.device)
+    return model
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_nan_logits_at_a_later_step_stop_with_the_error(
+    mistral: tuple, backend: str, temperature: float
+) -> None:
+    """The embedding row of the first new token ``k >= 1`` not seen before is NaN: the step
+    that feeds it (step ``k + 1``) has no distribution. The error names that step, greedy (the
+    row maximum read on the host) or sampled (the sampler's -1 mark), with or without the next
+    step queued first."""
+    folder, _, _ = mistral
+    prompt = _prompt(9)
+    options = {"temperature": temperature, "seed": 4, "stop": ()}
+    free = list(pl.generate(load(folder, backend=backend, dtype="float32"), prompt,
+                            max_new_tokens=NEW, **options))  # fmt: skip
+    k = next(k for k in range(1, NEW) if free[k] not in prompt + free[:k])
+    model = _with_nan_row(load(folder, backend=backend, dtype="float32"), free[k])
+    gen = pl.generate(model, prompt, max_new_tokens=NEW, **options)
+    assert [next(gen) for _ in range(k + 1)] == free[: k + 1]
+    step = k + 1
+    with pytest.raises(
+        ValueError, match=rf"logits of step {step} \(after {len(prompt) + step} tokens\) are NaN"
+    ):
+        next(gen)
+
+
+def test_decode_step_takes_ids_unchecked_where_the_model_call_checks(
+    mistral: tuple, backend: str
+) -> None:
+    """``Model.decode_step`` reads no ids back: an id outside ``[0, V)`` gives NaN logits (a
+    row of NaN embeddings, the masked lookup), where ``model(...)`` raises; valid ids give
+    ``model(...)``'s logits."""
+    folder, cfg, _ = mistral
+    model = load(folder, backend=backend, dtype="float32")
+    V = cfg["vocab_size"]
+    prompt = pl.asarray([_prompt(10)], backend=backend)
+    a, b = model.make_cache(), model.make_cache()
+    model(prompt, cache=a)
+    model(prompt, cache=b)
+    token = pl.asarray([[7]], backend=backend)
+    assert_close(model.decode_step(token, cache=a), model(token, cache=b, last_only=True))
+    with pytest.raises(ValueError, match=rf"embedding: ids must lie in \[0, {V}\)"):
+        model(pl.asarray([[V]], backend=backend), cache=model.make_cache())
+    bad = model.decode_step(pl.asarray([[V]], backend=backend), cache=a)  # (1, 1, V)
+    assert np.isnan(pl.to_numpy(bad)).all()
+
+
+def test_embedding_without_the_check_reads_nothing_back(backend: str) -> None:
+    """``embedding(check=False)``: valid ids give the checked lookup bit for bit; an id
+    outside ``[0, V)`` gives a row of NaN instead of the ValueError."""
+    table, table_r = pl.testing.random_array(5, (10, 4), "float32", backend=backend)
+    ids = pl.asarray(np.array([[3, 0, 9]]), backend=backend)
+    np.testing.assert_array_equal(
+        pl.to_numpy(pl.embedding(ids, table, check=False)), table_r[[3, 0, 9]][None]
+    )
+    bad = pl.asarray(np.array([[2, -1, 10]]), backend=backend)
+    with pytest.raises(ValueError, match=r"ids must lie in \[0, 10\)"):
+        pl.embedding(bad, table)
+    got = pl.to_numpy(pl.embedding(bad, table, check=False))  # (1, 3, 4)
+    np.testing.assert_array_equal(got[0, 0], table_r[2])
+    assert np.isnan(got[0, 1:]).all()
+    with pytest.raises(TypeError, match="embedding: check must be a bool"):
+        pl.embedding(ids, table, check=1)  # type: ignore[arg-type]
+
+
+def test_an_asynchronous_backend_queues_the_next_step_before_the_token_is_read(
+    mistral: tuple, backend: str
+) -> None:
+    """Pipelining (Backend.asynchronous: MLX, JAX): when token 0 is yielded, step 1 (which feeds
+    it) is already in the caches; elsewhere token 0 is fed only when token 1 is asked for.
+    With a logits processor (which needs the host's ids) no backend queues ahead. The tokens
+    are the same either way."""
+    folder, _, _ = mistral
+    model = load(folder, backend=backend, dtype="float32")
+    prompt = _prompt(11)
+    ahead = int(model.backend.asynchronous(model.device))
+    cache = model.make_cache()
+    steps = pl.generate_step(model, prompt, cache=cache)
+    got = [next(steps)[0]]
+    assert cache[0].offset == len(prompt) + ahead
+    got += _take(NEW - 1, steps)
+    assert cache[0].offset == len(prompt) + NEW - 1 + ahead
+    held = model.make_cache()
+    never = pl.make_logits_processors(repetition_penalty=1.0 + 1e-9)  # no effect on greedy ids
+    stepped = pl.generate_step(model, prompt, cache=held, logits_processors=never)
+    assert _take(NEW, stepped) == got
+    assert held[0].offset == len(prompt) + NEW - 1

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -18,7 +17,6 @@ import numpy as np
 from portable_llm.backends import backend_of
 from portable_llm.core.arrays import asarray, to_numpy
 from portable_llm.core.checks import check_optional_int
-from portable_llm.core.dispatch import dispatcher
 from portable_llm.core.types import Array
 from portable_llm.models.sampler import LogitsProcessor, Sampler
 from portable_llm.ops.sampling import greedy
@@ -165,14 +163,15 @@ class Decode:
     def __next__(self) -> tuple[Any, Array | None]:
         if self._next is None:
             self._next = self._prefill() if self.step == 0 else self._forward(self._unfed)
-        ids, lp = self._next
+        ids, top, lp = self._next
         self._next, self._unfed = None, ids[:, None]  # (B, 1)
         if self.pipelined and (self.max_tokens is None or self.step + 1 < self.max_tokens):
             self._next = self._forward(self._unfed)  # step t + 1, queued before t is read
-            self.bk.launch(self._next)
+            self.bk.launch([a for a in self._next if a is not None])
             self._unfed = None
-        chosen = self.bk.to_numpy(ids).tolist()  # (B,): the one host read of the step
-        if min(chosen) < 0:  # the sampler's mark for a row with no distribution
+        chosen = self.bk.to_numpy(ids).tolist()  # (B,): the host read of the step
+        # No distribution: greedy's row maximum is NaN or -inf; a sampler marks the row -1.
+        if not (self.bk.to_numpy(top) > -math.inf).all() if top is not None else min(chosen) < 0:
             raise ValueError(
                 f"generate: the logits of step {self.step} (after "
                 f"{self.host.shape[1] + self.step} tokens) are NaN or all -inf; the weights or "
@@ -201,27 +200,33 @@ class Decode:
             self.model.decode_step(self._unfed, cache=self.cache)
             self._unfed = None
 
-    def _prefill(self) -> tuple[Any, Any]:
+    def _prefill(self) -> tuple[Any, Any, Any]:
         bk, model = self.bk, self.model
         start = prefill(model, self.host, self.cache, self.chunk)
         rest = asarray(self.host[:, start:].tolist(), backend=bk.name, device=model.device)
         logits = model(rest, cache=self.cache, last_only=True)[:, -1, :]  # (B, V)
-        if self.sampler is None or self.sampler is greedy:  # its kernel, chosen once
-            fn = dispatcher(bk).pick("greedy", "auto", logits)
-            self.sampler = partial(fn, bk.xp)
         return self._sample(logits)
 
-    def _forward(self, ids: Any) -> tuple[Any, Any]:
+    def _forward(self, ids: Any) -> tuple[Any, Any, Any]:
         """Logits of ``ids`` ``(B, 1)`` (the sampler's ids, on the device), sampled."""
         logits = self.model.decode_step(ids, cache=self.cache)[:, -1, :]  # (B, V)
         return self._sample(logits)
 
-    def _sample(self, logits: Any) -> tuple[Any, Any]:
+    def _sample(self, logits: Any) -> tuple[Any, Any, Any]:
+        """``(ids (B,), row maxima (B,) or None, logprobs (B, V) or None)``, on the device.
+
+        Greedy (the default) is :func:`~portable_llm.greedy`'s argmax (ties: the lowest id)
+        with the row maxima beside it, checked on the host with the ids (NaN or ``-inf``: no
+        distribution), instead of its per-row mark computed on the device; another sampler
+        marks such a row ``-1``.
+        """
+        xp = self.bk.xp
         for processor in self.processors:
             logits = processor(self.tokens, logits)
-        lp = _log_softmax(self.bk.xp, logits) if self.logprobs else None  # (B, V)
-        assert self.sampler is not None
-        return self.sampler(logits), lp  # ids (B,)
+        lp = _log_softmax(xp, logits) if self.logprobs else None  # (B, V)
+        if self.sampler is None or self.sampler is greedy:
+            return xp.argmax(logits, axis=-1), xp.max(logits, axis=-1), lp
+        return self.sampler(logits), None, lp
 
 
 def check_prefill_step_size(op: str, value: Any) -> int | None:
