@@ -8,6 +8,8 @@ logits over paged caches with those over its own caches.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -50,6 +52,21 @@ def _same_state(before: tuple, after: tuple) -> None:
 
 
 # -- the pool -----------------------------------------------------------------------------------
+
+
+def test_pool_arguments(backend: str) -> None:
+    bk = pl.get_backend(backend)
+    # The backend from the dtype object, except JAX's, which are NumPy's dtype objects.
+    given = {"backend": "jax"} if backend == "jax" else {}
+    pool = pl.PagePool(2, 4, 1, 2, bk.dtypes["float32"], **given)
+    assert pool.backend is bk and pool.dtype == bk.dtypes["float32"]
+    assert tuple(pool.k_pages.shape) == tuple(pool.v_pages.shape) == (2, 1, 4, 2)
+    with pytest.raises(ValueError, match="num_pages must be >= 1"):
+        pl.PagePool(0, 4, 1, 2, "float32", backend=backend)
+    with pytest.raises(TypeError, match="dtype must be a float dtype"):
+        pl.PagePool(2, 4, 1, 2, "int32", backend=backend)
+    with pytest.raises(TypeError, match="pool must be a PagePool"):
+        pl.PagedKVCache(object())
 
 
 def test_allocate_free_reuse() -> None:
@@ -275,11 +292,14 @@ def _paged_caches(model: pl.Model, pages: int = 16) -> list[pl.PagedKVCache]:
 @pytest.mark.parametrize("family", ["llama", "mistral"])
 def test_model_logits_equal_kvcache(backend: str, folders: dict, family: str) -> None:
     model = pl.load(folders[family], backend=backend, dtype="float32")
+    op_by_op = copy.copy(model)  # the public ops, each checking the cache it is given
+    op_by_op.prepared = op_by_op.compiled = None
     ids = np.random.default_rng(0).integers(3, 300, size=(1, 14))
-    ours, theirs = _paged_caches(model), model.make_cache()
-    for chunk in (ids[:, :9], ids[:, 9:10], ids[:, 10:13], ids[:, 13:]):
-        assert_close(model(chunk, cache=ours), model(chunk, cache=theirs))
-    assert ours[0].offset == 14 and len(ours[0].block_table) == 4
+    for m in (model, op_by_op):
+        ours, theirs = _paged_caches(m), m.make_cache()
+        for chunk in (ids[:, :9], ids[:, 9:10], ids[:, 10:13], ids[:, 13:]):
+            assert_close(m(chunk, cache=ours), m(chunk, cache=theirs))
+        assert ours[0].offset == 14 and len(ours[0].block_table) == 4
 
 
 @pytest.mark.slow_on("jax")

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from portable_llm.backends import _LOADED, Backend, get_backend, resolve
+from portable_llm.backends import _TOP_MODULE, Backend, get_backend, resolve
 from portable_llm.core.checks import check_float, check_int, check_optional_int
 
 __all__ = ["PagePool", "PagePoolExhausted"]
@@ -31,15 +31,13 @@ class PagePoolExhausted(RuntimeError):
     """A :class:`PagePool` has fewer free pages than asked for (nothing was allocated)."""
 
 
-def _backend(op: str, dtype: Any, backend: Any) -> Backend:
-    """``backend`` if given, else the loaded backend whose dtype ``dtype`` is, else NumPy."""
+def _backend(dtype: Any, backend: Any) -> Backend:
+    """``backend`` if given, else the library of a dtype object (by its type's module, never
+    by comparing dtypes of two libraries), else NumPy."""
     if backend is not None:
         return get_backend(backend)
-    if not isinstance(dtype, str):
-        for bk in _LOADED.values():
-            if dtype in bk.float_set:
-                return bk
-    return get_backend("numpy")
+    name = _TOP_MODULE.get(type(dtype).__module__.split(".")[0])
+    return get_backend(name if name is not None else "numpy")
 
 
 class PagePool:
@@ -56,7 +54,8 @@ class PagePool:
     dtype : str or dtype
         A float dtype name (``"float32"``, ``"bfloat16"``, ...) or the backend's dtype object.
     backend : str, optional
-        Default: the backend of a ``dtype`` object, else NumPy.
+        Default: the library of a ``dtype`` object (torch, MLX, array-api-strict), else NumPy
+        (JAX's dtype objects are NumPy's: give ``backend="jax"``).
     device : optional
         The backend's device (``"cpu"``, ``"cuda:0"``, ...); default: the backend's default.
 
@@ -84,7 +83,7 @@ class PagePool:
         self.page_size = check_int(name, "page_size", page_size, low=1)
         self.num_kv_heads = check_int(name, "num_kv_heads", num_kv_heads, low=1)
         self.head_dim = check_int(name, "head_dim", head_dim, low=1)
-        bk = _backend(name, dtype, backend)
+        bk = _backend(dtype, backend)
         self.backend = bk
         self.device = bk.device(device)
         self.dtype = bk.dtype(dtype, self.device)
