@@ -151,6 +151,24 @@ def test_native_matches_portable(backend, dtype, bits):
         assert_close(qlinear(x, q_nat, impl="native"), want, backend=backend, dtype=dtype)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("rows", [1, 70])
+def test_native_by_rows(backend, bits, group, rows):
+    """Native kernels for a decode step (1 row: torch's byte path) and a prompt (70 rows), in
+    float32, against the float64 product of the float64 decoder's weight."""
+    bk = get_backend(backend)
+    w, _ = random_array(3, (32, 2 * group), "float32", backend=backend, low=-0.2, high=0.2)
+    x, xr = random_array(4, (rows, 2 * group), "float32", backend=backend, low=-1, high=1)
+    qw = quantize(w, bits=bits, group_size=group)
+    want = xr @ np_dequantize(qw)[0].T
+    nat = pl.core.dispatch.dispatcher(bk).native.get("quantized_linear")
+    if nat is None or not nat.applies(x, *qw.arrays, None, bits=bits, group_size=group):
+        pytest.skip(f"no native quantized_linear on {backend} for these arguments")
+    assert_close(qlinear(x, qw, impl="native"), want, backend=backend, dtype="float32")
+    assert_close(qlinear(x, qw), want, backend=backend, dtype="float32")
+
+
 def test_embedding_dequantizes_rows(backend, dtype):
     bk = get_backend(backend)
     table, _ = random_array(3, (10, 64), dtype, backend=backend)

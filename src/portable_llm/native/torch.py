@@ -184,7 +184,12 @@ def _keep_nan(q: Any, k: Any, out: Any) -> Any:
 # MLX's affine format, w = s * q + b, is torch's int4 format w = s * (q - 8) + z with
 # z = b + 8 * s; the weight is repacked once (_convert_weight_to_int4pack_for_cpu) and cached
 # with the tensor it came from.
+import sys  # noqa: E402
 import weakref  # noqa: E402
+
+# The byte path's (G, M, N) partial sums stay below a quarter of the (N, K) weight it avoids
+# while the rows M are at most group_size / 4 (the portable grouped path's rule, too).
+_BYTE_ROWS = 4
 
 # id(packed) -> (weakref to packed, scales, biases, int4 pack, scales_and_zeros); an entry goes
 # with its packed tensor (torch tensors compare elementwise: no WeakKeyDictionary).
@@ -223,26 +228,87 @@ def _int4_pack(packed: Any, scales: Any, biases: Any, dtype: Any) -> tuple[Any, 
     return int4, sz
 
 
+def _bytes_applies(
+    x: Any, packed: Any, scales: Any, biases: Any, bias: Any, *, bits: int, group_size: int
+) -> bool:
+    """The byte-unpacked grouped product: 4- and 8-bit codes read as the bytes of the words
+    (little-endian, so byte j of a row holds codes 2j and 2j+1, or code j), float32/float64 x
+    with scales of its dtype (the weight is never rounded to another dtype)."""
+    return (
+        bits in (4, 8)
+        and packed.ndim == 2
+        and sys.byteorder == "little"
+        and x.dtype in (torch.float32, torch.float64)
+        and scales.dtype == x.dtype
+    )
+
+
+def _quantized_applies(*args: Any, **fmt: Any) -> bool:
+    return _int4_applies(*args, **fmt) or _bytes_applies(*args, **fmt)
+
+
+def _few_rows(x: Any, scales: Any, group_size: int) -> bool:
+    return x.numel() // x.shape[-1] * _BYTE_ROWS <= group_size
+
+
+def _quantized_prefer(
+    x: Any, packed: Any, scales: Any, biases: Any, bias: Any, *, bits: int, group_size: int
+) -> bool:
+    # bfloat16: the int4 kernel; float32/float64: the byte path for few rows (decode), where it
+    # beats the portable grouped path; more rows go to the portable dequantize-then-matmul.
+    return x.dtype == torch.bfloat16 or _few_rows(x, scales, group_size)
+
+
 @native(
     "torch",
     "quantized_linear",
-    kernel="torch.ops.aten._weight_int4pack_mm_for_cpu",
-    applies=_int4_applies,
-    # bfloat16 is the kernel's fast path (2-core CPU, min of 15 runs, one token, 1536x576: 39 us
-    # against the portable path's 1.5 ms and a dense bfloat16 linear's 69 us); float32 and
-    # float16 ran 10-100x slower, so auto leaves them to the portable path. Rounding: 5e-3 of the
-    # largest output in bfloat16 (about twice the portable path), within its tolerance.
-    auto_dtypes=("bfloat16",),
+    kernel="torch.ops.aten._weight_int4pack_mm_for_cpu | byte-unpacked torch.bmm",
+    applies=_quantized_applies,
+    # bfloat16 is the int4 kernel's fast path (2-core CPU, min of 15 runs, one token, 1536x576:
+    # 39 us against the portable path's 1.5 ms and a dense bfloat16 linear's 69 us); in float32
+    # and float16 it ran 10-100x slower, and float32 activations rounded to bfloat16 for it miss
+    # float32's tolerance (rtol 1e-5) by far, so float32 takes the byte path (exact to float32
+    # accumulation). Rounding of the int4 kernel: 5e-3 of the largest output in bfloat16 (about
+    # twice the portable path), within its tolerance.
+    auto_dtypes=("bfloat16", "float32", "float64"),
+    prefer=_quantized_prefer,
 )
 def quantized_linear(
     xp: Any, x: Any, packed: Any, scales: Any, biases: Any, bias: Any, *, bits: int,
     group_size: int,
 ) -> Any:  # fmt: skip
+    fmt = {"bits": bits, "group_size": group_size}
+    if _bytes_applies(x, packed, scales, biases, bias, **fmt) and (
+        _few_rows(x, scales, group_size)
+        or not _int4_applies(x, packed, scales, biases, bias, **fmt)
+    ):
+        y = _bytes_grouped(x, packed, scales, biases, bits=bits, group_size=group_size)
+        return y if bias is None else y + bias
     int4, sz = _int4_pack(packed, scales, biases, x.dtype)
     flat = x.reshape(-1, x.shape[-1])  # (M, K)
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, int4, group_size, sz)  # (M, N)
     y = y.reshape(*x.shape[:-1], y.shape[-1])
     return y if bias is None else y + bias
+
+
+def _bytes_grouped(
+    x: Any, packed: Any, scales: Any, biases: Any, *, bits: int, group_size: int
+) -> Any:
+    """The portable grouped product (ops.quant._quantized_linear_grouped) with the codes read
+    as bytes: two uint8 masks for 4 bits, none for 8, instead of int32 shifts (measured 2-3x
+    faster per decode projection on a 2-core CPU, process time, one thread)."""
+    n, k = packed.shape[0], x.shape[-1]
+    g = k // group_size
+    by = packed.view(torch.uint8).reshape(n, g, group_size * bits // 8)  # (N, G, bytes/group)
+    xg = x.reshape(-1, g, group_size).transpose(0, 1)  # (G, M, gs)
+    if bits == 8:
+        dots = torch.bmm(xg, by.to(x.dtype).permute(1, 2, 0))  # (G, M, N)
+    else:  # the low nibble of byte j is code 2j, the high nibble code 2j + 1
+        lo = (by & 15).to(x.dtype).permute(1, 2, 0)  # (G, gs/2, N)
+        hi = (by >> 4).to(x.dtype).permute(1, 2, 0)
+        dots = torch.bmm(xg[..., 0::2].contiguous(), lo) + torch.bmm(xg[..., 1::2].contiguous(), hi)
+    y = (dots * scales.T[:, None, :]).sum(0) + xg.sum(-1).T @ biases.T  # (M, N)
+    return y.reshape(*x.shape[:-1], n)
 
 
 # -- paged attention (portable_llm.attn.paged) -------------------------------------------------
