@@ -112,7 +112,8 @@ class Backend:
 
     def asynchronous(self, device: Any = None) -> bool:
         """Whether work on ``device`` (default: the default device) may still run after a call
-        returns, so that a timer needs :meth:`synchronize` (``False``: it is a no-op there)."""
+        returns, so that a timer needs :meth:`synchronize` (``False``: it is a no-op there).
+        The decode loop then queues step ``t + 1`` before it reads token ``t`` back."""
         return False
 
     def enable_float64(self) -> bool:

@@ -54,7 +54,7 @@ def _jax_update(bk: Backend) -> Callable[..., Any]:
 
 
 def _mlx_jit(bk: Backend) -> Callable[..., Any]:
-    return bk.mx.compile  # type: ignore[attr-defined,no-any-return]
+    return bk.mx.compile  # type: ignore[attr-defined]
 
 
 def _mlx_update(bk: Backend) -> Callable[..., Any]:

@@ -154,7 +154,7 @@ class Decode:
         self.pipelined = not processors and self.bk.asynchronous(model.device)
         #: Tokens yielded so far.
         self.step = 0
-        self._next: tuple[Any, Any] | None = None  # token t's (ids (B,), logprobs), queued
+        self._next: tuple[Any, Any, Any] | None = None  # token t: _sample()'s, queued
         self._unfed: Any = None  # the last yielded ids (B, 1), not yet in the caches
 
     def __iter__(self) -> Decode:
@@ -166,9 +166,9 @@ class Decode:
         ids, top, lp = self._next
         self._next, self._unfed = None, ids[:, None]  # (B, 1)
         if self.pipelined and (self.max_tokens is None or self.step + 1 < self.max_tokens):
-            self._next = self._forward(self._unfed)  # step t + 1, queued before t is read
-            self.bk.launch([a for a in self._next if a is not None])
-            self._unfed = None
+            queued = self._forward(self._unfed)  # step t + 1, queued before t is read
+            self.bk.launch([a for a in queued if a is not None])
+            self._next, self._unfed = queued, None
         chosen = self.bk.to_numpy(ids).tolist()  # (B,): the host read of the step
         # No distribution: greedy's row maximum is NaN or -inf; a sampler marks the row -1.
         if not (self.bk.to_numpy(top) > -math.inf).all() if top is not None else min(chosen) < 0:
