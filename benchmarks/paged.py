@@ -5,7 +5,8 @@
 Time: a decode step (``L = 1``) of ``B`` rows of ``S`` keys each, Llama-shaped heads (H = 32,
 H_kv = 8, D = 64, float32), pages of 16 tokens scattered over the pool in a shuffled order.
 ``dense`` is :func:`portable_llm.scaled_dot_product_attention` over contiguous ``(B, H_kv, S,
-D)`` keys (``impl="auto"``: the backend's fused kernel where it has one); each paged variant is
+D)`` keys (``impl="auto"``: the backend's fused kernel where it has one; ``dense portable``:
+the Array API path); each paged variant is
 :func:`portable_llm.paged_attention` with that ``impl`` (``--impls``). The samples of every
 variant are interleaved, round after round, in a new order each round, and the medians
 compared: load from other processes falls on all alike. BLAS and torch run one thread
@@ -49,7 +50,12 @@ def decode_case(backend: str, B: int, S: int, impls: list[str]) -> tuple[dict, l
     kd, vd = pl.asarray(k, backend=backend), pl.asarray(v, backend=backend)
     tables = pl.asarray(ids.astype(np.int32), backend=backend)
     lens = pl.asarray(np.full(B, S, dtype=np.int32), backend=backend)
-    calls = {"dense": lambda: pl.scaled_dot_product_attention(q, kd, vd, mask="causal")}
+    calls = {
+        "dense": lambda: pl.scaled_dot_product_attention(q, kd, vd, mask="causal"),
+        "dense portable": lambda: pl.scaled_dot_product_attention(
+            q, kd, vd, mask="causal", impl="portable"
+        ),
+    }
     if "paged_attention" not in dispatcher(pl.get_backend(backend)).native:
         impls = [i for i in impls if i != "native"]
     for impl in impls:

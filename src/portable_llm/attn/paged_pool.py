@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from portable_llm.attn.paged_args import OP, PagedOptions
+from portable_llm.attn.paged_args import OP, UNUSED, PagedOptions
 from portable_llm.attn.sdpa import _finish
 from portable_llm.attn.visibility import visible
 from portable_llm.core.checks import float_compute_dtype
@@ -67,18 +67,25 @@ def _paged_pool(
         s = opts.sdpa.softcap * xp.tanh(s / opts.sdpa.softcap)
     s = xp.where(ok, xp.reshape(s, (N, h_kv, G, L, P)), -math.inf)
     s = xp.reshape(s, (N, h_kv, G * L, P))
+    # Each row's running max over all its pages first (a small read through its table), so
+    # that every page's probabilities are already on the row's scale: the combine is then a
+    # plain sum of each row's pages, one matmul with the (B, N) ownership matrix.
     m = xp.max(s, axis=-1, keepdims=True)  # (N, H_kv, G*L, 1); -inf: the page hides all
-    p = xp.exp(s - xp.where(m == -math.inf, 0.0, m))
-    part = xp.matmul(p, xp.astype(v_pages, qg.dtype, copy=False))  # (N, H_kv, G*L, D)
-    total = xp.sum(p, axis=-1, keepdims=True)  # (N, H_kv, G*L, 1)
-    # Combine each row's pages, read through its table; entries past its pages are dropped.
     flat = xp.reshape(tables, (-1,))  # (B*M,)
     need = (lens + (P - 1)) // P  # (B,) pages each row uses
     used = xp.reshape(xp.arange(M, device=dev), (1, M)) < xp.reshape(need, (B, 1))  # (B, M)
-    used = xp.reshape(used, (B, M, 1, 1, 1))
-    mr = xp.where(used, xp.reshape(xp.take(m, flat, axis=0), (B, M, h_kv, G * L, 1)), -math.inf)
-    top = xp.max(mr, axis=1, keepdims=True)  # (B, 1, H_kv, G*L, 1): finite (a query sees itself)
-    w = xp.exp(mr - top)  # (B, M, H_kv, G*L, 1); 0 for dropped entries and hidden pages
-    acc = xp.sum(w * xp.reshape(xp.take(part, flat, axis=0), (B, M, h_kv, G * L, D)), axis=1)
-    tot = xp.sum(w * xp.reshape(xp.take(total, flat, axis=0), (B, M, h_kv, G * L, 1)), axis=1)
-    return _finish(xp, acc, tot, q)  # (B, H, L, D)
+    mr = xp.reshape(xp.take(m, flat, axis=0), (B, M, h_kv, G * L, 1))
+    mr = xp.where(xp.reshape(used, (B, M, 1, 1, 1)), mr, -math.inf)  # drop table padding
+    top = xp.max(mr, axis=1)  # (B, H_kv, G*L, 1): finite (a query sees itself)
+    p = xp.exp(s - xp.take(top, owner, axis=0))  # (N, H_kv, G*L, P); 0 where hidden
+    part = xp.matmul(p, xp.astype(v_pages, qg.dtype, copy=False))  # (N, H_kv, G*L, D)
+    total = xp.sum(p, axis=-1, keepdims=True)  # (N, H_kv, G*L, 1)
+    owned = xp.logical_and(
+        xp.reshape(owner, (1, N)) == xp.reshape(xp.arange(B, device=dev), (B, 1)),
+        xp.reshape(first, (1, N)) < UNUSED,
+    )  # (B, N): row b owns page n
+    sel = xp.astype(owned, qg.dtype)
+    acc = xp.matmul(sel, xp.reshape(part, (N, h_kv * G * L * D)))  # (B, H_kv*G*L*D)
+    tot = xp.matmul(sel, xp.reshape(total, (N, h_kv * G * L)))  # (B, H_kv*G*L)
+    acc = xp.reshape(acc, (B, h_kv, G * L, D))
+    return _finish(xp, acc, xp.reshape(tot, (B, h_kv, G * L, 1)), q)  # (B, H, L, D)
