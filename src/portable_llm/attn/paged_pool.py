@@ -1,14 +1,17 @@
 """Paged attention without a gather: every page of the pool attended where it lies, then the
-pages of each row combined (flash-decoding's split-softmax, one split per page).
+pages of each row summed.
 
 The gather paths copy each row's pages into contiguous keys, then read the copy: three passes
 over the keys where dense attention makes one. Here each page ``n`` of the pool meets the
-queries of the row that owns it (``page_map[0, n]``), in one batched matmul over the pool's own
-``(N, H_kv, P, D)`` arrays, and keeps its partial softmax: the page's max ``m_n``, sum ``l_n``
-and weighted values ``o_n``. Row ``b`` then combines its pages ``j`` (read through its block
-table): with ``M_b = max_j m_j``,
+queries of the row that owns it (``b = page_map[0, n]``) in one batched matmul over the pool's
+own ``(N, H_kv, P, D)`` arrays: scores ``s_n``, masked by the one visibility rule at the page's
+positions. Each row's max over its pages, ``M_b = max_{n in b} max s_n`` (a small read through
+its block table), puts every page on its row's scale, and then
 
-    out_b = sum_j exp(m_j - M_b) o_j / sum_j exp(m_j - M_b) l_j.
+    out_b = sum_{n in b} exp(s_n - M_b) V_n / sum_{n in b} sum exp(s_n - M_b),
+
+two sums over the pages a row owns: one matmul of the ``(B, N)`` ownership matrix with the
+per-page partials.
 
 The keys are read once; the copies are of q (once per page) and of the per-page partials, each
 ``G * L / P`` the size of the keys. So it pays when ``G * L <= P`` (decode) and the rows' pages
