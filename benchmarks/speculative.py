@@ -2,7 +2,7 @@
 model dequantized to float32.
 
 ``python benchmarks/speculative.py [--backend torch] [--max-new-tokens 32] [--rounds 3]
-[--k 2,4] [--draft-dtype bfloat16]``
+[--k 2,4] [--draft-dtype bfloat16] [--threads 1]``
 
 For each of three chat prompts, greedy: the target alone (:func:`portable_llm.generate`) and
 :func:`portable_llm.speculative_generate` with ``k`` draft tokens, interleaved round by round
@@ -84,7 +84,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--k", default="2,4", help="draft tokens per round, comma-separated")
     parser.add_argument("--draft-dtype", default="bfloat16")
+    parser.add_argument("--threads", type=int, default=1, help="torch's intra-op threads")
     args = parser.parse_args()
+    if args.backend == "torch":
+        import torch
+
+        torch.set_num_threads(args.threads)
     ks = [int(k) for k in args.k.split(",")]
     path = gguf_path()
     target = pl.load(path, backend=args.backend, dtype="float32", dequantize=True)
@@ -114,7 +119,10 @@ def main() -> None:
                 rates.setdefault((p, f"k={k}"), []).append(rate)
                 accept.setdefault((p, f"k={k}"), []).append(stats.acceptance_rate)
                 per_round.setdefault((p, f"k={k}"), []).append((n - 1) / max(stats.rounds, 1))
-    print(f"backend {args.backend}, target float32, draft Q4_1 ({args.draft_dtype} activations)")
+    print(
+        f"backend {args.backend} ({args.threads} thread(s)), target float32, draft Q4_1 "
+        f"({args.draft_dtype} activations)"
+    )
     print(f"{n} new tokens, greedy, medians of {args.rounds} interleaved rounds\n")
     print("| prompt | target tok/s | " + " | ".join(
         f"k={k}: tok/s, speed-up, acceptance, tokens/round" for k in ks) + " |")  # fmt: skip

@@ -69,6 +69,7 @@ def test_chunked_prefill_equals_the_float64_forward(
         seq.append(tokens[step])
 
 
+@pytest.mark.slow_on("jax")
 @pytest.mark.parametrize("chunk", [2, 5])
 def test_chunked_prefill_of_a_left_padded_batch(folders: dict, backend: str, chunk: int) -> None:
     folder, cfg, tensors = folders["mistral"]
@@ -82,6 +83,7 @@ def test_chunked_prefill_of_a_left_padded_batch(folders: dict, backend: str, chu
         assert_close(logprobs[b, ...], want, backend=backend, dtype="float32")
 
 
+@pytest.mark.slow_on("jax")
 def test_chunked_prefill_after_a_prompt_cache(folders: dict, backend: str) -> None:
     folder, cfg, tensors = folders["qwen2_moe"]
     model = load(folder, backend=backend, dtype="float32")

@@ -313,3 +313,15 @@ def test_sampled_tokens_have_the_targets_distribution(backend: str, options: dic
         gap = (draft_only[j] - want[j])[live] ** 2 / want[j][live]
         expected_stat = SAMPLES * float(gap.sum())
         assert expected_stat > 3 * limit
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_nan_logits_are_an_error(backend: str, temperature: float) -> None:
+    table = np.random.default_rng(2).normal(0, 1, (V, V))
+    broken = np.full((V, V), np.nan)  # the draft has no distribution
+    target, draft = _Bigram(table, backend), _Bigram(broken, backend)
+    gen = pl.speculative_generate(
+        target, draft, [5], max_new_tokens=4, temperature=temperature, seed=0, stop=()
+    )
+    with pytest.raises(ValueError, match="NaN or all -inf"):
+        list(gen)

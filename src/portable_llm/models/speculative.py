@@ -318,8 +318,16 @@ class _Speculation:
 
 
 def _host(model: Model, ids: Array) -> list[int]:
-    """Token ids ``(B..)`` of ``model``'s backend as a list of ints on the host."""
-    return [int(t) for t in model.backend.to_numpy(ids).reshape(-1)]
+    """Token ids ``(B..)`` of ``model``'s backend as a list of ints on the host; ``-1`` (the
+    mark of :func:`~portable_llm.greedy` and :func:`~portable_llm.sample` for logits with no
+    distribution) is a ``ValueError``, as in :func:`~portable_llm.generate`."""
+    out = [int(t) for t in model.backend.to_numpy(ids).reshape(-1)]
+    if min(out) < 0:
+        raise ValueError(
+            f"{OP}: the logits of {model!r} are NaN or all -inf; the weights or the dtype "
+            "overflowed"
+        )
+    return out
 
 
 def _trim(cache: list[KVCache], n: int) -> None:
