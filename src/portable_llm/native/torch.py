@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -191,9 +192,31 @@ import weakref  # noqa: E402
 # while the rows M are at most group_size / 4 (the portable grouped path's rule, too).
 _BYTE_ROWS = 4
 
-# id(packed) -> (weakref to packed, scales, biases, int4 pack, scales_and_zeros); an entry goes
-# with its packed tensor (torch tensors compare elementwise: no WeakKeyDictionary).
-_INT4_PACKS: dict[int, tuple[Any, Any, Any, Any, Any]] = {}
+# (kind, id(packed)) -> (weakref to packed, scales, biases, repacked arrays); an entry goes with
+# its packed tensor (torch tensors compare elementwise: no WeakKeyDictionary).
+_PACKS: dict[tuple[str, int], tuple[Any, Any, Any, tuple[Any, ...]]] = {}
+
+
+def _repacked(
+    kind: str,
+    packed: Any,
+    scales: Any,
+    biases: Any,
+    dtype: Any,
+    build: Callable[[], tuple[Any, ...]],
+) -> tuple[Any, ...]:
+    """``build()``'s arrays for this weight, built once (again if scales, biases or the dtype
+    of the last array change)."""
+    key = (kind, id(packed))
+    hit = _PACKS.get(key)
+    same = hit is not None and hit[0]() is packed and hit[1] is scales and hit[2] is biases
+    if same and hit is not None and hit[3][-1].dtype == dtype:
+        return hit[3]
+    arrays = build()
+    if not same:
+        weakref.finalize(packed, _PACKS.pop, key, None)
+    _PACKS[key] = (weakref.ref(packed), scales, biases, arrays)
+    return arrays
 
 
 def _int4_applies(
@@ -210,22 +233,56 @@ def _int4_applies(
     )
 
 
-def _int4_pack(packed: Any, scales: Any, biases: Any, dtype: Any) -> tuple[Any, Any]:
-    key = id(packed)
-    hit = _INT4_PACKS.get(key)
-    same = hit is not None and hit[0]() is packed and hit[1] is scales and hit[2] is biases
-    if same and hit is not None and hit[4].dtype == dtype:
-        return hit[3], hit[4]
-    n, words = packed.shape
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
-    codes = ((packed.view(torch.int32)[..., None] >> shifts) & 15).reshape(n, words * 8)  # (N, K)
-    int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
-    s32, b32 = scales.float(), biases.float()
-    sz = torch.stack([s32, b32 + 8 * s32], dim=-1).transpose(0, 1).contiguous().to(dtype)
-    if not same:
-        weakref.finalize(packed, _INT4_PACKS.pop, key, None)
-    _INT4_PACKS[key] = (weakref.ref(packed), scales, biases, int4, sz)  # sz: (K/group, N, 2)
-    return int4, sz
+def _int4_pack(packed: Any, scales: Any, biases: Any, dtype: Any) -> tuple[Any, ...]:
+    def build() -> tuple[Any, Any]:
+        n, words = packed.shape
+        shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+        codes = ((packed.view(torch.int32)[..., None] >> shifts) & 15).reshape(n, words * 8)
+        int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
+        s32, b32 = scales.float(), biases.float()
+        sz = torch.stack([s32, b32 + 8 * s32], dim=-1).transpose(0, 1)  # (K/group, N, 2)
+        return int4, sz.contiguous().to(dtype)
+
+    return _repacked("int4", packed, scales, biases, dtype, build)
+
+
+# 8-bit: torch's int8 kernel takes one scale per output channel, so it runs once per group g
+# (whose scales are per channel): y = sum_g int8_mm(x_g, q_g - 128, s_g) + sum(x_g) (b + 128 s).
+# The signed codes are repacked once, group-major: (G, N, group_size) int8.
+def _int8_applies(
+    x: Any, packed: Any, scales: Any, biases: Any, bias: Any, *, bits: int, group_size: int
+) -> bool:
+    return (
+        bits == 8
+        and packed.ndim == 2
+        and x.device.type == "cpu"
+        and scales.dtype == x.dtype
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+    )
+
+
+def _int8_pack(packed: Any, scales: Any, biases: Any, dtype: Any) -> tuple[Any, ...]:
+    def build() -> tuple[Any, Any, Any]:
+        n, k = packed.shape[0], packed.shape[1] * 4
+        g = scales.shape[1]
+        codes = packed.view(torch.uint8) ^ 128  # q ^ 0x80 read as int8 is q - 128
+        codes = codes.view(torch.int8).reshape(n, g, k // g).transpose(0, 1).contiguous()
+        s32 = scales.float()
+        zeros = (biases.float() + 128 * s32).T.contiguous()  # (G, N), float32
+        return codes, zeros, scales.T.contiguous()  # (G, N, gs), (G, N), (G, N) in x's dtype
+
+    return _repacked("int8", packed, scales, biases, dtype, build)
+
+
+def _int8_grouped(x: Any, packed: Any, scales: Any, biases: Any, *, group_size: int) -> Any:
+    codes, zeros, s = _int8_pack(packed, scales, biases, x.dtype)
+    g = codes.shape[0]
+    xg = x.reshape(-1, g, group_size)  # (M, G, gs)
+    y = xg.sum(-1, dtype=torch.float32) @ zeros  # (M, N), float32
+    for i in range(g):  # each group's partial product rounded once to x's dtype
+        y += torch.ops.aten._weight_int8pack_mm(xg[:, i].contiguous(), codes[i], s[i])
+    return y.to(x.dtype).reshape(*x.shape[:-1], codes.shape[1])
 
 
 def _bytes_applies(
@@ -244,7 +301,9 @@ def _bytes_applies(
 
 
 def _quantized_applies(*args: Any, **fmt: Any) -> bool:
-    return _int4_applies(*args, **fmt) or _bytes_applies(*args, **fmt)
+    return (
+        _int8_applies(*args, **fmt) or _int4_applies(*args, **fmt) or _bytes_applies(*args, **fmt)
+    )
 
 
 def _few_rows(x: Any, scales: Any, group_size: int) -> bool:
@@ -254,15 +313,16 @@ def _few_rows(x: Any, scales: Any, group_size: int) -> bool:
 def _quantized_prefer(
     x: Any, packed: Any, scales: Any, biases: Any, bias: Any, *, bits: int, group_size: int
 ) -> bool:
-    # bfloat16: the int4 kernel; float32/float64: the byte path for few rows (decode), where it
-    # beats the portable grouped path; more rows go to the portable dequantize-then-matmul.
+    # bfloat16: the int4 or int8 kernel; float32/float64: the int8 kernel or the byte path for
+    # few rows (decode), where they beat the portable grouped path; more rows go to the portable
+    # dequantize-then-matmul.
     return x.dtype == torch.bfloat16 or _few_rows(x, scales, group_size)
 
 
 @native(
     "torch",
     "quantized_linear",
-    kernel="torch.ops.aten._weight_int4pack_mm_for_cpu | byte-unpacked torch.bmm",
+    kernel="torch.ops.aten._weight_int4pack_mm_for_cpu | _weight_int8pack_mm | torch.bmm",
     applies=_quantized_applies,
     # bfloat16 is the int4 kernel's fast path (2-core CPU, min of 15 runs, one token, 1536x576:
     # 39 us against the portable path's 1.5 ms and a dense bfloat16 linear's 69 us); in float32
@@ -278,6 +338,9 @@ def quantized_linear(
     group_size: int,
 ) -> Any:  # fmt: skip
     fmt = {"bits": bits, "group_size": group_size}
+    if _int8_applies(x, packed, scales, biases, bias, **fmt):
+        y = _int8_grouped(x, packed, scales, biases, group_size=group_size)
+        return y if bias is None else y + bias
     if _bytes_applies(x, packed, scales, biases, bias, **fmt) and (
         _few_rows(x, scales, group_size)
         or not _int4_applies(x, packed, scales, biases, bias, **fmt)
