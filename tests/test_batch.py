@@ -132,6 +132,39 @@ def test_greedy_equals_each_request_alone(
 
 
 @pytest.mark.slow_on("jax")
+def test_a_long_prompt_never_stalls_the_running_requests(folders: dict, backend: str) -> None:
+    """The scheduling rule: every step decodes each running request; prefill advances by at
+    most ``prefill_chunk`` tokens in total, first come first served; a request whose prefill
+    completes gets its first token in that step."""
+    model = _model(folders, "llama", backend)
+    prompts = [_prompt(70, 3), _prompt(71, 37), _prompt(72, 2)]
+    news = [12, 3, 3]
+    gen = BatchGenerator(model, max_batch=3, prefill_chunk=8, page_size=4)
+    tokens: dict[int, list[int]] = {}
+    steps = []
+
+    def step() -> None:
+        events = gen.step()
+        steps.append([rid for rid, _, _ in events])
+        for rid, token, _ in events:
+            tokens.setdefault(rid, []).append(token)
+
+    gen.add(Request(prompts[0], news[0], stop=()))
+    step()  # its 3 tokens prefilled, its first token sampled
+    gen.add(Request(prompts[1], news[1], stop=()))  # 37 tokens: 8, 8, 8, 8, then 5
+    gen.add(Request(prompts[2], news[2], stop=()))  # 2 tokens: the 3 that request 1 leaves
+    for _ in range(6):
+        step()
+    # Request 0 decodes every step; 1 and 2 get their first tokens in the 5th step.
+    assert steps == [[0]] + [[0]] * 4 + [[0, 1, 2]] * 2
+    while gen.has_work:
+        step()
+    assert [tokens[i] for i in range(3)] == [
+        _alone(model, p, n) for p, n in zip(prompts, news, strict=True)
+    ]
+
+
+@pytest.mark.slow_on("jax")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_families_and_the_op_by_op_path(folders: dict, backend: str, family: str) -> None:
     """Sliding windows (mistral: 4, qwen2_moe: 3, shorter than the sequences), q/k norms
