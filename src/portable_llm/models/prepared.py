@@ -1,29 +1,24 @@
 """The prepared forward: the model's layers bound once, the chosen kernels called directly.
 
 :class:`~portable_llm.models.model.Model` checks its weights once at load: when every weight
-is a plain array of the model's backend in the model's dtype, it builds a :class:`Prepared`
-forward. Each layer's weights are bound into typed records (:class:`AttnWeights`,
-:class:`MlpWeights`, :class:`Layer`), the kernels of the dense ops (``linear``, ``rms_norm``,
-the activation) are chosen once through the backend's dispatcher, and per forward only what
-depends on the call is built once and shared by every layer: RoPE's frequency table and
-offsets (and its kernel), the attention mask of each kind of layer, and the attention kernel.
-The layers then call those implementations directly: no backend resolution and no argument
-checks per layer (the public ops keep theirs for users). The results are bit for bit those of
-the op-by-op path (``Model(..., prepared=False)``), which composes the public ops: the same
-kernels receive the same arrays and options.
-
-A projection weight may be a :class:`~portable_llm.ops.quant.QuantizedWeight` (mlx-lm folders,
-GGUF files kept quantized): it is bound as a :class:`QLinear`, whose ``quantized_linear`` kernel
-is chosen once per shape of the activations (as the public op chooses it per call) and then called
-directly.
+is a plain array of the model's backend in the model's dtype (or a quantized projection,
+embedding or LM head), it builds a :class:`Prepared` forward. Each layer's weights are bound
+into typed records (:mod:`portable_llm.models.layer_weights`: quantized projections with their
+``quantized_linear`` kernel, packed ones where the backend packs them), the kernels of the dense
+ops (``linear``, ``rms_norm``, the activation) are chosen once through the backend's
+dispatcher, and per forward only what depends on the call is built once and shared by every
+layer: RoPE's frequency table and offsets (and its kernel; for the portable kernel, its cos and
+sin), the attention mask of each kind of layer, and the attention kernel. The layers then call
+those implementations directly: no backend resolution and no argument checks per layer (the
+public ops keep theirs for users). The results are bit for bit those of the op-by-op path
+(``Model(..., prepared=False)``), which composes the public ops: the same kernels receive the
+same arrays and options.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 from portable_llm.attn.padding import nonnegative
@@ -31,14 +26,28 @@ from portable_llm.attn.sdpa import OP as SDPA
 from portable_llm.attn.sdpa_args import SdpaOptions
 from portable_llm.attn.visibility import visible
 from portable_llm.backends import Backend, backend_of, resolve
-from portable_llm.core.dispatch import dispatcher, portable
+from portable_llm.core.dispatch import dispatcher
 from portable_llm.models.config import DecoderConfig
+from portable_llm.models.layer_weights import (
+    AttnWeights,
+    Kernels,
+    Layer,
+    MlpWeights,
+    Packed,
+    QLinear,
+    bind_layer,
+    bind_weight,
+    layer_projections,
+    preparable,
+)
 from portable_llm.ops.activations import activation_op
 from portable_llm.ops.embedding import embedding
 from portable_llm.ops.moe import moe
 from portable_llm.ops.quant import QuantizedWeight
 from portable_llm.rotary.args import dispatch_args as rope_dispatch_args
 from portable_llm.rotary.rope import _angles, _rotate
+
+Fn = Callable[..., Any]
 
 __all__ = [
     "AttnWeights",
@@ -50,183 +59,6 @@ __all__ = [
     "QLinear",
     "preparable",
 ]
-
-Fn = Callable[..., Any]
-
-
-@dataclass(frozen=True)
-class Kernels:
-    """The implementations of the dense ops, chosen once for the model's dtype."""
-
-    linear: Fn  # fn(xp, x, w, b)
-    rms_norm: Fn  # fn(xp, x, w, *, eps)
-    act: Fn  # fn(xp, x)
-
-    def project(self, xp: Any, x: Any, w: Any, b: Any) -> Any:
-        """``x @ w.T + b`` for a float weight, a :class:`Packed` or a :class:`QLinear` one."""
-        if type(w) in _BOUND:
-            return w(xp, x, b)
-        return self.linear(xp, x, w, b)
-
-
-@portable("pack_linear")
-def _unpacked(xp: Any, w: Any) -> Any:
-    """No packed layout: the weight as it is (a backend's native kernel may pack it)."""
-    return w
-
-
-@dataclass(frozen=True)
-class Packed:
-    """A float projection in a layout that the backend packed once at load (``pack_linear``,
-    e.g. oneDNN's for bfloat16 on torch's CPU), with its ``packed_linear`` kernel: the bits of
-    ``linear`` on the plain weight (tested)."""
-
-    w: Any  # (O, I), packed
-    fn: Fn  # fn(xp, x, w, b)
-
-    def __call__(self, xp: Any, x: Any, b: Any) -> Any:
-        return self.fn(xp, x, self.w, b)
-
-
-@dataclass(frozen=True)
-class QLinear:
-    """A quantized projection ``(N, K)`` (MLX's affine format) with its kernels.
-
-    ``quantized_linear``'s kernel is chosen once per weight and shape of ``x``'s leading axes
-    (``auto`` looks at the row count: a few rows of a decode step take another portable path
-    than a prefill), then called directly.
-    """
-
-    packed: Any  # (N, K * bits / 32) uint32
-    scales: Any  # (N, K / group_size)
-    biases: Any  # (N, K / group_size)
-    bits: int
-    group_size: int
-    pick: Fn  # pick(x, packed, scales, biases, b, **format): the dispatcher's auto choice
-    fns: dict[tuple[Any, ...], Fn] = field(default_factory=dict, compare=False, repr=False)
-
-    def __call__(self, xp: Any, x: Any, b: Any) -> Any:
-        """``x @ dequantize(w).T + b`` in x's dtype."""
-        opts = {"bits": self.bits, "group_size": self.group_size}
-        key = (*x.shape[:-1], b is None)
-        fn = self.fns.get(key)
-        if fn is None:
-            fn = self.fns[key] = self.pick(x, self.packed, self.scales, self.biases, b, **opts)
-        return fn(xp, x, self.packed, self.scales, self.biases, b, **opts)
-
-
-_BOUND = (Packed, QLinear)  # projections that carry their kernel
-
-
-@dataclass(frozen=True)
-class AttnWeights:
-    """One layer's attention: projections ``(out, E)`` (arrays or :class:`QLinear`), optional
-    biases and q/k norms."""
-
-    wq: Any  # (H * D, E)
-    wk: Any  # (H_kv * D, E)
-    wv: Any  # (H_kv * D, E)
-    wo: Any  # (E, H * D)
-    bq: Any  # (H * D,) or None
-    bk: Any  # (H_kv * D,) or None
-    bv: Any  # (H_kv * D,) or None
-    bo: Any  # (E,) or None: HF's o_proj bias, added after the projection
-    q_norm: Any  # (D,) or None (Qwen3)
-    k_norm: Any  # (D,) or None
-    window: int | None  # the layer's sliding window
-
-
-@dataclass(frozen=True)
-class MlpWeights:
-    """A dense gated MLP: ``down(act(gate(x)) * up(x))`` (weights: arrays or :class:`QLinear`)."""
-
-    w_gate: Any  # (I, E)
-    w_up: Any  # (I, E)
-    w_down: Any  # (E, I)
-    b_gate: Any  # (I,) or None
-    b_up: Any  # (I,) or None
-    b_down: Any  # (E,) or None
-
-
-@dataclass(frozen=True)
-class Layer:
-    """One decoder layer: norms, attention, and a dense MLP or the public ``moe``'s arguments."""
-
-    input_norm: Any  # (E,)
-    post_norm: Any  # (E,)
-    attn: AttnWeights
-    mlp: MlpWeights | None
-    moe: dict[str, Any] | None  # {"arrays": ..., "options": ...} of portable_llm.ops.moe
-
-
-def _arrays(block: Any) -> list[Any]:
-    a = block.attn
-    out = [block.input_norm, block.post_norm, block.o_bias]
-    out += [a[k] for k in ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "q_norm", "k_norm")]
-    if block.mlp is not None:
-        out += [*block.mlp, *(block.mlp_options.get(f"b_{k}") for k in ("gate", "up", "down"))]
-    return [x for x in out if x is not None]
-
-
-#: The weights that may be quantized: the projections (``_arrays`` lists the others first).
-_PROJECTIONS = ("wq", "wk", "wv", "wo")
-
-
-def _projections(block: Any) -> list[Any]:
-    return [*(block.attn[k] for k in _PROJECTIONS), *(block.mlp or ())]
-
-
-def preparable(bk: Backend, dtype: Any, arrays: Sequence[Any], blocks: Sequence[Any]) -> bool:
-    """Whether every weight the prepared layers bind is a plain ``bk`` array of ``dtype`` (not
-    another float dtype that the ops would cast per call) or, for the embedding, the LM head and
-    the projections, a :class:`~portable_llm.ops.quant.QuantizedWeight` of ``bk``."""
-    quantizable = {id(w) for w in arrays} | {id(w) for b in blocks for w in _projections(b)}
-    for x in [*arrays, *(w for b in blocks for w in _arrays(b))]:
-        if isinstance(x, QuantizedWeight):
-            if x.backend is not bk or id(x) not in quantizable:
-                return False
-            continue
-        try:
-            if backend_of(x) is not bk or x.dtype != dtype:
-                return False
-        except TypeError:  # a type no backend knows
-            return False
-    return True
-
-
-def _bind(d: Any, w: Any) -> Any:
-    """``w`` bound for the prepared forward: a :class:`QLinear` for a quantized weight, a
-    :class:`Packed` one where the backend packs it (``pack_linear``), else ``w`` itself."""
-    if isinstance(w, QuantizedWeight):
-        pick = partial(d.pick, "quantized_linear", "auto")
-        return QLinear(*w.arrays, bits=w.bits, group_size=w.group_size, pick=pick)
-    packed = d.pick("pack_linear", "auto", w)(d.backend.xp, w)
-    if packed is w:
-        return w
-    return Packed(packed, d.pick("packed_linear", "native"))
-
-
-def _layer(block: Any, bind: Callable[[Any], Any]) -> Layer:
-    a = block.attn
-    wq, wk, wv, wo = (bind(a[k]) for k in _PROJECTIONS)
-    attn = AttnWeights(
-        wq=wq, wk=wk, wv=wv, wo=wo, bq=a["bq"], bk=a["bk"], bv=a["bv"],
-        bo=block.o_bias, q_norm=a["q_norm"], k_norm=a["k_norm"], window=a["window"],
-    )  # fmt: skip
-    dense = None
-    if block.mlp is not None:
-        opts = block.mlp_options
-        biases = (opts.get(f"b_{k}") for k in ("gate", "up", "down"))
-        dense = MlpWeights(*(bind(w) for w in block.mlp), *biases)
-    return Layer(block.input_norm, block.post_norm, attn, dense, block.moe)
-
-
-def _attn_projections(a: AttnWeights) -> tuple[Any, ...]:
-    return a.wq, a.wk, a.wv, a.wo
-
-
-def _mlp_projections(m: MlpWeights | None) -> tuple[Any, ...]:
-    return () if m is None else (m.w_gate, m.w_up, m.w_down)
 
 
 def _heads(xp: Any, y: Any, n: int, d: int) -> Any:
@@ -284,13 +116,12 @@ class Prepared:
         self.embed, self.norm = embed, norm
         self.head = embed if lm_head is None else lm_head  # (V, E)
         d = self.dispatch = dispatcher(bk)
-        self.layers = [_layer(b, lambda w: _bind(d, w)) for b in blocks]
-        self._head = _bind(d, self.head)  # a quantized head's QLinear
+        self.layers = [bind_layer(b, lambda w: bind_weight(d, w)) for b in blocks]
+        self._head = bind_weight(d, self.head)  # QLinear (quantized) or Packed where packed
+        projections = [w for layer in self.layers for w in layer_projections(layer)]
         #: Whether a weight is quantized (the compiled step takes plain arrays only).
         self.quantized = isinstance(embed, QuantizedWeight) or any(
-            type(w) is QLinear
-            for layer in self.layers
-            for w in (*_attn_projections(layer.attn), *_mlp_projections(layer.mlp), self._head)
+            type(w) is QLinear for w in [*projections, self._head]
         )
         self.H, self.H_kv, self.D = (
             config.num_attention_heads,
@@ -362,7 +193,7 @@ class Prepared:
         if head is self.head:
             head = self._head
         elif isinstance(head, QuantizedWeight):  # another head than the one bound at load
-            head = _bind(self.dispatch, head)
+            head = bind_weight(self.dispatch, head)
         return kn.project(self.xp, kn.rms_norm(self.xp, h, norm, eps=self.eps), head, None)
 
 
