@@ -567,3 +567,36 @@ def test_generate_command(
     prompt = model.tokenizer.apply_chat_template([{"role": "user", "content": "The keys"}])
     want = "".join(pl.generate(model, prompt, max_new_tokens=4))
     assert want and out.out.startswith(want + "\n")
+
+
+def test_bench_model_gguf(
+    llama_file: tuple[Path, dict[str, np.ndarray]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``bench --model x.gguf``: the file kept quantized on NumPy, next to a stand-in for
+    llama.cpp (the real one never runs in tests), and the decode ratio read off the two rows;
+    a peer that is not installed is a note, not a row."""
+    import io
+
+    from portable_llm.tools import model_bench
+
+    file, _ = llama_file
+    seen = []
+
+    def peer(path: Path, dtype: str) -> tuple[float, Any]:
+        seen.append(path)
+        return 0.0, lambda ids, n: (0.5, (n - 1) / 4.0)  # 4 tokens/s after the first
+
+    monkeypatch.setattr(model_bench, "GGUF_PEERS", (("llama.cpp", "numpy", peer),))
+    out = io.StringIO()
+    assert model_bench.run_model_bench(["numpy"], quick=True, folder=file, file=out) == 0
+    rows = {line.split()[0]: line.split() for line in out.getvalue().splitlines() if line}
+    ours, theirs = rows["portable_llm"], rows["llama.cpp"]
+    assert seen == [file] and ours[1:3] == ["numpy", "float32"] and float(theirs[6]) == 4.0
+    ratio = f"decode / llama.cpp: numpy float32 {float(ours[6]) / 4.0:.2f}x"
+    assert float(ours[6]) > 0 and ratio in out.getvalue()
+
+    monkeypatch.setattr(model_bench, "GGUF_PEERS", (("llama.cpp", "no_such_module_h6", peer),))
+    out = io.StringIO()
+    assert model_bench.run_model_bench(["numpy"], quick=True, folder=file, file=out) == 0
+    assert "llama.cpp skipped: no_such_module_h6 is not installed" in out.getvalue()
+    assert "decode / llama.cpp" not in out.getvalue() and seen == [file]

@@ -462,11 +462,14 @@ def quantized_linear(
     qw : QuantizedWeight, shape ``(O, I)``
     bias : array, shape ``(O,)``, optional
         Cast to x's dtype when it differs.
-    impl : {"auto", "portable", "native"}
-        ``native``: ``mx.quantized_matmul`` on MLX; on torch CPU, 4-bit weights with bfloat16
-        scales through ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (see the docs for which
-        of them ``auto`` takes). The portable path dequantizes and multiplies (JAX: in one jitted
-        function, which XLA fuses).
+    impl : {"auto", "portable", "grouped", "native"}
+        ``native``: ``mx.quantized_matmul`` on MLX; on torch CPU,
+        ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (4-bit, bfloat16),
+        ``_weight_int8pack_mm`` once per group (8-bit) or the codes read as bytes (see the docs
+        for which of them ``auto`` takes). ``portable`` dequantizes and multiplies (JAX: in one
+        jitted function, which XLA fuses); ``grouped`` sums ``scales * (x_g . q_g) + biases *
+        sum(x_g)`` per group without the dequantized weight (``auto``'s portable choice for at
+        most ``group_size / 4`` rows with float32/float64 x and scales).
     backend : str, optional
         Inferred from x and qw when ``None`` (arrays of two libraries are a TypeError); when given,
         x, qw and bias are converted to it.

@@ -106,9 +106,23 @@ def _quantized_linear(x: Any, w: Any, *, impl: str) -> Thunk:
     return lambda: quantized_linear(x, qw, impl=impl)
 
 
+def _quantized_linear_grouped(x: Any, w: Any, *, impl: str) -> Thunk:
+    # the portable column runs the grouped formulation (auto's portable choice for few rows)
+    return _quantized_linear(x, w, impl="grouped" if impl == "portable" else impl)
+
+
+def _quantized_linear_8bit(x: Any, w: Any, *, impl: str) -> Thunk:
+    qw = quantize(w, bits=8, group_size=32)  # the layout of llama.cpp's Q8_0
+    return lambda: quantized_linear(x, qw, impl=impl)
+
+
 BENCH_CASES.extend([
     BenchCase("quantized_linear", ((1, 1, E), (I, E)), _quantized_linear,
               name=f"(1, 1, {E}) x ({I}, {E}) 4-bit"),
+    BenchCase("quantized_linear", ((1, 1, E), (I, E)), _quantized_linear_grouped,
+              name=f"(1, 1, {E}) x ({I}, {E}) 4-bit, portable = grouped"),
+    BenchCase("quantized_linear", ((1, 1, E), (I, E)), _quantized_linear_8bit,
+              name=f"(1, 1, {E}) x ({I}, {E}) 8-bit, group 32"),
     BenchCase("quantized_linear", ((1, 128, E), (I, E)), _quantized_linear,
               name=f"(1, 128, {E}) x ({I}, {E}) 4-bit"),
 ])  # fmt: skip
