@@ -343,7 +343,8 @@ def _auto(x: Any, packed: Any, scales: Any, biases: Any, bias: Any, **fmt: Any) 
     rows = math.prod(x.shape[:-1])
     # Only where skipping the weight's rounding to scales' dtype cannot show: scales of x's
     # dtype, float32 or float64 (half dtypes keep the dequantized weight, rounded as MLX does).
-    exact = scales.dtype == x.dtype and backend_of(x).dtype_name(x.dtype) in _WIDE
+    bk = backend_of(x)
+    exact = bk is not None and scales.dtype == x.dtype and bk.dtype_name(x.dtype) in _WIDE
     return "grouped" if exact and rows * GROUPED_ROWS <= fmt["group_size"] else "portable"
 
 
