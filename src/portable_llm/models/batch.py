@@ -241,10 +241,11 @@ class BatchGenerator:
                 break
             n = min(budget, len(seq.prompt) - seq.prefilled)
             chunk = seq.prompt[seq.prefilled : seq.prefilled + n]
-            logits = forward(self.model, [seq.caches], [chunk])  # (1, V)
             seq.prefilled += n
             budget -= n
-            if seq.prefilled == len(seq.prompt):
+            last = seq.prefilled == len(seq.prompt)  # only the last chunk needs logits
+            logits = forward(self.model, [seq.caches], [chunk], logits=last)  # (1, V) or None
+            if last:
                 self._prefilling.remove(seq)
                 (token,) = self._sample([seq], logits)
                 events.append(self._emit(seq, token))

@@ -68,13 +68,20 @@ class PagedStep(_Step):
         return paged_attention(q, pool, tables, lengths, scale=scale, window=window)
 
 
-def forward(model: Any, caches: Sequence[Sequence[PagedKVCache]], chunks: list[list[int]]) -> Any:
+def forward(
+    model: Any,
+    caches: Sequence[Sequence[PagedKVCache]],
+    chunks: list[list[int]],
+    *,
+    logits: bool = True,
+) -> Any:
     """The logits ``(B, V)`` of the last position of each row after its tokens ``chunks[b]``
     (all of one length ``L``), which follow what the row's caches hold; the caches then hold
     them too.
 
     ``caches[b]``: row ``b``'s caches, one per layer. The prepared forward runs the rows as one
-    batch (:class:`PagedStep`); a model without one runs each row alone.
+    batch (:class:`PagedStep`); a model without one runs each row alone. ``logits=False``: only
+    fill the caches (a prefill chunk before the last), without the LM head; returns ``None``.
     """
     bk, p = model.backend, model.prepared
     if p is None:
@@ -86,8 +93,10 @@ def forward(model: Any, caches: Sequence[Sequence[PagedKVCache]], chunks: list[l
         ]  # fmt: skip
         return rows[0] if len(rows) == 1 else xp.concat(rows, axis=0)  # (B, V)
     ids = asarray(chunks, backend=bk.name, device=model.device)  # (B, L)
-    head = model.embed if model.lm_head is None else model.lm_head
     h = embedding(ids, model.embed)  # (B, L, E)
     step = PagedStep(p, caches, [seq[0].offset for seq in caches], len(chunks[0]))
     h = p.run_layers(h, step, p.layers)
+    if not logits:
+        return None
+    head = model.embed if model.lm_head is None else model.lm_head
     return p.head_logits(h[:, -1:, :], model.norm, head)[:, -1, :]  # (B, V)
