@@ -102,6 +102,24 @@ def test_dtype_kept(backend: str, dtype: str) -> None:
     _check(backend, dtype, 2, 4, 2, "auto")
 
 
+@pytest.mark.slow_on("jax")
+@pytest.mark.parametrize("impl", ["portable", "blocked", "pool"])
+def test_dtype_kept_every_path(backend: str, dtype: str, impl: str) -> None:
+    _check(backend, dtype, 2, 4, 2, impl, window=3)
+
+
+def test_empty_queries(backend: str) -> None:
+    """``B = 0`` or ``L = 0``: an empty result of q's shape and dtype."""
+    s = Scattered(1, LENS, backend=backend)
+    for shape in ((3, 4, 0, D), (0, 4, 1, D)):
+        q, _ = random_array(2, shape, "float32", backend=backend)
+        B = shape[0]
+        tables = s.tables[:B, ...]
+        lens = s.lens[:B] if shape[2] else s.lens * 0
+        out = paged_attention(q, s.pool, tables, lens)
+        assert_close(out, np.zeros(shape), backend=backend, dtype="float32")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("L", [1, 3])
 def test_native_equals_portable(backend: str, dtype: str, L: int) -> None:
