@@ -1,6 +1,7 @@
 """Paged attention against dense attention at S = 2048 (decode), and the memory of a page pool.
 
-``python benchmarks/paged.py [--backend NAME] [--rows B] [--seq S] [--repeat N]``
+``python benchmarks/paged.py [--backend NAME] [--rows B] [--seq S] [--repeat N] [--memory]
+[--prefill]``
 
 Time: a decode step (``L = 1``) of ``B`` rows of ``S`` keys each, Llama-shaped heads (H = 32,
 H_kv = 8, D = 64, float32), pages of 16 tokens scattered over the pool in a shuffled order.
@@ -13,8 +14,10 @@ compared: load from other processes falls on all alike. BLAS and torch run one t
 (``OMP_NUM_THREADS=1``, ``OPENBLAS_NUM_THREADS=1`` unless set): on a loaded machine, spinning
 BLAS threads make the timings meaningless.
 
-Memory: the bytes of keys and values a set of unequal sequences holds, in contiguous caches
-sized for ``max_seq_len`` and in a page pool holding exactly the pages they use.
+Memory (``--memory``): the bytes of keys and values a set of unequal sequences holds, in
+contiguous caches sized for ``max_seq_len`` and in a page pool holding exactly the pages they
+use. Chunked prefill (``--prefill``): 512 queries over 4096 keys on NumPy, the peak memory
+and time of the gather path and of the blocked one.
 """
 
 from __future__ import annotations
@@ -106,6 +109,38 @@ def memory(max_seq_len: int = 2048) -> None:
     print(f"  waste per sequence (slots):       {waste}  (max {max(waste)} < {PAGE})")
 
 
+def prefill(S: int = 4096, L: int = 512) -> None:
+    """A chunk of ``L`` queries over ``S`` keys, one row, on NumPy: the peak memory each
+    gather path allocates (tracemalloc: the call's own arrays) and its time."""
+    import tracemalloc
+
+    rng = np.random.default_rng(0)
+    n = S // PAGE
+    pool = pl.PagePool(n, PAGE, H_KV, D, "float32")
+    ids = np.asarray(pool.allocate(n))[rng.permutation(n)]
+    k = rng.standard_normal((H_KV, S, D), dtype=np.float32)
+    pool.write(ids.tolist(), 0, k, k)
+    q = rng.standard_normal((1, H, L, D), dtype=np.float32)
+    tables, lens = ids[None].astype(np.int32), np.asarray([S], dtype=np.int32)
+    print(f"\nchunked prefill, NumPy: L={L} queries over S={S} keys, H={H}, H_kv={H_KV}, D={D}:")
+    for impl in ("portable", "blocked"):
+        fn = lambda impl=impl: pl.paged_attention(q, pool, tables, lens, impl=impl)  # noqa: E731
+        fn()
+        tracemalloc.start()
+        fn()
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        print(f"  {impl:<9} peak {peak / 2**20:6.0f} MiB   {np.median(times) * 1e3:7.0f} ms")
+    with pl.trace() as t:
+        pl.paged_attention(q, pool, tables, lens)
+    print(f"  auto took {next(e.impl for e in t if e.op == 'paged_attention')!r}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", default="numpy")
@@ -114,6 +149,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=15)
     ap.add_argument("--impls", default="auto,portable,pool,blocked,native")
     ap.add_argument("--memory", action="store_true", help="also print the memory table")
+    ap.add_argument("--prefill", action="store_true", help="also a chunked prefill on NumPy")
     a = ap.parse_args()
     if a.backend == "torch":
         import torch
@@ -128,6 +164,8 @@ def main() -> None:
         print(f"  {name:<14} {t * 1e3:9.2f} ms   {t / med['dense']:5.2f} x dense")
     if a.memory:
         memory()
+    if a.prefill:
+        prefill()
 
 
 if __name__ == "__main__":
