@@ -6,9 +6,10 @@ list of page ids, its *block table*: token ``t`` lives in page ``block_table[t /
 slot ``t % page_size``. Pages are handed out lowest-free-first and come back when a sequence
 ends or is rewound, so the memory a sequence holds is its length rounded up to one page.
 
-:class:`PagedKVCache` is one sequence of one layer, with the :class:`~portable_llm.KVCache`
-interface the model uses (``update_and_fetch``, ``offset``, ``trim``, ``make_mask``), and
-:func:`block_tables` packs the tables of a batch for :func:`~portable_llm.paged_attention`.
+:class:`~portable_llm.caches.paged.PagedKVCache` is one sequence of one layer, with the
+:class:`~portable_llm.KVCache` interface the model uses, and
+:func:`~portable_llm.caches.paged.block_tables` packs the tables of a batch for
+:func:`~portable_llm.paged_attention`.
 Writes go through the backend's :meth:`~portable_llm.backends.Backend.set_slice` (a slice
 assignment; a donated ``dynamic_update_slice`` on JAX), one per page touched. Every write checks
 its arguments first and mutates nothing when they are wrong.
