@@ -104,3 +104,24 @@ def test_quantize_equals_mx_quantize(backend: str, bits: int, dtype: str) -> Non
         )
     want = np.array(mx.dequantize(q, s, b, group_size=64, bits=bits).astype(mx.float32))
     np.testing.assert_array_equal(bk.to_numpy(dequantize(qw)).astype(np.float32), want)
+
+
+@pytest.fixture(scope="session")
+def mixtral_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Mixtral converted by mlx-lm at 4 bits (its experts stacked: switch_mlp)."""
+    root = tmp_path_factory.mktemp("moe")
+    cfg = tiny_config("mixtral", hidden_size=128, intermediate_size=128, head_dim=32)
+    write_checkpoint(root / "hf", cfg, seed=5)
+    save_hf_tokenizer(root / "hf", vocab_size=cfg["vocab_size"])
+    return _convert(root / "hf", root / "q", 4, 64, {})
+
+
+def test_moe_folder_logits_match_mlx_lm(mixtral_folder: Path, backend: str) -> None:
+    """Quantized MoE: mlx-lm's stacked experts load kept quantized, as (X, I, E) weights."""
+    ref, _ = mlx_lm_utils.load_model(mixtral_folder)
+    want = np.array(ref(mx.array(IDS)))
+    model = pl.load(mixtral_folder, backend=backend)
+    gate = model.blocks[0].moe["arrays"][1]  # the experts' gate projections, stacked
+    assert isinstance(gate, QuantizedWeight) and gate.shape == (4, 128, 128)
+    got = model(pl.asarray(IDS, backend=backend))
+    assert_close(got, want, backend=backend, dtype="float32")

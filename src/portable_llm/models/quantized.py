@@ -101,28 +101,26 @@ def read_quantized_weights(
     Returns the names of :func:`~portable_llm.models.weights.expected_shapes`, each a float
     array in ``dtype`` or, for a quantized module, a :class:`QuantizedWeight` whose scales and
     biases are in ``dtype`` (their stored dtype by default). Raises :class:`CheckpointError`
-    listing every missing, unexpected or misshapen tensor; MoE layers (mlx-lm's ``switch_mlp``)
-    are not read from quantized folders.
+    listing every missing, unexpected or misshapen tensor. MoE layers are read from mlx-lm's
+    stacked experts (``switch_mlp.{gate,up,down}_proj``, ``(X, N, K * bits / 32)``) as the
+    stacked ``mlp.experts.{gate,up,down}_proj`` that the float loader gives.
     """
-    if cfg.num_experts:
-        raise CheckpointError(
-            f"load: {str(st.folder)!r}: quantized mlx-lm folders of MoE models "
-            f"({cfg.model_type}) are not supported; load the float checkpoint"
-        )
     expected = expected_shapes(cfg)
     problems: list[str] = []
-    plan: dict[str, tuple[int, int] | None] = {}  # name -> (bits, group) or None (a float)
+    plan: dict[str, tuple[int, int] | None] = {}  # stored name -> (bits, group) or None (float)
+    renamed: dict[str, str] = {}  # stored name -> the model's name
     used: set[str] = set()
-    for name, shape in expected.items():
+    for out_name, name, shape in _stored_names(st, expected):
+        renamed[name] = out_name
         stem = name.removesuffix(".weight")
         fmt = quant.of(stem) if name.endswith(".weight") else None
         if name.endswith(".weight") and stem + ".scales" in st.files and fmt is not None:
             bits, group = fmt
-            n, k = shape[0], shape[-1]
+            lead, k = shape[:-1], shape[-1]  # (X, N) for stacked experts, else (N,)
             want = {
-                name: ((n, k * bits // 32), ("U32",)),
-                stem + ".scales": ((n, k // group), tuple(SAFETENSORS_FLOATS)),
-                stem + ".biases": ((n, k // group), tuple(SAFETENSORS_FLOATS)),
+                name: ((*lead, k * bits // 32), ("U32",)),
+                stem + ".scales": ((*lead, k // group), tuple(SAFETENSORS_FLOATS)),
+                stem + ".biases": ((*lead, k // group), tuple(SAFETENSORS_FLOATS)),
             }
             for part, (pshape, kinds) in want.items():
                 if part not in st.shapes:
@@ -155,14 +153,47 @@ def read_quantized_weights(
     out: dict[str, Any] = {}
     for name, fmt in plan.items():
         if fmt is None:
-            out[name] = _to_backend(name, st.read(name), bk, dtype, device)
+            out[renamed[name]] = _to_backend(name, st.read(name), bk, dtype, device)
             continue
         stem = name.removesuffix(".weight")
-        out[name] = QuantizedWeight(
+        out[renamed[name]] = QuantizedWeight(
             bk.from_numpy(st.read(name), device),
             _to_backend(stem + ".scales", st.read(stem + ".scales"), bk, dtype, device),
             _to_backend(stem + ".biases", st.read(stem + ".biases"), bk, dtype, device),
             bits=fmt[0],
             group_size=fmt[1],
         )
+    return out
+
+
+def _stored_names(
+    st: SafetensorsFiles, expected: dict[str, tuple[int, ...]]
+) -> list[tuple[str, str, tuple[int, ...]]]:
+    """``(model's name, stored name, shape)`` of each expected tensor.
+
+    mlx-lm stores a MoE layer's experts stacked per projection, ``switch_mlp.gate_proj`` and
+    ``switch_mlp.up_proj`` ``(X, I, E)`` and ``switch_mlp.down_proj`` ``(X, E, I)``, under the
+    module of its own model (``mlp.`` for Qwen2-MoE, ``block_sparse_moe.`` for Mixtral, whose
+    router is ``block_sparse_moe.gate``); the model takes them as ``mlp.experts.gate_proj``,
+    ``mlp.experts.up_proj`` and ``mlp.experts.down_proj`` (the float loader's split of HF's
+    ``gate_up_proj``).
+    """
+    out: list[tuple[str, str, tuple[int, ...]]] = []
+    for name, shape in expected.items():
+        base, _, leaf = name.rpartition(".mlp.")
+        module = base + ".mlp."
+        if leaf in ("experts.gate_up_proj", "experts.down_proj", "gate.weight"):
+            moe = base + ".block_sparse_moe."
+            stored = moe if moe + "gate.weight" in st.files else module  # Mixtral's module name
+            if leaf == "gate.weight":
+                out.append((name, stored + "gate.weight", shape))
+            elif leaf == "experts.down_proj":
+                out.append((name, stored + "switch_mlp.down_proj.weight", shape))
+            else:
+                x, two_i, e = shape
+                for proj in ("gate", "up"):
+                    stacked = stored + f"switch_mlp.{proj}_proj.weight"
+                    out.append((module + f"experts.{proj}_proj", stacked, (x, two_i // 2, e)))
+            continue
+        out.append((name, name, shape))
     return out

@@ -28,6 +28,8 @@ SINGLE = "model.safetensors"
 SAFETENSORS_FLOATS = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
+#: Stacked experts (leading dimension X): HF v5's, and mlx-lm's (its quantized folders).
+_STACKED = (".experts.gate_up_proj", ".experts.down_proj", ".switch_mlp.down_proj.weight")
 
 
 class SafetensorsFiles:
@@ -108,8 +110,7 @@ class SafetensorsFiles:
         found += [
             self.shapes[name][0]
             for name in self.files
-            if name.endswith((".experts.gate_up_proj", ".experts.down_proj"))
-            and len(self.shapes.get(name, ())) == 3
+            if name.endswith(_STACKED) and len(self.shapes.get(name, ())) == 3
         ]
         return max(found, default=0)
 
