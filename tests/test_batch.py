@@ -15,6 +15,8 @@ import re
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import portable_llm as pl
 from portable_llm.models import load
@@ -58,6 +60,7 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 
 _ALONE: dict[tuple, list[int]] = {}
+_MODELS: dict[str, pl.Model] = {}
 
 
 def _alone(model: pl.Model, prompt: list[int], new: int, stop: tuple[int, ...] = ()) -> list[int]:
@@ -162,6 +165,37 @@ def test_a_long_prompt_never_stalls_the_running_requests(folders: dict, backend:
     assert [tokens[i] for i in range(3)] == [
         _alone(model, p, n) for p, n in zip(prompts, news, strict=True)
     ]
+
+
+@given(
+    shapes=st.lists(st.tuples(st.integers(1, 9), st.integers(1, 5)), min_size=1, max_size=4),
+    arrivals=st.lists(st.integers(0, 4), min_size=4, max_size=4),
+    chunk=st.integers(1, 10),
+    max_batch=st.integers(1, 3),
+    page_size=st.sampled_from([1, 2, 4, 16]),
+)
+def test_any_schedule_gives_each_request_its_tokens_alone(
+    folders: dict, shapes: list, arrivals: list, chunk: int, max_batch: int, page_size: int
+) -> None:
+    """Hypothesis: requests of any lengths arriving at any steps, any chunk, batch and page
+    size (NumPy float64): each request's tokens are those ``generate`` gives it alone."""
+    model = _MODELS.get("numpy") or _MODELS.setdefault("numpy", _model(folders, "llama", "numpy"))
+    reqs = [Request(_prompt(80 + i, n), new, stop=()) for i, (n, new) in enumerate(shapes)]
+    when = sorted(range(len(reqs)), key=lambda i: (arrivals[i], i))  # arrival order
+    gen = BatchGenerator(model, max_batch=max_batch, prefill_chunk=chunk, page_size=page_size)
+    ids: dict[int, int] = {}
+    got: dict[int, list[int]] = {}
+    step = 0
+    while when or gen.has_work:
+        while when and arrivals[when[0]] <= step:
+            i = when.pop(0)
+            ids[gen.add(reqs[i])] = i
+        for rid, token, _ in gen.step():
+            got.setdefault(ids[rid], []).append(token)
+        step += 1
+    for i, r in enumerate(reqs):
+        assert got[i] == _alone(model, list(r.prompt_ids), r.max_new_tokens), f"request {i}"
+    assert all(pool.num_free == pool.num_pages for pool in gen.pools)
 
 
 @pytest.mark.slow_on("jax")
