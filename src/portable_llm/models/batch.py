@@ -100,6 +100,13 @@ class BatchGenerator:
         The longest sequence (prompt plus ``max_new_tokens``) :meth:`add` accepts; default the
         config's ``max_position_embeddings`` (no limit when it has none).
 
+    Attributes
+    ----------
+    pools : list of PagePool
+        One per layer, ``(pool_pages, H_kv, page_size, D)`` pages of the model's dtype; a
+        sequence holds the same page ids in each.
+    max_seq_len : int or None
+
     Notes
     -----
     An exception inside :meth:`step` (a sampler that raises, logits that are all NaN) frees
@@ -128,7 +135,6 @@ class BatchGenerator:
         cfg = model.config
         shape = (pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
         where = {"backend": model.backend.name, "device": model.device}
-        #: One pool per layer; a sequence holds the same page ids in each.
         self.pools = [PagePool(*shape, model.dtype, **where) for _ in range(cfg.num_hidden_layers)]
         self._default_stops = frozenset(stop_tokens(model))
         self._next_id = 0
