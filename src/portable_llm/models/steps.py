@@ -152,6 +152,7 @@ class Decode:
         self.processors, self.tokens, self.logprobs = processors, tokens, logprobs
         self.chunk, self.max_tokens = prefill_step_size, max_tokens
         self.pipelined = not processors and self.bk.asynchronous(model.device)
+        self.index = self.bk.xp.asarray(0).dtype  # the default integer (int32 on MLX)
         #: Tokens yielded so far.
         self.step = 0
         self._next: tuple[Any, Any, Any] | None = None  # token t: _sample()'s, queued
@@ -163,13 +164,13 @@ class Decode:
     def __next__(self) -> tuple[Any, Array | None]:
         if self._next is None:
             self._next = self._prefill() if self.step == 0 else self._forward(self._unfed)
-        ids, top, lp = self._next
-        self._next, self._unfed = None, ids[:, None]  # (B, 1)
+        ids, top, lp = self._next  # ids (B, 1): fed to the next step as they are
+        self._next, self._unfed = None, ids
         if self.pipelined and (self.max_tokens is None or self.step + 1 < self.max_tokens):
             queued = self._forward(self._unfed)  # step t + 1, queued before t is read
             self.bk.launch([a for a in queued if a is not None])
             self._next, self._unfed = queued, None
-        chosen = self.bk.to_numpy(ids).tolist()  # (B,): the host read of the step
+        chosen = self.bk.to_numpy(ids).reshape(-1).tolist()  # (B,): the step's host read
         # No distribution: greedy's row maximum is NaN or -inf; a sampler marks the row -1.
         if not (self.bk.to_numpy(top) > -math.inf).all() if top is not None else min(chosen) < 0:
             raise ValueError(
@@ -213,7 +214,7 @@ class Decode:
         return self._sample(logits)
 
     def _sample(self, logits: Any) -> tuple[Any, Any, Any]:
-        """``(ids (B,), row maxima (B,) or None, logprobs (B, V) or None)``, on the device.
+        """``(ids (B, 1), row maxima (B,) or None, logprobs (B, V) or None)``, on the device.
 
         Greedy (the default) is :func:`~portable_llm.greedy`'s argmax (ties: the lowest id)
         with the row maxima beside it, checked on the host with the ids (NaN or ``-inf``: no
@@ -225,8 +226,11 @@ class Decode:
             logits = processor(self.tokens, logits)
         lp = _log_softmax(xp, logits) if self.logprobs else None  # (B, V)
         if self.sampler is None or self.sampler is greedy:
-            return xp.argmax(logits, axis=-1), xp.max(logits, axis=-1), lp
-        return self.sampler(logits), None, lp
+            ids = xp.argmax(logits, axis=-1, keepdims=True)  # MLX: uint32, cast in the step
+            if ids.dtype != self.index:  # (the embedding's cast would wait for the ids)
+                ids = xp.astype(ids, self.index)
+            return ids, xp.max(logits, axis=-1), lp
+        return xp.reshape(self.sampler(logits), (-1, 1)), None, lp
 
 
 def check_prefill_step_size(op: str, value: Any) -> int | None:
