@@ -241,15 +241,17 @@ def _with_nan_row(model: pl.Model, token: int) -> pl.Model:
     return model
 
 
+@pytest.mark.parametrize("ahead", [False, True])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_nan_logits_at_a_later_step_stop_with_the_error(
-    mistral: tuple, backend: str, temperature: float
+    mistral: tuple, backend: str, temperature: float, ahead: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The embedding row of the first new token ``k >= 1`` not seen before is NaN: the step
     that feeds it (step ``k + 1``) has no distribution. The error names that step, greedy (the
     row maximum read on the host) or sampled (the sampler's -1 mark), with or without the next
     step queued first."""
     folder, _, _ = mistral
+    monkeypatch.setattr(pl.get_backend(backend), "pipelines", lambda device=None: ahead)
     prompt = _prompt(9)
     options = {"temperature": temperature, "seed": 4, "stop": ()}
     free = list(pl.generate(load(folder, backend=backend, dtype="float32"), prompt,
@@ -304,25 +306,28 @@ def test_embedding_without_the_check_reads_nothing_back(backend: str) -> None:
         pl.embedding(ids, table, check=1)  # type: ignore[arg-type]
 
 
-def test_an_asynchronous_backend_queues_the_next_step_before_the_token_is_read(
-    mistral: tuple, backend: str
+@pytest.mark.parametrize("ahead", [False, True])
+def test_pipelining_queues_the_next_step_before_the_token_is_read(
+    mistral: tuple, backend: str, ahead: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Pipelining (Backend.asynchronous: MLX, JAX): when token 0 is yielded, step 1 (which feeds
-    it) is already in the caches; elsewhere token 0 is fed only when token 1 is asked for.
-    With a logits processor (which needs the host's ids) no backend queues ahead. The tokens
-    are the same either way."""
+    """Pipelining (where Backend.pipelines; forced on, or off, here on every backend, so that
+    the MLX path runs on the CPU too): when token 0 is yielded, step 1 (which feeds it) is
+    already in the caches; without it token 0 is fed only when token 1 is asked for. A logits
+    processor (which needs the host's ids) turns it off. The tokens are the same every way."""
     folder, _, _ = mistral
     model = load(folder, backend=backend, dtype="float32")
+    monkeypatch.setattr(model.backend, "pipelines", lambda device=None: ahead)
     prompt = _prompt(11)
-    ahead = int(model.backend.asynchronous(model.device))
+    want = list(pl.generate(model, prompt, max_new_tokens=NEW, stop=(), repetition_penalty=1.0))
     cache = model.make_cache()
     steps = pl.generate_step(model, prompt, cache=cache)
     got = [next(steps)[0]]
     assert cache[0].offset == len(prompt) + ahead
     got += _take(NEW - 1, steps)
     assert cache[0].offset == len(prompt) + NEW - 1 + ahead
+    assert got == want
     held = model.make_cache()
     never = pl.make_logits_processors(repetition_penalty=1.0 + 1e-9)  # no effect on greedy ids
     stepped = pl.generate_step(model, prompt, cache=held, logits_processors=never)
-    assert _take(NEW, stepped) == got
+    assert _take(NEW, stepped) == want
     assert held[0].offset == len(prompt) + NEW - 1

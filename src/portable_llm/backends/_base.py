@@ -112,9 +112,14 @@ class Backend:
 
     def asynchronous(self, device: Any = None) -> bool:
         """Whether work on ``device`` (default: the default device) may still run after a call
-        returns, so that a timer needs :meth:`synchronize` (``False``: it is a no-op there).
-        The decode loop then queues step ``t + 1`` before it reads token ``t`` back."""
+        returns, so that a timer needs :meth:`synchronize` (``False``: it is a no-op there)."""
         return False
+
+    def pipelines(self, device: Any = None) -> bool:
+        """Whether a decode loop gains from queuing step ``t + 1`` (:meth:`launch`) before it
+        reads token ``t`` back: the host builds the next step while ``device`` computes this
+        one. Default: where work is :meth:`asynchronous`."""
+        return self.asynchronous(device)
 
     def enable_float64(self) -> bool:
         """Make float64 available where the library needs a switch for it (JAX's process-wide

@@ -73,6 +73,12 @@ class MlxBackend(Backend):
     def asynchronous(self, device: Any = None) -> bool:
         return True  # lazy: nothing is computed until evaluated
 
+    def pipelines(self, device: Any = None) -> bool:
+        # On the CPU mx.async_eval runs most of the work before it returns: queuing ahead made
+        # a tiny model's decode slower there (compiled step 994 -> 686 tok/s; see
+        # benchmarks/README.md). On a GPU the host is free while the step runs.
+        return self._is_gpu(device)
+
     def device_of(self, x: Any) -> Any:
         # MLX arrays live in unified memory; work runs on the default device.
         return self.mx.default_device()

@@ -74,11 +74,12 @@ def generate_step(
         ``log_softmax`` of the processed logits, on the model's backend.
 
     The iterator never ends by itself: stop iterating when done. On NumPy,
-    array-api-strict and torch on the CPU, token ``t`` is fed to the model only when token
-    ``t + 1`` is asked for, so stopping costs no forward pass. Where the backend runs
-    asynchronously (MLX, JAX, a GPU) and there are no ``logits_processors``, step ``t + 1``
-    is queued before token ``t`` is read back (mlx-lm's pipelining): the device computes while
-    the host yields, and the caches already hold token ``t`` when it is yielded.
+    array-api-strict, torch's CPU and MLX's CPU, token ``t`` is fed to the model only when token
+    ``t + 1`` is asked for, so stopping costs no forward pass. Where queuing ahead pays
+    (:meth:`Backend.pipelines <portable_llm.backends.Backend.pipelines>`: JAX, MLX on a GPU,
+    torch on CUDA or MPS) and there are no ``logits_processors``, step ``t + 1`` is queued
+    before token ``t`` is read back (mlx-lm's pipelining): the device computes while the host
+    yields, and the caches already hold token ``t`` when it is yielded.
 
     Raises
     ------
@@ -134,9 +135,9 @@ class Decode:
     processors and the sampler, and reads the chosen ids to the host once (``to_numpy``): the
     yielded token, the NaN mark (``-1``) and the stop checks all use that one read.
 
-    Where the backend runs asynchronously (:meth:`Backend.asynchronous
-    <portable_llm.backends.Backend.asynchronous>`: MLX, JAX) and no logits processor needs the
-    host's ids, step ``t + 1`` is queued (:meth:`~portable_llm.backends.Backend.launch`) before
+    Where that pays (:meth:`Backend.pipelines <portable_llm.backends.Backend.pipelines>`: JAX,
+    MLX on a GPU, torch on CUDA or MPS) and no logits processor needs the host's ids, step
+    ``t + 1`` is queued (:meth:`~portable_llm.backends.Backend.launch`) before
     token ``t`` is read back, so the host builds the next step while the device computes this
     one (mlx-lm's pipelining); the caches then already hold token ``t`` when it is yielded.
     """
@@ -151,7 +152,7 @@ class Decode:
         self.sampler = sampler
         self.processors, self.tokens, self.logprobs = processors, tokens, logprobs
         self.chunk, self.max_tokens = prefill_step_size, max_tokens
-        self.pipelined = not processors and self.bk.asynchronous(model.device)
+        self.pipelined = not processors and self.bk.pipelines(model.device)
         self.index = self.bk.xp.asarray(0).dtype  # the default integer (int32 on MLX)
         #: Tokens yielded so far.
         self.step = 0
