@@ -364,13 +364,18 @@ def _bytes_grouped(
     g = k // group_size
     by = packed.view(torch.uint8).reshape(n, g, group_size * bits // 8)  # (N, G, bytes/group)
     xg = x.reshape(-1, g, group_size).transpose(0, 1)  # (G, M, gs)
+    # Centred codes q - c with the bias b + c * s, as the portable grouped path (less
+    # cancellation between the two sums); centred in int8 before widening (15-20% more time
+    # than uncentred codes, measured; a float subtraction cost 25-40%).
+    c = 1 << (bits - 1)
     if bits == 8:
-        dots = torch.bmm(xg, by.to(x.dtype).permute(1, 2, 0))  # (G, M, N)
+        centred = (by ^ 128).view(torch.int8)  # q ^ 0x80 read as int8 is q - 128
+        dots = torch.bmm(xg, centred.to(x.dtype).permute(1, 2, 0))  # (G, M, N)
     else:  # the low nibble of byte j is code 2j, the high nibble code 2j + 1
-        lo = (by & 15).to(x.dtype).permute(1, 2, 0)  # (G, gs/2, N)
-        hi = (by >> 4).to(x.dtype).permute(1, 2, 0)
+        lo = ((by & 15).view(torch.int8) - c).to(x.dtype).permute(1, 2, 0)  # (G, gs/2, N)
+        hi = ((by >> 4).view(torch.int8) - c).to(x.dtype).permute(1, 2, 0)
         dots = torch.bmm(xg[..., 0::2].contiguous(), lo) + torch.bmm(xg[..., 1::2].contiguous(), hi)
-    y = (dots * scales.T[:, None, :]).sum(0) + xg.sum(-1).T @ biases.T  # (M, N)
+    y = (dots * scales.T[:, None, :]).sum(0) + xg.sum(-1).T @ (biases + c * scales).T  # (M, N)
     return y.reshape(*x.shape[:-1], n)
 
 

