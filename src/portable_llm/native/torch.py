@@ -181,10 +181,11 @@ def _keep_nan(q: Any, k: Any, out: Any) -> Any:
     return torch.where(bad[..., None], torch.full_like(out, math.nan), out)
 
 
-# -- quantized weights: 4-bit through torch's int4 CPU kernel (portable_llm.ops.quant) ---------
-# MLX's affine format, w = s * q + b, is torch's int4 format w = s * (q - 8) + z with
+# -- quantized weights (portable_llm.ops.quant): torch's int4 and int8 CPU kernels, bytes -------
+# 4-bit: MLX's affine format, w = s * q + b, is torch's int4 format w = s * (q - 8) + z with
 # z = b + 8 * s; the weight is repacked once (_convert_weight_to_int4pack_for_cpu) and cached
-# with the tensor it came from.
+# with the tensor it came from. 8-bit: _weight_int8pack_mm once per group (below). float32 with
+# 4 bits: the codes read as bytes (_bytes_grouped).
 import sys  # noqa: E402
 import weakref  # noqa: E402
 
@@ -255,6 +256,7 @@ def _int8_applies(
     return (
         bits == 8
         and packed.ndim == 2
+        and sys.byteorder == "little"  # the codes are read as the words' bytes
         and x.device.type == "cpu"
         and scales.dtype == x.dtype
         and x.dtype in (torch.float32, torch.bfloat16)
