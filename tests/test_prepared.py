@@ -217,7 +217,8 @@ def quant_folders(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def _quantized_model(folder: object, backend: str, dtype: str, bits: int) -> pl.Model:
     """The checkpoint with its projections, embedding and LM head quantized (MLX's format,
-    group 32), the other weights in ``dtype``."""
+    group 32), the other weights in ``dtype``; without the compiled step (JAX's: compared with
+    this eager forward in test_compiled_quant.py)."""
     from safetensors.numpy import load_file
 
     if dtype not in pl.get_backend(backend).float_dtypes():
@@ -228,7 +229,7 @@ def _quantized_model(folder: object, backend: str, dtype: str, bits: int) -> pl.
         w = pl.asarray(w.astype(np.float32), backend=backend, dtype=dtype)
         quantized = name.endswith(("_proj.weight", "embed_tokens.weight", "lm_head.weight"))
         weights[name] = pl.quantize(w, bits=bits, group_size=32) if quantized else w
-    return pl.Model(config, weights, pl.get_backend(backend))
+    return pl.Model(config, weights, pl.get_backend(backend), compile=False)
 
 
 @pytest.mark.slow_on("jax")
@@ -243,7 +244,7 @@ def test_prepared_quantized_equals_op_by_op(
     logits bit for bit: a full forward, then a prefill and decode steps on caches."""
     model = _quantized_model(quant_folders[family], backend, dtype, bits)
     assert model.prepared is not None and model.prepared.quantized
-    assert model.compiled is None  # quantized weights run the eager prepared forward
+    assert model.compiled is None  # compile=False: the prepared forward alone
     attn = model.prepared.layers[0].attn
     assert isinstance(attn.wq, QLinear) and isinstance(model.prepared.layers[1].mlp.w_down, QLinear)
     slow = _op_by_op(model)

@@ -7,7 +7,10 @@ at the offset, itself an input), and the keys are the caches' fixed-size views
 (``KVCache(static_shapes=True)``, which :meth:`Model.make_cache` gives where a compiled step
 exists), so one compilation serves every token until the caches grow (every ``step`` tokens).
 The weights are arguments, not constants folded into the program. :attr:`CompiledStep.traces`
-counts the compilations.
+counts the compilations. On JAX the weights may be quantized (``QuantizedWeight``: the
+projections, the embedding, the LM head): their packed codes, scales and biases are arguments
+too, and ``quantized_linear``'s kernel (chosen per activation shape, as the eager forward
+chooses it) is traced into the step, so XLA fuses the dequantization with the products.
 
 The step applies to a decode step (``L = 1``) on plain :class:`~portable_llm.KVCache` caches
 that already hold the prompt, on a model of dense layers without ``"dynamic"`` RoPE (whose
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -32,7 +36,8 @@ import numpy as np
 from portable_llm.attn.visibility import visible
 from portable_llm.backends import Backend, backend_of
 from portable_llm.caches.kv import KVCache
-from portable_llm.models.prepared import Layer, Prepared, _Step
+from portable_llm.models.prepared import Layer, Prepared, QLinear, _Step
+from portable_llm.ops.quant import QuantizedWeight, embedding_rows
 from portable_llm.rotary.args import dispatch_args as rope_dispatch_args
 
 __all__ = ["CompiledStep", "compiled_step"]
@@ -70,6 +75,13 @@ _COMPILERS: dict[str, tuple[Callable[[Backend], Any], Callable[[Backend], Any]]]
     "mlx": (_mlx_jit, _mlx_update),
 }
 
+#: The backends whose compiled step also takes quantized weights: their arrays (packed codes,
+#: scales, biases) are arguments like the float weights, and ``quantized_linear``'s kernel is
+#: traced with the rest of the step (XLA fuses the dequantization into the products). MLX's
+#: quantized embedding reads the ids back (MLX does not mark traced arrays), so a quantized
+#: model runs its eager prepared forward there.
+_TAKES_QUANTIZED = frozenset({"jax"})
+
 
 def compiled_step(prepared: Prepared) -> CompiledStep | None:
     """The compiled decode step of ``prepared`` where its backend compiles one, else ``None``."""
@@ -77,6 +89,8 @@ def compiled_step(prepared: Prepared) -> CompiledStep | None:
     if compilers is None:
         return None
     if any(layer.mlp is None for layer in prepared.layers):  # MoE: eager (host-side routing)
+        return None
+    if prepared.quantized and prepared.bk.name not in _TAKES_QUANTIZED:
         return None
     rope = prepared.rope or {}
     kind = (rope.get("scaling") or {}).get("rope_type", "default")
@@ -100,7 +114,7 @@ def _flatten(layers: Sequence[Layer], bk: Backend) -> tuple[list[Any], Rebuild]:
             value = getattr(rec, f.name)
             if dataclasses.is_dataclass(value):
                 out[f.name] = walk(value)
-            elif value is not None and backend_of(value) is bk:
+            elif value is not None and _array_of(bk, value):
                 out[f.name] = len(leaves)
                 leaves.append(value)
         return out
@@ -118,6 +132,15 @@ def _flatten(layers: Sequence[Layer], bk: Backend) -> tuple[list[Any], Rebuild]:
         return [fill(layer, plan, arrays) for layer, plan in zip(layers, plans, strict=True)]
 
     return leaves, rebuild
+
+
+def _array_of(bk: Backend, value: Any) -> bool:
+    """Whether ``value`` is an array of ``bk`` (not a number, nor a :class:`QLinear`'s kernel
+    chooser or its kernels)."""
+    try:
+        return backend_of(value) is bk
+    except TypeError:  # a type no backend knows: a function, a dict of them
+        return False
 
 
 class _TracedStep(_Step):
@@ -167,7 +190,9 @@ class CompiledStep:
         self.traces = 0
         leaves, self._rebuild = _flatten(prepared.layers, prepared.bk)
         self._leaves = tuple(leaves)
-        self._fn = jit(self._step)
+        self._jit = jit
+        #: The compiled programs, one per layout of the top weights (see :func:`_split_top`).
+        self._fns: dict[tuple[Any, ...], Callable[..., Any]] = {}
         self._embed = prepared.dispatch.portable_impl("embedding", "masked")
 
     def applies(self, ids: Any, cache: Sequence[Any] | None) -> bool:
@@ -193,7 +218,11 @@ class CompiledStep:
         vs = tuple(c._v for c in cache)
         offset = xp.asarray(off, dtype=xp.int32)
         pad = cache[0].left_padding
-        logits, ks, vs = self._fn(ids, ks, vs, offset, pad, self._leaves, top)
+        arrays, layout = _split_top(top, self.p.head)
+        fn = self._fns.get(layout)
+        if fn is None:
+            fn = self._fns[layout] = self._jit(partial(self._step, layout=layout))
+        logits, ks, vs = fn(ids, ks, vs, offset, pad, self._leaves, arrays)
         cols = None if off + 1 == S else np.arange(S)
         for c, k, v in zip(cache, ks, vs, strict=True):
             c._k, c._v = k, v
@@ -204,12 +233,31 @@ class CompiledStep:
 
     def _step(
         self, ids: Any, ks: tuple[Any, ...], vs: tuple[Any, ...], offset: Any, pad: Any,
-        leaves: tuple[Any, ...], top: tuple[Any, Any, Any],
+        leaves: tuple[Any, ...], top: tuple[Any, Any, Any], *, layout: tuple[Any, ...],
     ) -> tuple[Any, tuple[Any, ...], tuple[Any, ...]]:  # fmt: skip
         self.traces += 1
         p = self.p
-        embed, norm, head = top
-        h = self._embed(p.xp, ids, embed)  # (B, 1, E); ids checked by the model
+        embed, norm, head = (
+            a if f is None else QuantizedWeight(*a, bits=f[0], group_size=f[1])
+            for a, f in zip(top, layout[:3], strict=True)
+        )
+        if isinstance(embed, QuantizedWeight):  # traced ids: an id out of range gives NaN
+            h = embedding_rows(ids, embed)  # (B, 1, E), only the rows dequantized
+        else:
+            h = self._embed(p.xp, ids, embed)  # (B, 1, E); ids checked by the model
         step = _TracedStep(p, self.update, list(ks), list(vs), pad, offset)
         h = p.run_layers(h, step, self._rebuild(leaves))
+        if layout[3] and type(p._head) is QLinear:  # the head bound at load: its kernels
+            packed, scales, biases = top[2]
+            head = dataclasses.replace(p._head, packed=packed, scales=scales, biases=biases)
         return p.head_logits(h, norm, head), tuple(step.ks), tuple(step.vs)
+
+
+def _split_top(top: tuple[Any, Any, Any], bound: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """The arguments of the step for the model's ``(embed, norm, head)``: a quantized weight
+    as its three arrays; and their layout, the program's static part: per weight its
+    ``(bits, group_size)`` (``None``: an array), then whether the head is ``bound`` (the one
+    the prepared forward bound at load, whose kernels the step reuses)."""
+    arrays = tuple(w.arrays if isinstance(w, QuantizedWeight) else w for w in top)
+    formats = tuple((w.bits, w.group_size) if isinstance(w, QuantizedWeight) else None for w in top)
+    return arrays, (*formats, top[2] is bound)

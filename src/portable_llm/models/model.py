@@ -155,11 +155,11 @@ class Model:
             self.prepared = Prepared(
                 config, backend, self.dtype, self.embed, self.norm, self.lm_head, self.blocks
             )
-        #: The compiled decode step (:mod:`portable_llm.models.compiled`; JAX), run by a call
-        #: with one token per row and caches that hold the prompt; ``None`` elsewhere (and for
-        #: quantized weights, which the prepared forward runs eagerly).
+        #: The compiled decode step (:mod:`portable_llm.models.compiled`; JAX, and MLX for
+        #: float weights), run by a call with one token per row and caches that hold the
+        #: prompt; ``None`` elsewhere.
         self.compiled: CompiledStep | None = None
-        if compile and self.prepared is not None and not self.prepared.quantized:
+        if compile and self.prepared is not None:
             self.compiled = compiled_step(self.prepared)
 
     def _top_arrays(self) -> list[Any]:

@@ -119,7 +119,7 @@ class Prepared:
         self.layers = [bind_layer(b, lambda w: bind_weight(d, w)) for b in blocks]
         self._head = bind_weight(d, self.head)  # QLinear (quantized) or Packed where packed
         projections = [w for layer in self.layers for w in layer_projections(layer)]
-        #: Whether a weight is quantized (the compiled step takes plain arrays only).
+        #: Whether a weight is quantized (a compiled step takes them on JAX only).
         self.quantized = isinstance(embed, QuantizedWeight) or any(
             type(w) is QLinear for w in [*projections, self._head]
         )
