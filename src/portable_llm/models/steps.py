@@ -132,14 +132,15 @@ class Decode:
 
     Per token it runs the forward (:meth:`Model.decode_step <portable_llm.Model.decode_step>`:
     the sampler's ids go back in on the device, unchecked and never through the host), the
-    processors and the sampler, and reads the chosen ids to the host once (``to_numpy``): the
-    yielded token, the NaN mark (``-1``) and the stop checks all use that one read.
+    processors and the sampler, and reads the chosen ids to the host once (``to_numpy``, with
+    greedy's row maxima): the yielded token, the no-distribution check and the caller's stop
+    checks all use that read.
 
     Where that pays (:meth:`Backend.pipelines <portable_llm.backends.Backend.pipelines>`: JAX,
     MLX on a GPU, torch on CUDA or MPS) and no logits processor needs the host's ids, step
-    ``t + 1`` is queued (:meth:`~portable_llm.backends.Backend.launch`) before
-    token ``t`` is read back, so the host builds the next step while the device computes this
-    one (mlx-lm's pipelining); the caches then already hold token ``t`` when it is yielded.
+    ``t + 1`` is queued (:meth:`~portable_llm.backends.Backend.launch`) before token ``t`` is
+    read back, so the host builds the next step while the device computes this one (mlx-lm's
+    pipelining); the caches then already hold token ``t`` when it is yielded.
     """
 
     def __init__(
