@@ -154,16 +154,20 @@ def test_native_matches_portable(backend, dtype, bits):
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group", [32, 128])
 @pytest.mark.parametrize("rows", [1, 70])
-def test_native_by_rows(backend, bits, group, rows):
-    """Native kernels for a decode step (1 row: torch's byte path) and a prompt (70 rows), in
-    float32, against the float64 product of the float64 decoder's weight."""
+@pytest.mark.parametrize("n", [32, 4096])
+def test_native_by_rows(backend, bits, group, rows, n):
+    """Native kernels for a decode step (1 row) and a prompt (70 rows), in float32, against the
+    float64 product of the float64 decoder's weight; torch takes its byte path for 32 output
+    rows and, at 8 bits, its int8 kernel for 4096."""
     bk = get_backend(backend)
-    w, _ = random_array(3, (32, 2 * group), "float32", backend=backend, low=-0.2, high=0.2)
+    nat = pl.core.dispatch.dispatcher(bk).native.get("quantized_linear")
+    if nat is None:
+        pytest.skip(f"no native quantized_linear on {backend}")
+    w, _ = random_array(3, (n, 2 * group), "float32", backend=backend, low=-0.2, high=0.2)
     x, xr = random_array(4, (rows, 2 * group), "float32", backend=backend, low=-1, high=1)
     qw = quantize(w, bits=bits, group_size=group)
     want = xr @ np_dequantize(qw)[0].T
-    nat = pl.core.dispatch.dispatcher(bk).native.get("quantized_linear")
-    if nat is None or not nat.applies(x, *qw.arrays, None, bits=bits, group_size=group):
+    if not nat.applies(x, *qw.arrays, None, bits=bits, group_size=group):
         pytest.skip(f"no native quantized_linear on {backend} for these arguments")
     assert_close(qlinear(x, qw, impl="native"), want, backend=backend, dtype="float32")
     assert_close(qlinear(x, qw), want, backend=backend, dtype="float32")
