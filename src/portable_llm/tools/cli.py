@@ -56,8 +56,10 @@ def _parser() -> argparse.ArgumentParser:
         nargs="?",
         const=True,
         metavar="PATH",
-        help="instead of the ops: a Qwen2-0.5B-shaped random checkpoint, its load time and "
-        "prefill/decode tokens/s, next to transformers and mlx-lm",
+        help="instead of the ops: a whole model (PATH: a checkpoint folder or a .gguf file, "
+        "kept quantized; default: a Qwen2-0.5B-shaped random checkpoint), its load time and "
+        "prefill/decode tokens/s, next to transformers, mlx-lm and llama.cpp (.gguf, when "
+        "llama-cpp-python is installed)",
     )
     bench.add_argument(
         "--cache-dir",
