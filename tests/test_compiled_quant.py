@@ -88,8 +88,8 @@ def _check(folders: dict[bool, object], backend: str, dtype: str, bits: int, tie
     assert fast[0].offset == slow[0].offset == 5 + STEPS
     assert model.compiled.traces == 3  # capacities 8, 12, 16: not one per token
     assert len({x for x, _ in tokens}) > 1  # the path is no constant token
-    # The decode shape's kernel was first chosen inside the trace (the compiled step ran before
-    # the eager one): it is the one auto picks for a concrete activation of that shape.
+    # The traced step chose its kernels apart (on traced activations, see the test below): the
+    # eager forward's, chosen after the compiled step ran, are auto's on concrete activations.
     d = dispatcher(pl.get_backend(backend))
     attn = model.prepared.layers[0].attn
     fmt = {"bits": bits, "group_size": GROUP}
@@ -115,3 +115,34 @@ def test_compiled_quantized_step_sweep(
     folders: dict, backend: str, dtype: str, bits: int, tied: bool
 ) -> None:
     _check(folders, backend, dtype, bits, tied)
+
+
+def test_auto_dequantizes_under_a_trace(backend: str) -> None:
+    """Traced (the compiled step), ``auto`` takes the dequantizing path, which XLA fuses into
+    the product; on concrete float32 rows of a decode step it takes the grouped path. The
+    choice reads the activation's type and shape, never its values."""
+    if backend != "jax":
+        pytest.skip("only JAX traces the quantized step")
+    import jax
+
+    bk = pl.get_backend(backend)
+    d = dispatcher(bk)
+    w = pl.asarray(np.random.default_rng(3).standard_normal((64, 64)), backend=backend)
+    qw = pl.quantize(pl.asarray(w, backend=backend, dtype="float32"), bits=4, group_size=GROUP)
+    fmt = {"bits": 4, "group_size": GROUP}
+    x = pl.asarray(np.ones((1, 1, 64)), backend=backend, dtype="float32")  # (1, 1, K)
+    chosen = []
+
+    def step(x: object) -> object:
+        fn = d.pick("quantized_linear", "auto", x, *qw.arrays, None, **fmt)
+        chosen.append(fn)
+        return fn(bk.xp, x, *qw.arrays, None, **fmt)
+
+    traced = jax.jit(step)(x)
+    concrete = step(x)
+    assert chosen == [
+        d.pick("quantized_linear", "portable", x, *qw.arrays, None, **fmt),
+        d.pick("quantized_linear", "grouped", x, *qw.arrays, None, **fmt),
+    ]
+    tol = tolerance("float32")
+    assert_close(traced, concrete, rtol=tol.rtol, atol=tol.atol)

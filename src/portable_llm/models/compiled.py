@@ -9,8 +9,9 @@ exists), so one compilation serves every token until the caches grow (every ``st
 The weights are arguments, not constants folded into the program. :attr:`CompiledStep.traces`
 counts the compilations. On JAX the weights may be quantized (``QuantizedWeight``: the
 projections, the embedding, the LM head): their packed codes, scales and biases are arguments
-too, and ``quantized_linear``'s kernel (chosen per activation shape, as the eager forward
-chooses it) is traced into the step, so XLA fuses the dequantization with the products.
+too, and ``quantized_linear``'s kernel is traced into the step, chosen on the traced
+activations (``auto`` then dequantizes, which XLA fuses into the products) and kept apart from
+the kernels the eager forward chose on concrete ones.
 
 The step applies to a decode step (``L = 1``) on plain :class:`~portable_llm.KVCache` caches
 that already hold the prompt, on a model of dense layers without ``"dynamic"`` RoPE (whose
@@ -126,6 +127,8 @@ def _flatten(layers: Sequence[Layer], bk: Backend) -> tuple[list[Any], Rebuild]:
             k: fill(getattr(rec, k), v, arrays) if isinstance(v, dict) else arrays[v]
             for k, v in plan.items()
         }
+        if type(rec) is QLinear:  # kernels chosen on the traced activations, kept apart
+            changes["fns"] = {}
         return dataclasses.replace(rec, **changes)
 
     def rebuild(arrays: Sequence[Any]) -> list[Layer]:
@@ -249,7 +252,7 @@ class CompiledStep:
         h = p.run_layers(h, step, self._rebuild(leaves))
         if layout[3] and type(p._head) is QLinear:  # the head bound at load: its kernels
             packed, scales, biases = top[2]
-            head = dataclasses.replace(p._head, packed=packed, scales=scales, biases=biases)
+            head = dataclasses.replace(p._head, packed=packed, scales=scales, biases=biases, fns={})
         return p.head_logits(h, norm, head), tuple(step.ks), tuple(step.vs)
 
 
