@@ -82,13 +82,16 @@ def _paged_pool(
     top = xp.max(mr, axis=1)  # (B, H_kv, G*L, 1): finite (a query sees itself)
     p = xp.exp(s - xp.take(top, owner, axis=0))  # (N, H_kv, G*L, P); 0 where hidden
     part = xp.matmul(p, xp.astype(v_pages, qg.dtype, copy=False))  # (N, H_kv, G*L, D)
-    total = xp.sum(p, axis=-1, keepdims=True)  # (N, H_kv, G*L, 1)
     owned = xp.logical_and(
         xp.reshape(owner, (1, N)) == xp.reshape(xp.arange(B, device=dev), (B, 1)),
         xp.reshape(first, (1, N)) < UNUSED,
     )  # (B, N): row b owns page n
     sel = xp.astype(owned, qg.dtype)
     acc = xp.matmul(sel, xp.reshape(part, (N, h_kv * G * L * D)))  # (B, H_kv*G*L*D)
-    tot = xp.matmul(sel, xp.reshape(total, (N, h_kv * G * L)))  # (B, H_kv*G*L)
+    # The denominators: each row's sum over its pages first (a matmul reading p once), then
+    # over the P slots of that small (B, ...) array: a sum over the short last axis of every
+    # page costs more than the matmul on NumPy (measured).
+    tot = xp.matmul(sel, xp.reshape(p, (N, h_kv * G * L * P)))  # (B, H_kv*G*L*P)
+    tot = xp.sum(xp.reshape(tot, (B, h_kv, G * L, P)), axis=-1, keepdims=True)
     acc = xp.reshape(acc, (B, h_kv, G * L, D))
-    return _finish(xp, acc, xp.reshape(tot, (B, h_kv, G * L, 1)), q)  # (B, H, L, D)
+    return _finish(xp, acc, tot, q)  # (B, H, L, D)
