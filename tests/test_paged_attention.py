@@ -281,14 +281,56 @@ def _impl_taken(q: object, s: Scattered) -> str:
     return next(e.impl for e in t if e.op == "paged_attention")
 
 
+def _auto_args(backend: str, q: object, s: Scattered, **options: object) -> tuple:
+    """The arrays and options ``impl="auto"`` runs with; ``args[5]``, the page map, is not
+    None where the pool-wide path is to run."""
+    from portable_llm.attn.paged_args import OP, paged_args
+
+    kw: dict[str, object] = {"scale": None, "window": None, "softcap": None, "block_pages": 16}
+    kw.update(options)
+    bk = pl.get_backend(backend)
+    return paged_args(
+        OP, bk, q, s.pool.k_pages, s.pool.v_pages, s.tables, s.lens, impl="auto", **kw
+    )
+
+
+def _pool_wide(backend: str, q: object, s: Scattered) -> str:
+    """The impl ``auto`` runs the pool-wide path as: a native kernel that takes the page map
+    (torch's, in place), else the portable ``"pool"``."""
+    nat = dispatcher(pl.get_backend(backend)).native.get("paged_attention")
+    args, opts = _auto_args(backend, q, s)
+    return "native" if nat is not None and nat.auto(*args, **opts) else "pool"
+
+
 def test_auto_takes_pool_for_decode_over_a_full_pool(backend: str) -> None:
     full = Scattered(6, LENS, spare=0, backend=backend)  # 7 of 7 pages used
     sparse = Scattered(6, LENS, spare=20, backend=backend)  # 7 of 27
     q1, _ = random_array(1, (3, 4, 1, D), "float32", backend=backend)  # G * L = 2 <= P = 4
     q3, _ = random_array(1, (3, 4, 3, D), "float32", backend=backend)  # G * L = 6 > P
-    assert _impl_taken(q1, full) == "pool"
+    assert _auto_args(backend, q1, full)[0][5] is not None
+    assert _auto_args(backend, q1, sparse)[0][5] is None
+    assert _auto_args(backend, q3, full)[0][5] is None
+    assert _impl_taken(q1, full) == _pool_wide(backend, q1, full)
     assert _impl_taken(q1, sparse) != "pool"
     assert _impl_taken(q3, full) != "pool"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("window", [None, 3])
+def test_auto_over_a_full_pool_equals_reference(backend: str, dtype: str, window: object) -> None:
+    """Decode over a full pool: what auto runs there (the portable pool-wide path, or a
+    native kernel's own form of it: torch's, in place) against the float64 reference and
+    against impl="pool"."""
+    if dtype not in pl.get_backend(backend).float_dtypes():
+        pytest.skip(f"{backend} has no {dtype}")
+    s = Scattered(8, LENS, spare=0, dtype=dtype, backend=backend)
+    q, q64 = random_array(9, (3, 4, 1, D), dtype, backend=backend)
+    assert _auto_args(backend, q, s, window=window)[0][5] is not None
+    out = paged_attention(q, s.pool, s.tables, s.lens, window=window)
+    want = s.expected(q64, window=window)
+    assert_close(out, want, backend=backend, dtype=dtype, err_msg=f"auto, window {window}")
+    pool = paged_attention(q, s.pool, s.tables, s.lens, window=window, impl="pool")
+    assert_close(out, pool, backend=backend, dtype=dtype, err_msg=f"auto vs pool, {window}")
 
 
 def test_rows_sharing_pages() -> None:

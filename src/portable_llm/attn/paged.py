@@ -17,7 +17,9 @@ opts=o)``):
 - ``"pool"``: no gather: every page attended where it lies in the pool, the pages of each row
   then combined (:mod:`portable_llm.attn.paged_pool`); ``auto`` takes it for decode batches
   whose pages fill most of the pool;
-- ``"native"``: a backend's fused attention kernel over the gathered keys, with the same mask.
+- ``"native"``: a backend's fused attention kernel over the gathered keys, with the same mask;
+  a native kernel may also take the page map ``auto`` builds (torch's: the pool-wide path with
+  its steps in place), where its ``prefer`` does not decline it.
 """
 
 from __future__ import annotations
@@ -193,7 +195,8 @@ def paged_attention(
         Pages per block of ``impl="blocked"``.
     impl : {"auto", "portable", "blocked", "pool", "native"}
         ``"auto"``: ``"pool"`` when ``G * L <= P`` and the rows use at least half of the pool's
-        pages, each page in one row (decode); else the backend's native kernel where it keeps
+        pages, each page in one row (decode; on torch, the native kernel's in-place form of
+        it); else the backend's native kernel where it keeps
         this meaning; else ``"blocked"`` when a row's ``G * L * M * P`` scores reach
         :data:`BLOCKED_MIN_KEYS`; else ``"portable"``. ``"pool"`` needs each page in at most
         one row.

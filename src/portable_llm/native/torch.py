@@ -394,6 +394,8 @@ def _bytes_grouped(
 # -- paged attention (portable_llm.attn.paged) -------------------------------------------------
 # The pages a batch uses are gathered into contiguous keys, then attended by the SDPA kernel
 # above with the per-row causal mask of the options record (opts: attn.paged_args.PagedOptions).
+# Where the arguments come with a page map (decode over a mostly used pool), the pool-wide
+# path of attn.paged_pool instead, its steps written in place.
 
 
 def _paged_gather(pages: Any, tables: Any) -> Any:
@@ -414,19 +416,46 @@ def _paged_applies(
     return _sdpa_applies(q, k_pages, v_pages, None, opts=opts.sdpa)
 
 
-def _paged_prefer(*args: Any, opts: Any) -> bool:
-    # Where the arguments came with a page map (decode over a full pool), the portable
-    # pool-wide path reads each key once, where a gather reads it three times: faster here
-    # too (measured at S = 2048).
-    return args[5] is None
+def _paged_pool(q: Any, k_pages: Any, v_pages: Any, lens: Any, tables: Any, page_map: Any,
+                opts: Any) -> Any:  # fmt: skip
+    """The pool-wide path (:mod:`portable_llm.attn.paged_pool`, the same steps and sums) with
+    the mask, the shift by each row's max and the exponential written over the scores, and
+    ``torch.bmm`` over the pool's pages: ~20% less time than the portable path (no new array
+    per step; measured interleaved, 4 rows of 2048 keys, H=32, H_kv=8, D=64, pages of 16)."""
+    B, H, L, D = q.shape
+    N, h_kv, P, _ = k_pages.shape
+    G, M = H // h_kv, tables.shape[1]
+    cd = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qg = q.reshape(B, h_kv, G * L, D).to(cd) * opts.sdpa.scale  # (B, H_kv, G*L, D)
+    owner, first = page_map[0].long(), page_map[1]  # (N,): each page's row, first position
+    qo = qg.index_select(0, owner).view(N * h_kv, G * L, D)  # each page's row's queries
+    k = k_pages.to(cd).view(N * h_kv, P, D)
+    s = torch.bmm(k, qo.transpose(1, 2)).transpose(1, 2).contiguous()  # (N*H_kv, G*L, P)
+    ok = opts.mask(torch, lens.index_select(0, owner), L, P, first.view(N, 1, 1), q.device)
+    s = s.view(N, h_kv, G, L, P).masked_fill_(~ok.view(N, 1, 1, L, P), -math.inf)
+    s = s.view(N, h_kv, G * L, P)
+    m = s.amax(-1, keepdim=True)  # (N, H_kv, G*L, 1)
+    used = torch.arange(M, device=q.device) < ((lens + (P - 1)) // P).view(B, 1)  # (B, M)
+    mr = m.index_select(0, tables.reshape(-1).long()).view(B, M, h_kv, G * L, 1)
+    top = mr.masked_fill_(~used.view(B, M, 1, 1, 1), -math.inf).amax(1)  # (B, H_kv, G*L, 1)
+    p = s.sub_(top.index_select(0, owner)).exp_()  # (N, H_kv, G*L, P); 0 where hidden
+    part = torch.bmm(p.view(N * h_kv, G * L, P), v_pages.to(cd).view(N * h_kv, P, D))
+    rows = torch.arange(B, device=q.device).view(B, 1)
+    sel = ((owner.view(1, N) == rows) & (first.view(1, N) < _UNUSED)).to(cd)  # (B, N)
+    acc = torch.mm(sel, part.view(N, h_kv * G * L * D)).view(B, h_kv, G * L, D)
+    tot = torch.mm(sel, p.view(N, h_kv * G * L * P)).view(B, h_kv, G * L, P).sum(-1, True)
+    return acc.div_(tot).view(B, H, L, D).to(q.dtype)
+
+
+_UNUSED = 1 << 30  # attn.paged_args.UNUSED: the first position of a page no row uses
 
 
 @native(
     "torch",
     "paged_attention",
-    kernel="torch indexing + torch.nn.functional.scaled_dot_product_attention",
+    kernel="torch indexing + torch.nn.functional.scaled_dot_product_attention; with a page "
+    "map: the pool-wide path in place (torch.bmm)",
     applies=_paged_applies,
-    prefer=_paged_prefer,
 )
 def paged_attention(
     xp: Any,
@@ -439,6 +468,8 @@ def paged_attention(
     *,
     opts: Any,
 ) -> Any:
+    if page_map is not None:
+        return _paged_pool(q, k_pages, v_pages, lens, tables, page_map, opts)
     k, v = _paged_gather(k_pages, tables), _paged_gather(v_pages, tables)  # (B, H_kv, S, D)
     mask = opts.mask(xp, lens, q.shape[2], k.shape[2], 0, q.device)  # (B, 1, L, S)
     return scaled_dot_product_attention(xp, q, k, v, mask, opts=opts.sdpa)
