@@ -317,14 +317,17 @@ def test_auto_takes_pool_for_decode_over_a_full_pool(backend: str) -> None:
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("window", [None, 3])
-def test_auto_over_a_full_pool_equals_reference(backend: str, dtype: str, window: object) -> None:
+@pytest.mark.parametrize("H, L", [(4, 1), (2, 2)])  # G * L = 2 <= P = 4: decode, 2 queries
+def test_auto_over_a_full_pool_equals_reference(
+    backend: str, dtype: str, window: object, H: int, L: int
+) -> None:
     """Decode over a full pool: what auto runs there (the portable pool-wide path, or a
     native kernel's own form of it: torch's, in place) against the float64 reference and
     against impl="pool"."""
     if dtype not in pl.get_backend(backend).float_dtypes():
         pytest.skip(f"{backend} has no {dtype}")
     s = Scattered(8, LENS, spare=0, dtype=dtype, backend=backend)
-    q, q64 = random_array(9, (3, 4, 1, D), dtype, backend=backend)
+    q, q64 = random_array(9, (3, H, L, D), dtype, backend=backend)
     assert _auto_args(backend, q, s, window=window)[0][5] is not None
     out = paged_attention(q, s.pool, s.tables, s.lens, window=window)
     want = s.expected(q64, window=window)
