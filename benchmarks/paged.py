@@ -142,12 +142,14 @@ def prefill(S: int = 4096, L: int = 512) -> None:
 
 
 def main() -> None:
+    global PAGE
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", default="numpy")
     ap.add_argument("--rows", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--repeat", type=int, default=15)
     ap.add_argument("--impls", default="auto,portable,pool,blocked,native")
+    ap.add_argument("--page", type=int, default=PAGE, help="tokens per page (default 16)")
     ap.add_argument("--memory", action="store_true", help="also print the memory table")
     ap.add_argument("--prefill", action="store_true", help="also a chunked prefill on NumPy")
     a = ap.parse_args()
@@ -155,6 +157,7 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    PAGE = a.page
     calls, notes = decode_case(a.backend, a.rows, a.seq, a.impls.split(","))
     med = time_interleaved(a.backend, calls, a.repeat)
     load = os.getloadavg()[0]
