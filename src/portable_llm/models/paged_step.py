@@ -13,7 +13,7 @@ The block tables of a step are built once, at the first layer: every layer's poo
 the same page ids for a sequence (the batch generator reserves a sequence's pages in every
 layer at once, and frees them at once), so the tables and lengths are the same in every layer.
 
-A model without a prepared forward (quantized or mixed-dtype weights) runs each sequence alone
+A model without a prepared forward (weights in mixed float dtypes) runs each sequence alone
 through ``model(ids, cache=caches)``: :func:`forward` does that, with the same result.
 """
 
