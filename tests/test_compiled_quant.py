@@ -21,7 +21,7 @@ from portable_llm.core.dispatch import dispatcher
 from portable_llm.models import load
 from portable_llm.models.prepared import QLinear
 from portable_llm.testing import MODEL_TOLERANCES, assert_close, tolerance
-from portable_llm.testing.checkpoints import tiny_config, write_checkpoint
+from portable_llm.testing.checkpoints import quantized_weights, tiny_config, write_checkpoint
 
 STEPS = 7  # decode steps: with step=4 the caches grow twice (capacities 8, 12, 16)
 GROUP = 32
@@ -43,16 +43,10 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, object]:
 def _models(folder: object, backend: str, dtype: str, bits: int) -> tuple[pl.Model, pl.Model]:
     """(compiled, eager): the checkpoint with its projections, embedding and LM head quantized
     (MLX's format), the eager copy without the compiled step."""
-    from safetensors.numpy import load_file
-
     if dtype not in pl.get_backend(backend).float_dtypes():
         pytest.skip(f"{backend} has no {dtype}")
     config = load(folder, backend="numpy", dtype="float32").config
-    weights = {}
-    for name, w in load_file(folder / "model.safetensors").items():  # type: ignore[operator]
-        w = pl.asarray(w.astype(np.float32), backend=backend, dtype=dtype)
-        quantized = name.endswith(("_proj.weight", "embed_tokens.weight", "lm_head.weight"))
-        weights[name] = pl.quantize(w, bits=bits, group_size=GROUP) if quantized else w
+    weights = quantized_weights(folder, backend=backend, dtype=dtype, bits=bits, group_size=GROUP)
     model = pl.Model(config, weights, pl.get_backend(backend))
     assert model.prepared is not None and model.prepared.quantized
     if model.compiled is None:

@@ -19,7 +19,7 @@ from portable_llm.core.dispatch import dispatcher
 from portable_llm.models import load
 from portable_llm.models.prepared import Packed, Prepared, QLinear
 from portable_llm.testing import assert_close
-from portable_llm.testing.checkpoints import tiny_config, write_checkpoint
+from portable_llm.testing.checkpoints import quantized_weights, tiny_config, write_checkpoint
 
 FAMILIES = ["qwen2", "qwen3", "llama", "mistral", "mixtral", "qwen2_moe"]
 L = 10
@@ -219,16 +219,10 @@ def _quantized_model(folder: object, backend: str, dtype: str, bits: int) -> pl.
     """The checkpoint with its projections, embedding and LM head quantized (MLX's format,
     group 32), the other weights in ``dtype``; without the compiled step (JAX's: compared with
     this eager forward in test_compiled_quant.py)."""
-    from safetensors.numpy import load_file
-
     if dtype not in pl.get_backend(backend).float_dtypes():
         pytest.skip(f"{backend} has no {dtype}")
     config = load(folder, backend="numpy", dtype="float32").config
-    weights = {}
-    for name, w in load_file(folder / "model.safetensors").items():  # type: ignore[operator]
-        w = pl.asarray(w.astype(np.float32), backend=backend, dtype=dtype)
-        quantized = name.endswith(("_proj.weight", "embed_tokens.weight", "lm_head.weight"))
-        weights[name] = pl.quantize(w, bits=bits, group_size=32) if quantized else w
+    weights = quantized_weights(folder, backend=backend, dtype=dtype, bits=bits, group_size=32)
     return pl.Model(config, weights, pl.get_backend(backend), compile=False)
 
 

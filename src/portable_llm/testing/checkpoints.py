@@ -25,6 +25,7 @@ __all__ = [
     "CHAT_TEMPLATES",
     "SENTENCES",
     "checkpoint_tensors",
+    "quantized_weights",
     "random_tensors",
     "save_hf_tokenizer",
     "tiny_config",
@@ -215,6 +216,27 @@ def write_checkpoint(
     index = {"metadata": {}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return tensors
+
+
+def quantized_weights(
+    path: str | Path, /, *, backend: str, dtype: str = "float32", bits: int = 4,
+    group_size: int = 32,
+) -> dict[str, Any]:  # fmt: skip
+    """The one-file checkpoint at ``path`` as a weight dict for :class:`~portable_llm.Model`:
+    its projections (``*_proj.weight``), embedding and LM head quantized with
+    :func:`~portable_llm.quantize` (MLX's affine format), the other weights as ``backend``
+    arrays of ``dtype``."""
+    from safetensors.numpy import load_file
+
+    from portable_llm.core.arrays import asarray
+    from portable_llm.ops.quant import quantize
+
+    weights: dict[str, Any] = {}
+    for name, w in load_file(str(Path(path) / "model.safetensors")).items():
+        w = asarray(w.astype(np.float32), backend=backend, dtype=dtype)
+        quantized = name.endswith(("_proj.weight", "embed_tokens.weight", "lm_head.weight"))
+        weights[name] = quantize(w, bits=bits, group_size=group_size) if quantized else w
+    return weights
 
 
 def write_tokenizer(path: str | Path, /, *, vocab_size: int, eos: str = "<|endoftext|>") -> Any:
