@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 import portable_llm as pl
-from portable_llm.models.batch import BatchGenerator, Request
+from portable_llm.generation.batch import BatchGenerator, Request
 
 SMOLLM2 = Path(tempfile.gettempdir()) / "portable_llm_oracle" / "smollm2-135m-q4_1-hf"
 

@@ -4,7 +4,7 @@
 other; on a shared machine the load moves between them. Here every engine is loaded first,
 warmed up once, then each round runs every engine once in turn (greedy, a 128-token prompt,
 ``--new`` tokens, ``stop=()``), and the table gives each engine's median decode tokens/s and
-its ratio to the peer beside it. The runners are ``portable_llm.tools.model_bench``'s, plus
+its ratio to the peer beside it. The runners are ``portable_llm.cli.model_bench``'s, plus
 mlx-lm's own pipelined ``generate_step`` and, on MLX, portable_llm without its compiled step.
 
     python benchmarks/decode_rounds.py --model FOLDER --backend torch --backend mlx --rounds 7
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from portable_llm.tools import model_bench as mb
+from portable_llm.cli import model_bench as mb
 
 Run = Callable[[], float]  # one generation -> decode tokens/s
 
@@ -36,8 +36,8 @@ def _decode_rate(runner: mb.Runner, ids: np.ndarray, n: int) -> Run:
 
 def _ours_eager(folder: Path, backend: str, dtype: str, ids: np.ndarray, n: int) -> Run:
     """portable_llm with the compiled step switched off (the eager prepared forward)."""
-    from portable_llm.models.generate import generate
-    from portable_llm.models.loader import load
+    from portable_llm.checkpoint.loader import load
+    from portable_llm.generation.generate import generate
 
     model = copy.copy(load(folder, backend=backend, dtype=dtype))
     model.compiled = None

@@ -5,7 +5,7 @@ The same runner as ``portable-llm bench`` and ``tox -e bench``; see benchmarks/R
 
 import sys
 
-from portable_llm.tools.cli import main
+from portable_llm.cli.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main(["bench", *sys.argv[1:]]))

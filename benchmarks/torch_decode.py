@@ -29,9 +29,9 @@ import numpy as np
 import torch
 import transformers
 
-from portable_llm.models.generate import generate
-from portable_llm.models.loader import load
-from portable_llm.tools.model_bench import TINY, write_bench_checkpoint
+from portable_llm.checkpoint.loader import load
+from portable_llm.cli.model_bench import TINY, write_bench_checkpoint
+from portable_llm.generation.generate import generate
 
 
 def measure(folder: Path, dtype: str, new: int, passes: int) -> dict[str, float]:

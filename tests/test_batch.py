@@ -19,10 +19,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import portable_llm as pl
+from portable_llm.cli.cli import main
+from portable_llm.generation.batch import BatchGenerator, Request, batch_generate
 from portable_llm.models import load
-from portable_llm.models.batch import BatchGenerator, Request, batch_generate
 from portable_llm.testing.checkpoints import tiny_config, write_checkpoint, write_tokenizer
-from portable_llm.tools.cli import main
 
 FAMILIES = ["llama", "mistral", "qwen3", "qwen2_moe"]
 #: (prompt length, max_new_tokens) of the requests of the main test: unequal prompts, and

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import portable_llm as pl
+from portable_llm.checkpoint.tokenizer import read_tokenizer
+from portable_llm.cli.cli import main
 from portable_llm.models import Tokenizer, load
-from portable_llm.models.chat_template import MAX_LOOP_STEPS
-from portable_llm.models.tokenizer import read_tokenizer
 from portable_llm.testing.checkpoints import (
     CHAT_TEMPLATES,
     save_hf_tokenizer,
@@ -23,7 +23,7 @@ from portable_llm.testing.checkpoints import (
     write_checkpoint,
     write_tokenizer,
 )
-from portable_llm.tools.cli import main
+from portable_llm.text.chat_template import MAX_LOOP_STEPS
 
 pytest.importorskip("jinja2")
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import portable_llm as pl
+from portable_llm.cli.cli import main
 from portable_llm.models import CheckpointError, load
 from portable_llm.testing.checkpoints import (
     random_tensors,
@@ -21,7 +22,6 @@ from portable_llm.testing.checkpoints import (
     write_checkpoint,
     write_tokenizer,
 )
-from portable_llm.tools.cli import main
 
 
 def _folder(tmp_path: Path, family: str = "qwen2", **opts: object) -> Path:

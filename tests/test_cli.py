@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from portable_llm.backends import get_backend
+from portable_llm.cli import bench, report
+from portable_llm.cli.cli import main
 from portable_llm.core.dispatch import dispatcher
 from portable_llm.testing import reference
-from portable_llm.tools import bench, report
-from portable_llm.tools.cli import main
 
 
 def _tables(out: str) -> list[dict[str, str]]:

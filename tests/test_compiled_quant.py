@@ -18,8 +18,8 @@ import pytest
 
 import portable_llm as pl
 from portable_llm.core.dispatch import dispatcher
+from portable_llm.decoder.prepared import QLinear
 from portable_llm.models import load
-from portable_llm.models.prepared import QLinear
 from portable_llm.testing import MODEL_TOLERANCES, assert_close, tolerance
 from portable_llm.testing.checkpoints import quantized_weights, tiny_config, write_checkpoint
 

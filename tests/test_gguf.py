@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 
 import portable_llm as pl
-from portable_llm.models import CheckpointError, DecoderConfig
-from portable_llm.models.gguf_blocks import (
+from portable_llm.checkpoint.gguf_blocks import (
     AFFINE_BITS,
     BLOCK_SIZES,
     affine_parts,
     dequantize_blocks,
     pack_codes,
 )
-from portable_llm.models.weights import expected_shapes
+from portable_llm.checkpoint.weights import expected_shapes
+from portable_llm.models import CheckpointError, DecoderConfig
 from portable_llm.testing import assert_close
 from portable_llm.testing.checkpoints import SENTENCES, write_checkpoint, write_tokenizer
 
@@ -549,7 +549,7 @@ def test_generate_command(
 ) -> None:
     """``portable-llm generate model.gguf --chat`` runs the chat template of the metadata: on a
     file of float tensors (F16, F32, Q6_K), and on the file with every quantized type."""
-    from portable_llm.tools.cli import main
+    from portable_llm.cli.cli import main
 
     if kept:
         _quantized_ops("numpy")
@@ -577,7 +577,7 @@ def test_bench_model_gguf(
     a peer that is not installed is a note, not a row."""
     import io
 
-    from portable_llm.tools import model_bench
+    from portable_llm.cli import model_bench
 
     file, _ = llama_file
     seen = []

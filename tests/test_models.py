@@ -464,9 +464,9 @@ def test_model_bench_on_a_checkpoint_folder(checkpoints: dict) -> None:
     and the machine's load average; a folder without config.json is a usage error."""
     import io
 
-    from portable_llm.tools.cli import main
-    from portable_llm.tools.model_bench import run_model_bench
-    from portable_llm.tools.report import UsageError
+    from portable_llm.cli.cli import main
+    from portable_llm.cli.model_bench import run_model_bench
+    from portable_llm.cli.report import UsageError
 
     folder, _, _ = checkpoints["llama"]
     out = io.StringIO()

@@ -15,6 +15,10 @@ import numpy as np
 import pytest
 
 import portable_llm as pl
+from portable_llm.checkpoint.tokenizer import read_tokenizer
+from portable_llm.cli.cli import main
+from portable_llm.cli.model_bench import QWEN2_0_5B, run_model_bench
+from portable_llm.cli.report import UsageError
 from portable_llm.models import (
     SUPPORTED_MODEL_TYPES,
     CheckpointError,
@@ -22,7 +26,6 @@ from portable_llm.models import (
     Tokenizer,
     load,
 )
-from portable_llm.models.tokenizer import read_tokenizer
 from portable_llm.rotary.scaling import ROPE_TYPES
 from portable_llm.testing import assert_close
 from portable_llm.testing.checkpoints import (
@@ -32,9 +35,6 @@ from portable_llm.testing.checkpoints import (
     write_checkpoint,
     write_tokenizer,
 )
-from portable_llm.tools.cli import main
-from portable_llm.tools.model_bench import QWEN2_0_5B, run_model_bench
-from portable_llm.tools.report import UsageError
 
 # -- configs -------------------------------------------------------------------------------------
 

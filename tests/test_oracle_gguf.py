@@ -216,7 +216,7 @@ def test_kept_quantized_weights_equal_transformers(
     """Kept quantized (Q4_1 matrices, the Q8_0 embedding as bits 4 and 8, group 32), every
     weight dequantizes to transformers' float32 weight bit for bit."""
     quant = pytest.importorskip("portable_llm.ops.quant", reason="ops.quant not there yet")
-    from portable_llm.models.gguf import read_gguf
+    from portable_llm.checkpoint.gguf import read_gguf
 
     weights = read_gguf(gguf_file, backend=backend).weights
     state = hf_model.state_dict()
@@ -287,7 +287,7 @@ def test_kept_quantized_resident_memory(gguf_file: Path, name: str) -> None:
     if skip_reason(name) or not Path("/proc/self/statm").exists():
         pytest.skip(skip_reason(name) or "needs Linux's /proc")
     quant = pytest.importorskip("portable_llm.ops.quant", reason="ops.quant not there yet")
-    from portable_llm.models.gguf import read_gguf
+    from portable_llm.checkpoint.gguf import read_gguf
 
     weights = read_gguf(gguf_file, backend=name).weights.values()
     held = sum(

@@ -141,7 +141,7 @@ def test_bad_prefill_step_size_is_refused_before_running(folders: dict, bad: obj
 
 
 def test_cli_prefill_step_size(folders: dict, capsys: pytest.CaptureFixture) -> None:
-    from portable_llm.tools.cli import main
+    from portable_llm.cli.cli import main
 
     folder, _, _ = folders["mistral"]
     prompt = _ids(10, 9)

@@ -16,8 +16,8 @@ import pytest
 import portable_llm as pl
 from portable_llm.attn.padding import left_pad
 from portable_llm.core.dispatch import dispatcher
+from portable_llm.decoder.prepared import Packed, Prepared, QLinear
 from portable_llm.models import load
-from portable_llm.models.prepared import Packed, Prepared, QLinear
 from portable_llm.testing import assert_close
 from portable_llm.testing.checkpoints import quantized_weights, tiny_config, write_checkpoint
 

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 import portable_llm as pl
+from portable_llm.cli import report
+from portable_llm.cli.cli import main
 from portable_llm.core.dispatch import TraceEntry, dispatcher
 from portable_llm.testing import assert_close, random_array, reference
-from portable_llm.tools import report
-from portable_llm.tools.cli import main
 
 
 class Counting:

@@ -203,7 +203,7 @@ def test_bad_options_are_refused_before_running(
 
 
 def test_cli_generate_with_a_draft(llama: tuple, capsys: pytest.CaptureFixture) -> None:
-    from portable_llm.tools.cli import main
+    from portable_llm.cli.cli import main
 
     want = list(pl.generate(load(llama[0]), PROMPT, max_new_tokens=NEW))  # ends at EOS
     ids = ",".join(map(str, PROMPT))

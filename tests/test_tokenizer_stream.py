@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from portable_llm.checkpoint.tokenizer import read_tokenizer
 from portable_llm.models import Tokenizer
-from portable_llm.models.tokenizer import read_tokenizer
 from portable_llm.testing.checkpoints import CHAT_TEMPLATES, SENTENCES, write_tokenizer
 
 TEXTS = [  # each with multi-byte characters

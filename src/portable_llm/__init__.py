@@ -4,19 +4,28 @@ Runs on NumPy (the float64 reference), PyTorch, MLX, JAX and array-api-strict. I
 package imports no array library besides NumPy; a backend is loaded when first used.
 """
 
+# Ops: each written once against the Array API, with native kernels where a backend has them.
+from portable_llm import models
 from portable_llm.attn.block import attention
 from portable_llm.attn.mask import causal_mask
 from portable_llm.attn.padding import left_pad
 from portable_llm.attn.paged import paged_attention
 from portable_llm.attn.sdpa import scaled_dot_product_attention
+
+# Backends, arrays and the dispatcher.
 from portable_llm.backends import (
     BACKENDS,
     BackendNotInstalledError,
     available_backends,
     get_backend,
 )
+
+# Caches.
 from portable_llm.caches.kv import KVCache, RotatingKVCache
 from portable_llm.caches.paged import PagedKVCache, PagePool, PagePoolExhausted
+
+# Models: the decoder, reading checkpoints, text.
+from portable_llm.checkpoint import CheckpointError, load, read_config
 from portable_llm.core.arrays import asarray, device_of, to_numpy
 from portable_llm.core.dispatch import (
     Trace,
@@ -25,14 +34,19 @@ from portable_llm.core.dispatch import (
     trace,
     unregister_kernel,
 )
-from portable_llm.models import (
+from portable_llm.core.version import __version__
+from portable_llm.decoder import SUPPORTED_MODEL_TYPES, DecoderConfig, Model
+
+# Generation over any model (docs/bring-your-own-model.md).
+from portable_llm.generation import (
     BatchGenerator,
-    Model,
+    Generation,
+    GenerationStats,
     Request,
+    SpeculativeStats,
     batch_generate,
     generate,
     generate_step,
-    load,
     make_logits_processors,
     make_sampler,
     speculative_generate,
@@ -53,54 +67,30 @@ from portable_llm.ops.norm import rms_norm
 from portable_llm.ops.quant import QuantizedWeight, dequantize, quantize, quantized_linear
 from portable_llm.ops.sampling import greedy, logprobs, sample
 from portable_llm.rotary.rope import apply_rope, rope, rope_cos_sin
-
-__version__ = "0.1.0"
+from portable_llm.text import TextStream, Tokenizer
 
 __all__ = [
+    # ops
     "ACTIVATIONS",
-    "BACKENDS",
-    "BackendNotInstalledError",
-    "BatchGenerator",
-    "KVCache",
-    "Model",
-    "PagePool",
-    "PagePoolExhausted",
-    "PagedKVCache",
-    "QuantizedWeight",
-    "Request",
-    "RotatingKVCache",
-    "Trace",
-    "TraceEntry",
-    "__version__",
     "activation",
     "apply_rope",
-    "asarray",
     "attention",
-    "available_backends",
-    "batch_generate",
     "causal_mask",
     "dequantize",
-    "device_of",
     "embedding",
     "gelu",
     "gelu_tanh",
-    "generate",
-    "generate_step",
-    "get_backend",
     "greedy",
     "intermediate_size",
     "left_pad",
     "linear",
-    "load",
     "logprobs",
-    "make_logits_processors",
-    "make_sampler",
     "mlp",
     "moe",
     "paged_attention",
+    "QuantizedWeight",
     "quantize",
     "quantized_linear",
-    "register_kernel",
     "relu",
     "rms_norm",
     "rope",
@@ -110,9 +100,47 @@ __all__ = [
     "scaled_dot_product_attention",
     "silu",
     "softmax",
-    "speculative_generate",
+    "unembed",
+    # backends, arrays, dispatch
+    "BACKENDS",
+    "BackendNotInstalledError",
+    "Trace",
+    "TraceEntry",
+    "__version__",
+    "asarray",
+    "available_backends",
+    "device_of",
+    "get_backend",
+    "register_kernel",
     "to_numpy",
     "trace",
-    "unembed",
     "unregister_kernel",
+    # caches
+    "KVCache",
+    "PagePool",
+    "PagePoolExhausted",
+    "PagedKVCache",
+    "RotatingKVCache",
+    # models
+    "SUPPORTED_MODEL_TYPES",
+    "CheckpointError",
+    "DecoderConfig",
+    "Model",
+    "TextStream",
+    "Tokenizer",
+    "load",
+    "models",
+    "read_config",
+    # generation
+    "BatchGenerator",
+    "Generation",
+    "GenerationStats",
+    "Request",
+    "SpeculativeStats",
+    "batch_generate",
+    "generate",
+    "generate_step",
+    "make_logits_processors",
+    "make_sampler",
+    "speculative_generate",
 ]

@@ -1,5 +1,5 @@
 """``python -m portable_llm [report|bench] ...``; with no arguments, the accuracy report."""
 
-from portable_llm.tools.cli import main
+from portable_llm.cli.cli import main
 
 raise SystemExit(main())

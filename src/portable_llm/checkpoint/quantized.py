@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from portable_llm.backends import Backend
-from portable_llm.models.config import DecoderConfig, config_path
-from portable_llm.models.files import CheckpointError, read_json
-from portable_llm.models.shards import SAFETENSORS_FLOATS, SafetensorsFiles
-from portable_llm.models.weights import _to_backend, expected_shapes
+from portable_llm.checkpoint.config import config_path
+from portable_llm.checkpoint.files import CheckpointError, read_json
+from portable_llm.checkpoint.shards import SAFETENSORS_FLOATS, SafetensorsFiles
+from portable_llm.checkpoint.weights import _to_backend, expected_shapes
+from portable_llm.decoder.config import DecoderConfig
 from portable_llm.ops.quant import BITS, GROUP_SIZES, QuantizedWeight
 
 __all__ = ["Quantization", "read_quantization", "read_quantized_weights", "stored_dtype"]
@@ -98,7 +99,7 @@ def read_quantized_weights(
 ) -> dict[str, Any]:
     """Check an mlx-lm quantized folder against ``cfg``, then read it into ``bk``'s arrays.
 
-    Returns the names of :func:`~portable_llm.models.weights.expected_shapes`, each a float
+    Returns the names of :func:`~portable_llm.checkpoint.weights.expected_shapes`, each a float
     array in ``dtype`` or, for a quantized module, a :class:`QuantizedWeight` whose scales and
     biases are in ``dtype`` (their stored dtype by default). Raises :class:`CheckpointError`
     listing every missing, unexpected or misshapen tensor. MoE layers are read from mlx-lm's

@@ -18,7 +18,7 @@ from portable_llm.backends import backend_of
 from portable_llm.core.arrays import asarray, to_numpy
 from portable_llm.core.checks import check_optional_int
 from portable_llm.core.types import Array
-from portable_llm.models.sampler import LogitsProcessor, Sampler
+from portable_llm.generation.sampler import LogitsProcessor, Sampler
 from portable_llm.ops.sampling import greedy
 
 __all__ = ["PREFILL_STEP_SIZE", "generate_step"]

@@ -93,9 +93,9 @@ def run_generate(args: argparse.Namespace, out: TextIO | None = None) -> int:
     With ``--prompt`` the text pieces are streamed; with ``--ids`` the new token ids, separated
     by commas.
     """
-    from portable_llm.models.generate import generate
-    from portable_llm.models.loader import load
-    from portable_llm.models.speculative import SpeculativeStats, speculative_generate
+    from portable_llm.checkpoint.loader import load
+    from portable_llm.generation.generate import generate
+    from portable_llm.generation.speculative import SpeculativeStats, speculative_generate
 
     out = out if out is not None else sys.stdout
     err = sys.stderr

@@ -1,5 +1,5 @@
 """``portable-llm batch PATH --prompt A --prompt B ...``: several prompts through the batch
-generator (:class:`~portable_llm.models.batch.BatchGenerator`); prints each request's stream,
+generator (:class:`~portable_llm.generation.batch.BatchGenerator`); prints each request's stream,
 prefixed by its id, then each whole text and the aggregate tokens/s."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from portable_llm.tools.generate import _ids
+from portable_llm.cli.generate import _ids
 
 __all__ = ["add_batch_parser", "run_batch"]
 
@@ -40,8 +40,8 @@ def add_batch_parser(sub: Any) -> None:
 
 def run_batch(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Load, run every prompt through one batch generator, print; return the exit code."""
-    from portable_llm.models.batch import BatchGenerator, Request
-    from portable_llm.models.loader import load
+    from portable_llm.checkpoint.loader import load
+    from portable_llm.generation.batch import BatchGenerator, Request
 
     out = out if out is not None else sys.stdout
     try:

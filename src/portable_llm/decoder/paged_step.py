@@ -1,7 +1,7 @@
-"""One forward of several sequences over paged KV caches (what :mod:`~portable_llm.models.batch`
+"""One forward of several sequences over paged KV caches (what :mod:`~portable_llm.generation.batch`
 runs each step).
 
-:class:`PagedStep` is the prepared forward's shared state (:class:`~portable_llm.models.prepared.
+:class:`PagedStep` is the prepared forward's shared state (:class:`~portable_llm.decoder.prepared.
 _Step`) with another cache: row ``b`` of the batch is one sequence, whose layer ``i`` keeps its
 keys and values in a :class:`~portable_llm.caches.paged.PagedKVCache` of that layer's
 :class:`~portable_llm.caches.paged.PagePool`. Each layer appends every row's new keys and
@@ -25,7 +25,7 @@ from typing import Any
 from portable_llm.attn.paged import paged_attention
 from portable_llm.caches.paged import PagedKVCache, block_tables
 from portable_llm.core.arrays import asarray
-from portable_llm.models.prepared import Prepared, _Step
+from portable_llm.decoder.prepared import Prepared, _Step
 from portable_llm.ops.embedding import embedding
 
 __all__ = ["PagedStep", "forward"]

@@ -1,6 +1,6 @@
 """Reading a checkpoint's ``model.safetensors`` (or its shards) into a backend's arrays.
 
-:class:`~portable_llm.models.shards.SafetensorsFiles` opens the files (every path checked to lie
+:class:`~portable_llm.checkpoint.shards.SafetensorsFiles` opens the files (every path checked to lie
 inside the folder) and reads their headers only; a file that is not valid safetensors is a
 :class:`CheckpointError` naming it. Every tensor is checked against the config *before* any data
 is read: the names the config implies, with their shapes and a float dtype, against the headers.
@@ -26,9 +26,9 @@ import numpy as np
 
 from portable_llm.backends import Backend
 from portable_llm.backends._base import FLOAT_DTYPES, numpy_bfloat16
-from portable_llm.models.config import DecoderConfig
-from portable_llm.models.files import CheckpointError
-from portable_llm.models.shards import INDEX, SAFETENSORS_FLOATS, SafetensorsFiles
+from portable_llm.checkpoint.files import CheckpointError
+from portable_llm.checkpoint.shards import INDEX, SAFETENSORS_FLOATS, SafetensorsFiles
+from portable_llm.decoder.config import DecoderConfig
 
 __all__ = ["CheckpointError", "SafetensorsFiles", "expected_shapes", "read_weights"]
 

@@ -10,7 +10,7 @@ decoded at a time):
   llama.cpp's converter permuted for its rotary layout are put back (as transformers does);
 - quantized tensors stay quantized (:class:`~portable_llm.ops.quant.QuantizedWeight`, MLX's
   affine layout) where the block type is exactly affine per group of 32
-  (:data:`~portable_llm.models.gguf_blocks.AFFINE_BITS`), and are dequantized otherwise, or
+  (:data:`~portable_llm.checkpoint.gguf_blocks.AFFINE_BITS`), and are dequantized otherwise, or
   everywhere with ``dequantize=True``;
 - the tokenizer (``tokenizer.ggml.*``) becomes a ``tokenizers.Tokenizer`` built as
   transformers builds it from the same file; ``tokenizer.chat_template`` and the EOS ids come
@@ -27,19 +27,19 @@ import numpy as np
 
 from portable_llm.backends import Backend, get_backend
 from portable_llm.backends._base import FLOAT_DTYPES
-from portable_llm.models.config import DecoderConfig
-from portable_llm.models.files import CheckpointError
-from portable_llm.models.gguf_blocks import (
+from portable_llm.checkpoint.files import CheckpointError
+from portable_llm.checkpoint.gguf_blocks import (
     AFFINE_BITS,
     BLOCK_SIZES,
     affine_parts,
     dequantize_blocks,
     pack_codes,
 )
-from portable_llm.models.gguf_tokenizer import gguf_tokenizer
-from portable_llm.models.model import Model
-from portable_llm.models.tokenizer import Tokenizer
-from portable_llm.models.weights import expected_shapes
+from portable_llm.checkpoint.gguf_tokenizer import gguf_tokenizer
+from portable_llm.checkpoint.weights import expected_shapes
+from portable_llm.decoder.config import DecoderConfig
+from portable_llm.decoder.model import Model
+from portable_llm.text.tokenizer import Tokenizer
 
 __all__ = [
     "GGUF_ARCHITECTURES",

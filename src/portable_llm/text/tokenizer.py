@@ -4,18 +4,15 @@
 (:meth:`Tokenizer.stream`): a piece is released only once its bytes form whole characters, so a
 character split over several byte-level tokens is never shown half-done. The chat template
 (``chat_template.jinja``, or ``tokenizer_config.json``'s) is rendered in a Jinja sandbox
-(:mod:`portable_llm.models.chat_template`) when ``jinja2`` is installed.
+(:mod:`portable_llm.text.chat_template`) when ``jinja2`` is installed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
-from portable_llm.models.files import CheckpointError, checkpoint_file, read_json
-
-__all__ = ["TextStream", "Tokenizer", "read_tokenizer"]
+__all__ = ["TEMPLATE_FILES", "TextStream", "Tokenizer", "default_template"]
 
 
 class Tokenizer:
@@ -45,7 +42,7 @@ class Tokenizer:
         self._tok = tok
         self.config = dict(config or {})
         if chat_template is None:
-            chat_template = _default_template(self.config.get("chat_template"))
+            chat_template = default_template(self.config.get("chat_template"))
             origin = origin or "tokenizer_config.json"
         self._template = chat_template
         self._origin = origin or "the chat template"
@@ -117,7 +114,7 @@ class Tokenizer:
         ``apply_chat_template``: its text, or with ``tokenize=True`` its token ids.
 
         Renders the checkpoint's chat template in a sandbox
-        (:mod:`portable_llm.models.chat_template`), with the special tokens of
+        (:mod:`portable_llm.text.chat_template`), with the special tokens of
         ``tokenizer_config.json`` (``bos_token``, ``eos_token``, ...), ``tools`` (JSON schemas)
         and ``kwargs`` (e.g. ``enable_thinking=False``) as template variables. The ids encode
         the text without the post-processor's special tokens (the template writes its own
@@ -133,12 +130,12 @@ class Tokenizer:
             No chat template, or the template fails (a syntax error, a sandbox refusal, an
             undefined name, its own ``raise_exception``): the message names its file.
         """
-        from portable_llm.models.chat_template import compile_chat_template, render_chat_template
+        from portable_llm.text.chat_template import compile_chat_template, render_chat_template
 
         if self._template is None:
             raise ValueError(
                 "apply_chat_template: the checkpoint has no chat template (none in "
-                f"{', '.join(_TEMPLATE_FILES)})"
+                f"{', '.join(TEMPLATE_FILES)})"
             )
         template = compile_chat_template(self._template, self._origin)
         if not isinstance(messages, Sequence) or isinstance(messages, str):
@@ -199,7 +196,7 @@ class TextStream:
 
 
 #: Where a checkpoint's chat template is read from, first found first (transformers 5's order).
-_TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json", "chat_template.json")
+TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json", "chat_template.json")
 #: transformers' ``SPECIAL_TOKENS_ATTRIBUTES``: passed to the template when the config has them.
 _SPECIAL_TOKENS = (
     "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
@@ -212,7 +209,7 @@ def _token_text(token: Any) -> str | None:
     return token if isinstance(token, str) else None
 
 
-def _default_template(value: Any) -> Any:
+def default_template(value: Any) -> Any:
     """A ``chat_template`` value: a string, or named templates (a list of ``{"name",
     "template"}`` or a dict), of which the default is taken."""
     if isinstance(value, list):
@@ -220,50 +217,3 @@ def _default_template(value: Any) -> Any:
     if isinstance(value, Mapping):
         value = value.get("default")
     return value
-
-
-def read_tokenizer(path: str | Path) -> Tokenizer | None:
-    """The tokenizer of a checkpoint folder, or ``None`` when it has no ``tokenizer.json``.
-
-    The chat template is read from ``chat_template.jinja`` (transformers 5 saves it there),
-    else ``tokenizer_config.json``'s ``chat_template``, else ``chat_template.json`` (older
-    processors), as transformers reads it.
-
-    Raises
-    ------
-    CheckpointError
-        A malformed ``tokenizer.json``, ``tokenizer_config.json`` or ``chat_template.json``
-        (the message names it), or one of them outside the folder.
-    """
-    folder = Path(path)
-    file = checkpoint_file(folder, "tokenizer.json")
-    if not file.is_file():
-        return None
-    from tokenizers import Tokenizer as HFTokenizer
-
-    try:
-        tok = HFTokenizer.from_file(str(file))
-    except Exception as exc:  # tokenizers raises a bare Exception
-        raise CheckpointError(f"load: {str(file)!r} is not a valid tokenizer: {exc}") from None
-    config_file = checkpoint_file(folder, "tokenizer_config.json")
-    config = read_json(config_file) if config_file.is_file() else {}
-    specials_file = checkpoint_file(folder, "special_tokens_map.json")  # legacy: merged under
-    if specials_file.is_file():
-        config = {**read_json(specials_file), **config}
-    template, origin = None, None
-    for name in _TEMPLATE_FILES:
-        source = checkpoint_file(folder, name)
-        if not source.is_file():
-            continue
-        if name.endswith(".jinja"):
-            try:
-                template = source.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as exc:
-                raise CheckpointError(f"load: cannot read {str(source)!r}: {exc}") from None
-        else:
-            d = config if name == "tokenizer_config.json" else read_json(source)
-            template = _default_template(d.get("chat_template"))
-        if template is not None:
-            origin = str(source)
-            break
-    return Tokenizer(tok, config, chat_template=template, origin=origin)

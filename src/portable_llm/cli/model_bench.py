@@ -27,7 +27,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from portable_llm.tools.report import UsageError, backend_names, format_table, load_for_dtype
+from portable_llm.cli.report import UsageError, backend_names, format_table, load_for_dtype
 
 __all__ = ["GGUF_PEERS", "PEERS", "QWEN2_0_5B", "TINY", "run_model_bench", "write_bench_checkpoint"]
 
@@ -86,8 +86,8 @@ def write_bench_checkpoint(
 
 
 def _ours(folder: Path, backend: str, dtype: str) -> tuple[float, Runner]:
-    from portable_llm.models.generate import generate
-    from portable_llm.models.loader import load
+    from portable_llm.checkpoint.loader import load
+    from portable_llm.generation.generate import generate
 
     start = time.perf_counter()
     model = load(folder, backend=backend, dtype=dtype)

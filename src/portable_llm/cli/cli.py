@@ -7,10 +7,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from portable_llm import __version__
-from portable_llm.tools.batch import add_batch_parser, run_batch
-from portable_llm.tools.generate import add_generate_parser, run_generate
-from portable_llm.tools.report import UsageError, run_report
+from portable_llm.cli.batch import add_batch_parser, run_batch
+from portable_llm.cli.generate import add_generate_parser, run_generate
+from portable_llm.cli.report import UsageError, run_report
+from portable_llm.core.version import __version__
 
 __all__ = ["main"]
 
@@ -85,14 +85,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "batch":
             return run_batch(args)
         if args.command == "bench" and args.model:
-            from portable_llm.tools.model_bench import run_model_bench
+            from portable_llm.cli.model_bench import run_model_bench
 
             return run_model_bench(
                 args.backend, dtype=args.dtype, quick=args.quick, cache_dir=args.cache_dir,
                 folder=None if args.model is True else args.model,
             )  # fmt: skip
         if args.command == "bench":
-            from portable_llm.tools.bench import run_bench
+            from portable_llm.cli.bench import run_bench
 
             if args.repeat is not None and args.repeat < 1:
                 parser.error(f"--repeat must be >= 1, got {args.repeat}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from portable_llm.models.tokenizer import Tokenizer
+from portable_llm.text.tokenizer import Tokenizer
 
 __all__ = ["gguf_tokenizer"]
 

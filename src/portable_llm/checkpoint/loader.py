@@ -7,14 +7,18 @@ from typing import Any
 
 from portable_llm.backends import get_backend
 from portable_llm.backends._base import FLOAT_DTYPES
+from portable_llm.checkpoint.config import config_path, read_config
+from portable_llm.checkpoint.files import CheckpointError, checkpoint_file, read_json
+from portable_llm.checkpoint.quantized import (
+    read_quantization,
+    read_quantized_weights,
+    stored_dtype,
+)
+from portable_llm.checkpoint.shards import SafetensorsFiles
+from portable_llm.checkpoint.tokenizer import read_tokenizer
+from portable_llm.checkpoint.weights import read_weights
 from portable_llm.core.checks import check_int
-from portable_llm.models.config import config_path, read_config
-from portable_llm.models.files import CheckpointError, checkpoint_file, read_json
-from portable_llm.models.model import Model
-from portable_llm.models.quantized import read_quantization, read_quantized_weights, stored_dtype
-from portable_llm.models.shards import SafetensorsFiles
-from portable_llm.models.tokenizer import read_tokenizer
-from portable_llm.models.weights import read_weights
+from portable_llm.decoder.model import Model
 
 __all__ = ["load", "read_generation_config"]
 
@@ -50,7 +54,7 @@ def load(
         device. Each tensor is read on the host and moved there at once; the model's inputs
         follow its weights.
     dequantize : bool
-        A ``.gguf`` file (:mod:`portable_llm.models.gguf`): every weight as floats in
+        A ``.gguf`` file (:mod:`portable_llm.checkpoint.gguf`): every weight as floats in
         ``dtype`` (transformers' reading) rather than kept quantized where the block type is
         exactly MLX's affine format.
 
@@ -73,7 +77,7 @@ def load(
     """
     folder = Path(path)
     if folder.suffix == ".gguf" and not folder.is_dir():
-        from portable_llm.models.gguf import load_gguf
+        from portable_llm.checkpoint.gguf import load_gguf
 
         return load_gguf(folder, backend=backend, dtype=dtype, device=device, dequantize=dequantize)
     if not folder.is_dir():

@@ -37,7 +37,7 @@ import numpy as np
 from portable_llm.attn.visibility import visible
 from portable_llm.backends import Backend, backend_of
 from portable_llm.caches.kv import KVCache
-from portable_llm.models.prepared import Layer, Prepared, QLinear, _Step
+from portable_llm.decoder.prepared import Layer, Prepared, QLinear, _Step
 from portable_llm.ops.quant import QuantizedWeight, embedding_rows
 from portable_llm.rotary.args import dispatch_args as rope_dispatch_args
 

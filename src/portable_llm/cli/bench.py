@@ -24,6 +24,7 @@ from portable_llm.attn.block import attention
 from portable_llm.attn.sdpa import scaled_dot_product_attention
 from portable_llm.backends import Backend, backend_of
 from portable_llm.caches.kv import KVCache
+from portable_llm.cli.report import UsageError, backend_names, format_table, load_for_dtype
 from portable_llm.ops.activations import softmax
 from portable_llm.ops.linear import linear, mlp
 from portable_llm.ops.moe import moe
@@ -31,7 +32,6 @@ from portable_llm.ops.norm import rms_norm
 from portable_llm.ops.quant import quantize, quantized_linear
 from portable_llm.rotary.rope import rope
 from portable_llm.testing import random_array, random_weight
-from portable_llm.tools.report import UsageError, backend_names, format_table, load_for_dtype
 
 __all__ = ["BENCH_CASES", "DIRECT", "BenchCase", "Timing", "measure", "run_bench"]
 

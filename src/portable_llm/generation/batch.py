@@ -7,7 +7,7 @@ Requests (:class:`Request`) arrive at any time; each keeps its keys and values i
    are admitted and the pools have room for the next one's pages (its prompt plus
    ``max_new_tokens``, reserved at once, so a running request never runs out of pages);
 2. decodes one token for every running request, in one batched forward (``B`` running
-   requests, ``L = 1``; :mod:`~portable_llm.models.paged_step`);
+   requests, ``L = 1``; :mod:`~portable_llm.decoder.paged_step`);
 3. advances the prefill of admitted requests by at most ``prefill_chunk`` prompt tokens in
    total, in arrival order, so a long prompt never stalls the others; a request whose prefill
    completes samples its first token in that step and joins the decode batch in the next.
@@ -28,9 +28,9 @@ import numpy as np
 
 from portable_llm.caches.paged import PagedKVCache, PagePool
 from portable_llm.core.checks import check_int, check_optional_int
-from portable_llm.models.generate import _ids, _stop_ids, stop_tokens
-from portable_llm.models.paged_step import forward
-from portable_llm.models.sampler import Sampler
+from portable_llm.decoder.paged_step import forward
+from portable_llm.generation.generate import _ids, _stop_ids, stop_tokens
+from portable_llm.generation.sampler import Sampler
 from portable_llm.ops.sampling import greedy
 
 __all__ = ["BatchGenerator", "Request", "batch_generate"]
@@ -51,7 +51,7 @@ class Request:
         ``sampler(logits (1, V)) -> ids (1,)`` (:func:`~portable_llm.make_sampler`), called
         once per token of this request; default :func:`~portable_llm.greedy`.
     stop : iterable of int, optional
-        Stop token ids; default the model's EOS ids (:func:`~portable_llm.models.generate.
+        Stop token ids; default the model's EOS ids (:func:`~portable_llm.generation.generate.
         stop_tokens`, as :func:`~portable_llm.generate`). ``()``: none.
     """
 

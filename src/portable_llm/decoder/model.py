@@ -17,9 +17,9 @@ from portable_llm.backends import Backend, backend_of
 from portable_llm.caches.kv import KVCache, RotatingKVCache
 from portable_llm.core.arrays import asarray, to_numpy
 from portable_llm.core.checks import check_int
-from portable_llm.models.compiled import CompiledStep, compiled_step
-from portable_llm.models.config import DecoderConfig
-from portable_llm.models.prepared import Prepared, preparable
+from portable_llm.decoder.compiled import CompiledStep, compiled_step
+from portable_llm.decoder.config import DecoderConfig
+from portable_llm.decoder.prepared import Prepared, preparable
 from portable_llm.ops.embedding import embedding, unembed
 from portable_llm.ops.linear import linear, mlp
 from portable_llm.ops.moe import moe
@@ -118,7 +118,7 @@ class Model:
 
     ``prepared`` (default ``True``): when every weight is a plain array of the model's backend
     and dtype, or a :class:`~portable_llm.QuantizedWeight` of that backend (projections,
-    embedding, LM head), the forward is the prepared one (:mod:`portable_llm.models.prepared`:
+    embedding, LM head), the forward is the prepared one (:mod:`portable_llm.decoder.prepared`:
     weights bound into typed records, kernels chosen once, the mask and RoPE table built once
     per forward); ``False``, or a mixed-dtype float weight, composes the public ops layer by
     layer (:attr:`prepared` is then ``None``). Both give the same logits, bit for bit.
@@ -146,7 +146,7 @@ class Model:
         self.blocks = [_block(config, weights, i) for i in range(config.num_hidden_layers)]
         self.tokenizer = tokenizer
         self.generation_config = dict(generation_config or {})
-        #: The prepared forward (:mod:`portable_llm.models.prepared`): built when ``prepared``
+        #: The prepared forward (:mod:`portable_llm.decoder.prepared`): built when ``prepared``
         #: and every weight is a plain array of the model's backend and dtype (or a quantized
         #: weight of that backend); ``None`` runs the op-by-op path (the public ops, each
         #: checking its arguments).
@@ -155,7 +155,7 @@ class Model:
             self.prepared = Prepared(
                 config, backend, self.dtype, self.embed, self.norm, self.lm_head, self.blocks
             )
-        #: The compiled decode step (:mod:`portable_llm.models.compiled`; JAX, and MLX for
+        #: The compiled decode step (:mod:`portable_llm.decoder.compiled`; JAX, and MLX for
         #: float weights), run by a call with one token per row and caches that hold the
         #: prompt; ``None`` elsewhere.
         self.compiled: CompiledStep | None = None

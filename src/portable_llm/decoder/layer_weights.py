@@ -1,4 +1,4 @@
-"""The weights of the prepared forward (:mod:`portable_llm.models.prepared`), bound at load.
+"""The weights of the prepared forward (:mod:`portable_llm.decoder.prepared`), bound at load.
 
 Each decoder layer's weights go into typed records (:class:`AttnWeights`, :class:`MlpWeights`,
 :class:`Layer`); the dense ops' kernels are chosen once (:class:`Kernels`). A projection is a

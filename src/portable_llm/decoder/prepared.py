@@ -1,9 +1,9 @@
 """The prepared forward: the model's layers bound once, the chosen kernels called directly.
 
-:class:`~portable_llm.models.model.Model` checks its weights once at load: when every weight
+:class:`~portable_llm.decoder.model.Model` checks its weights once at load: when every weight
 is a plain array of the model's backend in the model's dtype (or a quantized projection,
 embedding or LM head), it builds a :class:`Prepared` forward. Each layer's weights are bound
-into typed records (:mod:`portable_llm.models.layer_weights`: quantized projections with their
+into typed records (:mod:`portable_llm.decoder.layer_weights`: quantized projections with their
 ``quantized_linear`` kernel, packed ones where the backend packs them), the kernels of the dense
 ops (``linear``, ``rms_norm``, the activation) are chosen once through the backend's
 dispatcher, and per forward only what depends on the call is built once and shared by every
@@ -27,8 +27,8 @@ from portable_llm.attn.sdpa_args import SdpaOptions
 from portable_llm.attn.visibility import visible
 from portable_llm.backends import Backend, backend_of, resolve
 from portable_llm.core.dispatch import dispatcher
-from portable_llm.models.config import DecoderConfig
-from portable_llm.models.layer_weights import (
+from portable_llm.decoder.config import DecoderConfig
+from portable_llm.decoder.layer_weights import (
     AttnWeights,
     Kernels,
     Layer,
@@ -97,7 +97,7 @@ class Prepared:
     bk : Backend
     dtype : the backend's float dtype of every weight
     embed, norm, lm_head : arrays ``(V, E)``, ``(E,)``, ``(V, E)`` or ``None`` (tied)
-    blocks : the model's :class:`~portable_llm.models.model.Block` records
+    blocks : the model's :class:`~portable_llm.decoder.model.Block` records
     """
 
     def __init__(

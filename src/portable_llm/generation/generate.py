@@ -21,14 +21,14 @@ from portable_llm.attn.padding import left_pad
 from portable_llm.backends import backend_of
 from portable_llm.core.arrays import to_numpy
 from portable_llm.core.checks import check_int, check_optional_int, check_real
-from portable_llm.models.model import Model
-from portable_llm.models.sampler import (
+from portable_llm.decoder.model import Model
+from portable_llm.generation.sampler import (
     LogitsProcessor,
     Sampler,
     make_logits_processors,
     make_sampler,
 )
-from portable_llm.models.steps import PREFILL_STEP_SIZE, check_prefill_step_size, decode
+from portable_llm.generation.steps import PREFILL_STEP_SIZE, check_prefill_step_size, decode
 
 __all__ = ["Generation", "GenerationStats", "generate", "stop_tokens"]
 

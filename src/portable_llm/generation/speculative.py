@@ -23,7 +23,8 @@ from portable_llm.caches.kv import KVCache
 from portable_llm.core.arrays import asarray
 from portable_llm.core.checks import check_int, check_optional_int
 from portable_llm.core.types import Array
-from portable_llm.models.generate import (
+from portable_llm.decoder.model import Model
+from portable_llm.generation.generate import (
     Generation,
     GenerationStats,
     _ids,
@@ -31,8 +32,7 @@ from portable_llm.models.generate import (
     _stop_ids,
     stop_tokens,
 )
-from portable_llm.models.model import Model
-from portable_llm.models.steps import PREFILL_STEP_SIZE, check_prefill_step_size, prefill
+from portable_llm.generation.steps import PREFILL_STEP_SIZE, check_prefill_step_size, prefill
 from portable_llm.ops.sampling import GREEDY_BELOW, greedy, logprobs, sample
 
 __all__ = ["SpeculativeStats", "speculative_generate"]

@@ -1,0 +1,59 @@
+"""The `config.json` of a checkpoint folder, read into a `DecoderConfig`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from portable_llm.checkpoint.files import CheckpointError, checkpoint_file, read_json
+from portable_llm.decoder.config import DecoderConfig
+
+__all__ = ["config_path", "read_config"]
+
+
+def config_path(path: str | Path) -> Path:
+    """``config.json`` of a checkpoint folder; ``FileNotFoundError`` when there is none."""
+    file = checkpoint_file(path, "config.json")
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"load: no config.json in {str(path)!r} (a Hugging Face checkpoint folder holds "
+            "config.json next to model.safetensors)"
+        )
+    return file
+
+
+def read_config(
+    path: str | Path, /, *, layers: int | None = None, experts: int | None = None
+) -> DecoderConfig:
+    """Read ``config.json`` of a checkpoint folder.
+
+    ``layers``/``experts``: how many decoder layers and experts the weights hold
+    (:class:`~portable_llm.checkpoint.shards.SafetensorsFiles`); a config that asks for more is
+    refused before anything is built from it (``num_hidden_layers: 10**7`` fails at once).
+
+    Raises
+    ------
+    FileNotFoundError
+        No ``config.json``.
+    CheckpointError
+        ``config.json`` is not a JSON object, or :meth:`DecoderConfig.from_dict` refuses it, or
+        it asks for more layers or experts than the weights hold: the message names the file.
+    """
+    file = config_path(path)
+    d = read_json(file)
+    counts = {"num_hidden_layers": layers}
+    if d.get("model_type") in ("mixtral", "qwen2_moe"):
+        counts["num_local_experts" if d.get("model_type") == "mixtral" else "num_experts"] = experts
+    for key, held in counts.items():
+        value = d.get(key)
+        if held is None or isinstance(value, bool) or not isinstance(value, int):
+            continue  # from_dict reports a value of the wrong type
+        if value > held:
+            what = "layers" if key == "num_hidden_layers" else "experts"
+            raise CheckpointError(
+                f"load: {str(file)!r}: {key}={value} but the weights hold {held} {what}"
+            )
+    try:
+        return DecoderConfig.from_dict(d)
+    except ValueError as exc:
+        message = str(exc).removeprefix("config.json: ")
+        raise CheckpointError(f"load: {str(file)!r}: {message}") from None

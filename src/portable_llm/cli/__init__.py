@@ -1,0 +1,1 @@
+"""The ``portable-llm`` command line: report, bench, generate and batch."""
