@@ -216,9 +216,10 @@ def test_kept_quantized_weights_equal_transformers(
     """Kept quantized (Q4_1 matrices, the Q8_0 embedding as bits 4 and 8, group 32), every
     weight dequantizes to transformers' float32 weight bit for bit."""
     quant = pytest.importorskip("portable_llm.ops.quant", reason="ops.quant not there yet")
+    from portable_llm.checkpoint.build import LoadOptions
     from portable_llm.checkpoint.gguf import read_gguf
 
-    weights = read_gguf(gguf_file, backend=backend).weights
+    weights = read_gguf(gguf_file, LoadOptions(backend=backend)).weights
     state = hf_model.state_dict()
     kept = {n: w for n, w in weights.items() if isinstance(w, quant.QuantizedWeight)}
     assert len(kept) == 211  # 210 Q4_1 + the Q8_0 embedding; the 61 F32 norms are floats
@@ -287,9 +288,10 @@ def test_kept_quantized_resident_memory(gguf_file: Path, name: str) -> None:
     if skip_reason(name) or not Path("/proc/self/statm").exists():
         pytest.skip(skip_reason(name) or "needs Linux's /proc")
     quant = pytest.importorskip("portable_llm.ops.quant", reason="ops.quant not there yet")
+    from portable_llm.checkpoint.build import LoadOptions
     from portable_llm.checkpoint.gguf import read_gguf
 
-    weights = read_gguf(gguf_file, backend=name).weights.values()
+    weights = read_gguf(gguf_file, LoadOptions(backend=name)).weights.values()
     held = sum(
         sum(pl.to_numpy(a).nbytes for a in (w.packed, w.scales, w.biases))
         if isinstance(w, quant.QuantizedWeight)

@@ -10,15 +10,17 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from portable_llm.backends._base import Backend
+from portable_llm.backends._base import FLOAT_DTYPES, Backend, numpy_bfloat16
 
 __all__ = [
     "BACKENDS",
+    "FLOAT_DTYPES",
     "Backend",
     "BackendNotInstalledError",
     "available_backends",
     "backend_of",
     "get_backend",
+    "numpy_bfloat16",
     "resolve",
 ]
 

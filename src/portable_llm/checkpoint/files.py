@@ -13,7 +13,10 @@ import json
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
-__all__ = ["CheckpointError", "checkpoint_file", "read_json"]
+__all__ = ["LIST_AT_MOST", "CheckpointError", "checkpoint_file", "listed", "read_json"]
+
+#: How many names an error message lists before it says how many more there are.
+LIST_AT_MOST = 12
 
 
 class CheckpointError(ValueError):
@@ -66,6 +69,14 @@ def checkpoint_file(folder: str | Path, name: str, *, named_by: str | None = Non
                 "refused"
             )
     return path
+
+
+def listed(names: list[str], /, *, sep: str = ", ") -> str:
+    """The first :data:`LIST_AT_MOST` of ``names`` joined by ``sep``, then how many more (an
+    error message stays short however many tensors a file gets wrong)."""
+    shown = sep.join(names[:LIST_AT_MOST])
+    more = len(names) - LIST_AT_MOST
+    return shown + (f"{sep}... ({more} more)" if more > 0 else "")
 
 
 def read_json(file: Path, *, kind: type = dict) -> Any:

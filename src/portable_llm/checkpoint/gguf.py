@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
-from portable_llm.backends import Backend, get_backend
-from portable_llm.backends._base import FLOAT_DTYPES
+from portable_llm.backends import Backend
+from portable_llm.checkpoint.build import CheckpointContents, LoadOptions
 from portable_llm.checkpoint.files import CheckpointError
 from portable_llm.checkpoint.gguf_blocks import (
     AFFINE_BITS,
@@ -38,15 +38,11 @@ from portable_llm.checkpoint.gguf_blocks import (
 from portable_llm.checkpoint.gguf_tokenizer import gguf_tokenizer
 from portable_llm.checkpoint.weights import expected_shapes
 from portable_llm.decoder.config import DecoderConfig
-from portable_llm.decoder.model import Model
-from portable_llm.text.tokenizer import Tokenizer
 
 __all__ = [
     "GGUF_ARCHITECTURES",
-    "GGUFContents",
     "gguf_config",
     "gguf_tokenizer",
-    "load_gguf",
     "read_gguf",
 ]
 
@@ -169,45 +165,12 @@ def eos_ids(meta: _Meta) -> list[int]:
     return list(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
-class GGUFContents(NamedTuple):
-    """What :func:`read_gguf` reads: the arguments of :class:`~portable_llm.models.Model`."""
-
-    config: DecoderConfig
-    weights: dict[str, Any]  # HF names -> arrays, or QuantizedWeight where kept quantized
-    backend: Backend
-    tokenizer: Tokenizer | None
-    generation_config: dict[str, Any]
-
-
-def load_gguf(
-    path: str | Path,
-    /,
-    *,
-    backend: str = "numpy",
-    dtype: Any = None,
-    device: Any = None,
-    dequantize: bool = False,
-) -> Model:
-    """Load a ``.gguf`` file (see :func:`portable_llm.load` and :func:`read_gguf`)."""
-    cfg, weights, bk, tokenizer, generation = read_gguf(
-        path, backend=backend, dtype=dtype, device=device, dequantize=dequantize
-    )
-    return Model(cfg, weights, bk, tokenizer=tokenizer, generation_config=generation)
-
-
-def read_gguf(
-    path: str | Path,
-    /,
-    *,
-    backend: str = "numpy",
-    dtype: Any = None,
-    device: Any = None,
-    dequantize: bool = False,
-) -> GGUFContents:
+def read_gguf(path: str | Path, options: LoadOptions | None = None, /) -> CheckpointContents:
     """Read a ``.gguf`` file: its config, weights (HF names), tokenizer and stop ids.
 
-    ``dtype`` (default ``float32``) is that of the float weights, and of the scales and biases
-    of the weights kept quantized. ``dequantize=True`` gives every weight as floats in
+    ``options`` (default ``LoadOptions()``): those of :func:`portable_llm.load`. ``dtype``
+    (default ``float32``) is that of the float weights, and of the scales and biases of the
+    weights kept quantized. ``dequantize=True`` gives every weight as floats in
     ``dtype`` (transformers' reading); otherwise Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K
     matrices stay quantized, exactly, as MLX's affine format with group_size 32
     (:class:`~portable_llm.ops.quant.QuantizedWeight`).
@@ -222,6 +185,7 @@ def read_gguf(
     """
     from gguf import GGUFReader
 
+    options = LoadOptions() if options is None else options
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"load: no GGUF file {str(file)!r}")
@@ -236,17 +200,10 @@ def read_gguf(
     meta = _Meta(reader, file)
     tensors = {t.name: t for t in reader.tensors}
     cfg = gguf_config(meta, tensors)
-    bk = get_backend(backend)
-    try:
-        dev = None if device is None else bk.device(device)
-        target = bk.dtype("float32" if dtype is None else dtype, dev)
-    except ValueError as exc:
-        raise ValueError(f"load: {exc}") from None
-    if bk.dtype_name(target) not in FLOAT_DTYPES:
-        raise ValueError(f"load: dtype must be a float dtype ({', '.join(FLOAT_DTYPES)})")
+    bk, target, dev = options.placement("float32")
     names = _check(file, cfg, tensors)
     weights = {
-        name: _tensor(file, tensors[g], name, cfg, bk, target, dev, dequantize)
+        name: _tensor(file, tensors[g], name, cfg, bk, target, dev, options.dequantize)
         for name, g in names.items()
     }
     generation: dict[str, Any] = {}
@@ -254,7 +211,7 @@ def read_gguf(
         generation["eos_token_id"] = list(cfg.eos_token_id)
     if cfg.bos_token_id is not None:
         generation["bos_token_id"] = cfg.bos_token_id
-    return GGUFContents(cfg, weights, bk, gguf_tokenizer(meta), generation)
+    return CheckpointContents(cfg, weights, bk, gguf_tokenizer(meta), generation)
 
 
 def _shape(t: Any) -> tuple[int, ...]:

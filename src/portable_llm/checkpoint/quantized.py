@@ -17,15 +17,13 @@ from typing import Any
 
 from portable_llm.backends import Backend
 from portable_llm.checkpoint.config import config_path
-from portable_llm.checkpoint.files import CheckpointError, read_json
+from portable_llm.checkpoint.files import CheckpointError, listed, read_json
 from portable_llm.checkpoint.shards import SAFETENSORS_FLOATS, SafetensorsFiles
-from portable_llm.checkpoint.weights import _to_backend, expected_shapes
+from portable_llm.checkpoint.weights import expected_shapes, to_backend
 from portable_llm.decoder.config import DecoderConfig
 from portable_llm.ops.quant import BITS, GROUP_SIZES, QuantizedWeight
 
 __all__ = ["Quantization", "read_quantization", "read_quantized_weights", "stored_dtype"]
-
-_LIST_AT_MOST = 12
 
 
 class Quantization:
@@ -81,12 +79,6 @@ def stored_dtype(st: SafetensorsFiles, name: str) -> str | None:
     """The float dtype of tensor ``name``, or of its scales when it is quantized."""
     stem = name.removesuffix(".weight")
     return st.stored_dtype(stem + ".scales" if stem + ".scales" in st.dtypes else name)
-
-
-def _listed(names: list[str]) -> str:
-    shown = ", ".join(names[:_LIST_AT_MOST])
-    more = len(names) - _LIST_AT_MOST
-    return shown + (f", ... ({more} more)" if more > 0 else "")
 
 
 def read_quantized_weights(
@@ -146,21 +138,21 @@ def read_quantized_weights(
         and not (n.startswith("lm_head.") and cfg.tie_word_embeddings)
     ]  # fmt: skip
     if unexpected:
-        problems.append(f"unexpected tensors ({len(unexpected)}): {_listed(unexpected)}")
+        problems.append(f"unexpected tensors ({len(unexpected)}): {listed(unexpected)}")
     if problems:
-        more = len(problems) - _LIST_AT_MOST
-        listed = "; ".join(problems[:_LIST_AT_MOST]) + (f"; ... ({more} more)" if more > 0 else "")
-        raise CheckpointError(f"load: quantized checkpoint {str(st.folder)!r}: {listed}")
+        raise CheckpointError(
+            f"load: quantized checkpoint {str(st.folder)!r}: {listed(problems, sep='; ')}"
+        )
     out: dict[str, Any] = {}
     for name, fmt in plan.items():
         if fmt is None:
-            out[renamed[name]] = _to_backend(name, st.read(name), bk, dtype, device)
+            out[renamed[name]] = to_backend(name, st.read(name), bk, dtype, device)
             continue
         stem = name.removesuffix(".weight")
         out[renamed[name]] = QuantizedWeight(
             bk.from_numpy(st.read(name), device),
-            _to_backend(stem + ".scales", st.read(stem + ".scales"), bk, dtype, device),
-            _to_backend(stem + ".biases", st.read(stem + ".biases"), bk, dtype, device),
+            to_backend(stem + ".scales", st.read(stem + ".scales"), bk, dtype, device),
+            to_backend(stem + ".biases", st.read(stem + ".biases"), bk, dtype, device),
             bits=fmt[0],
             group_size=fmt[1],
         )

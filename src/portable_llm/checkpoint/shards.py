@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from portable_llm.backends._base import numpy_bfloat16
+from portable_llm.backends import numpy_bfloat16
 from portable_llm.checkpoint.files import CheckpointError, checkpoint_file, read_json
 
 __all__ = ["INDEX", "SAFETENSORS_FLOATS", "SINGLE", "SafetensorsFiles"]

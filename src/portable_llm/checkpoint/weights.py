@@ -24,20 +24,24 @@ from typing import Any
 
 import numpy as np
 
-from portable_llm.backends import Backend
-from portable_llm.backends._base import FLOAT_DTYPES, numpy_bfloat16
-from portable_llm.checkpoint.files import CheckpointError
+from portable_llm.backends import FLOAT_DTYPES, Backend, numpy_bfloat16
+from portable_llm.checkpoint.files import CheckpointError, listed
 from portable_llm.checkpoint.shards import INDEX, SAFETENSORS_FLOATS, SafetensorsFiles
 from portable_llm.decoder.config import DecoderConfig
 
-__all__ = ["CheckpointError", "SafetensorsFiles", "expected_shapes", "read_weights"]
+__all__ = [
+    "CheckpointError",
+    "SafetensorsFiles",
+    "expected_shapes",
+    "read_weights",
+    "to_backend",
+]
 
 
 # Tensors some checkpoints carry that the model recomputes: never reported as unexpected.
 _IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
 _MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _LEGACY_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)_proj\.weight$")
-_LIST_AT_MOST = 12
 
 
 def expected_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
@@ -144,12 +148,6 @@ class _Sources:
         ]  # fmt: skip
 
 
-def _listed(names: list[str]) -> str:
-    shown = ", ".join(names[:_LIST_AT_MOST])
-    more = len(names) - _LIST_AT_MOST
-    return shown + (f", ... ({more} more)" if more > 0 else "")
-
-
 def _check(src: _Sources, st: SafetensorsFiles) -> None:
     """Raise :class:`CheckpointError` listing every problem; the tensors the shard index maps
     to a file that lacks them are reported once, not as missing."""
@@ -157,15 +155,15 @@ def _check(src: _Sources, st: SafetensorsFiles) -> None:
     if st.misplaced:
         shown = [f"{name} (not in {file})" for name, file in st.misplaced.items()]
         problems.append(
-            f"{INDEX} maps tensors to shards that lack them ({len(shown)}): {_listed(shown)}"
+            f"{INDEX} maps tensors to shards that lack them ({len(shown)}): {listed(shown)}"
         )
-    listed = {_canonical(name) for name in st.misplaced}
-    missing = [name for name in src.missing() if name not in listed]
+    reported = {_canonical(name) for name in st.misplaced}
+    missing = [name for name in src.missing() if name not in reported]
     if missing:
-        problems.append(f"missing tensors ({len(missing)}): {_listed(missing)}")
+        problems.append(f"missing tensors ({len(missing)}): {listed(missing)}")
     unexpected = src.unexpected + src.extra_pieces()
     if unexpected:
-        problems.append(f"unexpected tensors ({len(unexpected)}): {_listed(unexpected)}")
+        problems.append(f"unexpected tensors ({len(unexpected)}): {listed(unexpected)}")
     bad, kinds = [], []
     used = [(st.shapes[f], src.expected[name], f) for name, f in src.direct.items()]
     for stem, pieces in src.pieces.items():
@@ -179,12 +177,12 @@ def _check(src: _Sources, st: SafetensorsFiles) -> None:
             kinds.append(f"{file_name} ({st.dtypes[file_name]})")
     if bad:
         problems.append(
-            f"tensors whose shape disagrees with config.json ({len(bad)}): {_listed(bad)}"
+            f"tensors whose shape disagrees with config.json ({len(bad)}): {listed(bad)}"
         )
     if kinds:
         problems.append(
             f"tensors that are not float ({', '.join(SAFETENSORS_FLOATS)}) ({len(kinds)}): "
-            f"{_listed(kinds)}"
+            f"{listed(kinds)}"
         )
     if problems:
         raise CheckpointError(f"load: checkpoint {str(st.folder)!r}: " + "; ".join(problems))
@@ -213,7 +211,7 @@ def read_weights(
     src = _Sources(cfg, {n: f for n, f in st.files.items() if n not in st.misplaced})
     _check(src, st)
     return {
-        name: _to_backend(name, host, bk, dtype, device)
+        name: to_backend(name, host, bk, dtype, device)
         for name, host in _host_tensors(src, st.read)
     }
 
@@ -253,7 +251,7 @@ def _stack(
     return np.stack([read(pieces[e, kind]) for e in range(n)])  # (X, I, E) or (X, E, I)
 
 
-def _to_backend(name: str, host: np.ndarray, bk: Backend, dtype: Any, device: Any) -> Any:
+def to_backend(name: str, host: np.ndarray, bk: Backend, dtype: Any, device: Any) -> Any:
     """The backend's array in ``dtype`` on ``device``: cast there, or on the host when the
     device lacks the stored dtype (bfloat16 on array-api-strict, float64 on JAX without x64 or
     on an MPS or MLX GPU)."""

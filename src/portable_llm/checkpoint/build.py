@@ -1,0 +1,92 @@
+"""One place builds a :class:`~portable_llm.models.Model`: the options of :func:`portable_llm.load`
+and the record every reader returns.
+
+Each reader (a checkpoint folder, a ``.gguf`` file) takes the path and one :class:`LoadOptions`
+and returns a :class:`CheckpointContents`: the config, the weights by HF name, the backend, the
+tokenizer and the generation config. :func:`build_model` makes the model of any of them, so a
+new reader (or a new family) adds a reader, never a second way to build a model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from portable_llm.backends import FLOAT_DTYPES, Backend, get_backend
+from portable_llm.decoder.config import DecoderConfig
+from portable_llm.decoder.model import Model
+from portable_llm.text.tokenizer import Tokenizer
+
+__all__ = ["CheckpointContents", "LoadOptions", "build_model"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadOptions:
+    """How a checkpoint is read: the keyword arguments of :func:`portable_llm.load`.
+
+    ``backend``, ``dtype``, ``device`` and ``dequantize`` are described there; every reader
+    takes this one record. ``revision`` and ``gguf_file`` choose what a Hub name resolves to
+    (:mod:`portable_llm.checkpoint.hub`).
+    """
+
+    backend: str = "numpy"
+    dtype: Any = None
+    device: Any = None
+    dequantize: bool = False
+    revision: str | None = None
+    gguf_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.backend, str):
+            raise TypeError(f"load: backend must be a str, got {type(self.backend).__name__}")
+        if not isinstance(self.dequantize, bool):
+            kind = type(self.dequantize).__name__
+            raise TypeError(f"load: dequantize must be a bool, got {kind}")
+        for name in ("revision", "gguf_file"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"load: {name} must be a str or None, got {type(value).__name__}")
+
+    def placement(self, default_dtype: str | None) -> tuple[Backend, Any, Any]:
+        """``(backend, dtype, device)`` resolved: ``dtype`` or else ``default_dtype`` (the
+        checkpoint's own; ``float32`` when ``None``), on ``device``.
+
+        Raises ``ValueError`` for a device the backend lacks, a dtype it lacks there, or a dtype
+        that is not a float dtype.
+        """
+        bk = get_backend(self.backend)
+        try:
+            dev = None if self.device is None else bk.device(self.device)
+        except ValueError as exc:
+            raise ValueError(f"load: {exc}") from None
+        name = self.dtype if self.dtype is not None else default_dtype
+        try:
+            target = bk.dtype(name or "float32", dev)
+        except ValueError as exc:
+            hint = "" if self.dtype is not None else "; pass dtype= to load the checkpoint in a "
+            hint += 'dtype the backend has (e.g. dtype="float32")' if hint else ""
+            raise ValueError(f"load: {exc}{hint}") from None
+        if bk.dtype_name(target) not in FLOAT_DTYPES:
+            raise ValueError(f"load: dtype must be a float dtype ({', '.join(FLOAT_DTYPES)})")
+        return bk, target, dev
+
+
+class CheckpointContents(NamedTuple):
+    """What a reader gives: the arguments of :class:`~portable_llm.models.Model`."""
+
+    config: DecoderConfig
+    weights: dict[str, Any]  # HF names -> arrays, or QuantizedWeight where kept quantized
+    backend: Backend
+    tokenizer: Tokenizer | None
+    generation_config: dict[str, Any]
+
+
+def build_model(contents: CheckpointContents, /) -> Model:
+    """The :class:`~portable_llm.models.Model` of what a reader read."""
+    return Model(
+        contents.config,
+        contents.weights,
+        contents.backend,
+        tokenizer=contents.tokenizer,
+        generation_config=contents.generation_config,
+    )
