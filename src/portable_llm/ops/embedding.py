@@ -8,7 +8,7 @@ from portable_llm.backends import Backend, backend_of, resolve
 from portable_llm.core.checks import check_float, check_ndim, match_weight
 from portable_llm.core.dispatch import pick, portable
 from portable_llm.core.types import Array, Namespace
-from portable_llm.ops.quant import QuantizedWeight, embedding_rows, quantized_linear
+from portable_llm.ops.quant import QuantizedWeight, quantized_embedding, quantized_linear
 
 __all__ = ["embedding", "unembed"]
 
@@ -104,7 +104,7 @@ def embedding(
         call ``embedding`` outside the compiled function.
     """
     if isinstance(table, QuantizedWeight):  # only the gathered rows are dequantized
-        return embedding_rows(ids, table, backend=backend)
+        return _quantized_rows(ids, table, backend=backend)
     bk, (ids, table) = resolve("embedding", backend, ids, table)
     if backend_of(ids) is not bk:
         raise TypeError(f"embedding: ids must be an array, got {type(ids).__name__}")
@@ -124,6 +124,36 @@ def embedding(
         return pick(bk, "embedding", "masked")(bk.xp, index, table)
     _check_ids(bk, ids, index, table.shape[0])
     return pick(bk, "embedding", "portable")(bk.xp, index, table)
+
+
+def _quantized_rows(ids: Array, table: QuantizedWeight, /, *, backend: str | None) -> Array:
+    """:func:`embedding` of a quantized table: the ids checked as there, then only the gathered
+    rows dequantized (equal to ``dequantize(table)[ids]``, tested)."""
+    op = "embedding"
+    bk, (ids,) = resolve(op, backend if backend is not None else table.backend, ids)
+    if table.backend is not bk:
+        table = table.to(bk, bk.device_of(ids))
+    if backend_of(ids) is not bk:
+        raise TypeError(f"{op}: ids must be an array, got {type(ids).__name__}")
+    name = bk.dtype_name(ids.dtype)
+    if name not in _INT_DTYPES:
+        raise ValueError(
+            f"{op}: ids must have an integer dtype, got {name} with shape {tuple(ids.shape)}"
+        )
+    check_ndim(op, "ids", ids, 1, "B.. x L")
+    if len(table.shape) != 2:
+        raise ValueError(f"{op}: table must have shape (V, E), got {table.shape}")
+    vocab = table.shape[0]
+    index = _as_index(bk, ids, name, vocab)
+    if not bk.is_traced(ids):
+        _check_ids(bk, ids, index, vocab)
+        return quantized_embedding(index, table, bk)
+    # Under tracing the ids cannot be read back: an out-of-range id gives a row of NaN (as the
+    # float table's masked path), never another token's row.
+    xp = bk.xp
+    valid = (index >= 0) & (index < vocab)  # (B.., L)
+    rows = quantized_embedding(xp.where(valid, index, xp.zeros_like(index)), table, bk)
+    return xp.where(valid[..., None], rows, xp.full_like(rows, xp.nan))
 
 
 def unembed(h: Array, table: Array, /, *, impl: str = "auto", backend: str | None = None) -> Array:

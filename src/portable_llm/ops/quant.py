@@ -23,6 +23,7 @@ from typing import Any
 from portable_llm.backends import Backend, backend_of, get_backend, resolve
 from portable_llm.core.checks import check_float, check_int, check_ndim, float_compute_dtype
 from portable_llm.core.dispatch import auto_portable, pick, portable
+from portable_llm.ops.affine import affine
 
 __all__ = ["BITS", "GROUP_SIZES", "QuantizedWeight", "dequantize", "quantize", "quantized_linear"]
 
@@ -293,12 +294,10 @@ def _quantized_linear(
     xp: Any, x: Any, packed: Any, scales: Any, biases: Any, bias: Any, *, bits: int,
     group_size: int,
 ) -> Any:  # fmt: skip
-    from portable_llm.ops.linear import _linear  # linear imports this module
-
     w = _dequantize(xp, packed, scales, biases, bits=bits, group_size=group_size)  # (O, I)
     if w.dtype != x.dtype:
         w = xp.astype(w, x.dtype)
-    return _linear(xp, x, w, bias)
+    return affine(xp, x, w, bias)
 
 
 @portable("quantized_linear", "grouped", pure=True)
@@ -545,53 +544,6 @@ def project(bk: Backend, impl: str, x: Any, w: Any, b: Any) -> Any:
     if isinstance(w, QuantizedWeight):
         return quantized_linear(x, w, b, impl=impl, backend=bk)
     return pick(bk, "linear", impl, x, w, b)(bk.xp, x, w, b)
-
-
-def quantized_mlp(
-    x: Any, w_gate: Any, w_up: Any, w_down: Any, /, *, act: str, b_gate: Any, b_up: Any,
-    b_down: Any, impl: str, backend: Any,
-) -> Any:  # fmt: skip
-    """:func:`~portable_llm.mlp` with some of its weights quantized: the same order (each
-    projection and the activation rounded to x's dtype, the gate product in x's dtype)."""
-    from portable_llm.ops.activations import activation
-    from portable_llm.ops.linear import linear
-
-    gate = linear(x, w_gate, b_gate, impl=impl, backend=backend)  # (N.., I)
-    up = linear(x, w_up, b_up, impl=impl, backend=backend)  # (N.., I)
-    h = activation(act)(gate, impl=impl) * up
-    return linear(h, w_down, b_down, impl=impl, backend=backend)  # (N.., E)
-
-
-def embedding_rows(ids: Any, table: QuantizedWeight, /, *, backend: Any = None) -> Any:
-    """:func:`~portable_llm.embedding` of a quantized table: the ids checked as there, then only
-    the gathered rows dequantized (equal to ``dequantize(table)[ids]``, tested)."""
-    from portable_llm.ops.embedding import _INT_DTYPES, _as_index, _check_ids
-
-    op = "embedding"
-    bk, (ids,) = resolve(op, backend if backend is not None else table.backend, ids)
-    if table.backend is not bk:
-        table = table.to(bk, bk.device_of(ids))
-    if backend_of(ids) is not bk:
-        raise TypeError(f"{op}: ids must be an array, got {type(ids).__name__}")
-    name = bk.dtype_name(ids.dtype)
-    if name not in _INT_DTYPES:
-        raise ValueError(
-            f"{op}: ids must have an integer dtype, got {name} with shape {tuple(ids.shape)}"
-        )
-    check_ndim(op, "ids", ids, 1, "B.. x L")
-    if len(table.shape) != 2:
-        raise ValueError(f"{op}: table must have shape (V, E), got {table.shape}")
-    vocab = table.shape[0]
-    index = _as_index(bk, ids, name, vocab)
-    if not bk.is_traced(ids):
-        _check_ids(bk, ids, index, vocab)
-        return quantized_embedding(index, table, bk)
-    # Under tracing the ids cannot be read back: an out-of-range id gives a row of NaN (as the
-    # float table's masked path), never another token's row.
-    xp = bk.xp
-    valid = (index >= 0) & (index < vocab)  # (B.., L)
-    rows = quantized_embedding(xp.where(valid, index, xp.zeros_like(index)), table, bk)
-    return xp.where(valid[..., None], rows, xp.full_like(rows, xp.nan))
 
 
 def dequantized(w: Any) -> Any:
