@@ -6,6 +6,11 @@ list of page ids, its *block table*: token ``t`` lives in page ``block_table[t /
 slot ``t % page_size``. Pages are handed out lowest-free-first and come back when a sequence
 ends or is rewound, so the memory a sequence holds is its length rounded up to one page.
 
+Pages are reference counted: :meth:`PagePool.share` lets a second holder (another sequence, a
+prefix cache) keep a page that is already allocated, and :meth:`PagePool.free` gives one
+reference back; a page returns to the free list when its last holder frees it. A holder that
+must write into a page others also hold copies it first (:meth:`PagePool.copy`).
+
 :class:`~portable_llm.caches.paged.PagedKVCache` is one sequence of one layer, with the
 :class:`~portable_llm.KVCache` interface the model uses, and
 :func:`~portable_llm.caches.paged.block_tables` packs the tables of a batch for
@@ -66,6 +71,10 @@ class PagePool:
         The pages (replaced, not mutated, on JAX: read them again after a write).
     num_free : int
         Pages not allocated.
+
+    Notes
+    -----
+    Not thread-safe: one thread allocates, shares and frees (as a batch generator does).
     """
 
     def __init__(
@@ -93,7 +102,7 @@ class PagePool:
         self.k_pages = self._zeros(n)
         self.v_pages = self._zeros(n)
         self._free: list[int] = list(range(n))  # kept sorted: lowest id first
-        self._used = np.zeros(n, dtype=bool)
+        self._refs = np.zeros(n, dtype=np.int64)  # holders of each page; 0: free
 
     def _zeros(self, n: int) -> Any:
         shape = (n, self.num_kv_heads, self.page_size, self.head_dim)
@@ -102,7 +111,7 @@ class PagePool:
     @property
     def num_pages(self) -> int:
         """Pages in the pool, free or not."""
-        return int(self._used.shape[0])
+        return int(self._refs.shape[0])
 
     @property
     def num_free(self) -> int:
@@ -128,24 +137,52 @@ class PagePool:
                 f"{self.num_pages} (grow() the pool or release finished sequences)"
             )
         got, self._free = self._free[:n], self._free[n:]
-        self._used[got] = True
+        self._refs[got] = 1
         return got
 
-    def free(self, pages: Sequence[int], /) -> None:
-        """Give ``pages`` back; ``ValueError`` (nothing freed) for an unknown, repeated or free
-        id."""
-        ids = [check_int("PagePool.free", "pages[i]", p) for p in pages]
+    def _allocated(self, op: str, pages: Sequence[int]) -> list[int]:
+        """``pages`` as ints, checked: allocated ids of the pool, none repeated."""
+        ids = [check_int(op, "pages[i]", p) for p in pages]
         for p in ids:
             if not 0 <= p < self.num_pages:
-                raise ValueError(
-                    f"PagePool.free: page {p} is not in the pool (0 .. {self.num_pages - 1})"
-                )
-            if not self._used[p]:
-                raise ValueError(f"PagePool.free: page {p} is not allocated (double free?)")
+                raise ValueError(f"{op}: page {p} is not in the pool (0 .. {self.num_pages - 1})")
+            if self._refs[p] == 0:
+                raise ValueError(f"{op}: page {p} is not allocated (double free?)")
         if len(set(ids)) != len(ids):
-            raise ValueError(f"PagePool.free: pages {ids} repeat an id")
-        self._used[ids] = False
-        self._free = sorted(self._free + ids)
+            raise ValueError(f"{op}: pages {ids} repeat an id")
+        return ids
+
+    def free(self, pages: Sequence[int], /) -> None:
+        """Give one reference to each of ``pages`` back; a page whose last reference goes is
+        free again. ``ValueError`` (nothing freed) for an unknown, repeated or free id."""
+        ids = self._allocated("PagePool.free", pages)
+        self._refs[ids] -= 1
+        back = [p for p in ids if self._refs[p] == 0]
+        if back:
+            self._free = sorted(self._free + back)
+
+    def share(self, pages: Sequence[int], /) -> None:
+        """Add a holder to each of ``pages`` (allocated ids): each is then freed once more
+        before it returns to the free list. ``ValueError`` (nothing changed) for an unknown,
+        repeated or free id."""
+        ids = self._allocated("PagePool.share", pages)
+        self._refs[ids] += 1
+
+    def refcount(self, page: int, /) -> int:
+        """The holders of ``page`` (0: free)."""
+        page = check_int("PagePool.refcount", "page", page, low=0, high=self.num_pages - 1)
+        return int(self._refs[page])
+
+    def copy(self, page: int, /) -> int:
+        """A new page (one holder) with the keys and values of ``page`` (copy on write: the
+        caller then writes into its own copy); :class:`PagePoolExhausted` when none is free."""
+        (src,) = self._allocated("PagePool.copy", [page])
+        (dst,) = self.allocate(1)
+        bk = self.backend
+        for name in ("k_pages", "v_pages"):
+            pages = getattr(self, name)
+            setattr(self, name, bk.set_slice(pages, (dst, 0, 0, 0), pages[src : src + 1, ...]))
+        return dst
 
     def grow(self, num_pages: int | None = None, /) -> None:
         """Enlarge the pool to ``num_pages`` pages (default: double); contents and ids are kept."""
@@ -155,7 +192,7 @@ class PagePool:
         bk = self.backend
         self.k_pages = bk.set_slice(self._zeros(new), (0, 0, 0, 0), self.k_pages)
         self.v_pages = bk.set_slice(self._zeros(new), (0, 0, 0, 0), self.v_pages)
-        self._used = np.concatenate([self._used, np.zeros(new - old, dtype=bool)])
+        self._refs = np.concatenate([self._refs, np.zeros(new - old, dtype=np.int64)])
         self._free = self._free + list(range(old, new))
 
     # -- tokens ---------------------------------------------------------------------------------
@@ -200,7 +237,7 @@ class PagePool:
                 f"got {len(ids)} pages"
             )
         for p in ids[:need]:
-            if not 0 <= p < self.num_pages or not self._used[p]:
+            if not 0 <= p < self.num_pages or self._refs[p] == 0:
                 raise ValueError(f"{op}: page {p} is not an allocated page of the pool")
         return ids
 

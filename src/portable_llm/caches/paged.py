@@ -4,6 +4,9 @@
 :class:`~portable_llm.KVCache`: ``model(ids, cache=[PagedKVCache(pool) for pool in pools])``.
 Its keys live in the pages of its :attr:`~PagedKVCache.block_table`; pages are allocated as the
 sequence grows and released by :meth:`~PagedKVCache.trim` and :meth:`~PagedKVCache.release`.
+:meth:`~PagedKVCache.share` starts a sequence on pages another holder keeps (a prefix cache):
+full pages are shared, and a page the sequence would write into while others hold it is copied
+first (copy on write).
 :func:`block_tables` packs the tables and lengths of a batch of such caches for
 :func:`~portable_llm.paged_attention`, which reads the keys where they lie.
 """
@@ -72,6 +75,33 @@ class PagedKVCache:
         """Pages to add so that positions ``0 .. end - 1`` are covered."""
         return max(0, -(-end // self.pool.page_size) - len(self.block_table))
 
+    def share(self, pages: Sequence[int], length: int, /) -> None:
+        """Start this (empty) cache with the first ``length`` tokens of a sequence whose pages,
+        in order, are ``pages`` (kept by another holder, e.g. a prefix cache).
+
+        The pages holding tokens ``0 .. length - 1`` get one more holder
+        (:meth:`PagePool.share`); a partly filled last page is copied at once (copy on write:
+        the next token is written there), so this cache writes only into pages of its own.
+        :class:`PagePoolExhausted` (nothing changed) when no page is free for that copy.
+        """
+        op = "PagedKVCache.share"
+        length = check_int(op, "length", length, low=0)
+        if self.block_table or self._offset:
+            raise ValueError(f"{op}: the cache already holds {self._offset} tokens")
+        P = self.pool.page_size
+        ids = self.pool._check_pages(op, pages, length)[: -(-length // P)]
+        full = ids[: length // P]
+        self.pool.share(full)
+        if length % P:
+            try:
+                ids = [*full, self.pool.copy(ids[-1])]
+            except BaseException:
+                self.pool.free(full)
+                raise
+        self.block_table = list(ids)
+        self._offset = length
+        self._last = None
+
     def reserve(self, n_tokens: int, /) -> None:
         """Allocate the pages for ``n_tokens`` more tokens now; :class:`PagePoolExhausted`
         (nothing allocated) when they do not fit."""
@@ -89,6 +119,7 @@ class PagedKVCache:
         k, v = pool.check_chunk(op, k, v, heads_axis=1)
         L = int(k.shape[2])
         start = self._offset
+        self._own_pages(start, start + L)
         new = pool.allocate(self._pages_for(start + L))  # raises before any change
         try:
             pool._write(self.block_table + new, start, k[0, ...], v[0, ...])
@@ -99,6 +130,16 @@ class PagedKVCache:
         self._offset = start + L
         self._last = L
         return L
+
+    def _own_pages(self, start: int, end: int) -> None:
+        """Copy on write: each page of the block table that positions ``start .. end - 1``
+        touch and that others also hold is replaced by a copy of its own."""
+        P, pool = self.pool.page_size, self.pool
+        for i in range(start // P, min(len(self.block_table), -(-end // P))):
+            page = self.block_table[i]
+            if pool.refcount(page) > 1:
+                self.block_table[i] = pool.copy(page)
+                pool.free([page])
 
     def update_and_fetch(self, k: Any, v: Any, /) -> tuple[Any, Any]:
         """Append a chunk; return every key and value so far.
@@ -150,6 +191,10 @@ class PagedKVCache:
         if self._last is None:
             raise ValueError(f"{name}: no update since the cache was made or trimmed")
         return "causal", window
+
+    def reuse_mask(self) -> None:
+        """As :meth:`KVCache.reuse_mask <portable_llm.KVCache.reuse_mask>`: the last update's
+        queries attend with a mask built for another cache; nothing to note here (no guard)."""
 
 
 def block_tables(caches: Sequence[PagedKVCache], /) -> tuple[Any, Any]:
