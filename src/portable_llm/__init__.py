@@ -63,7 +63,7 @@ from portable_llm.ops.activations import (
 from portable_llm.ops.embedding import embedding, unembed
 from portable_llm.ops.linear import intermediate_size, linear, mlp
 from portable_llm.ops.moe import moe, route
-from portable_llm.ops.norm import rms_norm
+from portable_llm.ops.norm import layer_norm, rms_norm
 from portable_llm.ops.quant import QuantizedWeight, dequantize, quantize, quantized_linear
 from portable_llm.ops.sampling import greedy, logprobs, sample
 from portable_llm.rotary.rope import apply_rope, rope, rope_cos_sin
@@ -82,6 +82,7 @@ __all__ = [
     "gelu_tanh",
     "greedy",
     "intermediate_size",
+    "layer_norm",
     "left_pad",
     "linear",
     "logprobs",

@@ -28,7 +28,7 @@ from portable_llm.cli.report import UsageError, backend_names, format_table, loa
 from portable_llm.ops.activations import softmax
 from portable_llm.ops.linear import linear, mlp
 from portable_llm.ops.moe import moe
-from portable_llm.ops.norm import rms_norm
+from portable_llm.ops.norm import layer_norm, rms_norm
 from portable_llm.ops.quant import quantize, quantized_linear
 from portable_llm.rotary.rope import rope
 from portable_llm.testing import random_array, random_weight
@@ -64,6 +64,10 @@ def _rms_norm(x: Any, w: Any, *, impl: str) -> Thunk:
     return lambda: rms_norm(x, w, eps=EPS, impl=impl)
 
 
+def _layer_norm(x: Any, w: Any, b: Any, *, impl: str) -> Thunk:
+    return lambda: layer_norm(x, w, b, eps=EPS, impl=impl)
+
+
 def _softmax(x: Any, *, impl: str) -> Thunk:
     return lambda: softmax(x, impl=impl)
 
@@ -88,6 +92,7 @@ def _rope(x: Any, *, impl: str) -> Thunk:
 BENCH_CASES: list[BenchCase] = [
     BenchCase("rms_norm", ((1, E), (E,)), _rms_norm, gate=1.3),
     BenchCase("rms_norm", ((1, 128, E), (E,)), _rms_norm),
+    BenchCase("layer_norm", ((1, 128, E), (E,), (E,)), _layer_norm),
     BenchCase("softmax", ((1, 14, 128, 128),), _softmax),
     BenchCase("linear", ((1, 128, E), (I, E)), _linear),
     BenchCase("mlp", ((1, 16, E), (I, E), (I, E), (E, I)), _mlp, name=f"(1, 16, {E}), I={I}"),
@@ -246,6 +251,10 @@ def _torch() -> dict[str, tuple[str, Callable[..., Thunk]]]:
 
     return {
         "rms_norm": ("torch.nn.functional.rms_norm", norm),
+        "layer_norm": (
+            "torch.nn.functional.layer_norm",
+            lambda x, w, b: lambda: F.layer_norm(x, (x.shape[-1],), w, b, EPS),
+        ),
         "softmax": ("torch.softmax", lambda x: lambda: torch.softmax(x, -1)),
         "linear": ("torch.nn.functional.linear", lambda x, w: lambda: F.linear(x, w)),
         "mlp": ("F.linear, F.silu", ffn),
@@ -276,6 +285,10 @@ def _mlx() -> dict[str, tuple[str, Callable[..., Thunk]]]:
 
     return {
         "rms_norm": ("mx.fast.rms_norm", lambda x, w: lambda: mx.fast.rms_norm(x, w, EPS)),
+        "layer_norm": (
+            "mx.fast.layer_norm",
+            lambda x, w, b: lambda: mx.fast.layer_norm(x, w, b, EPS),
+        ),
         "softmax": ("mx.softmax(precise=True)", lambda x: lambda: mx.softmax(x, -1, precise=True)),
         "linear": ("mx.matmul", lambda x, w: lambda: mx.matmul(x, w.T)),
         "rope": ("mx.fast.rope", rope),

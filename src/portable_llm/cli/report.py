@@ -52,7 +52,7 @@ from portable_llm.ops.embedding import embedding, unembed
 from portable_llm.ops.linear import linear, mlp
 from portable_llm.ops.moe import moe
 from portable_llm.ops.moe import route as moe_route
-from portable_llm.ops.norm import rms_norm
+from portable_llm.ops.norm import layer_norm, rms_norm
 from portable_llm.ops.quant import QuantizedWeight, dequantize, quantize, quantized_linear
 from portable_llm.ops.sampling import logprobs
 from portable_llm.rotary.rope import rope
@@ -128,6 +128,19 @@ def _rms_norm(seed: int, dtype: str, backend: str) -> Inputs:
     return _inputs(x, w, eps=1e-6)
 
 
+def _rms_norm_offset(seed: int, dtype: str, backend: str) -> Inputs:
+    x = random_array(seed, _X, dtype, backend=backend)
+    w = random_array(seed + 1, _X[-1:], dtype, backend=backend, low=-0.5, high=0.5)
+    return _inputs(x, w, eps=1e-6, offset=1.0)  # Gemma's (1 + w)
+
+
+def _layer_norm(seed: int, dtype: str, backend: str) -> Inputs:
+    x = random_array(seed, _X, dtype, backend=backend, low=-1.0, high=3.0)
+    w = random_array(seed + 1, _X[-1:], dtype, backend=backend, low=0.5, high=1.5)
+    b = random_array(seed + 2, _X[-1:], dtype, backend=backend, scale=0.1)
+    return _inputs(x, w, b, eps=1e-5)
+
+
 def _linear(bias: bool) -> Callable[[int, str, str], Inputs]:
     def build(seed: int, dtype: str, backend: str) -> Inputs:
         x = random_array(seed, _X, dtype, backend=backend)
@@ -166,6 +179,10 @@ CASES: list[Case] = [
     _unary("relu", relu, reference.relu),
     Case("softmax", "softmax", _softmax, softmax, reference.softmax, seed=20),
     Case("rms_norm", "rms_norm", _rms_norm, rms_norm, reference.rms_norm, seed=30),
+    Case(
+        "rms_norm(1+w)", "rms_norm_offset", _rms_norm_offset, rms_norm, reference.rms_norm, seed=32
+    ),
+    Case("layer_norm", "layer_norm", _layer_norm, layer_norm, reference.layer_norm, seed=35),
     Case("linear", "linear", _linear(False), linear, reference.linear, seed=40),
     Case("linear+bias", "linear", _linear(True), linear, reference.linear, seed=50),
     Case("mlp", "mlp", _mlp, mlp, reference.mlp, seed=60),

@@ -22,7 +22,23 @@ _HALF = (torch.float16, torch.bfloat16)
 )
 def rms_norm(xp: Any, x: Any, weight: Any, *, eps: float) -> Any:
     # torch.rms_norm is the op F.rms_norm wraps (same kernel, one Python frame less).
-    return torch.rms_norm(x, weight.shape, weight, eps)  # weight is (D,): its shape is (D,)
+    return torch.rms_norm(x, x.shape[-1:], weight, eps)  # weight: (D,) or None
+
+
+# Gemma's order (scale 1 + w applied in float32, one rounding) is F.rms_norm's on float32 input.
+@native("torch", "rms_norm_offset", kernel="torch.nn.functional.rms_norm(float32)")
+def rms_norm_offset(xp: Any, x: Any, weight: Any, *, eps: float, offset: float) -> Any:
+    if x.dtype in _HALF:
+        scale = weight.float() + offset
+        return torch.rms_norm(x.float(), x.shape[-1:], scale, eps).to(x.dtype)
+    return torch.rms_norm(x, x.shape[-1:], weight + offset, eps)
+
+
+# F.layer_norm computes float16/bfloat16 input in float32 (mean, variance and the affine map)
+# and rounds once, as the portable path does.
+@native("torch", "layer_norm", kernel="torch.nn.functional.layer_norm")
+def layer_norm(xp: Any, x: Any, weight: Any = None, bias: Any = None, *, eps: float) -> Any:
+    return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
 
 
 @native("torch", "softmax", kernel="torch.softmax")

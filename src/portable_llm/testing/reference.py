@@ -17,6 +17,7 @@ __all__ = [
     "embedding",
     "gelu",
     "gelu_tanh",
+    "layer_norm",
     "linear",
     "mlp",
     "moe",
@@ -69,9 +70,27 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     return e / e.sum(axis=axis, keepdims=True)
 
 
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float = 1e-5) -> np.ndarray:
+def rms_norm(
+    x: np.ndarray, weight: np.ndarray | None = None, eps: float = 1e-5, offset: float = 0.0
+) -> np.ndarray:
+    """``(offset + weight) * x / sqrt(mean(x^2) + eps)``; no weight: the normalised ``x``."""
     x = _f64(x)
-    return _f64(weight) * x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + eps)
+    y = x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + eps)
+    return y if weight is None else (offset + _f64(weight)) * y
+
+
+def layer_norm(
+    x: np.ndarray,
+    weight: np.ndarray | None = None,
+    bias: np.ndarray | None = None,
+    eps: float = 1e-5,
+) -> np.ndarray:
+    """``(x - mean(x)) / sqrt(var(x) + eps) * weight + bias`` over the last axis (biased var)."""
+    x = _f64(x)
+    y = (x - x.mean(axis=-1, keepdims=True)) / np.sqrt(x.var(axis=-1, keepdims=True) + eps)
+    if weight is not None:
+        y = y * _f64(weight)
+    return y if bias is None else y + _f64(bias)
 
 
 def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
