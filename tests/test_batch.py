@@ -371,3 +371,131 @@ def test_cli_batch_prints_each_stream_and_the_aggregate_speed(folders: dict, cap
     ]:
         assert main(["batch", str(folders["llama"]), *bad]) == 1
         assert message in capsys.readouterr().err
+
+
+# -- hardening (issue 22): pages freed on every exception path, bounded lengths, threads ----------
+def test_a_sampler_that_raises_on_the_first_token_frees_its_pages(folders: dict) -> None:
+    """The request has left the prefill list when its first token is sampled: its pages must
+    come back all the same, or the next request waits forever for a full pool."""
+    model = _model(folders, "llama", "numpy")
+
+    def broken(logits: object) -> object:
+        raise RuntimeError("sampler failed")
+
+    gen = BatchGenerator(model, pool_pages=3, page_size=4)  # room for one request
+    gen.add(Request(_prompt(1, 6), 5, sampler=broken))
+    with pytest.raises(RuntimeError, match="sampler failed"):
+        gen.step()
+    assert all(pool.num_free == 3 for pool in gen.pools) and not gen.has_work
+    rid = gen.add(Request(_prompt(2, 6), 5, stop=()))
+    assert _run(gen)[rid][0] == _alone(model, _prompt(2, 6), 5)
+
+
+@pytest.mark.parametrize(
+    ("sampler", "match"),
+    [
+        (lambda logits: np.asarray([300]), r"drew 300, outside \[0, 300\)"),
+        (lambda logits: np.asarray([1, 2]), "must return one integer id"),
+        (lambda logits: np.asarray([1.5]), "must return one integer id"),
+    ],
+)
+def test_a_sampler_returning_a_bad_id_is_an_error_that_frees_the_pages(
+    folders: dict, sampler: object, match: str
+) -> None:
+    model = _model(folders, "llama", "numpy")
+    gen = BatchGenerator(model, page_size=4)
+    gen.add(Request(_prompt(1, 3), 4, stop=()))
+    gen.add(Request(_prompt(2, 3), 4, sampler=sampler, stop=()))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=match):
+        while gen.has_work:
+            gen.step()
+    assert all(pool.num_free == pool.num_pages for pool in gen.pools)
+
+
+def test_without_max_position_embeddings_the_length_is_still_bounded(tmp_path) -> None:
+    """A config without ``max_position_embeddings``: ``max_new_tokens=10**7`` is refused in
+    ``add``, before a page is reserved (it used to reserve gigabytes per layer)."""
+    from portable_llm.generation.batch import DEFAULT_MAX_SEQ_LEN
+
+    cfg = tiny_config("qwen2")
+    del cfg["max_position_embeddings"]
+    write_checkpoint(tmp_path, cfg, seed=3)
+    model = load(tmp_path, backend="numpy", dtype="float64")
+    assert model.max_seq_len is None
+    gen = BatchGenerator(model, page_size=4)
+    assert gen.max_seq_len == DEFAULT_MAX_SEQ_LEN
+    sizes = [pool.num_pages for pool in gen.pools]
+    with pytest.raises(ValueError, match=rf"more than max_seq_len \({DEFAULT_MAX_SEQ_LEN}\)"):
+        gen.add(Request(_prompt(0, 5), 10**7))
+    assert not gen.has_work and [pool.num_pages for pool in gen.pools] == sizes
+    assert BatchGenerator(model, max_seq_len=10**8).max_seq_len == 10**8  # an explicit choice
+
+
+def test_a_pool_that_fails_to_grow_frees_every_page_and_keeps_the_ids_aligned(
+    folders: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Layer 1's pool fails to grow (MemoryError) after layer 0's grew: the step frees every
+    page, and later requests (one that fits, one that grows the pools again) get their tokens."""
+    model = _model(folders, "llama", "numpy")
+    gen = BatchGenerator(model, max_batch=1, page_size=4, max_seq_len=400)  # 64 pages: 256 tokens
+    small, big = Request(_prompt(5, 6), 4, stop=()), Request(_prompt(6, 300), 3, stop=())
+    real = type(gen.pools[1]).grow
+
+    def fail(self: object, *args: object) -> None:
+        raise MemoryError("no room")
+
+    monkeypatch.setattr(gen.pools[1], "grow", fail.__get__(gen.pools[1]))
+    gen.add(big)
+    with pytest.raises(MemoryError):
+        gen.step()
+    assert not gen.has_work
+    assert all(pool.num_free == pool.num_pages for pool in gen.pools)
+    assert gen.pools[0].num_pages > gen.pools[1].num_pages  # grown half-way
+    monkeypatch.setattr(gen.pools[1], "grow", real.__get__(gen.pools[1]))
+    for req in (small, big):
+        rid = gen.add(req)
+        assert _run(gen)[rid][0] == _alone(model, list(req.prompt_ids), req.max_new_tokens)
+    assert all(pool.num_free == pool.num_pages for pool in gen.pools)
+
+
+def test_step_belongs_to_one_thread_while_requests_hold_caches(folders: dict) -> None:
+    """``add`` from any thread; ``step`` from another thread while requests run is a
+    RuntimeError that changes nothing; once every request finished, any thread may step."""
+    import threading
+
+    model = _model(folders, "llama", "numpy")
+    gen = BatchGenerator(model, page_size=4)
+    out: dict[str, object] = {}
+
+    def in_thread(fn: object) -> object:
+        def run() -> None:
+            try:
+                out["value"] = fn()  # type: ignore[operator]
+            except BaseException as e:
+                out["value"] = e
+
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+        return out.pop("value")
+
+    first = in_thread(lambda: gen.add(Request(_prompt(7, 4), 5, stop=())))
+    assert first == 0
+    tokens = [t for _, t, _ in gen.step()]  # this thread now steps request 0
+    free = [pool.num_free for pool in gen.pools]
+    error = in_thread(gen.step)
+    assert isinstance(error, RuntimeError) and "step() from one thread" in str(error)
+    assert [pool.num_free for pool in gen.pools] == free and gen.has_work
+    while gen.has_work:
+        tokens += [t for _, t, _ in gen.step()]
+    assert tokens == _alone(model, _prompt(7, 4), 5)
+    rid = gen.add(Request(_prompt(8, 4), 3, stop=()))
+    got = in_thread(lambda: _run(gen))  # the generator is empty: another thread takes it
+    assert got[rid][0] == _alone(model, _prompt(8, 4), 3)  # type: ignore[index]
+
+
+def test_a_text_request_is_a_clear_error(folders: dict) -> None:
+    gen = BatchGenerator(_model(folders, "llama", "numpy"))
+    with pytest.raises(ValueError, match=r"add: prompt_ids must be a 1-D sequence .* got str"):
+        gen.add(Request("hello"))
+    assert not gen.has_work

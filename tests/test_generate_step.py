@@ -331,3 +331,54 @@ def test_pipelining_queues_the_next_step_before_the_token_is_read(
     stepped = pl.generate_step(model, prompt, cache=held, logits_processors=never)
     assert _take(NEW, stepped) == want
     assert held[0].offset == len(prompt) + NEW - 1
+
+
+# -- hardening (issue 22): what a step refuses, and a prompt cache a failed call leaves alone -----
+def test_generate_step_refuses_bad_padding_and_bad_sampler_output(mistral: tuple) -> None:
+    model = load(mistral[0], dtype="float32")
+    ids = np.asarray([_prompt(1), _prompt(2)])  # (2, 4)
+    for pads, match in [([0, 4], r"in \[0, L\) = \[0, 4\)"), ([0], r"must be 2 ints")]:
+        with pytest.raises(ValueError, match=match):
+            pl.generate_step(model, ids, left_padding=np.asarray(pads))
+    for sampler, match in [
+        (lambda logits: np.asarray([1, 2]), r"ids of shape \(B,\) = \(1,\)"),
+        (lambda logits: np.asarray([300]), r"drew 300, outside \[0, 300\)"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            next(pl.generate_step(model, _prompt(3), sampler=sampler))
+
+
+class _FailsAfterPrefill:
+    """A model that fills the caches with the prompt, then fails (a failed step 0)."""
+
+    def __init__(self, model: pl.Model) -> None:
+        self.model = model
+        self.vocab_size, self.tokenizer = model.vocab_size, model.tokenizer
+        self.eos_token_ids, self.make_cache = model.eos_token_ids, model.make_cache
+
+    def __call__(self, ids, /, *, cache, last_only=False):
+        self.model(ids, cache=cache, last_only=last_only)
+        raise RuntimeError("the head failed")
+
+
+def test_a_prompt_cache_is_rewound_when_the_first_step_fails(tmp_path) -> None:
+    """(Full-attention layers: a sliding-window ring that wrapped cannot rewind.)"""
+    write_checkpoint(tmp_path, tiny_config("qwen2"), seed=4)
+    model = load(tmp_path, dtype="float32")
+    cache = model.make_cache()
+    first = list(pl.generate(model, _prompt(4), max_new_tokens=3, stop=(), prompt_cache=cache))
+    held = [c.offset for c in cache]
+    with pytest.raises(RuntimeError, match="the head failed"):
+        list(pl.generate(_FailsAfterPrefill(model), _prompt(5), prompt_cache=cache))
+    assert [c.offset for c in cache] == held
+    # The conversation goes on as if the failed call never happened.
+    fresh = model.make_cache()
+    list(pl.generate(model, _prompt(4), max_new_tokens=3, stop=(), prompt_cache=fresh))
+    want = list(pl.generate(model, _prompt(6), max_new_tokens=3, stop=(), prompt_cache=fresh))
+    assert (
+        first
+        and list(pl.generate(model, _prompt(6), max_new_tokens=3, stop=(), prompt_cache=cache))
+        == want
+    )
+    with pytest.raises(TypeError, match=r"prompt_cache holds None at \[0, 1\]"):
+        pl.generate(model, _prompt(5), prompt_cache=[None, None])

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import re
 from statistics import NormalDist
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -61,8 +60,9 @@ class _Wrong:
 
     def __init__(self, model: pl.Model, wrong: set[int]) -> None:
         self._model, self._wrong = model, wrong
-        self.config, self.backend, self.device = model.config, model.backend, model.device
-        self.tokenizer, self.generation_config = model.tokenizer, model.generation_config
+        self.backend, self.device = model.backend, model.device
+        self.vocab_size, self.tokenizer = model.vocab_size, model.tokenizer
+        self.eos_token_ids, self.make_cache = model.eos_token_ids, model.make_cache
 
     def __call__(self, ids: Any, /, *, cache: Any, last_only: bool = False) -> Any:
         offset, L = cache[0].offset, ids.shape[1]
@@ -144,7 +144,8 @@ def test_stop_token_inside_a_proposal_ends_as_generate(llama: tuple, backend: st
 
 class _Unused:
     def __init__(self, model: pl.Model) -> None:
-        self.config, self.tokenizer = model.config, model.tokenizer
+        self.vocab_size, self.tokenizer = model.vocab_size, model.tokenizer
+        self.eos_token_ids, self.make_cache = model.eos_token_ids, model.make_cache
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise AssertionError("num_draft_tokens=0 must not run the draft")
@@ -231,12 +232,15 @@ class _Bigram:
     def __init__(self, table: np.ndarray, backend: str) -> None:
         self.backend = pl.get_backend(backend)
         self.device = self.backend.device_of(self.backend.xp.zeros(1))
-        self.config = SimpleNamespace(vocab_size=V, num_hidden_layers=1)
-        self.tokenizer = None
+        self.vocab_size, self.tokenizer, self.eos_token_ids = V, None, ()
         self._table = self.backend.from_numpy(table.astype(np.float32), self.device)  # (V, V)
+
+    def make_cache(self) -> list[pl.KVCache]:
+        return [pl.KVCache()]
 
     def __call__(self, ids: Any, /, *, cache: Any, last_only: bool = False) -> Any:
         xp = self.backend.xp
+        ids = pl.asarray(ids, backend=self.backend.name, device=self.device)
         L = ids.shape[1]
         k = xp.zeros((1, 1, L, 1), dtype=xp.float32, device=self.device)
         cache[0].update_and_fetch(k, k)

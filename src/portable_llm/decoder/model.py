@@ -15,10 +15,12 @@ import numpy as np
 from portable_llm.attn.block import attention
 from portable_llm.backends import Backend, backend_of
 from portable_llm.caches.kv import KVCache, RotatingKVCache
+from portable_llm.caches.page_pool import PagePool
 from portable_llm.core.arrays import asarray, to_numpy
 from portable_llm.core.checks import check_int
 from portable_llm.decoder.compiled import CompiledStep, compiled_step
 from portable_llm.decoder.config import DecoderConfig
+from portable_llm.decoder.paged_step import forward as paged_forward
 from portable_llm.decoder.prepared import Prepared, preparable
 from portable_llm.ops.embedding import embedding, unembed
 from portable_llm.ops.linear import linear, mlp
@@ -266,6 +268,49 @@ class Model:
         ):
             return self(ids, cache=cache, last_only=True)
         return self._prepared(ids, cache, None, True, check_ids=False)
+
+    # -- what generation needs (portable_llm.generation.protocol) -------------------------------
+    @property
+    def vocab_size(self) -> int:
+        """``V``: the config's ``vocab_size``."""
+        return self.config.vocab_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The default stop ids: ``generation_config.json``'s ``eos_token_id``, else
+        ``config.json``'s."""
+        eos = self.generation_config.get("eos_token_id")
+        if eos is None:
+            return tuple(self.config.eos_token_id)
+        return tuple(int(i) for i in eos) if isinstance(eos, list | tuple) else (int(eos),)
+
+    @property
+    def max_seq_len(self) -> int | None:
+        """The config's ``max_position_embeddings`` (``None`` when it has none)."""
+        return self.config.max_position_embeddings
+
+    def make_page_pools(self, num_pages: int, page_size: int) -> list[PagePool]:
+        """One empty :class:`~portable_llm.PagePool` per layer: ``num_pages`` pages of
+        ``page_size`` tokens, ``(H_kv, D)`` heads, the model's dtype, backend and device."""
+        cfg = self.config
+        shape = (num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
+        where = {"backend": self.backend.name, "device": self.device}
+        return [PagePool(*shape, self.dtype, **where) for _ in range(cfg.num_hidden_layers)]
+
+    def forward_paged(
+        self,
+        ids: Sequence[Sequence[int]],
+        /,
+        *,
+        caches: Sequence[Sequence[Any]],
+        logits: bool = True,
+    ) -> Any:
+        """Logits ``(B, V)`` of the last position of each row after its tokens ``ids[b]`` (one
+        length ``L`` for all rows), over paged caches: ``caches[b]`` is row ``b``'s
+        :class:`~portable_llm.PagedKVCache` per layer (over :meth:`make_page_pools`' pools).
+        ``logits=False``: only fill the caches; returns ``None``. See
+        :func:`portable_llm.decoder.paged_step.forward`."""
+        return paged_forward(self, caches, [list(row) for row in ids], logits=logits)
 
     def make_cache(self, *, left_padding: Any = None, step: int = 256) -> list[Any]:
         """One KV cache per layer: a :class:`~portable_llm.KVCache`, or for a sliding-window

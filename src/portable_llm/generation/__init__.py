@@ -2,11 +2,18 @@
 
 from portable_llm.generation.batch import BatchGenerator, Request, batch_generate
 from portable_llm.generation.generate import Generation, GenerationStats, generate
+from portable_llm.generation.prompt import prompt_ids, sampling_options, stop_ids
+from portable_llm.generation.protocol import DecodeStepModel, LanguageModel, PagedLanguageModel
 from portable_llm.generation.sampler import make_logits_processors, make_sampler
 from portable_llm.generation.speculative import SpeculativeStats, speculative_generate
 from portable_llm.generation.steps import generate_step
 
 __all__ = [
+    # the model protocol (docs/bring-your-own-model.md)
+    "DecodeStepModel",
+    "LanguageModel",
+    "PagedLanguageModel",
+    # the decode loop and its fronts
     "BatchGenerator",
     "Generation",
     "GenerationStats",
@@ -15,7 +22,11 @@ __all__ = [
     "batch_generate",
     "generate",
     "generate_step",
+    "speculative_generate",
+    # samplers and the checks every front shares
     "make_logits_processors",
     "make_sampler",
-    "speculative_generate",
+    "prompt_ids",
+    "sampling_options",
+    "stop_ids",
 ]

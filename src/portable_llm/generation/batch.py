@@ -13,12 +13,25 @@ Requests (:class:`Request`) arrive at any time; each keeps its keys and values i
    completes samples its first token in that step and joins the decode batch in the next.
 
 A request ends at one of its stop tokens (``"stop"``) or after ``max_new_tokens`` tokens
-(``"length"``); its pages are freed at once for the requests that wait.
+(``"length"``), or when :meth:`BatchGenerator.cancel` drops it; its pages are freed at once for
+the requests that wait.
+
+With ``prefix_cache=True`` the pages of each prompt's full blocks (once prefilled) and of each
+finished sequence are kept in a :class:`~portable_llm.caches.prefix.PrefixCache`: a request
+whose prompt starts with cached tokens shares those pages and prefills only the rest, and the
+least recently used cached pages that no request holds are evicted when the pools run short.
+
+The model is any :class:`~portable_llm.generation.LanguageModel`. One that is a
+:class:`~portable_llm.generation.PagedLanguageModel` (:class:`~portable_llm.Model`) makes the
+pools and runs the rows of a step in one forward (``forward_paged``); any other runs each
+request alone over its own ``make_cache()`` (no pools: ``max_batch`` bounds the memory), with
+the same tokens.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -26,16 +39,29 @@ from typing import Any
 
 import numpy as np
 
+from portable_llm.backends import backend_of
 from portable_llm.caches.paged import PagedKVCache, PagePool
+from portable_llm.caches.prefix import PrefixCache
+from portable_llm.core.arrays import to_numpy
 from portable_llm.core.checks import check_int, check_optional_int
-from portable_llm.decoder.paged_step import forward
-from portable_llm.generation.generate import _ids, _stop_ids, stop_tokens
+from portable_llm.generation.prompt import prompt_ids, stop_ids
+from portable_llm.generation.protocol import (
+    LanguageModel,
+    PagedLanguageModel,
+    check_model,
+    check_paged_model,
+)
 from portable_llm.generation.sampler import Sampler
 from portable_llm.ops.sampling import greedy
 
-__all__ = ["BatchGenerator", "Request", "batch_generate"]
+__all__ = ["DEFAULT_MAX_SEQ_LEN", "BatchGenerator", "Request", "batch_generate"]
 
 OP = "BatchGenerator"
+
+#: The longest sequence a :class:`BatchGenerator` takes when neither ``max_seq_len`` nor the
+#: model states one (a config without ``max_position_embeddings``): a request's pages are
+#: reserved when it is admitted, so a ``max_new_tokens`` of ``10**7`` must not reach the pools.
+DEFAULT_MAX_SEQ_LEN = 32768
 
 
 @dataclass
@@ -51,8 +77,8 @@ class Request:
         ``sampler(logits (1, V)) -> ids (1,)`` (:func:`~portable_llm.make_sampler`), called
         once per token of this request; default :func:`~portable_llm.greedy`.
     stop : iterable of int, optional
-        Stop token ids; default the model's EOS ids (:func:`~portable_llm.generation.generate.
-        stop_tokens`, as :func:`~portable_llm.generate`). ``()``: none.
+        Stop token ids; default the model's EOS ids (``model.eos_token_ids``, as
+        :func:`~portable_llm.generate`). ``()``: none.
     """
 
     prompt_ids: Sequence[int] | Any
@@ -70,10 +96,11 @@ class _Seq:
     max_new_tokens: int
     sampler: Sampler | None
     stops: frozenset[int]
-    caches: list[PagedKVCache] = field(default_factory=list)  # one per layer, once admitted
+    caches: list[Any] = field(default_factory=list)  # one per layer, once admitted
     prefilled: int = 0  # prompt tokens in the caches
     generated: int = 0
     pending: int = -1  # the last token sampled, fed to the model by the next decode step
+    out: list[int] = field(default_factory=list)  # the tokens sampled so far
 
 
 class BatchGenerator:
@@ -85,7 +112,11 @@ class BatchGenerator:
 
     Parameters
     ----------
-    model : Model
+    model : LanguageModel
+        A :class:`~portable_llm.Model`, or any object that follows
+        :class:`~portable_llm.generation.LanguageModel` (``docs/bring-your-own-model.md``);
+        paged (one forward per step) when it follows
+        :class:`~portable_llm.generation.PagedLanguageModel`.
     max_batch : int, >= 1
         The most requests admitted at once (decoding or in prefill).
     prefill_chunk : int, >= 1
@@ -94,53 +125,82 @@ class BatchGenerator:
         Pages per layer's pool. Requests wait while the pool is full, and :meth:`add` refuses
         one that could never fit. ``None`` (default): the pools start with room for
         ``max_batch`` sequences of 256 tokens and grow (doubling) when a request needs more.
+        Unused by a model without paged caches.
     page_size : int, >= 1
         Tokens per page.
     max_seq_len : int, >= 1, optional
         The longest sequence (prompt plus ``max_new_tokens``) :meth:`add` accepts; default the
-        config's ``max_position_embeddings`` (no limit when it has none).
+        model's ``max_seq_len`` (a config's ``max_position_embeddings``), else
+        :data:`DEFAULT_MAX_SEQ_LEN` (32768): a request's pages are reserved at once, so the
+        length is always bounded.
+    prefix_cache : bool
+        Keep the pages of prompts and finished sequences for the requests that start with the
+        same tokens (see the module docstring; paged models only). Default ``False``.
 
     Attributes
     ----------
     pools : list of PagePool
         One per layer, ``(pool_pages, H_kv, page_size, D)`` pages of the model's dtype; a
-        sequence holds the same page ids in each.
-    max_seq_len : int or None
+        sequence holds the same page ids in each. Empty for a model without paged caches.
+    max_seq_len : int
+    prefix_cache : PrefixCache or None
+    admitted : list of ``(request_id, cached_tokens)``
+        The requests the last :meth:`step` admitted, each with the prompt tokens it took from
+        the prefix cache (prefilled without computing them).
 
     Notes
     -----
-    An exception inside :meth:`step` (a sampler that raises, logits that are all NaN) frees
-    every page and drops every request before it propagates: the generator is then empty.
+    An exception inside :meth:`step` (a sampler that raises, logits that are all NaN, a pool
+    that cannot grow) frees every page and drops every request before it propagates: the
+    generator is then empty, and usable again.
+
+    Threads: :meth:`add` and :attr:`has_work` are safe from any thread (a lock guards the
+    queue), so a server can queue requests while another thread steps. :meth:`step` is not
+    shared: while requests hold caches, it belongs to the thread that stepped them (as a
+    :class:`~portable_llm.KVCache` belongs to the thread that first updates it: the caches are
+    written in place, and MLX crashes when threads share them), and a call from another thread,
+    or one while a step runs, raises ``RuntimeError`` and changes nothing. Once no request holds
+    caches (none admitted, or all finished), any thread may step it.
     """
 
     def __init__(
         self,
-        model: Any,
+        model: LanguageModel,
         *,
         max_batch: int = 8,
         prefill_chunk: int = 512,
         pool_pages: int | None = None,
         page_size: int = 16,
         max_seq_len: int | None = None,
+        prefix_cache: bool = False,
     ) -> None:
-        self.model = model
+        self.model = check_model(OP, model)
+        self._paged: PagedLanguageModel | None = check_paged_model(self.model)
         self.max_batch = check_int(OP, "max_batch", max_batch, low=1)
         self.prefill_chunk = check_int(OP, "prefill_chunk", prefill_chunk, low=1)
         page_size = check_int(OP, "page_size", page_size, low=1)
         fixed = check_optional_int(OP, "pool_pages", pool_pages, low=1)
-        limit = model.config.max_position_embeddings if max_seq_len is None else max_seq_len
-        self.max_seq_len = check_optional_int(OP, "max_seq_len", limit, low=1)
+        limit = max_seq_len
+        if limit is None and self._paged is not None:
+            limit = self._paged.max_seq_len
+        limit = DEFAULT_MAX_SEQ_LEN if limit is None else limit
+        self.max_seq_len: int = check_int(OP, "max_seq_len", limit, low=1)
         self._grows = fixed is None
         pages = fixed if fixed is not None else self.max_batch * math.ceil(256 / page_size)
-        cfg = model.config
-        shape = (pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
-        where = {"backend": model.backend.name, "device": model.device}
-        self.pools = [PagePool(*shape, model.dtype, **where) for _ in range(cfg.num_hidden_layers)]
-        self._default_stops = frozenset(stop_tokens(model))
+        self.pools: list[PagePool] = []
+        if self._paged is not None:
+            self.pools = self._paged.make_page_pools(pages, page_size)
+        self._default_stops = stop_ids(self.model, None, op=OP)
+        self._lock = threading.Lock()  # guards the queue and the request ids
+        self._owner: int | None = None  # the thread that steps the requests holding caches
+        self._stepping = False  # a step() runs
         self._next_id = 0
         self._waiting: deque[_Seq] = deque()
         self._prefilling: list[_Seq] = []
         self._running: list[_Seq] = []
+        self._live: dict[int, _Seq] = {}  # every request holding caches, by id
+        self.prefix_cache = PrefixCache(self.pools) if prefix_cache and self.pools else None
+        self.admitted: list[tuple[int, int]] = []
 
     @property
     def has_work(self) -> bool:
@@ -152,40 +212,39 @@ class BatchGenerator:
 
         Every field is checked here, before anything is queued or allocated: a bad one is a
         ``TypeError`` or ``ValueError`` naming it, and so is a request longer than
-        ``max_seq_len`` or than a fixed pool holds.
+        ``max_seq_len`` or than a fixed pool holds. Safe from any thread.
         """
+        op = f"{OP}.add"
         if not isinstance(request, Request):
-            raise TypeError(f"{OP}.add: expected a Request, got {type(request).__name__}")
-        prompt = _ids(request.prompt_ids)
-        V = self.model.config.vocab_size
-        if not prompt:
-            raise ValueError(f"{OP}.add: prompt_ids has no tokens")
-        if min(prompt) < 0 or max(prompt) >= V:
-            raise ValueError(
-                f"{OP}.add: prompt_ids must lie in [0, {V}) (vocab_size), got {min(prompt)} to "
-                f"{max(prompt)}"
-            )
-        new = check_int(OP, "max_new_tokens", request.max_new_tokens, low=1)
+            raise TypeError(f"{op}: expected a Request, got {type(request).__name__}")
+        prompt = prompt_ids(self.model, request.prompt_ids, op=op, name="prompt_ids", text=False)
+        new = check_int(op, "max_new_tokens", request.max_new_tokens, low=1)
         if request.sampler is not None and not callable(request.sampler):
             raise TypeError(
-                f"{OP}.add: sampler must be callable or None, got {type(request.sampler).__name__}"
+                f"{op}: sampler must be callable or None, got {type(request.sampler).__name__}"
             )
-        stops = self._default_stops if request.stop is None else frozenset(_stop_ids(request.stop))
+        stops = (
+            self._default_stops
+            if request.stop is None
+            else stop_ids(self.model, request.stop, op=op)
+        )
         total = len(prompt) + new
-        if self.max_seq_len is not None and total > self.max_seq_len:
+        if total > self.max_seq_len:
             raise ValueError(
-                f"{OP}.add: the prompt ({len(prompt)} tokens) plus max_new_tokens ({new}) is "
+                f"{op}: the prompt ({len(prompt)} tokens) plus max_new_tokens ({new}) is "
                 f"{total} tokens, more than max_seq_len ({self.max_seq_len})"
             )
-        need = self._pages(len(prompt), new)
-        if not self._grows and need > self.pools[0].num_pages:
-            raise ValueError(
-                f"{OP}.add: the request needs {need} pages of {self.pools[0].page_size} tokens, "
-                f"more than pool_pages ({self.pools[0].num_pages})"
-            )
-        seq = _Seq(self._next_id, prompt, new, request.sampler, stops)
-        self._next_id += 1
-        self._waiting.append(seq)
+        if self.pools and not self._grows:
+            need = self._pages(len(prompt), new)
+            if need > self.pools[0].num_pages:
+                raise ValueError(
+                    f"{op}: the request needs {need} pages of {self.pools[0].page_size} tokens, "
+                    f"more than pool_pages ({self.pools[0].num_pages})"
+                )
+        with self._lock:
+            seq = _Seq(self._next_id, prompt, new, request.sampler, stops)
+            self._next_id += 1
+            self._waiting.append(seq)
         return seq.rid
 
     def step(self) -> list[tuple[int, int, str | None]]:
@@ -199,45 +258,147 @@ class BatchGenerator:
             joined the decode batch, then those whose prefill completed. ``finish_reason`` is
             ``None`` while the request runs, ``"stop"`` when ``token`` is one of its stop
             tokens, ``"length"`` on its ``max_new_tokens``-th token; the request then leaves.
+
+        Raises
+        ------
+        RuntimeError
+            While requests hold caches, a call from another thread than the one that stepped
+            them, or a call while a step runs (see the class notes); nothing changes.
         """
+        me = threading.get_ident()
+        with self._lock:
+            if self._stepping or (self._live and self._owner != me):
+                raise RuntimeError(
+                    f"{OP}.step: the generator is being stepped by thread {self._owner}, called "
+                    f"from thread {me}; while requests hold caches, step() from one thread (add() "
+                    "may come from any)"
+                )
+            self._owner, self._stepping = me, True
         try:
             return self._step()
         except BaseException:
             self._abort()
             raise
+        finally:
+            self._stepping = False
+
+    def cancel(self, request_id: int, /) -> bool:
+        """Drop a request, waiting or running, and free its pages now (from the thread that
+        steps); ``False`` when no such request is queued or running (it finished)."""
+        rid = check_int(f"{OP}.cancel", "request_id", request_id)
+        with self._lock:
+            for seq in self._waiting:
+                if seq.rid == rid:
+                    self._waiting.remove(seq)
+                    return True
+        for seqs in (self._prefilling, self._running):
+            for seq in seqs:
+                if seq.rid == rid:
+                    seqs.remove(seq)
+                    self._finish(seq)
+                    return True
+        return False
 
     # -- one step -----------------------------------------------------------------------------
     def _pages(self, prompt: int, new: int) -> int:
         """Pages for a sequence: the last token sampled is never fed back, so never stored."""
         return math.ceil((prompt + new - 1) / self.pools[0].page_size)
 
+    def _room(self, need: int) -> bool:
+        """Whether every pool has ``need`` free pages, growing the pools where they may.
+
+        The pools hand out the same page ids as long as a sequence's pages come from the
+        pages free in *every* pool (lowest first): hence the smallest pool's count, also after
+        a growth that failed half-way (the pools then differ in size). Cached prefixes no
+        request holds are evicted first."""
+        free = min(pool.num_free for pool in self.pools)
+        if need > free and self.prefix_cache is not None:
+            self.prefix_cache.evict(need - free)
+            free = min(pool.num_free for pool in self.pools)
+        if need <= free:
+            return True
+        if not self._grows:
+            return False  # it waits for pages to be freed
+        smallest = min(pool.num_pages for pool in self.pools)
+        size = smallest
+        while size - smallest + free < need:
+            size *= 2
+        for pool in self.pools:
+            if pool.num_pages < size:
+                pool.grow(size)
+        return True
+
     def _admit(self) -> None:
-        while self._waiting and len(self._prefilling) + len(self._running) < self.max_batch:
-            seq = self._waiting[0]
-            need = self._pages(len(seq.prompt), seq.max_new_tokens)
-            if need > self.pools[0].num_free:
-                if not self._grows:
-                    return  # it waits for pages to be freed
-                size = self.pools[0].num_pages
-                while size - self.pools[0].num_pages + self.pools[0].num_free < need:
-                    size *= 2
-                for pool in self.pools:
-                    pool.grow(size)
-            tokens = len(seq.prompt) + seq.max_new_tokens - 1
-            seq.caches = [PagedKVCache(pool) for pool in self.pools]
-            for cache in seq.caches:
-                cache.reserve(tokens)
-            self._waiting.popleft()
+        while len(self._prefilling) + len(self._running) < self.max_batch:
+            with self._lock:
+                if not self._waiting:
+                    return
+                seq = self._waiting[0]
+            cached, shared = self._match(seq)
+            if self._paged is not None and not self._pinned_room(seq, cached, shared):
+                return
+            self._live[seq.rid] = seq  # from here on, _abort frees its pages
+            with self._lock:
+                self._waiting.popleft()
+            if self._paged is not None:
+                tokens = len(seq.prompt) + seq.max_new_tokens - 1
+                seq.caches = [PagedKVCache(pool) for pool in self.pools]
+                for cache, pages in zip(seq.caches, shared, strict=True):
+                    cache.share(pages, cached)  # the cached prefix (copy on write: last page)
+                    cache.reserve(tokens - cached)
+                seq.prefilled = cached
+            else:
+                seq.caches = self.model.make_cache()
             self._prefilling.append(seq)
+            self.admitted.append((seq.rid, cached))
+
+    def _match(self, seq: _Seq) -> tuple[int, list[list[int]]]:
+        """The prompt tokens of ``seq`` in the prefix cache (all but the last, whose logits
+        are needed) and each pool's pages holding them."""
+        shared: list[list[int]] = [[] for _ in self.pools]
+        if self.prefix_cache is None:
+            return 0, shared
+        cached, found = self.prefix_cache.match(seq.prompt, limit=len(seq.prompt) - 1)
+        return cached, found or shared
+
+    def _pinned_room(self, seq: _Seq, cached: int, shared: list[list[int]]) -> bool:
+        """:meth:`_room` for ``seq``'s pages past its cached prefix, whose pages are held
+        meanwhile so that eviction keeps them."""
+        need = self._pages(len(seq.prompt), seq.max_new_tokens) - cached // self.pools[0].page_size
+        for pool, pages in zip(self.pools, shared, strict=True):
+            pool.share(pages)
+        try:
+            return self._room(need)
+        finally:
+            for pool, pages in zip(self.pools, shared, strict=True):
+                pool.free(pages)
+
+    def _forward(self, seqs: list[_Seq], chunks: list[list[int]], *, logits: bool = True) -> Any:
+        """Logits ``(B, V)`` of each row's last position after its ``chunks[b]``; ``None``
+        when not ``logits``."""
+        if self._paged is not None:
+            return self._paged.forward_paged(chunks, caches=[s.caches for s in seqs], logits=logits)
+        rows = [
+            self.model(np.asarray([chunk], dtype=np.int64), cache=s.caches, last_only=True)[
+                :, -1, :
+            ]
+            for s, chunk in zip(seqs, chunks, strict=True)
+        ]  # each (1, V)
+        if not logits:
+            return None
+        if len(rows) == 1:
+            return rows[0]
+        bk = backend_of(rows[0])
+        assert bk is not None
+        return bk.xp.concat(rows, axis=0)  # (B, V)
 
     def _step(self) -> list[tuple[int, int, str | None]]:
+        self.admitted = []
         self._admit()
         events: list[tuple[int, int, str | None]] = []
         if self._running:
             running = self._running
-            logits = forward(
-                self.model, [s.caches for s in running], [[s.pending] for s in running]
-            )
+            logits = self._forward(running, [[s.pending] for s in running])
             for seq, token in zip(running, self._sample(running, logits), strict=True):
                 events.append(self._emit(seq, token))
             self._running = [s for s in running if s.caches]
@@ -250,8 +411,11 @@ class BatchGenerator:
             seq.prefilled += n
             budget -= n
             last = seq.prefilled == len(seq.prompt)  # only the last chunk needs logits
-            logits = forward(self.model, [seq.caches], [chunk], logits=last)  # (1, V) or None
+            logits = self._forward([seq], [chunk], logits=last)  # (1, V) or None
             if last:
+                if self.prefix_cache is not None:  # the prompt's full pages are final now
+                    full = len(seq.prompt) - len(seq.prompt) % self.pools[0].page_size
+                    self.prefix_cache.insert(seq.prompt[:full], [c.block_table for c in seq.caches])
                 self._prefilling.remove(seq)
                 (token,) = self._sample([seq], logits)
                 events.append(self._emit(seq, token))
@@ -262,28 +426,40 @@ class BatchGenerator:
     def _sample(self, seqs: list[_Seq], logits: Any) -> list[int]:
         """Each row's token: greedy rows with one call, each sampler on its own row ``(1, V)``
         (so that a seeded sampler draws as it would alone)."""
-        to_numpy = self.model.backend.to_numpy
         top = None
         if any(s.sampler is None for s in seqs):
             top = to_numpy(greedy(logits)).reshape(-1)  # (B,)
+        V = self.model.vocab_size
         out = []
         for b, seq in enumerate(seqs):
             if seq.sampler is None:
                 assert top is not None
                 token = int(top[b])
             else:
-                token = int(np.asarray(to_numpy(seq.sampler(logits[b : b + 1, :]))).reshape(-1)[0])
+                drawn = np.asarray(to_numpy(seq.sampler(logits[b : b + 1, :]))).reshape(-1)
+                if drawn.shape != (1,) or drawn.dtype.kind not in "iu":
+                    raise ValueError(
+                        f"{OP}: the sampler of request {seq.rid} must return one integer id "
+                        f"for logits of shape (1, {V}), got {drawn.dtype} with {drawn.size} values"
+                    )
+                token = int(drawn[0])
             if token < 0:  # sample's mark for a row with no distribution
                 raise ValueError(
                     f"{OP}: the logits of request {seq.rid} after "
                     f"{seq.prefilled + seq.generated} tokens are NaN or all -inf; the weights or "
                     "the dtype overflowed"
                 )
+            if token >= V:
+                raise ValueError(
+                    f"{OP}: the sampler of request {seq.rid} drew {token}, outside [0, {V}) "
+                    "(vocab_size)"
+                )
             out.append(token)
         return out
 
     def _emit(self, seq: _Seq, token: int) -> tuple[int, int, str | None]:
         seq.generated += 1
+        seq.out.append(token)
         reason = None
         if token in seq.stops:
             reason = "stop"
@@ -292,20 +468,30 @@ class BatchGenerator:
         if reason is None:
             seq.pending = token
         else:
-            self._release(seq)
+            self._finish(seq)
         return seq.rid, token, reason
 
+    def _finish(self, seq: _Seq) -> None:
+        """Release a request that ended, its tokens first kept by the prefix cache."""
+        if self.prefix_cache is not None and seq.caches:
+            tokens = (seq.prompt + seq.out)[: seq.caches[0].offset]
+            self.prefix_cache.insert(tokens, [c.block_table for c in seq.caches])
+        self._release(seq)
+
     def _release(self, seq: _Seq) -> None:
-        for cache in seq.caches:
-            cache.release()
+        if self._paged is not None:
+            for cache in seq.caches:
+                cache.release()
         seq.caches = []
+        self._live.pop(seq.rid, None)
 
     def _abort(self) -> None:
-        """Free every page and drop every request (after an exception inside a step)."""
-        for seq in [*self._prefilling, *self._running]:
-            if seq.caches:
-                self._release(seq)
-        self._waiting.clear()
+        """Free every page and drop every request (after an exception inside a step): every
+        request that holds caches, wherever the exception left it."""
+        for seq in list(self._live.values()):
+            self._release(seq)
+        with self._lock:
+            self._waiting.clear()
         self._prefilling.clear()
         self._running.clear()
 
@@ -325,7 +511,8 @@ def batch_generate(
 
     Parameters
     ----------
-    model : Model
+    model : LanguageModel
+        As for :class:`BatchGenerator`.
     prompts : list of str, or list of token-id sequences (or 1-D integer arrays)
         Strings are encoded as :func:`~portable_llm.generate` encodes them (the model's
         tokenizer).
@@ -342,16 +529,16 @@ def batch_generate(
     list, in prompt order
         Each prompt's new token ids (``list[int]``), or its decoded text for string prompts.
     """
+    op = "batch_generate"
+    model = check_model(op, model)
     prompts = list(prompts)
     texts = [isinstance(p, str) for p in prompts]
     if any(texts) and not all(texts):
-        raise TypeError("batch_generate: prompts must be all strings or all token-id sequences")
+        raise TypeError(f"{op}: prompts must be all strings or all token-id sequences")
     text = bool(prompts) and all(texts)
+    new = check_int(op, "max_new_tokens", max_new_tokens, low=0)
+    rows = [prompt_ids(model, p, op=op, name=f"prompts[{i}]") for i, p in enumerate(prompts)]
     tokenizer = model.tokenizer
-    if text and tokenizer is None:
-        raise ValueError("batch_generate: a text prompt needs the checkpoint's tokenizer.json")
-    new = check_int("batch_generate", "max_new_tokens", max_new_tokens, low=0)
-    rows = [tokenizer.encode_prompt(p) if text else p for p in prompts]
     gen = BatchGenerator(model, max_batch=max_batch, prefill_chunk=prefill_chunk)
     out: list[list[int]] = [[] for _ in rows]
     if new > 0:

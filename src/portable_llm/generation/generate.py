@@ -10,18 +10,16 @@ not yielded.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from portable_llm.attn.padding import left_pad
-from portable_llm.backends import backend_of
-from portable_llm.core.arrays import to_numpy
 from portable_llm.core.checks import check_int, check_optional_int, check_real
-from portable_llm.decoder.model import Model
+from portable_llm.generation.prompt import is_text_batch, prompt_ids, sampling_options, stop_ids
+from portable_llm.generation.protocol import LanguageModel, check_model, num_layers
 from portable_llm.generation.sampler import (
     LogitsProcessor,
     Sampler,
@@ -77,16 +75,14 @@ class Generation:
         return next(self._pieces)
 
 
-def stop_tokens(model: Model) -> tuple[int, ...]:
-    """The default stop ids: ``generation_config.json``'s ``eos_token_id``, else config.json's."""
-    eos = model.generation_config.get("eos_token_id")
-    if eos is None:
-        return model.config.eos_token_id
-    return tuple(eos) if isinstance(eos, list | tuple) else (int(eos),)
+def stop_tokens(model: LanguageModel) -> tuple[int, ...]:
+    """The default stop ids: ``model.eos_token_ids`` (for a :class:`~portable_llm.Model`,
+    ``generation_config.json``'s ``eos_token_id``, else config.json's)."""
+    return tuple(model.eos_token_ids)
 
 
 def generate(
-    model: Model,
+    model: LanguageModel,
     prompt: str | Sequence[int] | Sequence[str] | Any,
     /,
     *,
@@ -106,7 +102,9 @@ def generate(
 
     Parameters
     ----------
-    model : Model
+    model : LanguageModel
+        A :class:`~portable_llm.Model`, or any object that follows
+        :class:`~portable_llm.generation.LanguageModel` (``docs/bring-your-own-model.md``).
     prompt : str, a sequence or 1-D array of token ids, or a list of str
         A string is encoded with the model's tokenizer (without adding a BOS when the text
         already starts with the tokenizer's ``bos_token``, as a rendered chat template does),
@@ -130,6 +128,8 @@ def generate(
         ``model.make_cache()``, empty or holding an earlier conversation: the prompt follows
         the tokens it holds, and once the iterator is exhausted it holds the prompt and every
         new token too (a final stop token included), ready for the next turn. Not with a batch.
+        When the first step fails, the caches are trimmed back to what they held (caches with
+        ``offset`` and ``trim(n)``, as :class:`~portable_llm.KVCache`).
     prefill_step_size : int, >= 1, optional
         The prompt runs through the model in chunks of at most this many tokens (default
         2048), which bounds the prefill's memory; ``None``: one chunk. As for
@@ -147,30 +147,17 @@ def generate(
         the ``finish_reason`` (``"stop"``: a stop token, for a batch every prompt's; ``"length"``:
         ``max_new_tokens``).
     """
-    batch = _is_text_batch(prompt)
+    model = check_model(OP, model)
+    batch = is_text_batch(prompt)
     text = batch or isinstance(prompt, str)
-    if text and model.tokenizer is None:
-        raise ValueError("generate: a text prompt needs the checkpoint's tokenizer.json")
     if batch:
-        assert model.tokenizer is not None
-        rows = [model.tokenizer.encode_prompt(p) for p in prompt]
-    elif text:
-        assert model.tokenizer is not None
-        rows = [model.tokenizer.encode_prompt(prompt)]
+        rows = [prompt_ids(model, p, op=OP, name=f"prompt[{i}]") for i, p in enumerate(prompt)]
     else:
-        rows = [_ids(prompt)]
-    if not all(rows):
-        raise ValueError("generate: the prompt has no tokens")
-    V = model.config.vocab_size
-    low, high = min(min(r) for r in rows), max(max(r) for r in rows)
-    if low < 0 or high >= V:
-        raise ValueError(
-            f"generate: prompt token ids must lie in [0, {V}) (vocab_size), got {low} to {high}"
-        )
+        rows = [prompt_ids(model, prompt, op=OP)]
     max_new_tokens = check_int(OP, "max_new_tokens", max_new_tokens, low=0)
-    options = _sampling_options(temperature, top_k, top_p, min_p, V)
+    options = sampling_options(temperature, top_k, top_p, min_p, vocab_size=model.vocab_size)
     seed = check_optional_int(OP, "seed", seed, low=0)
-    stops = frozenset(stop_tokens(model) if stop is None else _stop_ids(stop))
+    stops = stop_ids(model, stop, op=OP)
     processors = make_logits_processors(
         repetition_penalty=_penalty(repetition_penalty),
         repetition_context_size=check_int(
@@ -179,11 +166,20 @@ def generate(
     )
     if prompt_cache is not None and batch:
         raise ValueError("generate: prompt_cache is for one prompt, not a batch")
-    if prompt_cache is not None and len(prompt_cache) != model.config.num_hidden_layers:
-        raise ValueError(
-            f"generate: prompt_cache must hold one cache per layer "
-            f"({model.config.num_hidden_layers}, from model.make_cache()), got {len(prompt_cache)}"
-        )
+    if prompt_cache is not None:
+        layers = num_layers(model)
+        if not isinstance(prompt_cache, list | tuple) or len(prompt_cache) != layers:
+            got = len(prompt_cache) if isinstance(prompt_cache, list | tuple) else prompt_cache
+            raise ValueError(
+                f"generate: prompt_cache must hold one cache per layer ({layers}, from "
+                f"model.make_cache()), got {got!r}"
+            )
+        empty = [i for i, c in enumerate(prompt_cache) if c is None]
+        if empty:
+            raise TypeError(
+                f"generate: prompt_cache holds None at {empty}; give the caches of "
+                "model.make_cache()"
+            )
     chunk = check_prefill_step_size(OP, prefill_step_size)
     stats = GenerationStats(prompt_tokens=sum(len(r) for r in rows))
     run = _Run(model, make_sampler(**options, seed=seed), processors, stops, stats, chunk)
@@ -197,14 +193,6 @@ def generate(
     return Generation(tokens, stats)
 
 
-def _is_text_batch(prompt: Any) -> bool:
-    return (
-        isinstance(prompt, list | tuple)
-        and len(prompt) > 0
-        and all(isinstance(p, str) for p in prompt)
-    )
-
-
 def _penalty(value: Any) -> float | None:
     if value is None:
         return None
@@ -215,14 +203,14 @@ def _penalty(value: Any) -> float | None:
 class _Run:
     """What one generation needs beside its prompt: model, sampler, processors, stops, stats."""
 
-    model: Model
+    model: LanguageModel
     sampler: Sampler
     processors: list[LogitsProcessor]
     stops: frozenset[int]
     stats: GenerationStats
     prefill_step_size: int | None = PREFILL_STEP_SIZE
 
-    def _timed(self, steps: Iterator[tuple[Any, Any]], step: int) -> Any:
+    def timed(self, steps: Iterator[tuple[Any, Any]], step: int) -> Any:
         start = time.perf_counter()
         token, _ = next(steps)
         elapsed = time.perf_counter() - start
@@ -244,8 +232,14 @@ class _Run:
             prefill_step_size=self.prefill_step_size, max_tokens=max_new_tokens,
         )  # fmt: skip
         stops = self.stops
+        held = None if prompt_cache is None else [c.offset for c in prompt_cache]
         for step in range(max_new_tokens):
-            last = self._timed(steps, step)
+            try:
+                last = self.timed(steps, step)
+            except BaseException:
+                if step == 0 and held is not None:  # the prompt_cache as it was given
+                    _rewind(prompt_cache or [], held)
+                raise
             if last in stops:
                 stats.stop_token = last
                 break
@@ -270,7 +264,7 @@ def _batch_pieces(
     texts = [tokenizer.stream_decoder() for _ in rows]
     done = [False] * len(rows)
     for step in range(max_new_tokens):
-        chosen = run._timed(steps, step)
+        chosen = run.timed(steps, step)
         pieces = []
         for b, token in enumerate(chosen.tolist()):
             if done[b]:
@@ -292,42 +286,10 @@ def _batch_pieces(
     steps.close()
 
 
-def _sampling_options(
-    temperature: Any, top_k: Any, top_p: Any, min_p: Any, vocab: int
-) -> dict[str, Any]:
-    """:func:`~portable_llm.sample`'s options, checked as it checks them, as Python numbers."""
-    top_p = None if top_p is None else check_real(OP, "top_p", top_p, low=0, low_open=True, high=1)
-    return {
-        "temperature": check_real(OP, "temperature", temperature, low=0),
-        "top_k": check_optional_int(OP, "top_k", top_k, low=1, high=vocab),
-        "top_p": top_p,
-        "min_p": None if min_p is None else check_real(OP, "min_p", min_p, low=0, high=1),
-    }
-
-
-def _stop_ids(stop: Any) -> list[int]:
-    if not isinstance(stop, str | bytes) and backend_of(stop) is not None:  # an array of ids
-        stop = to_numpy(stop).reshape(-1).tolist()
-    if isinstance(stop, str | bytes) or not isinstance(stop, Iterable):
-        raise TypeError(
-            f"generate: stop must be an iterable of token ids (ints) or None, got "
-            f"{type(stop).__name__} {stop!r}"
-        )
-    return [check_int(OP, f"stop[{i}]", s) for i, s in enumerate(stop)]
-
-
-def _ids(prompt: Any) -> list[int]:
-    if backend_of(prompt) is not None:
-        prompt = to_numpy(prompt)
-    accepted = "a str, a 1-D sequence of token ids (ints) or a 1-D integer array"
-    try:
-        arr = np.asarray(prompt)
-    except ValueError:  # ragged nesting: NumPy's "inhomogeneous shape"
-        raise ValueError(
-            f"generate: prompt must be {accepted}, got a ragged nested {type(prompt).__name__}"
-        ) from None
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        raise ValueError(
-            f"generate: prompt must be {accepted}, got shape {arr.shape} of {arr.dtype}"
-        )
-    return [int(i) for i in arr]
+def _rewind(caches: Sequence[Any], offsets: list[int]) -> None:
+    """Trim each cache back to its offset in ``offsets`` where it can (a sliding-window cache
+    whose ring wrapped cannot: it stays as the failed step left it)."""
+    for c, offset in zip(caches, offsets, strict=True):
+        if c.offset > offset:
+            with contextlib.suppress(ValueError):
+                c.trim(c.offset - offset)

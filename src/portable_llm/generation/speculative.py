@@ -19,19 +19,14 @@ from typing import Any
 
 import numpy as np
 
-from portable_llm.caches.kv import KVCache
-from portable_llm.core.arrays import asarray
+from portable_llm.backends import Backend, backend_of
+from portable_llm.caches.kv import KVCache, RotatingKVCache
+from portable_llm.core.arrays import asarray, to_numpy
 from portable_llm.core.checks import check_int, check_optional_int
 from portable_llm.core.types import Array
-from portable_llm.decoder.model import Model
-from portable_llm.generation.generate import (
-    Generation,
-    GenerationStats,
-    _ids,
-    _sampling_options,
-    _stop_ids,
-    stop_tokens,
-)
+from portable_llm.generation.generate import Generation, GenerationStats
+from portable_llm.generation.prompt import is_text_batch, prompt_ids, sampling_options, stop_ids
+from portable_llm.generation.protocol import LanguageModel, check_model
 from portable_llm.generation.steps import PREFILL_STEP_SIZE, check_prefill_step_size, prefill
 from portable_llm.ops.sampling import GREEDY_BELOW, greedy, logprobs, sample
 
@@ -63,8 +58,8 @@ class SpeculativeStats(GenerationStats):
 
 
 def speculative_generate(
-    model: Model,
-    draft_model: Model,
+    model: LanguageModel,
+    draft_model: LanguageModel,
     prompt: str | Sequence[int] | Any,
     /,
     *,
@@ -82,10 +77,11 @@ def speculative_generate(
 
     Parameters
     ----------
-    model : Model
+    model : LanguageModel
         The target: the output is its greedy output (``temperature=0``), or has its sampling
-        distribution.
-    draft_model : Model
+        distribution. A :class:`~portable_llm.Model`, or any object that follows
+        :class:`~portable_llm.generation.LanguageModel` whose caches rewind (``trim(n)``).
+    draft_model : LanguageModel
         A cheaper model with the same vocabulary (same ``vocab_size``, and the same token ids
         when both have a tokenizer); any backend.
     prompt : str, or a sequence or 1-D array of token ids
@@ -113,38 +109,28 @@ def speculative_generate(
 
     Notes
     -----
-    Every layer of both models gets a :class:`~portable_llm.KVCache` (fixed-size views where the
-    backend compiles per shape), also a sliding-window layer, whose mask applies the window: a
-    :class:`~portable_llm.RotatingKVCache` cannot rewind more than one token once it wrapped.
+    Both models' caches come from their ``make_cache()``, each rewound with ``trim(n)``; a
+    :class:`~portable_llm.RotatingKVCache` there (a sliding-window layer) is replaced by a
+    :class:`~portable_llm.KVCache`, whose mask applies the window: a ring cannot rewind more
+    than one token once it wrapped.
     """
+    model, draft_model = check_model(OP, model), check_model(OP, draft_model)
     text = isinstance(prompt, str)
     _check_pair(model, draft_model)
-    if text:
-        if model.tokenizer is None:
-            raise ValueError(f"{OP}: a text prompt needs the checkpoint's tokenizer.json")
-        ids = model.tokenizer.encode_prompt(prompt)
-    elif isinstance(prompt, list | tuple) and prompt and isinstance(prompt[0], str):
+    if is_text_batch(prompt):
         raise ValueError(f"{OP}: prompt must be one prompt (str or token ids), not a batch")
-    else:
-        ids = _ids(prompt)
-    V = model.config.vocab_size
-    if not ids:
-        raise ValueError(f"{OP}: the prompt has no tokens")
-    if min(ids) < 0 or max(ids) >= V:
-        raise ValueError(
-            f"{OP}: prompt token ids must lie in [0, {V}) (vocab_size), got {min(ids)} to "
-            f"{max(ids)}"
-        )
+    ids = prompt_ids(model, prompt, op=OP)
+    V = model.vocab_size
     run = _Speculation(
         model=model,
         draft=draft_model,
         k=check_int(OP, "num_draft_tokens", num_draft_tokens, low=0),
-        options=_sampling_options(temperature, top_k, top_p, min_p, V),
+        options=sampling_options(temperature, top_k, top_p, min_p, vocab_size=V, op=OP),
         keys=np.random.default_rng(check_optional_int(OP, "seed", seed, low=0)),
         chunk=check_prefill_step_size(OP, prefill_step_size),
         stats=SpeculativeStats(prompt_tokens=len(ids)),
     )
-    stops = frozenset(stop_tokens(model) if stop is None else _stop_ids(stop))
+    stops = stop_ids(model, stop, op=OP)
     max_new_tokens = check_int(OP, "max_new_tokens", max_new_tokens, low=0)
     tokens = run.tokens(ids, max_new_tokens, stops)
     if text:
@@ -153,9 +139,9 @@ def speculative_generate(
     return Generation(tokens, run.stats)
 
 
-def _check_pair(model: Model, draft: Model) -> None:
+def _check_pair(model: LanguageModel, draft: LanguageModel) -> None:
     """The draft's ids must mean the target's: same vocab_size and tokenizer vocabulary."""
-    vm, vd = model.config.vocab_size, draft.config.vocab_size
+    vm, vd = model.vocab_size, draft.vocab_size
     if vm != vd:
         raise ValueError(
             f"{OP}: the draft's vocab_size ({vd}) differs from the target's ({vm}); the draft "
@@ -174,18 +160,20 @@ def _check_pair(model: Model, draft: Model) -> None:
         )
 
 
-def _caches(model: Model) -> list[KVCache]:
-    """A rewindable cache per layer (see the notes of :func:`speculative_generate`)."""
-    static = model.backend.static_shapes
-    return [KVCache(static_shapes=static) for _ in range(model.config.num_hidden_layers)]
+def _caches(model: LanguageModel) -> list[Any]:
+    """``model.make_cache()``, each :class:`~portable_llm.RotatingKVCache` replaced by a
+    rewindable :class:`~portable_llm.KVCache` (see the notes of :func:`speculative_generate`)."""
+    caches = model.make_cache()
+    static = any(isinstance(c, KVCache) and c.static_shapes for c in caches)
+    return [KVCache(static_shapes=static) if isinstance(c, RotatingKVCache) else c for c in caches]
 
 
 @dataclass
 class _Speculation:
     """One run: the two models, the options, the draws' seeds and the statistics."""
 
-    model: Model
-    draft: Model
+    model: LanguageModel
+    draft: LanguageModel
     k: int
     options: dict[str, Any]  # temperature, top_k, top_p, min_p
     keys: np.random.Generator  # seeds of the draws, in order
@@ -199,17 +187,23 @@ class _Speculation:
     def _key(self) -> int:
         return int(self.keys.integers(0, 2**63))
 
-    def _forward(self, model: Model, ids: list[int], cache: list[KVCache], last: bool) -> Array:
-        x = asarray([ids], backend=model.backend.name, device=model.device)  # (1, L)
-        return model(x, cache=cache, last_only=last)[0, ...]  # (L | 1, V)
+    def _forward(self, model: LanguageModel, ids: list[int], cache: list[Any], last: bool) -> Array:
+        x = np.asarray([ids], dtype=np.int64)  # (1, L)
+        out = model(x, cache=cache, last_only=last)[0, ...]  # (L | 1, V)
+        if not last and out.shape[0] != len(ids):
+            raise ValueError(
+                f"{OP}: the model returned logits for {out.shape[0]} positions of {len(ids)} "
+                "with last_only=False (verifying needs every position's)"
+            )
+        return out
 
-    def _prefill(self, model: Model, ids: list[int], cache: list[KVCache]) -> Array:
+    def _prefill(self, model: LanguageModel, ids: list[int], cache: list[Any]) -> Array:
         """Logits ``(V,)`` of the prompt's last position (the prompt then in ``cache``)."""
         host = np.asarray([ids], dtype=np.int64)  # (1, L)
         start = prefill(model, host, cache, self.chunk)
         return self._forward(model, ids[start:], cache, True)[-1, ...]
 
-    def _draw(self, model: Model, logits: Array) -> tuple[int, Array | None]:
+    def _draw(self, model: LanguageModel, logits: Array) -> tuple[int, Array | None]:
         """A token of the filtered distribution of ``model``'s ``logits`` ``(V,)``, and its
         log-probs ``(V,)`` (``None`` when greedy)."""
         if self.greedy:
@@ -253,7 +247,7 @@ class _Speculation:
             stats.rounds += 1
 
     def _round(
-        self, n: int, pending: list[int], target_cache: list[KVCache], draft_cache: list[KVCache]
+        self, n: int, pending: list[int], target_cache: list[Any], draft_cache: list[Any]
     ) -> tuple[list[int], list[int]]:
         """Propose ``n`` tokens, verify them; return the round's tokens and the new pending."""
         proposals: list[int] = []
@@ -283,16 +277,18 @@ class _Speculation:
 
         ``logits`` ``(n + 1, V)``: row ``i`` is the target's distribution of proposal ``i``
         (row ``n``: the token after all of them)."""
-        bk, n = self.model.backend, len(proposals)
+        n = len(proposals)
         if self.greedy:
             best = _host(self.model, greedy(logits))  # (n + 1,)
             accepted = next((i for i in range(n) if best[i] != proposals[i]), n)
             return accepted, best[accepted]
+        bk: Backend | None = backend_of(logits)
+        assert bk is not None
         xp = bk.xp
         p = logprobs(logits, **self.options)  # (n + 1, V), the filtered log-probs
         accepted = n
         if n:
-            dev = self.model.device
+            dev = bk.device_of(logits)
             q = xp.stack([asarray(x, backend=bk.name, device=dev) for x in qs])  # (n, V)
             q = xp.astype(q, p.dtype)
             d = asarray([[t] for t in proposals], backend=bk.name, device=dev)  # (n, 1)
@@ -317,11 +313,11 @@ class _Speculation:
         )[0]
 
 
-def _host(model: Model, ids: Array) -> list[int]:
+def _host(model: LanguageModel, ids: Array) -> list[int]:
     """Token ids ``(B..)`` of ``model``'s backend as a list of ints on the host; ``-1`` (the
     mark of :func:`~portable_llm.greedy` and :func:`~portable_llm.sample` for logits with no
     distribution) is a ``ValueError``, as in :func:`~portable_llm.generate`."""
-    out = [int(t) for t in model.backend.to_numpy(ids).reshape(-1)]
+    out = [int(t) for t in to_numpy(ids).reshape(-1)]
     if min(out) < 0:
         raise ValueError(
             f"{OP}: the logits of {model!r} are NaN or all -inf; the weights or the dtype "
@@ -330,7 +326,7 @@ def _host(model: Model, ids: Array) -> list[int]:
     return out
 
 
-def _trim(cache: list[KVCache], n: int) -> None:
+def _trim(cache: list[Any], n: int) -> None:
     if n:
         for c in cache:
             c.trim(n)

@@ -14,10 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from portable_llm.backends import backend_of
-from portable_llm.core.arrays import asarray, to_numpy
+from portable_llm.backends import Backend, backend_of
+from portable_llm.core.arrays import to_numpy
 from portable_llm.core.checks import check_optional_int
 from portable_llm.core.types import Array
+from portable_llm.generation.protocol import LanguageModel, check_model, decode_step
 from portable_llm.generation.sampler import LogitsProcessor, Sampler
 from portable_llm.ops.sampling import greedy
 
@@ -30,7 +31,7 @@ PREFILL_STEP_SIZE = 2048
 
 
 def generate_step(
-    model: Any,
+    model: LanguageModel,
     ids: Any,
     /,
     *,
@@ -44,7 +45,9 @@ def generate_step(
 
     Parameters
     ----------
-    model : Model
+    model : LanguageModel
+        A :class:`~portable_llm.Model`, or any object that follows
+        :class:`~portable_llm.generation.LanguageModel` (``docs/bring-your-own-model.md``).
     ids : sequence or integer array, shape ``(L,)`` or ``(B, L)``
         The prompt (the tokens that follow those ``cache`` holds). ``(B, L)``: a batch,
         left-padded (:func:`~portable_llm.left_pad`) when ``left_padding`` is given.
@@ -83,8 +86,11 @@ def generate_step(
 
     Raises
     ------
+    TypeError
+        ``model`` lacks a member of :class:`~portable_llm.generation.LanguageModel`.
     ValueError
-        On the first step whose logits have no distribution (NaN, or all ``-inf``).
+        On the first step whose logits have no distribution (NaN, or all ``-inf``), or whose
+        sampler gave other than one id in ``[0, V)`` per row.
     """
     return decode(
         model, ids, sampler=sampler, logits_processors=logits_processors, cache=cache,
@@ -94,7 +100,7 @@ def generate_step(
 
 
 def decode(
-    model: Any,
+    model: LanguageModel,
     ids: Any,
     /,
     *,
@@ -109,13 +115,32 @@ def decode(
     """:func:`generate_step`'s loop; ``logprobs=False`` yields ``None`` in their place (what
     :func:`~portable_llm.generate` uses: it drops them, and they cost a pass over ``(B, V)``).
     ``max_tokens``: no step is queued for a token past this many."""
+    model = check_model("generate_step", model)
     host = np.asarray(to_numpy(ids) if backend_of(ids) is not None else ids, dtype=np.int64)
     single = host.ndim == 1
     if single:
         host = host[None]  # (1, L)
-    pads = np.zeros(len(host), np.int64) if left_padding is None else to_numpy(left_padding)
+    if host.ndim != 2:
+        raise ValueError(f"generate_step: ids must have shape (L,) or (B, L), got {host.shape}")
+    pads = np.zeros(len(host), np.int64)
+    if left_padding is not None:
+        pads = np.asarray(to_numpy(left_padding) if backend_of(left_padding) else left_padding)
+        if (
+            pads.shape != (len(host),)
+            or pads.dtype.kind not in "iu"
+            or not ((pads >= 0) & (pads < host.shape[1])).all()
+        ):
+            raise ValueError(
+                f"generate_step: left_padding must be {len(host)} ints in [0, L) = [0, "
+                f"{host.shape[1]}) (each row keeps a token) for ids of shape {host.shape}, got "
+                f"{pads.tolist() if pads.size <= 8 else pads.shape} of {pads.dtype}"
+            )
     if cache is None:
-        cache = model.make_cache(left_padding=left_padding)
+        cache = (
+            model.make_cache()
+            if left_padding is None
+            else model.make_cache(left_padding=left_padding)
+        )
     elif left_padding is not None:
         raise ValueError("generate_step: with a cache, give left_padding to make_cache()")
     # What the processors see: each row's ids without its padding.
@@ -130,8 +155,9 @@ def decode(
 class Decode:
     """The decode loop as an iterator of ``(token, logprobs)`` (see :func:`generate_step`).
 
-    Per token it runs the forward (:meth:`Model.decode_step <portable_llm.Model.decode_step>`:
-    the sampler's ids go back in on the device, unchecked and never through the host), the
+    Per token it runs the forward (:func:`~portable_llm.generation.protocol.decode_step`, e.g.
+    :meth:`Model.decode_step <portable_llm.Model.decode_step>`: the sampler's ids go back in on
+    the device, unchecked and never through the host), the
     processors and the sampler, and reads the chosen ids to the host once (``to_numpy``, with
     greedy's row maxima): the yielded token, the no-distribution check and the caller's stop
     checks all use that read.
@@ -141,20 +167,25 @@ class Decode:
     ``t + 1`` is queued (:meth:`~portable_llm.backends.Backend.launch`) before token ``t`` is
     read back, so the host builds the next step while the device computes this one (mlx-lm's
     pipelining); the caches then already hold token ``t`` when it is yielded.
+
+    The backend and device are those of the prefill's logits (a model states neither).
     """
 
     def __init__(
-        self, model: Any, host: np.ndarray, cache: Sequence[Any], *, single: bool,
+        self, model: LanguageModel, host: np.ndarray, cache: Sequence[Any], *, single: bool,
         sampler: Sampler | None, processors: list[LogitsProcessor], tokens: list[list[int]],
         logprobs: bool, prefill_step_size: int | None, max_tokens: int | None,
     ) -> None:  # fmt: skip
         self.model, self.host, self.cache, self.single = model, host, cache, single
-        self.bk = model.backend
+        self.decode_step = decode_step(model)
+        self.vocab = model.vocab_size
         self.sampler = sampler
         self.processors, self.tokens, self.logprobs = processors, tokens, logprobs
         self.chunk, self.max_tokens = prefill_step_size, max_tokens
-        self.pipelined = not processors and self.bk.pipelines(model.device)
-        self.index = self.bk.xp.asarray(0).dtype  # the default integer (int32 on MLX)
+        # Set by the prefill, from its logits: the backend, queuing ahead, the ids' dtype.
+        self.bk: Backend | None = None
+        self.pipelined = False
+        self.index: Any = None  # the default integer (int32 on MLX)
         #: Tokens yielded so far.
         self.step = 0
         self._next: tuple[Any, Any, Any] | None = None  # token t: _sample()'s, queued
@@ -168,17 +199,24 @@ class Decode:
             self._next = self._prefill() if self.step == 0 else self._forward(self._unfed)
         ids, top, lp = self._next  # ids (B, 1): fed to the next step as they are
         self._next, self._unfed = None, ids
+        bk = self.bk
+        assert bk is not None
         if self.pipelined and (self.max_tokens is None or self.step + 1 < self.max_tokens):
             queued = self._forward(self._unfed)  # step t + 1, queued before t is read
-            self.bk.launch([a for a in queued if a is not None])
+            bk.launch([a for a in queued if a is not None])
             self._next, self._unfed = queued, None
-        chosen = self.bk.to_numpy(ids).reshape(-1).tolist()  # (B,): the step's host read
+        chosen = bk.to_numpy(ids).reshape(-1).tolist()  # (B,): the step's host read
         # No distribution: greedy's row maximum is NaN or -inf; a sampler marks the row -1.
-        if not (self.bk.to_numpy(top) > -math.inf).all() if top is not None else min(chosen) < 0:
+        if not (bk.to_numpy(top) > -math.inf).all() if top is not None else min(chosen) < 0:
             raise ValueError(
                 f"generate: the logits of step {self.step} (after "
                 f"{self.host.shape[1] + self.step} tokens) are NaN or all -inf; the weights or "
                 "the dtype overflowed"
+            )
+        if max(chosen) >= self.vocab:
+            raise ValueError(
+                f"generate: the sampler of step {self.step} drew {max(chosen)}, outside [0, "
+                f"{self.vocab}) (vocab_size)"
             )
         if self.processors:
             for row, t in zip(self.tokens, chosen, strict=True):
@@ -198,21 +236,29 @@ class Decode:
         the first token, the prompt. The caches then hold every token seen."""
         if self.step == 0:
             start = prefill(self.model, self.host, self.cache, self.chunk)
-            self.model(self.host[:, start:].tolist(), cache=self.cache, last_only=True)
+            self.model(self.host[:, start:], cache=self.cache, last_only=True)
         elif self._unfed is not None:
-            self.model.decode_step(self._unfed, cache=self.cache)
+            self.decode_step(self._unfed, cache=self.cache)
             self._unfed = None
 
     def _prefill(self) -> tuple[Any, Any, Any]:
-        bk, model = self.bk, self.model
+        model = self.model
         start = prefill(model, self.host, self.cache, self.chunk)
-        rest = asarray(self.host[:, start:].tolist(), backend=bk.name, device=model.device)
-        logits = model(rest, cache=self.cache, last_only=True)[:, -1, :]  # (B, V)
+        logits = model(self.host[:, start:], cache=self.cache, last_only=True)[:, -1, :]  # (B, V)
+        bk = backend_of(logits)
+        if bk is None:
+            raise TypeError(
+                f"generate: the model returned {type(logits).__name__}, not an array of a "
+                "supported library"
+            )
+        self.bk = bk
+        self.pipelined = not self.processors and bk.pipelines(bk.device_of(logits))
+        self.index = bk.xp.asarray(0).dtype
         return self._sample(logits)
 
     def _forward(self, ids: Any) -> tuple[Any, Any, Any]:
         """Logits of ``ids`` ``(B, 1)`` (the sampler's ids, on the device), sampled."""
-        logits = self.model.decode_step(ids, cache=self.cache)[:, -1, :]  # (B, V)
+        logits = self.decode_step(ids, cache=self.cache)[:, -1, :]  # (B, V)
         return self._sample(logits)
 
     def _sample(self, logits: Any) -> tuple[Any, Any, Any]:
@@ -223,7 +269,14 @@ class Decode:
         distribution), instead of its per-row mark computed on the device; another sampler
         marks such a row ``-1``.
         """
+        assert self.bk is not None
         xp = self.bk.xp
+        if tuple(logits.shape) != (len(self.host), self.vocab):
+            raise ValueError(
+                f"generate: the model's logits of step {self.step} have shape "
+                f"{tuple(logits.shape)} at the last position, expected (B, V) = "
+                f"({len(self.host)}, {self.vocab}) (vocab_size)"
+            )
         for processor in self.processors:
             logits = processor(self.tokens, logits)
         lp = _log_softmax(xp, logits) if self.logprobs else None  # (B, V)
@@ -232,7 +285,14 @@ class Decode:
             if ids.dtype != self.index:  # (the embedding's cast would wait for the ids)
                 ids = xp.astype(ids, self.index)
             return ids, xp.max(logits, axis=-1), lp
-        return xp.reshape(self.sampler(logits), (-1, 1)), None, lp
+        drawn = self.sampler(logits)
+        if tuple(getattr(drawn, "shape", ())) != (len(self.host),):
+            raise ValueError(
+                f"generate: the sampler must return ids of shape (B,) = ({len(self.host)},) for "
+                f"logits of shape {tuple(logits.shape)}, got "
+                f"{type(drawn).__name__} of shape {tuple(getattr(drawn, 'shape', ()))}"
+            )
+        return xp.reshape(drawn, (-1, 1)), None, lp
 
 
 def check_prefill_step_size(op: str, value: Any) -> int | None:
@@ -240,7 +300,7 @@ def check_prefill_step_size(op: str, value: Any) -> int | None:
     return check_optional_int(op, "prefill_step_size", value, low=1)
 
 
-def prefill(model: Any, host: np.ndarray, cache: Sequence[Any], chunk: int | None) -> int:
+def prefill(model: LanguageModel, host: np.ndarray, cache: Sequence[Any], chunk: int | None) -> int:
     """Run all but the last chunk of the prompt ``host`` ``(B, L)`` into ``cache``; return
     where the last chunk starts (``0``: the prompt fits one chunk of ``chunk`` tokens).
 
@@ -248,12 +308,13 @@ def prefill(model: Any, host: np.ndarray, cache: Sequence[Any], chunk: int | Non
     computed before the next one starts (:meth:`~portable_llm.backends.Backend.synchronize`:
     a lazy library would otherwise hold every chunk's activations at once).
     """
-    bk, L = model.backend, host.shape[1]
+    L = host.shape[1]
     start = 0
     while chunk is not None and L - start > chunk:
-        part = host[:, start : start + chunk].tolist()  # (B, chunk)
-        part = asarray(part, backend=bk.name, device=model.device)
-        bk.synchronize(model(part, cache=cache, last_only=True))  # (B, 1, V), dropped
+        out = model(host[:, start : start + chunk], cache=cache, last_only=True)  # dropped
+        bk = backend_of(out)
+        if bk is not None:
+            bk.synchronize(out)
         start += chunk
     return start
 
