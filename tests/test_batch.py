@@ -365,11 +365,13 @@ def test_cli_batch_prints_each_stream_and_the_aggregate_speed(folders: dict, cap
         assert "".join(ast.literal_eval(piece) for piece in streamed) == text
         assert re.search(rf"^--- \[{i}\] (stop|length), \d tokens\n{re.escape(text)}$", out, re.M)
     assert "2 requests" in out and "tokens/s" in out
-    for bad, message in [
+    for bad, message in [  # usage errors (exit status 2), in the flags' words
         ([], "at least one --prompt or --ids"),
-        (["--ids", "1,2", "--max-tokens", "0"], "max_new_tokens"),
+        (["--ids", "1,2", "--max-tokens", "0"], "--max-tokens: expected an integer >= 1"),
     ]:
-        assert main(["batch", str(folders["llama"]), *bad]) == 1
+        with pytest.raises(SystemExit) as exc:
+            main(["batch", str(folders["llama"]), *bad])
+        assert exc.value.code == 2
         assert message in capsys.readouterr().err
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import time
 from pathlib import Path
@@ -38,7 +39,7 @@ def _cli_error(folder: Path, capsys: pytest.CaptureFixture[str]) -> str:
     captured = capsys.readouterr()
     assert code == 1
     assert captured.out == ""
-    lines = captured.err.splitlines()
+    lines = re.sub(r"\n {4}", " ", captured.err).splitlines()  # wrapped at 100 columns
     assert len(lines) == 1, captured.err  # no traceback
     assert lines[0].startswith("portable-llm generate: error: load: ")
     return lines[0]

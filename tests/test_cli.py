@@ -1,4 +1,5 @@
-"""The ``portable-llm`` command: ``report`` (accuracy against float64) and ``bench`` (speed)."""
+"""The ``portable-llm`` command: ``report`` (accuracy against float64), ``bench`` (speed),
+``generate`` and ``batch``; the flags they share, their errors, their line width."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import numpy as np
 import pytest
 
 from portable_llm.backends import get_backend
-from portable_llm.cli import bench, report
-from portable_llm.cli.cli import main
+from portable_llm.cli import bench, options, report
+from portable_llm.cli.cli import main, parser
+from portable_llm.cli.output import WIDTH
 from portable_llm.core.dispatch import dispatcher
 from portable_llm.testing import reference
 
@@ -63,8 +65,13 @@ def _kernels(out: str) -> dict[str, str]:
 
 
 def _check_width(out: str) -> None:
-    wide = [line for line in out.splitlines() if len(line) > report.WIDTH]
-    assert not wide, f"{len(wide)} line(s) wider than {report.WIDTH}: {wide[:3]}"
+    wide = [line for line in out.splitlines() if len(line) > WIDTH]
+    assert not wide, f"{len(wide)} line(s) wider than {WIDTH}: {wide[:3]}"
+
+
+def _unwrap(text: str) -> str:
+    """Wrapped output (continuation lines indented by 4) as one line per message."""
+    return re.sub(r"\n {4}(?=\S)", " ", text)
 
 
 def test_report_is_the_default_command_and_covers_every_op_on_numpy(capsys):
@@ -175,6 +182,94 @@ def test_unknown_names_are_usage_errors(args, capsys):
     assert "unknown" in capsys.readouterr().err
 
 
+def _usage_error(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """Run ``args``, which must be a usage error: exit 2, one message, no traceback."""
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    assert exc.value.code == 2, args
+    captured = capsys.readouterr()
+    assert captured.out == "" and "Traceback" not in captured.err, captured
+    _check_width(captured.err)
+    lines = _unwrap(captured.err).splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith(f"portable-llm {args[0]}: error: "), lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    return _checkpoint(tmp_path_factory.mktemp("tiny"), eos=[])
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["generate", "{f}", "--ids", "1", "--max-new-tokens", "0"], "--max-new-tokens"),
+        (["batch", "{f}", "--ids", "1", "--max-tokens", "-3"], "--max-tokens"),
+        (["batch", "{f}", "--ids", "1", "--max-new-tokens", "x"], "--max-new-tokens"),
+        (["generate", "{f}", "--ids", "1", "--backend", "nope"], "--backend"),
+        (["batch", "{f}", "--ids", "1", "--backend", "nope"], "--backend"),
+        (["generate", "{f}", "--ids", "1", "--threads", "0"], "--threads"),
+        (["report", "--threads", "-1"], "--threads"),
+        (["generate", "{f}", "--ids", "1", "--top-p", "2"], "--top-p"),
+        (["batch", "{f}", "--ids", "1", "--temperature", "-1"], "--temperature"),
+        (["batch", "{f}", "--ids", "1", "--chat"], "--chat"),
+        (["batch", "{f}"], "--prompt"),
+        (["generate", "{f}/nowhere", "--ids", "1"], "path: no such file or folder"),
+        (["generate", "{f}", "--ids", "1", "--draft", "none.gguf"], "--draft: no such file"),
+        (["bench", "--model", "nonexistent.gguf"], "--model: no such file or folder"),
+        (["bench", "--model", "{f}/config.json"], "--model: {f}/config.json is a file but not"),
+        (["bench", "--model", "{f}/fake.gguf"], "--model: {f}/fake.gguf is not a readable GGUF"),
+        (["bench", "--repeat", "0"], "--repeat"),
+        (["report", "--dtype", "float8"], "--dtype: unknown dtype(s) float8"),
+    ],
+)
+def test_usage_errors_are_one_line_in_the_flags_words(args, words, tiny_folder, capsys):
+    (tiny_folder / "fake.gguf").write_text("not a GGUF file\n")
+    args = [a.format(f=tiny_folder) for a in args]
+    assert words.format(f=tiny_folder) in _usage_error(args, capsys)
+
+
+def test_subcommands_share_one_flag_vocabulary():
+    subs = parser().subcommands
+
+    def flags(name: str) -> set[str]:
+        return {o for a in subs[name]._actions for o in a.option_strings}
+
+    sampling = {"--max-new-tokens", "--temperature", "--top-k", "--top-p", "--min-p", "--seed",
+                "--repetition-penalty", "--chat"}  # fmt: skip
+    place = {"--backend", "--dtype", "--device", "--threads"}
+    for name in ("generate", "batch"):
+        assert sampling | place | {"--prompt", "--ids", "--max-tokens"} <= flags(name), name
+    for name in ("report", "bench"):
+        assert {"--backend", "--threads", "--op", "--dtype"} <= flags(name), name
+    for name in subs:  # --max-tokens is an alias that the help does not show
+        assert "--max-tokens" not in subs[name].format_help()
+        _check_width(subs[name].format_help())
+    _check_width(parser().format_help())
+
+
+def test_threads_default_follows_the_idle_cores(monkeypatch):
+    monkeypatch.setattr(options.os, "cpu_count", lambda: 2)
+    for load, want in ((0.1, 2), (0.7, 1), (1.2, 1), (9.0, 1)):
+        monkeypatch.setattr(options.os, "getloadavg", lambda load=load: (load, 0.0, 0.0))
+        assert options.default_threads() == want, load
+    monkeypatch.setattr(options.os, "cpu_count", lambda: 8)
+    assert options.default_threads() == 1  # load 9 on 8 cores
+    monkeypatch.setattr(options.os, "getloadavg", lambda: (2.6, 0.0, 0.0))
+    assert options.default_threads() == 5
+
+
+def test_apply_threads_sets_torch_threads():
+    torch = pytest.importorskip("torch")
+    before = torch.get_num_threads()
+    try:
+        assert options.apply_threads(1, ["torch"]) == 1
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_python_dash_m_runs_the_report():
     proc = subprocess.run(
         [sys.executable, "-m", "portable_llm", "--backend", "numpy", "--op", "relu"],
@@ -193,18 +288,25 @@ def test_bench_quick_prints_times_and_ratios(backend, capsys):
     assert [r["shapes"] for r in rows] == [
         c.label() for c in bench.BENCH_CASES if c.op == "rms_norm"
     ]
+    _check_width(out)
+    assert re.search(rf"^== {backend} \S+, default device", out, re.M)  # one table per backend
     has_native = "rms_norm" in bench.DIRECT[backend]() if backend in bench.DIRECT else False
     for row in rows:
-        assert row["backend"] == backend and row["dtype"] == "float32"
+        assert row["op"] == "rms_norm"
         for col in ("auto", "portable") + (("native",) if has_native else ()):
             value, unit = row[col].split()
             assert float(value) > 0 and unit in ("ns", "us", "ms", "s")
-        for col in ("auto/native", "portable/native"):
+        for col in ("auto/nat", "port/nat"):
             if has_native:
                 assert float(row[col]) > 0
             else:
                 assert row[col] == "-"
-    gate = [line for line in out.splitlines() if line.startswith("gate rms_norm (1, 896)")]
+    kernels = _unwrap(out).split(f"   native kernels on {backend} (float32): ")[1].split("\n")[0]
+    assert kernels == (
+        f"rms_norm: {bench.DIRECT[backend]()['rms_norm'][0]}" if has_native else "none"
+    )
+    gate = _unwrap(out).splitlines()
+    gate = [line for line in gate if line.startswith("gate rms_norm (1, E) x (E,)")]
     assert len(gate) == 1
     assert re.search(r"\d\.\d\d (PASS|FAIL)$" if has_native else r"n/a", gate[0])
     assert code == (1 if gate[0].endswith("FAIL") else 0), out  # the timing decides which
@@ -224,8 +326,9 @@ def test_bench_exits_1_when_a_gate_fails(monkeypatch, capsys, ratio, code):
     out = capsys.readouterr().out
     verdict = "FAIL" if code else "PASS"
     name = f"gate rms_norm {bench.BENCH_CASES[0].label()} on numpy"
-    assert f"{name}: impl='auto' within 1.3x of native: {ratio:.2f} {verdict}" in out.splitlines()
-    last = out.rstrip().splitlines()[-1]
+    lines = _unwrap(out).splitlines()
+    assert f"{name}: impl='auto' within 1.3x of native: {ratio:.2f} {verdict}" in lines
+    last = lines[-1]
     if code:
         assert last.startswith(f"FAIL: {name}: auto/native 1.31 > 1.3. Timings are noisy")
         assert "rerun on an idle machine" in last
@@ -326,9 +429,11 @@ def test_generate_argument_errors(tmp_path, capsys):
         err = capsys.readouterr().err
         assert "--ids" in err or "--prompt" in err, err
     assert main(["generate", str(folder), "--prompt", "hi"]) == 1  # no tokenizer.json
-    err = capsys.readouterr().err
+    err = _unwrap(capsys.readouterr().err)
     assert "has no tokenizer.json" in err and "--ids 1,2,3" in err
-    assert main(["generate", str(folder), "--ids", "1,2", "--chat"]) == 1
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", str(folder), "--ids", "1,2", "--chat"])
+    assert exc.value.code == 2
     assert "--chat needs a text --prompt" in capsys.readouterr().err
     assert main(["generate", str(folder), "--ids", "1,300"]) == 1  # V = 300
-    assert "prompt token ids must lie in [0, 300)" in capsys.readouterr().err
+    assert "token ids must lie in [0, 300)" in _unwrap(capsys.readouterr().err)

@@ -150,5 +150,7 @@ def test_cli_prefill_step_size(folders: dict, capsys: pytest.CaptureFixture) -> 
     args = ["generate", str(folder), "--ids", ids, "--max-new-tokens", "5"]
     assert main([*args, "--prefill-step-size", "2"]) == 0
     assert capsys.readouterr().out.splitlines()[0] == ",".join(map(str, want))
-    assert main([*args, "--prefill-step-size", "0"]) == 1
-    assert "prefill_step_size" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # a usage error, in the flag's words
+        main([*args, "--prefill-step-size", "0"])
+    assert exc.value.code == 2
+    assert "--prefill-step-size: expected an integer >= 1" in capsys.readouterr().err

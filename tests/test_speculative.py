@@ -212,8 +212,9 @@ def test_cli_generate_with_a_draft(llama: tuple, capsys: pytest.CaptureFixture) 
     assert main([*args, "--draft", str(llama[1]), "--num-draft-tokens", "3"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == ",".join(map(str, want))
+    assert re.fullmatch(r"draft Model\(.*\)", out[-2])
     assert re.fullmatch(
-        r"draft Model\(.*\): \d+ of \d+ proposed tokens accepted \(acceptance rate "
+        r"speculative: \d+ of \d+ proposed tokens accepted \(acceptance rate "
         r"[\d.]+\), \d+ verifying forwards",
         out[-1],
     )

@@ -9,53 +9,91 @@ import sys
 import time
 from typing import Any, TextIO
 
-from portable_llm.cli.generate import _ids
+from portable_llm.cli.options import (
+    add_model_arguments,
+    add_sampling_arguments,
+    apply_threads,
+    positive_int,
+    sampling_options,
+    token_ids,
+)
+from portable_llm.cli.output import Progress, check_usage, error, path_errors, wrap
 
 __all__ = ["add_batch_parser", "run_batch"]
 
 
-def add_batch_parser(sub: Any) -> None:
-    """Add the ``batch`` subcommand to the ``portable-llm`` subparsers."""
-    p = sub.add_parser(
+def add_batch_parser(sub: Any) -> argparse.ArgumentParser:
+    """Add the ``batch`` subcommand to the ``portable-llm`` subparsers; return its parser."""
+    p: argparse.ArgumentParser = sub.add_parser(
         "batch",
         help="generate for several prompts at once (continuous batching); prints each "
         "request's stream and the aggregate tokens/s",
     )
-    p.add_argument("path", help="checkpoint folder (config.json, model.safetensors, tokenizer)")
+    add_model_arguments(p)
     p.add_argument(
         "--prompt", action="append", default=[], help="a prompt text (repeatable; needs "
-        "the checkpoint's tokenizer.json)",
+        "the checkpoint's tokenizer)",
     )  # fmt: skip
     p.add_argument(
-        "--ids", action="append", type=_ids, default=[], metavar="1,2,3",
+        "--ids", action="append", type=token_ids, default=[], metavar="1,2,3",
         help="a prompt as comma-separated token ids (repeatable; no tokenizer needed)",
     )  # fmt: skip
-    p.add_argument("--max-tokens", type=int, default=50, metavar="N", help="per request (50)")
-    p.add_argument("--backend", default="numpy", help="array library to run on (default numpy)")
-    p.add_argument("--dtype", default=None, help="weights dtype (default: the checkpoint's)")
-    p.add_argument("--device", default=None, help="the backend's device (default its own)")
-    p.add_argument("--max-batch", type=int, default=8, metavar="N", help="default 8")
-    p.add_argument("--prefill-chunk", type=int, default=512, metavar="N", help="default 512")
+    add_sampling_arguments(p, per=" per request")
+    p.add_argument(
+        "--max-batch", type=positive_int, default=8, metavar="N",
+        help="requests decoded together (default 8)",
+    )  # fmt: skip
+    p.add_argument(
+        "--prefill-chunk", type=positive_int, default=512, metavar="N",
+        help="prompt tokens per prefill step (default 512)",
+    )  # fmt: skip
+    return p
 
 
-def run_batch(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    """Load, run every prompt through one batch generator, print; return the exit code."""
+def run_batch(
+    args: argparse.Namespace,
+    out: TextIO | None = None,
+    *,
+    usage: argparse.ArgumentParser | None = None,
+) -> int:
+    """Load, run every prompt through one batch generator, print; return the exit code.
+
+    A usage error goes to ``usage.error`` (exit 2), or raises :class:`UsageError` without one.
+    """
     from portable_llm.checkpoint.loader import load
     from portable_llm.generation.batch import BatchGenerator, Request
+    from portable_llm.generation.sampler import make_sampler
 
     out = out if out is not None else sys.stdout
+    check_usage(usage, [
+        (not args.prompt and not args.ids, "give at least one --prompt or --ids"),
+        (args.chat and bool(args.ids), "--chat needs text prompts (--prompt), not --ids"),
+        *path_errors([("path", args.path)]),
+    ])  # fmt: skip
+    threads = apply_threads(getattr(args, "threads", None), [args.backend])
+    progress = Progress("batch")
     try:
-        if not args.prompt and not args.ids:
-            raise ValueError("give at least one --prompt or --ids")
+        progress(f"loading {args.path} on {args.backend} ({threads} threads) ...")
         model = load(args.path, backend=args.backend, dtype=args.dtype, device=args.device)
         tok = model.tokenizer
         if args.prompt and tok is None:
             raise ValueError(f"{args.path} has no tokenizer.json: a text --prompt needs one")
-        rows = [tok.encode_prompt(p) for p in args.prompt] + list(args.ids)
+        if args.chat:  # transformers' chat ids: the template writes its own BOS
+            rows = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=True)
+                    for p in args.prompt]  # fmt: skip
+        else:
+            rows = [tok.encode_prompt(p) for p in args.prompt]
+        rows += list(args.ids)
         gen = BatchGenerator(model, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk)
-        ids = [gen.add(Request(r, args.max_tokens)) for r in rows]
-    except (FileNotFoundError, ValueError, TypeError, ImportError) as exc:
-        print(f"portable-llm batch: error: {exc}", file=sys.stderr)
+        options = sampling_options(args)
+        ids = []
+        for i, r in enumerate(rows):
+            seed = None if options["seed"] is None else options["seed"] + i  # one per request
+            sampler = make_sampler(**{**options, "seed": seed})
+            ids.append(gen.add(Request(r, args.max_new_tokens, sampler=sampler)))
+        progress(f"{len(ids)} requests; prefill and decode ...")
+    except (OSError, ValueError, TypeError, ImportError) as exc:
+        error("batch", exc)
         return 1
     texts = len(args.prompt)  # the first requests are text prompts
     streams = {rid: tok.stream_decoder() for rid in ids[:texts]} if tok is not None else {}
@@ -78,9 +116,7 @@ def run_batch(args: argparse.Namespace, out: TextIO | None = None) -> int:
     for rid in ids:
         body = tok.decode(new[rid]) if rid in streams else ",".join(map(str, new[rid]))
         print(f"--- [{rid}] {reasons[rid]}, {len(new[rid])} tokens\n{body}", file=out)
-    print(
-        f"{len(ids)} requests, {total} new tokens in {seconds:.3f} s: "
-        f"{total / seconds if seconds else 0.0:.1f} tokens/s (aggregate, prefill included)",
-        file=out,
-    )
+    speed = total / seconds if seconds else 0.0
+    line = f"{len(ids)} requests, {total} new tokens in {seconds:.3f} s: {speed:.1f} tokens/s"
+    print(wrap(line + " (aggregate, prefill included)"), file=out)
     return 0

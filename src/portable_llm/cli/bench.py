@@ -24,7 +24,8 @@ from portable_llm.attn.block import attention
 from portable_llm.attn.sdpa import scaled_dot_product_attention
 from portable_llm.backends import Backend, backend_of
 from portable_llm.caches.kv import KVCache
-from portable_llm.cli.report import UsageError, backend_names, format_table, load_for_dtype
+from portable_llm.cli.output import Table, UsageError, wrap
+from portable_llm.cli.report import backend_names, load_for_dtype
 from portable_llm.ops.activations import softmax
 from portable_llm.ops.linear import linear, mlp
 from portable_llm.ops.moe import moe
@@ -57,7 +58,15 @@ class BenchCase:
     name: str = ""
 
     def label(self) -> str:
-        return self.name or " x ".join(str(s) for s in self.shapes)
+        """The shapes column, Qwen2-0.5B's widths written as their letters ``E`` and ``I``."""
+        return self.name or " x ".join(_dims(s) for s in self.shapes)
+
+
+def _dims(shape: tuple[int, ...]) -> str:
+    """A shape with E = 896 and I = 4864 written as letters: ``(1, 128, E)``."""
+    names = {E: "E", I: "I"}
+    parts = [names.get(n, str(n)) for n in shape]
+    return f"({parts[0]},)" if len(parts) == 1 else f"({', '.join(parts)})"
 
 
 def _rms_norm(x: Any, w: Any, *, impl: str) -> Thunk:
@@ -95,7 +104,7 @@ BENCH_CASES: list[BenchCase] = [
     BenchCase("layer_norm", ((1, 128, E), (E,), (E,)), _layer_norm),
     BenchCase("softmax", ((1, 14, 128, 128),), _softmax),
     BenchCase("linear", ((1, 128, E), (I, E)), _linear),
-    BenchCase("mlp", ((1, 16, E), (I, E), (I, E), (E, I)), _mlp, name=f"(1, 16, {E}), I={I}"),
+    BenchCase("mlp", ((1, 16, E), (I, E), (I, E), (E, I)), _mlp, name="(1, 16, E), I"),
     BenchCase("rope", ((1, 14, 1, 64),), _rope),  # decode: Qwen2-0.5B heads (H=14, D=64)
     BenchCase("rope", ((1, 14, 128, 64),), _rope),  # prefill
 ]
@@ -123,13 +132,13 @@ def _quantized_linear_8bit(x: Any, w: Any, *, impl: str) -> Thunk:
 
 BENCH_CASES.extend([
     BenchCase("quantized_linear", ((1, 1, E), (I, E)), _quantized_linear,
-              name=f"(1, 1, {E}) x ({I}, {E}) 4-bit"),
+              name="(1, 1, E) x (I, E) 4-bit"),
     BenchCase("quantized_linear", ((1, 1, E), (I, E)), _quantized_linear_grouped,
-              name=f"(1, 1, {E}) x ({I}, {E}) 4-bit, portable = grouped"),
+              name="4-bit, portable column: grouped"),
     BenchCase("quantized_linear", ((1, 1, E), (I, E)), _quantized_linear_8bit,
-              name=f"(1, 1, {E}) x ({I}, {E}) 8-bit, group 32"),
+              name="(1, 1, E) x (I, E) 8-bit, group 32"),
     BenchCase("quantized_linear", ((1, 128, E), (I, E)), _quantized_linear,
-              name=f"(1, 128, {E}) x ({I}, {E}) 4-bit"),
+              name="(1, 128, E) x (I, E) 4-bit"),
 ])  # fmt: skip
 
 
@@ -149,7 +158,7 @@ def _moe_dense(x: Any, w: Any, g: Any, u: Any, d: Any, *, impl: str) -> Thunk:
 
 
 BENCH_CASES.extend([
-    BenchCase("moe", _MOE_SHAPES, _moe, name=f"(1, 64, {E}), X=8, top-2, I={_I_MOE}"),
+    BenchCase("moe", _MOE_SHAPES, _moe, name=f"(1, 64, E), X=8, top-2, I={_I_MOE}"),
     BenchCase("moe", _MOE_SHAPES, _moe_dense, name=f"dense: all 8 experts, I={_I_MOE}"),
 ])  # fmt: skip
 
@@ -171,10 +180,10 @@ def _sdpa_tiled(q: Any, k: Any, v: Any, *, impl: str) -> Thunk:
 
 
 BENCH_CASES.extend([
-    BenchCase(SDPA, _DECODE, _sdpa, name="decode: L=1, S=2048, H=14, H_kv=2, D=64"),
-    BenchCase(SDPA, _DECODE, _sdpa_tiled, name="decode, portable column = tiled"),
-    BenchCase(SDPA, _PREFILL, _sdpa, name="prefill: L=S=512, H=14, H_kv=2, D=64"),
-    BenchCase(SDPA, _PREFILL, _sdpa_tiled, name="prefill, portable column = tiled"),
+    BenchCase(SDPA, _DECODE, _sdpa, name="decode L=1, S=2048 (H=14, H_kv=2)"),
+    BenchCase(SDPA, _DECODE, _sdpa_tiled, name="decode, portable column: tiled"),
+    BenchCase(SDPA, _PREFILL, _sdpa, name="prefill L=S=512 (H=14, H_kv=2)"),
+    BenchCase(SDPA, _PREFILL, _sdpa_tiled, name="prefill, portable column: tiled"),
 ])  # fmt: skip
 
 
@@ -225,7 +234,7 @@ def _decode_step(S: int) -> Callable[..., Thunk]:
 
 
 BENCH_CASES.extend(
-    BenchCase("kv_cache", ((1, _H_KV, 1, _D),), _kv_cache(S), name=f"1 token at S={S}, D=64")
+    BenchCase("kv_cache", ((1, _H_KV, 1, _D),), _kv_cache(S), name=f"1 token at S={S}")
     for S in _KV_SIZES
 )
 BENCH_CASES.extend(
@@ -413,8 +422,10 @@ def _ratio(r: float | None) -> str:
     return "-" if r is None else f"{r:.2f}"
 
 
-_HEADERS = ("backend", "op", "shapes", "dtype", "auto", "portable", "native", "kernel",
-            "auto/native", "portable/native")  # fmt: skip
+_HEADERS = ("op", "shapes", "auto", "portable", "native", "auto/nat", "port/nat")
+#: The widths the rows are printed at as they come (100 columns in all); op names shown short.
+_WIDTHS = (16, 34, 7, 8, 7)
+_SHORT = {SDPA: "sdpa"}
 
 
 def run_bench(
@@ -426,7 +437,8 @@ def run_bench(
     dtype: str = "float32",
     file: TextIO | None = None,
 ) -> int:
-    """Time every selected case on every selected, installed backend and print the table.
+    """Time every selected case on every selected, installed backend; print one table per
+    backend, each row as soon as its case is timed.
 
     Return 1 if a gate (:attr:`BenchCase.gate`) FAILs, 0 otherwise.
     """
@@ -434,20 +446,22 @@ def run_bench(
     known = {c.op for c in BENCH_CASES}
     if ops and set(ops) - known:
         bad = ", ".join(sorted(set(ops) - known))
-        raise UsageError(f"unknown op(s) {bad}; known: {', '.join(sorted(known))}")
+        raise UsageError(f"--op: unknown op(s) {bad}; known: {', '.join(sorted(known))}")
     cases = [c for c in BENCH_CASES if not ops or c.op in ops]
     names = backend_names(backends)
     repeat = repeat or (5 if quick else 15)
     target = 0.0005 if quick else 0.001  # seconds per sample, at least
     budget = 0.02 if quick else 1.0  # seconds of rounds per case, at least
-    rows: list[list[str]] = []
     gates: list[tuple[str, str]] = []  # (line, why it failed or "")
+    table = Table(_HEADERS, _WIDTHS)
     for name in names:
         bk = load_for_dtype(name, dtype, out)
         if bk is None:
             continue
         direct = DIRECT[name]() if name in DIRECT else {}
         sync = _sync(bk)
+        print(table.header(), file=out, flush=True)
+        kernels: dict[str, str] = {}
         for case in cases:
             x = random_array(1, case.shapes[0], dtype, backend=name)[0]
             weights = [
@@ -459,28 +473,33 @@ def run_bench(
             kernel, make = direct.get(case.op, ("-", None))
             if make is not None:
                 variants["native"] = make(*arrays)
+                kernels[_SHORT.get(case.op, case.op)] = kernel
             t = measure(variants, sync, repeat, target, budget)
             times = [_time(t.median.get(k)) for k in ("auto", "portable", "native")]
             ratios = [_ratio(t.ratio.get(k)) for k in ("auto", "portable")]
-            rows.append([name, case.op, case.label(), dtype, *times, kernel, *ratios])
+            op = _SHORT.get(case.op, case.op)
+            print(table.row([op, case.label(), *times, *ratios]), file=out, flush=True)
             if case.gate is not None:
                 gates.append(_gate(name, case, t.ratio.get("auto")))
-    print(format_table(_HEADERS, rows), file=out)
-    print(
-        f"\ntimes: median per call over >= {repeat} samples per variant (more within "
-        f"{budget:g} s), interleaved; ratios: median of the per-round ratios to native; "
-        f"dtype {dtype}",
-        file=out,
+        listed = "; ".join(f"{op}: {k}" for op, k in kernels.items()) or "none"
+        print(file=out)
+        print(wrap(f"native kernels on {name} ({dtype}): {listed}", "   ", "     "), file=out)
+        print(file=out, flush=True)
+    notes = (
+        f"times: median per call over >= {repeat} samples per variant (more within {budget:g} "
+        "s), interleaved; auto/nat, port/nat: median of the per-round ratios of auto and "
+        f"portable to native. E = {E}, I = {I} (Qwen2-0.5B's widths); sdpa = {SDPA}"
     )
+    print(wrap(notes, "", ""), file=out)
     for line, _ in gates:
-        print(line, file=out)
+        print(wrap(line), file=out)
     failed = [why for _, why in gates if why]
     if failed:
-        print(
+        message = (
             f"FAIL: {'; '.join(failed)}. Timings are noisy: rerun on an idle machine before "
-            "reading this as a regression.",
-            file=out,
+            "reading this as a regression."
         )
+        print(wrap(message), file=out)
     return 1 if failed else 0
 
 

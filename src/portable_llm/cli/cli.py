@@ -1,5 +1,10 @@
 """The ``portable-llm`` command: ``report`` (accuracy, the default), ``bench`` (speed),
-``generate`` (a checkpoint's continuation of a prompt) and ``batch`` (several prompts at once)."""
+``generate`` (a checkpoint's continuation of a prompt) and ``batch`` (several prompts at once).
+
+Exit status: 0 success, 1 a failed run (a row outside tolerance, a failed gate, a checkpoint that
+does not load), 2 a usage error (an unknown flag or name, a value out of range, a path that does
+not exist), always as one message without a traceback.
+"""
 
 from __future__ import annotations
 
@@ -9,20 +14,30 @@ from collections.abc import Sequence
 
 from portable_llm.cli.batch import add_batch_parser, run_batch
 from portable_llm.cli.generate import add_generate_parser, run_generate
-from portable_llm.cli.report import UsageError, run_report
+from portable_llm.cli.options import (
+    Parser,
+    add_threads_argument,
+    apply_threads,
+    backend_name,
+    positive_int,
+)
+from portable_llm.cli.output import UsageError, error
 from portable_llm.core.version import __version__
 
-__all__ = ["main"]
+__all__ = ["main", "parser"]
+
+COMMANDS = ("report", "bench", "generate", "batch")
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def parser() -> Parser:
+    """The ``portable-llm`` argument parser, with one subparser per command."""
+    top = Parser(
         prog="portable-llm",
-        description="portable_llm ops on every installed backend: accuracy (report, the default) "
-        "and speed (bench).",
+        description="portable_llm ops on every installed backend: accuracy (report, the "
+        "default) and speed (bench); a checkpoint's text (generate, batch).",
     )
-    parser.add_argument("--version", action="version", version=f"portable-llm {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{report,bench,generate,batch}")
+    top.add_argument("--version", action="version", version=f"portable-llm {__version__}")
+    sub = top.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
 
     report = sub.add_parser(
         "report",
@@ -31,17 +46,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench = sub.add_parser(
         "bench",
-        help="median times of impl='auto', impl='portable' and the native kernel called directly, "
-        "with their ratios; exit 1 if the dispatch-overhead gate fails",
+        help="median times of impl='auto', impl='portable' and the native kernel called "
+        "directly, with their ratios; exit 1 if the dispatch-overhead gate fails",
     )
     for p in (report, bench):
         p.add_argument(
-            "--backend", action="append", metavar="NAME", help="only this backend (repeatable)"
+            "--backend",
+            action="append",
+            type=backend_name,
+            metavar="NAME",
+            help="only this backend (repeatable)",
         )
         p.add_argument("--op", action="append", metavar="NAME", help="only this op (repeatable)")
     bench.add_argument(
         "--repeat",
-        type=int,
+        type=positive_int,
         metavar="N",
         help="at least N timed samples per variant (default 15; more while a case has had "
         "less than 1 s)",
@@ -56,34 +75,41 @@ def _parser() -> argparse.ArgumentParser:
         nargs="?",
         const=True,
         metavar="PATH",
-        help="instead of the ops: a whole model (PATH: a checkpoint folder or a .gguf file, "
-        "kept quantized; default: a Qwen2-0.5B-shaped random checkpoint), its load time and "
-        "prefill/decode tokens/s, next to transformers, mlx-lm and llama.cpp (.gguf, when "
-        "llama-cpp-python is installed)",
+        help="instead of the ops: a whole model, its load time and prefill/decode tokens/s next "
+        "to transformers, mlx-lm and llama.cpp (for a .gguf, when llama-cpp-python is "
+        "installed). PATH: a checkpoint folder or a .gguf file (kept quantized); default a "
+        "Qwen2-0.5B-shaped random checkpoint",
     )
     bench.add_argument(
         "--cache-dir",
         metavar="DIR",
         help="where --model writes its checkpoint (default ~/.cache/portable_llm/bench)",
     )
-    add_generate_parser(sub)
-    add_batch_parser(sub)
-    return parser
+    for p in (report, bench):
+        add_threads_argument(p)
+    texts = (add_generate_parser(sub), add_batch_parser(sub))
+    for cmd in (report, bench, *texts):
+        cmd.set_defaults(parser=cmd)  # the subcommand's own usage errors name it
+        top.subcommands[cmd.prog.split()[-1]] = cmd
+    return top
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); return the exit code."""
     args_list = list(sys.argv[1:] if argv is None else argv)
-    parser = _parser()
-    commands = ("report", "bench", "generate", "batch", "-h", "--help", "--version")
-    if not args_list or args_list[0] not in commands:
+    top = parser()
+    if not args_list or args_list[0] not in (*COMMANDS, "-h", "--help", "--version"):
         args_list.insert(0, "report")  # the report is the default command
-    args = parser.parse_args(args_list)
+    args = top.parse_args(args_list)
+    sub: argparse.ArgumentParser = args.parser
     try:
         if args.command == "generate":
-            return run_generate(args)
+            return run_generate(args, usage=sub)
         if args.command == "batch":
-            return run_batch(args)
+            return run_batch(args, usage=sub)
+        from portable_llm.cli.report import backend_names
+
+        apply_threads(args.threads, backend_names(args.backend))
         if args.command == "bench" and args.model:
             from portable_llm.cli.model_bench import run_model_bench
 
@@ -94,11 +120,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "bench":
             from portable_llm.cli.bench import run_bench
 
-            if args.repeat is not None and args.repeat < 1:
-                parser.error(f"--repeat must be >= 1, got {args.repeat}")
             return run_bench(
                 args.backend, args.op, repeat=args.repeat, quick=args.quick, dtype=args.dtype
             )
+        from portable_llm.cli.report import run_report
+
         return run_report(args.backend, args.op, args.dtype)
-    except UsageError as exc:  # a bad --backend/--op/--dtype: exit 2 with the usage line
-        parser.error(str(exc))
+    except UsageError as exc:  # a bad --op/--dtype/--model: exit 2, one line
+        sub.error(str(exc))
+    except (OSError, ValueError, ImportError) as exc:  # e.g. a checkpoint that does not load
+        error(args.command, exc)
+        return 1

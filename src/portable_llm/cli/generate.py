@@ -8,50 +8,40 @@ import sys
 import time
 from typing import Any, TextIO
 
+from portable_llm.cli.options import (
+    add_model_arguments,
+    add_sampling_arguments,
+    apply_threads,
+    positive_int,
+    sampling_options,
+    token_ids,
+)
+from portable_llm.cli.output import Progress, check_usage, error, path_errors, wrap
+
 __all__ = ["add_generate_parser", "run_generate"]
 
 
-def add_generate_parser(sub: Any) -> None:
-    """Add the ``generate`` subcommand to the ``portable-llm`` subparsers."""
-    p = sub.add_parser(
+def add_generate_parser(sub: Any) -> argparse.ArgumentParser:
+    """Add the ``generate`` subcommand to the ``portable-llm`` subparsers; return its parser."""
+    p: argparse.ArgumentParser = sub.add_parser(
         "generate",
-        help="stream the continuation of a prompt by a checkpoint folder; prints prefill and "
-        "decode tokens/s at the end",
+        help="stream the continuation of a prompt by a checkpoint (folder or .gguf); prints "
+        "prefill and decode tokens/s at the end",
     )
-    p.add_argument("path", help="checkpoint folder (config.json, model.safetensors, tokenizer)")
+    add_model_arguments(p)
     prompt = p.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="the prompt text (needs the checkpoint's tokenizer.json)")
+    prompt.add_argument("--prompt", help="the prompt text (needs the checkpoint's tokenizer)")
     prompt.add_argument(
         "--ids",
-        type=_ids,
+        type=token_ids,
         metavar="1,2,3",
         help="the prompt as token ids, comma-separated; the new ids are printed (no tokenizer "
         "needed)",
     )
-    p.add_argument("--backend", default="numpy", help="array library to run on (default numpy)")
-    p.add_argument("--dtype", default=None, help="weights dtype (default: the checkpoint's)")
-    p.add_argument(
-        "--device", default=None, help="cpu, gpu, cuda:0, mps, ... (default: the backend's)"
-    )
-    p.add_argument("--max-new-tokens", type=int, default=50, metavar="N", help="default 50")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
-    p.add_argument("--top-k", type=int, default=None, metavar="K")
-    p.add_argument("--top-p", type=float, default=None, metavar="P")
-    p.add_argument("--min-p", type=float, default=None, metavar="P")
-    p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
-    p.add_argument(
-        "--repetition-penalty",
-        type=float,
-        default=None,
-        metavar="R",
-        help="divide the positive logits (multiply the negative) of the last 20 ids by R",
-    )
-    p.add_argument(
-        "--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template"
-    )
+    add_sampling_arguments(p)
     p.add_argument(
         "--prefill-step-size",
-        type=int,
+        type=positive_int,
         default=2048,
         metavar="N",
         help="the prompt goes through the model in chunks of N tokens (default 2048)",
@@ -65,47 +55,47 @@ def add_generate_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--num-draft-tokens",
-        type=int,
+        type=positive_int,
         default=4,
         metavar="K",
         help="tokens the --draft proposes per round (default 4)",
     )
+    return p
 
 
-def _ids(text: str) -> list[int]:
-    """``--ids 1,2,3`` as a list of ints (argparse turns the ValueError into a usage error)."""
-    parts = [p.strip() for p in text.split(",") if p.strip()]
-    try:
-        ids = [int(p) for p in parts]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated token ids such as 1,2,3, got {text!r}"
-        ) from None
-    if not ids:
-        raise argparse.ArgumentTypeError("expected at least one token id, got none")
-    return ids
-
-
-def run_generate(args: argparse.Namespace, out: TextIO | None = None) -> int:
+def run_generate(
+    args: argparse.Namespace,
+    out: TextIO | None = None,
+    *,
+    usage: argparse.ArgumentParser | None = None,
+) -> int:
     """Load, stream the tokens to ``out`` (stdout), then print why generation stopped and the
     speeds; return the exit code.
 
     With ``--prompt`` the text pieces are streamed; with ``--ids`` the new token ids, separated
-    by commas.
+    by commas. On a terminal, stderr says what runs before the first token (loading, prefill).
+    A usage error goes to ``usage.error`` (exit 2), or raises :class:`UsageError` without one.
     """
     from portable_llm.checkpoint.loader import load
     from portable_llm.generation.generate import generate
     from portable_llm.generation.speculative import SpeculativeStats, speculative_generate
 
     out = out if out is not None else sys.stdout
-    err = sys.stderr
     ids = getattr(args, "ids", None)
+    draft_path = getattr(args, "draft", None)
+    penalty = getattr(args, "repetition_penalty", None)
+    check_usage(usage, [
+        (ids is not None and args.chat, "--chat needs a text --prompt, not --ids"),
+        (draft_path is not None and penalty is not None,
+         "--repetition-penalty does not combine with --draft"),
+        *path_errors([("path", args.path), ("--draft", draft_path)]),
+    ])  # fmt: skip
+    threads = apply_threads(getattr(args, "threads", None), [args.backend])
+    progress = Progress("generate")
     try:
-        if ids is not None and args.chat:
-            raise ValueError("--chat needs a text --prompt, not --ids")
+        progress(f"loading {args.path} on {args.backend} ({threads} threads) ...")
         start = time.perf_counter()
         model = load(args.path, backend=args.backend, dtype=args.dtype, device=args.device)
-        draft_path = getattr(args, "draft", None)
         draft = None
         if draft_path is not None:
             draft = load(draft_path, backend=args.backend, dtype=args.dtype, device=args.device)
@@ -122,49 +112,51 @@ def run_generate(args: argparse.Namespace, out: TextIO | None = None) -> int:
                 messages = [{"role": "user", "content": prompt}]
                 prompt = model.tokenizer.apply_chat_template(messages, tokenize=True)
         options = {
-            "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-            "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p, "seed": args.seed,
+            "max_new_tokens": args.max_new_tokens, **sampling_options(args),
             "prefill_step_size": getattr(args, "prefill_step_size", 2048),
         }  # fmt: skip
         if draft is None:
-            penalty = getattr(args, "repetition_penalty", None)
             gen = generate(model, prompt, **options, repetition_penalty=penalty)
-        elif getattr(args, "repetition_penalty", None) is not None:
-            raise ValueError("--repetition-penalty is not supported with --draft")
         else:
             k = args.num_draft_tokens
             gen = speculative_generate(model, draft, prompt, num_draft_tokens=k, **options)
+        progress(f"loaded in {loaded:.2f} s; prefill ...")
         pieces = model.tokenizer.stream(gen) if args.chat else gen  # the chat prompt is ids
         for i, piece in enumerate(pieces):
             text = piece if ids is None else f"{',' if i else ''}{piece}"
             print(text, end="", file=out, flush=True)
-    except (FileNotFoundError, ValueError, ImportError) as exc:
-        print(f"portable-llm generate: error: {exc}", file=err)
+    except (OSError, ValueError, ImportError) as exc:
+        error("generate", exc)
         return 1
     s = gen.stats
     print(file=out)
-    print(_why_stopped(model, s, args.max_new_tokens), file=out)
-    print(
-        f"load {loaded:.2f} s ({model!r})\n"
-        f"prefill: {s.prompt_tokens} tokens in {s.prefill_seconds:.3f} s, "
-        f"{s.prefill_tokens_per_second:.1f} tokens/s\n"
-        f"decode: {s.decode_steps} tokens in {s.decode_seconds:.3f} s, "
+    lines = [
+        _why_stopped(model, s, args.max_new_tokens),
+        f"load {loaded:.2f} s ({model!r})",
+        f"prefill: {_tokens(s.prompt_tokens)} in {s.prefill_seconds:.3f} s, "
+        f"{s.prefill_tokens_per_second:.1f} tokens/s",
+        f"decode: {_tokens(s.decode_steps)} in {s.decode_seconds:.3f} s, "
         f"{s.decode_tokens_per_second:.1f} tokens/s",
-        file=out,
-    )
+    ]
     if isinstance(s, SpeculativeStats):
-        print(
-            f"draft {draft!r}: {s.accepted_tokens} of {s.draft_tokens} proposed tokens accepted "
+        lines += [
+            f"draft {draft!r}",
+            f"speculative: {s.accepted_tokens} of {s.draft_tokens} proposed tokens accepted "
             f"(acceptance rate {s.acceptance_rate:.2f}), {s.rounds} verifying forwards",
-            file=out,
-        )
+        ]
+    for line in lines:
+        print(wrap(line), file=out)
     return 0
+
+
+def _tokens(n: int) -> str:
+    return f"{n} token{'' if n == 1 else 's'}"
 
 
 def _why_stopped(model: Any, stats: Any, max_new_tokens: int) -> str:
     """One line: the stop token that ended generation (with its text), or the token limit."""
     n = stats.generated_tokens
-    new = f"{n} new token{'' if n == 1 else 's'}"
+    new = f"{n} new {_tokens(n).partition(' ')[2]}"
     if stats.stop_token is None:
         return f"stopped: {new}, the --max-new-tokens limit ({max_new_tokens})"
     token = str(stats.stop_token)

@@ -27,7 +27,8 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from portable_llm.cli.report import UsageError, backend_names, format_table, load_for_dtype
+from portable_llm.cli.output import Table, UsageError, wrap
+from portable_llm.cli.report import backend_names, load_for_dtype
 
 __all__ = ["GGUF_PEERS", "PEERS", "QWEN2_0_5B", "TINY", "run_model_bench", "write_bench_checkpoint"]
 
@@ -234,8 +235,10 @@ GGUF_PEERS: tuple[tuple[str, str, Callable[[Path, str], tuple[float, Runner]]], 
     ("llama.cpp", "llama_cpp", _llama_cpp),
 )
 
-_HEADERS = ("engine", "backend", "dtype", "load", f"prefill tok/s (L={PREFILL})", "decode tok/s",
-            "warm-up run", "load avg")  # fmt: skip
+_HEADERS = ("engine", "backend", "dtype", "load", "prefill tok/s", "decode tok/s", "warm-up",
+            "load avg")  # fmt: skip
+#: The widths the rows are printed at as they come (at most 100 columns).
+_WIDTHS = (12, 16, 8, 8)
 
 
 def run_model_bench(
@@ -261,18 +264,22 @@ def run_model_bench(
     if folder is None:
         folder = write_bench_checkpoint(cache_dir, config)
         vocab = (config or QWEN2_0_5B)["vocab_size"]
-    elif Path(folder).suffix == ".gguf" and Path(folder).is_file():
-        folder = Path(folder)
-        vocab = _gguf_vocab(folder)
     else:
         folder = Path(folder)
-        if not (folder / "config.json").is_file():
-            raise UsageError(f"--model: {folder} has no config.json")
-        vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
-    print(f"checkpoint: {folder} (ready in {time.perf_counter() - start:.1f} s)", file=out)
+        vocab = _vocab(folder)
+    print(wrap(f"checkpoint: {folder} (ready in {time.perf_counter() - start:.1f} s)"), file=out)
     gguf = folder.suffix == ".gguf"
     rows: list[list[str]] = []
+    table = Table(_HEADERS, _WIDTHS)
     ids = np.random.default_rng(0).integers(0, min(vocab, 1000), size=(1, PREFILL))
+
+    def run(engine: str, name: str, dt: str, make: Callable[[], tuple[float, Runner]]) -> None:
+        # each row is printed as soon as its engine has run (about a minute per engine)
+        if not rows:
+            print(table.header(), file=out, flush=True)
+        rows.append(_row(engine, name, dt, make, decode, ids))
+        print(table.row(rows[-1]), file=out, flush=True)
+
     for name in names:
         if load_for_dtype(name, dtype, out) is None:
             continue
@@ -280,37 +287,54 @@ def run_model_bench(
         for engine, module, peer in () if gguf else PEERS.get(name, ()):
             if _installed(module):
                 engines.append((engine, partial(peer, folder, dtype)))
-        rows.extend(_row(engine, name, dtype, make, decode, ids) for engine, make in engines)
+        for engine, make in engines:
+            run(engine, name, dtype, make)
     if not rows:
         raise UsageError(f"no selected backend is installed with {dtype}")
     notes = []
     for engine, module, peer in GGUF_PEERS if gguf else ():
         if _installed(module):
-            make = partial(peer, folder, dtype)
-            rows.append(_row(engine, "-", "(file's)", make, decode, ids))
+            run(engine, "-", "(file's)", partial(peer, folder, dtype))
         else:
             notes.append(f"{engine} skipped: {module} is not installed")
-    print(format_table(_HEADERS, rows), file=out)
     peers = (
         f"llama.cpp runs on the same file with {_threads()} threads, as torch"
         if gguf
         else "transformers runs next to the torch backend, mlx-lm next to the mlx backend"
     )
-    print(
-        f"\ngreedy decoding of {decode} tokens after a {PREFILL}-token prompt, twice; the second "
-        f"run is reported (the warm-up column is the first: compilation, allocation). {peers}.",
-        file=out,
+    print(file=out)
+    text = (
+        f"greedy decoding of {decode} tokens after a {PREFILL}-token prompt, twice; the second "
+        f"run is reported (the warm-up column is the first: compilation, allocation). {peers}."
     )
+    print(wrap(text, "", ""), file=out)
     for line in [*notes, *_ratios(rows)]:
-        print(line, file=out)
+        print(wrap(line), file=out)
     return 0
+
+
+def _vocab(path: Path) -> int:
+    """The vocabulary size of ``--model PATH`` (a .gguf file or a checkpoint folder), read
+    without loading the weights; a path that is neither is a :class:`UsageError`."""
+    if not path.exists():
+        raise UsageError(f"--model: no such file or folder: {path}")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise UsageError(f"--model: {path} is a file but not a .gguf file")
+        return _gguf_vocab(path)
+    if not (path / "config.json").is_file():
+        raise UsageError(f"--model: the folder {path} has no config.json")
+    return int(json.loads((path / "config.json").read_text())["vocab_size"])
 
 
 def _gguf_vocab(path: Path) -> int:
     """The vocabulary size of a ``.gguf`` file (its token list), read without loading it."""
     from gguf import GGUFReader
 
-    field = GGUFReader(path, "r").fields.get("tokenizer.ggml.tokens")
+    try:
+        field = GGUFReader(path, "r").fields.get("tokenizer.ggml.tokens")
+    except (ValueError, OSError, IndexError) as exc:  # gguf's "GGUF magic invalid", truncation
+        raise UsageError(f"--model: {path} is not a readable GGUF file ({exc})") from None
     if field is None:
         raise UsageError(f"--model: {path} has no tokenizer.ggml.tokens")
     return len(field.data)

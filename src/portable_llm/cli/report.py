@@ -22,6 +22,7 @@ A new op adds one :class:`Case` to :data:`CASES`.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import textwrap
 import time
@@ -36,15 +37,17 @@ from portable_llm.attn.block import attention
 from portable_llm.attn.paged import paged_attention
 from portable_llm.attn.sdpa import scaled_dot_product_attention
 from portable_llm.backends import (
-    _ALIASES,
     BACKENDS,
+    FLOAT_DTYPES,
     Backend,
     BackendNotInstalledError,
     backend_of,
     get_backend,
+    numpy_bfloat16,
 )
-from portable_llm.backends._base import FLOAT_DTYPES, numpy_bfloat16
 from portable_llm.caches.kv import KVCache
+from portable_llm.cli.options import backend_name
+from portable_llm.cli.output import WIDTH, Table, UsageError
 from portable_llm.core.arrays import asarray, to_numpy
 from portable_llm.core.dispatch import TraceEntry, dispatcher, trace
 from portable_llm.ops.activations import gelu, gelu_tanh, relu, silu, softmax
@@ -62,16 +65,12 @@ from portable_llm.testing import (
     assert_close,
     compare_values,
     random_array,
+    random_weight,
     reference,
     tolerance,
 )
-from portable_llm.testing import random_weight as _weight
 
 __all__ = ["CASES", "Case", "Inputs", "Row", "UsageError", "format_table", "run_report"]
-
-
-class UsageError(ValueError):
-    """A ``--backend``, ``--op`` or ``--dtype`` that names nothing known."""
 
 
 @dataclass(frozen=True)
@@ -144,7 +143,7 @@ def _layer_norm(seed: int, dtype: str, backend: str) -> Inputs:
 def _linear(bias: bool) -> Callable[[int, str, str], Inputs]:
     def build(seed: int, dtype: str, backend: str) -> Inputs:
         x = random_array(seed, _X, dtype, backend=backend)
-        w = _weight(seed + 1, (48, _X[-1]), dtype, backend=backend)
+        w = random_weight(seed + 1, (48, _X[-1]), dtype, backend=backend)
         if not bias:
             return _inputs(x, w)
         return _inputs(x, w, random_array(seed + 2, (48,), dtype, backend=backend, scale=0.1))
@@ -155,9 +154,9 @@ def _linear(bias: bool) -> Callable[[int, str, str], Inputs]:
 def _mlp(seed: int, dtype: str, backend: str) -> Inputs:
     e, i = _X[-1], 160
     x = random_array(seed, _X, dtype, backend=backend)
-    w_gate = _weight(seed + 1, (i, e), dtype, backend=backend)
-    w_up = _weight(seed + 2, (i, e), dtype, backend=backend)
-    w_down = _weight(seed + 3, (e, i), dtype, backend=backend)
+    w_gate = random_weight(seed + 1, (i, e), dtype, backend=backend)
+    w_up = random_weight(seed + 2, (i, e), dtype, backend=backend)
+    w_down = random_weight(seed + 3, (e, i), dtype, backend=backend)
     return _inputs(x, w_gate, w_up, w_down, act="silu")
 
 
@@ -203,7 +202,7 @@ def _embedding(seed: int, dtype: str, backend: str) -> Inputs:
 
 def _unembed(seed: int, dtype: str, backend: str) -> Inputs:
     h = random_array(seed, _X, dtype, backend=backend)
-    return _inputs(h, _weight(seed + 1, (_VOCAB, _X[-1]), dtype, backend=backend))
+    return _inputs(h, random_weight(seed + 1, (_VOCAB, _X[-1]), dtype, backend=backend))
 
 
 def _router(seed: int, dtype: str, backend: str) -> tuple[Any, Any]:
@@ -211,7 +210,7 @@ def _router(seed: int, dtype: str, backend: str) -> tuple[Any, Any]:
     experts chosen in dtype and in float64 agree, and the comparison is of numbers)."""
     for s in range(seed, seed + 10_000, 10):
         x = random_array(s, _X, dtype, backend=backend)
-        w = _weight(s + 1, (_EXPERTS, _X[-1]), dtype, backend=backend)
+        w = random_weight(s + 1, (_EXPERTS, _X[-1]), dtype, backend=backend)
         logits = -np.sort(-reference.linear(x[1], w[1]), axis=-1)
         gap = logits[..., _TOP_K - 1] - logits[..., _TOP_K]
         if (gap > tolerance(dtype).rtol * np.abs(logits).max()).all():
@@ -235,7 +234,9 @@ def _moe_case(seed: int, dtype: str, backend: str) -> Inputs:
     e, i, i_shared = _X[-1], 32, 48
     shapes = [(_EXPERTS, i, e), (_EXPERTS, i, e), (_EXPERTS, e, i), (i_shared, e), (i_shared, e),
               (e, i_shared), (1, e)]  # fmt: skip
-    weights = [_weight(seed + 2 + j, sh, dtype, backend=backend) for j, sh in enumerate(shapes)]
+    weights = [
+        random_weight(seed + 2 + j, sh, dtype, backend=backend) for j, sh in enumerate(shapes)
+    ]
     return _inputs(*_router(seed, dtype, backend), *weights, top_k=_TOP_K, norm_topk_prob=False)
 
 
@@ -316,7 +317,7 @@ def _attention_case(seed: int, dtype: str, backend: str) -> Inputs:
     b, L, e, h, h_kv, d = _BLOCK
     shapes = [(h * d, e), (h_kv * d, e), (h_kv * d, e), (e, h * d)]
     x = random_array(seed, (b, L, e), dtype, backend=backend)
-    ws = [_weight(seed + 1 + i, s, dtype, backend=backend) for i, s in enumerate(shapes)]
+    ws = [random_weight(seed + 1 + i, s, dtype, backend=backend) for i, s in enumerate(shapes)]
     bs = [random_array(seed + 5 + i, (s[0],), dtype, backend=backend, scale=0.1)
           for i, s in enumerate(shapes[:3])]  # fmt: skip
     norms = [random_array(seed + 8 + i, (d,), dtype, backend=backend, low=0.5, high=1.5)
@@ -429,7 +430,7 @@ def _quantized(seed: int, dtype: str, backend: str) -> Inputs:
     """x and a weight quantized on the backend; the references are the float64 copies of the
     very packed codes, scales and biases the call gets."""
     bk = get_backend(backend)
-    w, _ = _weight(seed + 1, (48, _X[-1]), dtype, backend=backend)
+    w, _ = random_weight(seed + 1, (48, _X[-1]), dtype, backend=backend)
     qw = quantize(w, bits=_QBITS, group_size=_QGROUP)
     parts = [(a, bk.to_numpy(a).astype(np.float64)) for a in (qw.scales, qw.biases)]
     packed = (qw.packed, bk.to_numpy(qw.packed))
@@ -589,7 +590,8 @@ def _select(cases: Sequence[Case], ops: Sequence[str] | None) -> list[Case]:
     known = {c.op for c in cases} | {c.name for c in cases}
     unknown = [o for o in ops if o not in known]
     if unknown:
-        raise UsageError(f"unknown op(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        names = ", ".join(sorted(known))
+        raise UsageError(f"--op: unknown op(s) {', '.join(unknown)}; known: {names}")
     return [c for c in cases if c.op in ops or c.name in ops]
 
 
@@ -597,10 +599,12 @@ def backend_names(names: Sequence[str] | None) -> list[str]:
     """The canonical backend names selected by ``--backend`` (all known ones when empty)."""
     if not names:
         return list(BACKENDS)
-    picked = {_ALIASES.get(n, n) for n in names}
-    unknown = sorted(picked - set(BACKENDS))
-    if unknown:
-        raise UsageError(f"unknown backend(s) {', '.join(unknown)}; known: {', '.join(BACKENDS)}")
+    picked = set()
+    for n in names:
+        try:
+            picked.add(backend_name(n))
+        except argparse.ArgumentTypeError as exc:
+            raise UsageError(f"--backend: {exc}") from None
     return [b for b in BACKENDS if b in picked]
 
 
@@ -637,8 +641,6 @@ def load_for_dtype(name: str, dtype: str, file: TextIO) -> Backend | None:
 
 
 _HEADERS = ("op", "dtype", "impl", "path", "max abs err", "err/tol", "result")
-#: Lines of the report fit this many columns; longer notes are wrapped.
-WIDTH = 100
 _COLUMNS = (
     "   err = |out - float64 ref|; max abs err = max err; "
     "err/tol = max err/(atol + rtol |ref|), ok <= 1"
@@ -712,7 +714,7 @@ def run_report(
     cases, names = _select(CASES, ops), backend_names(backends)
     if dtypes and set(dtypes) - set(FLOAT_DTYPES):
         bad = ", ".join(sorted(set(dtypes) - set(FLOAT_DTYPES)))
-        raise UsageError(f"unknown dtype(s) {bad}; known: {', '.join(FLOAT_DTYPES)}")
+        raise UsageError(f"--dtype: unknown dtype(s) {bad}; known: {', '.join(FLOAT_DTYPES)}")
     failed: list[tuple[str, Row]] = []
     skip: set[str] = set()
     if numpy_bfloat16() is None and (not dtypes or "bfloat16" in dtypes):
@@ -728,9 +730,16 @@ def run_report(
         if bk is None:
             continue
         run = [d for d in bk.float_dtypes() if (not dtypes or d in dtypes) and d not in skip]
-        rows = [row for case in cases for dtype in run for row in check_case(bk, case, dtype)]
-        print(_COLUMNS, file=out)
-        print(format_table(_HEADERS, [_cells(r) for r in rows]) + "\n", file=out)
+        # each row is printed as it is checked, in columns sized in advance
+        table = Table(_HEADERS, [max(len(c.name) for c in cases), 8, 8, 15])
+        print(_COLUMNS + "\n" + table.header(), file=out, flush=True)
+        rows = []
+        for case in cases:
+            for dtype in run:
+                for row in check_case(bk, case, dtype):
+                    print(table.row(_cells(row)), file=out, flush=True)
+                    rows.append(row)
+        print(file=out)
         print("\n".join(_notes(name, rows)), file=out)
         outside = [r for r in rows if r.result != "ok"]
         verdict = f"{len(outside)} outside tolerance" if outside else "all ok"

@@ -15,8 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from portable_llm.backends import backend_of, get_backend
-from portable_llm.backends._base import FLOAT_DTYPES, numpy_bfloat16
+from portable_llm.backends import FLOAT_DTYPES, backend_of, get_backend, numpy_bfloat16
 from portable_llm.core.arrays import asarray, to_numpy
 
 __all__ = [

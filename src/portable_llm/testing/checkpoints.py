@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from portable_llm.backends._base import numpy_bfloat16
+from portable_llm.backends import numpy_bfloat16
 
 __all__ = [
     "CHAT_TEMPLATES",

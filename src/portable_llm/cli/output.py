@@ -1,0 +1,103 @@
+"""How the ``portable-llm`` commands write: lines of at most :data:`WIDTH` columns, errors as one
+message without a traceback, progress on stderr while a terminal watches."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import textwrap
+from collections.abc import Iterable, Sequence
+from typing import TextIO
+
+__all__ = [
+    "WIDTH",
+    "Progress",
+    "Table",
+    "UsageError",
+    "check_usage",
+    "error",
+    "path_errors",
+    "wrap",
+]
+
+#: Every line the command prints fits this many columns (longer text is wrapped or shortened).
+WIDTH = 100
+
+
+class UsageError(ValueError):
+    """A flag whose value names nothing known or is out of range: exit status 2."""
+
+
+def wrap(text: str, indent: str = "", hang: str = "    ") -> str:
+    """``text`` wrapped to :data:`WIDTH` columns, continuation lines indented by ``hang``
+    (words longer than a line, such as long paths, are kept whole)."""
+    lines = textwrap.wrap(
+        text,
+        WIDTH,
+        initial_indent=indent,
+        subsequent_indent=hang,
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
+    return "\n".join(lines) if lines else text
+
+
+def error(command: str, exc: BaseException | str, file: TextIO | None = None) -> None:
+    """Print ``portable-llm COMMAND: error: MESSAGE`` on stderr: one message (its whitespace
+    collapsed, wrapped to :data:`WIDTH` columns), no traceback."""
+    message = " ".join(str(exc).split())
+    print(wrap(f"portable-llm {command}: error: {message}"), file=file or sys.stderr)
+
+
+def check_usage(usage: argparse.ArgumentParser | None, checks: Iterable[tuple[bool, str]]) -> None:
+    """The first failed check as a usage error: ``usage.error`` (one line, exit status 2), or a
+    :class:`UsageError` without a parser (a call from Python)."""
+    for failed, message in checks:
+        if failed:
+            if usage is not None:
+                usage.error(message)
+            raise UsageError(message)
+
+
+def path_errors(paths: Sequence[tuple[str, str | None]]) -> list[tuple[bool, str]]:
+    """For :func:`check_usage`: each ``(argument, path)`` whose path is given but missing."""
+    return [
+        (path is not None and not os.path.exists(path), f"{name}: no such file or folder: {path}")
+        for name, path in paths
+    ]
+
+
+class Progress:
+    """Lines that say what runs now (loading, prefill), on stderr, only where stderr is a
+    terminal: piped or captured output stays the command's result alone."""
+
+    def __init__(self, command: str, file: TextIO | None = None) -> None:
+        self.command = command
+        self.file = file if file is not None else sys.stderr
+        isatty = getattr(self.file, "isatty", None)
+        self.on = bool(isatty and isatty())
+
+    def __call__(self, message: str) -> None:
+        if self.on:
+            print(wrap(message), file=self.file, flush=True)
+
+
+class Table:
+    """A plain-text table printed a row at a time, as each row is ready: left-aligned columns
+    separated by two spaces, a rule under the header. Column widths are fixed in advance (at
+    least each header's); a longer cell pushes the rest of its row right."""
+
+    def __init__(self, headers: Sequence[str], widths: Sequence[int] = ()) -> None:
+        self.headers = list(headers)
+        given = list(widths) + [0] * (len(headers) - len(widths))
+        self.widths = [max(len(h), w) for h, w in zip(headers, given, strict=True)]
+
+    def row(self, cells: Sequence[object]) -> str:
+        """One row, padded to the column widths."""
+        parts = [str(c).ljust(w) for c, w in zip(cells, self.widths, strict=True)]
+        return "  ".join(parts).rstrip()
+
+    def header(self) -> str:
+        """The header line and the rule of dashes under it."""
+        return self.row(self.headers) + "\n" + self.row(["-" * w for w in self.widths])
