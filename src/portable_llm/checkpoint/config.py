@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from portable_llm.checkpoint.files import CheckpointError, checkpoint_file, read_json
-from portable_llm.decoder.config import DecoderConfig
+from portable_llm.decoder.config import DecoderConfig, check_model_type
 
 __all__ = ["config_path", "read_config"]
 
@@ -40,6 +40,12 @@ def read_config(
     """
     file = config_path(path)
     d = read_json(file)
+    try:  # first: a folder of another family is answered with its model type
+        check_model_type(d)
+    except ValueError as exc:
+        raise CheckpointError(
+            f"load: {str(file)!r}: {str(exc).removeprefix('config.json: ')}"
+        ) from None
     counts = {"num_hidden_layers": layers}
     if d.get("model_type") in ("mixtral", "qwen2_moe"):
         counts["num_local_experts" if d.get("model_type") == "mixtral" else "num_experts"] = experts

@@ -17,9 +17,9 @@ from portable_llm.core.checks import check_int, check_real
 from portable_llm.ops.activations import ACTIVATIONS
 from portable_llm.rotary.scaling import ROPE_TYPES, rope_spec
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "DecoderConfig"]
+__all__ = ["READ_MODEL_TYPES", "SUPPORTED_MODEL_TYPES", "DecoderConfig", "check_model_type"]
 
-#: The ``model_type`` values :func:`portable_llm.load` reads.
+#: The ``model_type`` values :func:`portable_llm.load` reads and runs.
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = (
     "qwen2",
     "qwen3",
@@ -28,11 +28,57 @@ SUPPORTED_MODEL_TYPES: tuple[str, ...] = (
     "mixtral",
     "qwen2_moe",
 )
-LAYER_TYPES = ("full_attention", "sliding_attention")
+#: Families whose ``config.json`` :meth:`DecoderConfig.from_dict` reads (their fields resolved
+#: below) but whose forward the decoder does not run yet: ``pl.load`` refuses them by name.
+READ_MODEL_TYPES: tuple[str, ...] = (
+    "gpt2",
+    "phi",
+    "phi3",
+    "gemma2",
+    "gemma3_text",
+    "llama4_text",
+)
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 # HF's class defaults where config.json may leave a field out (per family where they differ).
-_DEFAULT_THETA = {"mixtral": 1e6}
-_DEFAULT_EPS = {"mixtral": 1e-5}
-_DEFAULT_HEAD_DIM = {"qwen3": 128}
+_DEFAULT_THETA = {"mixtral": 1e6, "gemma3_text": 1e6, "llama4_text": 5e5}
+_DEFAULT_EPS = {"mixtral": 1e-5, "phi3": 1e-5, "llama4_text": 1e-5, "gpt2": 1e-5, "phi": 1e-5}
+_DEFAULT_HEAD_DIM = {"qwen3": 128, "gemma2": 256, "gemma3_text": 256}
+# Other spellings of HF's names, by family (GPT-2's own; LayerNorm eps names; Gemma's
+# activation): read when the usual name is absent.
+_ALIASES: dict[str, dict[str, str]] = {
+    "gpt2": {
+        "n_embd": "hidden_size",
+        "n_layer": "num_hidden_layers",
+        "n_head": "num_attention_heads",
+        "n_positions": "max_position_embeddings",
+        "n_inner": "intermediate_size",
+        "activation_function": "hidden_act",
+        "layer_norm_epsilon": "rms_norm_eps",
+    },
+    "phi": {"layer_norm_eps": "rms_norm_eps"},
+    "gemma2": {"hidden_activation": "hidden_act"},
+    "gemma3_text": {"hidden_activation": "hidden_act"},
+}
+_GEMMA = ("gemma2", "gemma3_text")
+
+
+def check_model_type(d: Mapping[str, Any]) -> str:
+    """The ``model_type`` of a ``config.json`` dict if :func:`portable_llm.load` runs it.
+
+    The first check of a checkpoint, before any other (a BERT folder is answered with its model
+    type, not with what its weights lack).
+
+    Raises
+    ------
+    ValueError
+        Any other model type; the message names it and lists the supported ones.
+    """
+    mt = d.get("model_type") if isinstance(d, Mapping) else None
+    if mt in SUPPORTED_MODEL_TYPES:
+        return str(mt)
+    raise ValueError(
+        f"config.json: unsupported model_type {mt!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+    )
 
 
 @dataclass(frozen=True)
@@ -44,6 +90,13 @@ class DecoderConfig:
     ``max_position_embeddings``); ``layer_types[i]`` is ``"full_attention"`` or
     ``"sliding_attention"`` (then ``sliding_window`` applies); ``moe_layers[i]`` says whether
     layer i is a mixture of experts.
+
+    The fields after ``pad_token_id`` carry what the families beyond Llama change (the family
+    table of docs/models.md): the norm (``"rms"`` or ``"layer"``, Gemma's ``1 + w`` as
+    ``norm_offset``), GPT-2's learned positions, Phi-2's parallel block and plain MLP, Gemma's
+    embedding scale, sandwich norms, attention scale and soft-capping, Gemma 3's RoPE of its
+    sliding layers, and Llama 4's chunked attention, no-RoPE layers, temperature tuning, q/k L2
+    norm and sigmoid router. ``rms_norm_eps`` is the eps of every norm (LayerNorm's too).
     """
 
     model_type: str
@@ -75,6 +128,26 @@ class DecoderConfig:
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    # -- the families beyond Llama (defaults: Llama's behaviour) --------------------------------
+    norm: str = "rms"  # "rms" (RMSNorm) or "layer" (LayerNorm with weight and bias)
+    norm_offset: float = 0.0  # Gemma: the norm's scale is 1 + weight
+    position_embedding: str = "rope"  # "rope" or "learned" (GPT-2's wpe)
+    parallel_block: bool = False  # Phi-2: h + attention(norm(h)) + mlp(norm(h)), one norm
+    gated_mlp: bool = True  # False: down(act(up(x))) (GPT-2 c_fc/c_proj, Phi-2 fc1/fc2)
+    lm_head_bias: bool = False  # Phi-2
+    embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden_size)
+    sandwich_norms: bool = False  # Gemma 2/3: norms after attention and around the MLP
+    attn_scale: float | None = None  # Gemma: query_pre_attn_scalar ** -0.5 (None: D ** -0.5)
+    attn_softcap: float | None = None  # Gemma 2: attn_logit_softcapping
+    final_softcap: float | None = None  # Gemma 2: final_logit_softcapping
+    rope_local: Mapping[str, Any] | None = None  # Gemma 3: RoPE of the sliding layers
+    attention_chunk_size: int | None = None  # Llama 4: chunked_attention layers
+    no_rope_layers: tuple[bool, ...] = ()  # Llama 4: True where a layer has no RoPE
+    attn_temperature_tuning: bool = False  # Llama 4, on the no-RoPE layers
+    floor_scale: float = 8192.0  # Llama 4 temperature tuning
+    attn_temperature_scale: float = 0.1  # Llama 4 temperature tuning (HF attn_scale)
+    qk_l2_norm: bool = False  # Llama 4: weightless RMS norm of q and k on RoPE layers
+    router: str = "softmax"  # "softmax" or "sigmoid" (Llama 4: scales the expert inputs)
 
     def window(self, layer: int) -> int | None:
         """The sliding window of layer ``layer`` (``None``: full attention)."""
@@ -87,19 +160,20 @@ class DecoderConfig:
         Raises
         ------
         ValueError
-            An unsupported ``model_type`` (the message lists the supported ones), an unknown
-            rope type or layer type, a missing or inconsistent size, or a value of the wrong
+            A ``model_type`` neither supported nor in :data:`READ_MODEL_TYPES` (the message
+            lists the supported ones; :func:`check_model_type` refuses the read-only ones), an
+            unknown rope type or layer type, a missing or inconsistent size, or a value of the wrong
             type or range (``rms_norm_eps < 0``, a token id that is not an int, a flag that is
             not a bool, ...).
         """
         if not isinstance(d, Mapping):
             raise ValueError(f"config.json: expected an object ({{...}}), got {type(d).__name__}")
         mt = d.get("model_type")
-        if mt not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"config.json: unsupported model_type {mt!r}; supported: "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
+        if mt not in READ_MODEL_TYPES:
+            mt = check_model_type(d)  # the families it reads: READ_MODEL_TYPES too
+        d = {**{new: d[old] for old, new in _ALIASES.get(mt, {}).items() if old in d}, **d}
+        if mt == "gpt2" and d.get("intermediate_size") is None:
+            d["intermediate_size"] = 4 * d.get("hidden_size", 0)  # GPT-2's n_inner=None
         for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
             _int(d, key, required=True)
         E, n, H = d["hidden_size"], d["num_hidden_layers"], d["num_attention_heads"]
@@ -115,19 +189,24 @@ class DecoderConfig:
                 f"config.json: head_dim must be >= 1; hidden_size={E} // num_attention_heads={H} "
                 "is 0 (give head_dim)"
             )
-        act = d.get("hidden_act", "silu")
+        act = d.get("hidden_act", "gelu_pytorch_tanh" if mt in _GEMMA else "silu")
         if not isinstance(act, str) or act not in ACTIVATIONS:
             raise ValueError(
                 f"config.json: unknown hidden_act {act!r}; known: {', '.join(sorted(ACTIVATIONS))}"
             )
-        bias = _bool(d, "attention_bias")
+        bias = _bool(d, "attention_bias", mt in ("gpt2", "phi"))
         moe = _moe(mt, d, n)
         window, layer_types = _windows(mt, d, n)
+        rope, rope_local = _ropes(mt, d)
         return cls(
             model_type=mt,
             vocab_size=d["vocab_size"],
             hidden_size=E,
-            intermediate_size=_int(d, "intermediate_size", required=True),
+            intermediate_size=_int(
+                d,
+                "intermediate_size_mlp" if mt == "llama4_text" else "intermediate_size",
+                required=True,
+            ),
             num_hidden_layers=n,
             num_attention_heads=H,
             num_key_value_heads=H_kv,
@@ -135,12 +214,12 @@ class DecoderConfig:
             rms_norm_eps=_real(d, "rms_norm_eps", _DEFAULT_EPS.get(mt, 1e-6), low=0.0),
             hidden_act=act,
             max_position_embeddings=_int(d, "max_position_embeddings"),
-            rope=MappingProxyType(_rope(mt, d)),
-            tie_word_embeddings=_bool(d, "tie_word_embeddings"),
+            rope=MappingProxyType(rope),
+            tie_word_embeddings=_bool(d, "tie_word_embeddings", mt in ("gpt2", *_GEMMA)),
             qkv_bias={"qwen2": True, "qwen2_moe": _bool(d, "qkv_bias", True)}.get(mt, bias),
-            o_bias=bias if mt in ("llama", "qwen3") else False,
-            mlp_bias=_bool(d, "mlp_bias") if mt == "llama" else False,
-            qk_norm=mt == "qwen3",
+            o_bias=bias if mt in ("llama", "qwen3", "gpt2", "phi", *_GEMMA) else False,
+            mlp_bias=_bool(d, "mlp_bias") if mt == "llama" else mt in ("gpt2", "phi"),
+            qk_norm=mt == "qwen3" or mt == "gemma3_text" or _bool(d, "qk_layernorm"),
             sliding_window=window,
             layer_types=layer_types,
             num_experts=moe.get("num_experts", 0),
@@ -152,12 +231,17 @@ class DecoderConfig:
             bos_token_id=_token(d, "bos_token_id"),
             eos_token_id=_tokens(d, "eos_token_id"),
             pad_token_id=_token(d, "pad_token_id", low=None),
+            rope_local=None if rope_local is None else MappingProxyType(rope_local),
+            **_family(mt, d, n),
         )
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a plain dict (``rope`` as a dict)."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
-        out["rope"] = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in self.rope.items()}
+        for key in ("rope", "rope_local"):
+            rope = getattr(self, key)
+            if rope is not None:
+                out[key] = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in rope.items()}
         return out
 
 
@@ -212,6 +296,26 @@ def _tokens(d: Mapping[str, Any], key: str) -> tuple[int, ...]:
     return tuple(_token({key: v}, key) or 0 for v in values)
 
 
+def _ropes(mt: str, d: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """``(rope, rope of the sliding layers or None)``: Gemma 3 gives each layer type its own,
+    as ``rope_parameters`` per layer type (v5) or ``rope_local_base_freq`` (v4)."""
+    if mt != "gemma3_text":
+        return _rope(mt, d), None
+    params = d.get("rope_parameters")
+    if isinstance(params, Mapping) and any(isinstance(v, Mapping) for v in params.values()):
+        full, local = params.get("full_attention"), params.get("sliding_attention")
+        if not isinstance(full, Mapping) or not isinstance(local, Mapping):
+            raise ValueError(
+                "config.json: rope_parameters per layer type must give full_attention and "
+                f"sliding_attention, got keys {sorted(params)}"
+            )
+        return _rope(mt, {**d, "rope_parameters": full}), _rope(mt, {**d, "rope_parameters": local})
+    base = _real(d, "rope_local_base_freq", 10000.0, low=1.0, low_open=True)
+    return _rope(mt, d), _rope(
+        mt, {"rope_parameters": {"rope_type": "default", "rope_theta": base}}
+    )
+
+
 def _rope(mt: str, d: Mapping[str, Any]) -> dict[str, Any]:
     """``{"base", "scaling", "max_position_embeddings"}`` from ``rope_parameters`` (v5) or
     ``rope_theta`` + ``rope_scaling`` (v4), as HF's config standardisation reads them."""
@@ -253,14 +357,33 @@ def _rope(mt: str, d: Mapping[str, Any]) -> dict[str, Any]:
 def _windows(mt: str, d: Mapping[str, Any], n: int) -> tuple[int | None, tuple[str, ...]]:
     """``(sliding_window, layer_types)`` by each family's rule (HF's ``__post_init__``)."""
     window = _int(d, "sliding_window", low=0) or None  # 0: no window, as HF's sliding mask
-    if mt in ("mistral", "mixtral"):  # the window (when set) applies to every layer
+    given = d.get("layer_types")
+    if mt in ("mistral", "mixtral", "phi3"):  # the window (when set) applies to every layer
         kinds = ["sliding_attention" if window else "full_attention"] * n
-    elif mt == "llama":
+    elif mt in ("llama", "gpt2", "phi"):
         window, kinds = None, ["full_attention"] * n
+    elif mt in (*_GEMMA, "llama4_text") and given is not None:
+        if not isinstance(given, list | tuple):
+            raise ValueError(f"config.json: layer_types must be a list, got {given!r}")
+        kinds = list(given)
+        window = window if mt in _GEMMA else None
+    elif mt == "gemma2":  # v4: even layers slide (HF Gemma2's is_sliding)
+        window = window or 4096
+        kinds = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    elif mt == "gemma3_text":  # v4: every sliding_window_pattern-th layer is global
+        window = window or 4096
+        pattern = _int(d, "sliding_window_pattern") or 6
+        kinds = [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)
+        ]
+    elif mt == "llama4_text":  # v4: the RoPE layers are chunked, the no-RoPE ones global
+        window, kinds = (
+            None,
+            ["chunked_attention" if rope else "full_attention" for rope in _rope_layers(d, n)],
+        )
     else:  # qwen2, qwen3, qwen2_moe: use_sliding_window switches the window on
         if not _bool(d, "use_sliding_window"):
             window = None
-        given = d.get("layer_types")
         mwl = _int(d, "max_window_layers", low=0)
         mwl = 28 if mwl is None else mwl
         if given is not None:
@@ -283,7 +406,82 @@ def _windows(mt: str, d: Mapping[str, Any], n: int) -> tuple[int | None, tuple[s
     return window, tuple(kinds)
 
 
+def _family(mt: str, d: Mapping[str, Any], n: int) -> dict[str, Any]:
+    """The fields of the families beyond Llama (DecoderConfig's last group)."""
+    out: dict[str, Any] = {}
+    if mt in ("gpt2", "phi"):
+        out.update(norm="layer", gated_mlp=False)
+    if mt == "gpt2":
+        out["position_embedding"] = "learned"
+        if not _bool(d, "scale_attn_weights", True) or _bool(d, "scale_attn_by_inverse_layer_idx"):
+            raise ValueError(
+                "config.json: GPT-2 with scale_attn_weights=false or "
+                "scale_attn_by_inverse_layer_idx=true is not supported"
+            )
+    elif mt == "phi":
+        out.update(parallel_block=True, lm_head_bias=True)
+    elif mt in _GEMMA:
+        scalar = _real(d, "query_pre_attn_scalar", 256.0, low=0.0, low_open=True)
+        caps = (50.0, 30.0) if mt == "gemma2" else (None, None)  # HF's class defaults
+        out.update(
+            norm_offset=1.0,
+            embed_scale=True,
+            sandwich_norms=True,
+            attn_scale=scalar**-0.5,
+            attn_softcap=_cap(d, "attn_logit_softcapping", caps[0]),
+            final_softcap=_cap(d, "final_logit_softcapping", caps[1]),
+        )
+    elif mt == "llama4_text":
+        out.update(
+            attention_chunk_size=_int(d, "attention_chunk_size"),
+            no_rope_layers=tuple(not rope for rope in _rope_layers(d, n)),
+            attn_temperature_tuning=_bool(d, "attn_temperature_tuning", True),
+            floor_scale=_real(d, "floor_scale", 8192.0, low=0.0, low_open=True),
+            attn_temperature_scale=_real(d, "attn_scale", 0.1, low=0.0),
+            qk_l2_norm=_bool(d, "use_qk_norm", True),
+            router="sigmoid",
+        )
+    return out
+
+
+def _cap(d: Mapping[str, Any], key: str, default: float | None) -> float | None:
+    if key in d and d[key] is None:
+        return None
+    value = d.get(key, default)
+    return None if value is None else _real({key: value}, key, 0.0, low=0.0, low_open=True)
+
+
+def _rope_layers(d: Mapping[str, Any], n: int) -> tuple[bool, ...]:
+    """Llama 4: whether each layer applies RoPE (``no_rope_layers``: 1 where it does; v4 files
+    may give only ``no_rope_layer_interval``: every interval-th layer has none)."""
+    given = d.get("no_rope_layers")
+    if given:
+        if not isinstance(given, list | tuple) or len(given) != n:
+            raise ValueError(f"config.json: no_rope_layers must list {n} flags, got {given!r}")
+        return tuple(bool(g) for g in given)
+    step = _int(d, "no_rope_layer_interval") or 4
+    return tuple((i + 1) % step != 0 for i in range(n))
+
+
 def _moe(mt: str, d: Mapping[str, Any], n: int) -> dict[str, Any]:
+    if mt == "llama4_text":  # routed experts of intermediate_size and a shared expert alike
+        x = _int(d, "num_local_experts") or 16
+        given = d.get("moe_layers")
+        if given is None:  # v4: every interleave_moe_layer_step-th layer
+            step = _int(d, "interleave_moe_layer_step") or 1
+            given = list(range(step - 1, n, step))
+        if not isinstance(given, list | tuple):
+            raise ValueError(f"config.json: moe_layers must be a list of ints, got {given!r}")
+        chosen = {_int({"moe_layers": i}, "moe_layers", low=0) for i in given}
+        size = _int(d, "intermediate_size", required=True)
+        return {
+            "num_experts": x,
+            "top_k": _int(d, "num_experts_per_tok") or 1,
+            "norm": False,
+            "size": size,
+            "shared": size,
+            "layers": tuple(i in chosen for i in range(n)),
+        }
     if mt == "mixtral":
         x = _int(d, "num_local_experts") or _int(d, "num_experts") or 8
         return {

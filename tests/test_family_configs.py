@@ -1,0 +1,175 @@
+"""The config.json of the families beyond Llama (GPT-2, Phi-2, Phi-3, Gemma 2/3, Llama 4), as
+transformers 5 writes it and in transformers 4's spellings, read into DecoderConfig's fields; a
+folder of an unsupported family is refused by its model type before anything else.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import portable_llm as pl
+from portable_llm.checkpoint import CheckpointError
+from portable_llm.decoder.config import READ_MODEL_TYPES, SUPPORTED_MODEL_TYPES, DecoderConfig
+
+SIZES = {"hidden_size": 32, "num_attention_heads": 4, "intermediate_size": 64, "vocab_size": 100}
+
+# Trimmed from what transformers 5.23's save_pretrained writes (PretrainedConfig.to_dict).
+V5: dict[str, dict[str, Any]] = {
+    "gpt2": {"model_type": "gpt2", "activation_function": "gelu_new", "layer_norm_epsilon": 1e-05,
+             "n_embd": 32, "n_head": 4, "n_inner": None, "n_layer": 2, "n_positions": 64,
+             "scale_attn_weights": True, "tie_word_embeddings": True, "vocab_size": 100,
+             "bos_token_id": 50256, "eos_token_id": 50256},
+    "phi": {**SIZES, "model_type": "phi", "num_hidden_layers": 2, "hidden_act": "gelu_new",
+            "layer_norm_eps": 1e-05, "max_position_embeddings": 2048, "qk_layernorm": False,
+            "num_key_value_heads": 4, "tie_word_embeddings": False,
+            "rope_parameters": {"partial_rotary_factor": 0.5, "rope_theta": 10000.0,
+                                "rope_type": "default"}},
+    "phi3": {**SIZES, "model_type": "phi3", "num_hidden_layers": 2, "hidden_act": "silu",
+             "rms_norm_eps": 1e-05, "max_position_embeddings": 4096, "num_key_value_heads": 4,
+             "original_max_position_embeddings": 4096, "sliding_window": 16,
+             "rope_parameters": {"partial_rotary_factor": 1.0, "rope_theta": 10000.0,
+                                 "rope_type": "default"}, "tie_word_embeddings": False},
+    "gemma2": {**SIZES, "model_type": "gemma2", "num_hidden_layers": 2, "num_key_value_heads": 2,
+               "head_dim": 8, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+               "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
+               "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4096,
+               "rms_norm_eps": 1e-06, "rope_parameters": {"rope_theta": 10000.0,
+                                                          "rope_type": "default"},
+               "tie_word_embeddings": True},
+    "gemma3_text": {**SIZES, "model_type": "gemma3_text", "num_hidden_layers": 7,
+                    "num_key_value_heads": 2, "head_dim": 8, "attn_logit_softcapping": None,
+                    "final_logit_softcapping": None, "hidden_activation": "gelu_pytorch_tanh",
+                    "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "sliding_window": 512,
+                    "layer_types": ["sliding_attention"] * 5 + ["full_attention",
+                                                                "sliding_attention"],
+                    "rope_parameters": {
+                        "full_attention": {"rope_theta": 1000000.0, "rope_type": "linear",
+                                           "factor": 8.0},
+                        "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}},
+                    "tie_word_embeddings": True},
+    "llama4_text": {**SIZES, "model_type": "llama4_text", "num_hidden_layers": 4,
+                    "num_key_value_heads": 2, "head_dim": 8, "intermediate_size_mlp": 96,
+                    "attention_chunk_size": 8192, "attn_scale": 0.1,
+                    "attn_temperature_tuning": True, "floor_scale": 8192,
+                    "layer_types": ["chunked_attention"] * 3 + ["full_attention"],
+                    "moe_layers": [1, 3], "no_rope_layers": [1, 1, 1, 0],
+                    "num_experts_per_tok": 1, "num_local_experts": 4, "rms_norm_eps": 1e-05,
+                    "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"},
+                    "use_qk_norm": True, "tie_word_embeddings": False},
+}  # fmt: skip
+
+# The same models in transformers 4's spellings (rope_theta, rope_scaling, per-family patterns).
+V4: dict[str, dict[str, Any]] = {
+    "gpt2": V5["gpt2"],  # GPT-2's own names are the same in both
+    "phi": {**{k: v for k, v in V5["phi"].items() if k != "rope_parameters"},
+            "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "rope_scaling": None},
+    "phi3": {**{k: v for k, v in V5["phi3"].items() if k != "rope_parameters"},
+             "rope_theta": 10000.0, "rope_scaling": None, "partial_rotary_factor": 1.0},
+    "gemma2": {**{k: v for k, v in V5["gemma2"].items() if k not in ("rope_parameters",
+                                                                     "layer_types")},
+               "rope_theta": 10000.0},
+    "gemma3_text": {**{k: v for k, v in V5["gemma3_text"].items()
+                       if k not in ("rope_parameters", "layer_types")},
+                    "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+                    "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+                    "sliding_window_pattern": 6},
+    "llama4_text": {**{k: v for k, v in V5["llama4_text"].items()
+                       if k not in ("rope_parameters", "layer_types", "moe_layers",
+                                    "no_rope_layers")},
+                    "rope_theta": 500000.0, "interleave_moe_layer_step": 2,
+                    "no_rope_layer_interval": 4},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("version", ["v5", "v4"])
+@pytest.mark.parametrize("family", READ_MODEL_TYPES)
+def test_family_fields(family: str, version: str) -> None:
+    cfg = DecoderConfig.from_dict((V5 if version == "v5" else V4)[family])
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.vocab_size) == (32, 4, 100)
+    n = cfg.num_hidden_layers
+    want: dict[str, Any] = {
+        "gpt2": dict(norm="layer", position_embedding="learned", gated_mlp=False,
+                     qkv_bias=True, o_bias=True, mlp_bias=True, tie_word_embeddings=True,
+                     intermediate_size=128, hidden_act="gelu_new", rms_norm_eps=1e-5,
+                     num_key_value_heads=4, max_position_embeddings=64),
+        "phi": dict(norm="layer", parallel_block=True, gated_mlp=False, lm_head_bias=True,
+                    qkv_bias=True, o_bias=True, mlp_bias=True, hidden_act="gelu_new"),
+        "phi3": dict(norm="rms", gated_mlp=True, sliding_window=16,
+                     layer_types=("sliding_attention",) * n),
+        "gemma2": dict(norm_offset=1.0, embed_scale=True, sandwich_norms=True,
+                       attn_scale=256**-0.5, attn_softcap=50.0, final_softcap=30.0,
+                       hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True,
+                       layer_types=("sliding_attention", "full_attention"), sliding_window=4096),
+        "gemma3_text": dict(norm_offset=1.0, qk_norm=True, attn_softcap=None, final_softcap=None,
+                            sliding_window=512, layer_types=("sliding_attention",) * 5
+                            + ("full_attention", "sliding_attention")),
+        "llama4_text": dict(intermediate_size=96, moe_intermediate_size=64, num_experts=4,
+                            num_experts_per_tok=1, router="sigmoid", qk_l2_norm=True,
+                            shared_expert_intermediate_size=64, attention_chunk_size=8192,
+                            moe_layers=(False, True, False, True),
+                            no_rope_layers=(False, False, False, True),
+                            layer_types=("chunked_attention",) * 3 + ("full_attention",)),
+    }[family]  # fmt: skip
+    assert {k: getattr(cfg, k) for k in want} == want
+    if family == "phi":
+        assert cfg.rope["scaling"]["partial_rotary_factor"] == 0.5
+    if family == "gemma3_text":  # each layer type its own RoPE
+        assert cfg.rope["base"] == 1e6 and cfg.rope["scaling"]["factor"] == 8.0
+        assert cfg.rope_local is not None and cfg.rope_local["base"] == 1e4
+        assert cfg.rope_local["scaling"]["rope_type"] == "default"
+
+
+def test_v4_and_v5_read_alike() -> None:
+    for family in READ_MODEL_TYPES:
+        a, b = DecoderConfig.from_dict(V5[family]), DecoderConfig.from_dict(V4[family])
+        assert a.to_dict() == b.to_dict(), family
+
+
+def test_families_are_not_loaded_until_the_decoder_runs_them(tmp_path: Path) -> None:
+    from safetensors.numpy import save_file
+
+    save_file({"x": np.zeros(1, np.float32)}, str(tmp_path / "model.safetensors"))
+    for family in READ_MODEL_TYPES:
+        assert family not in SUPPORTED_MODEL_TYPES
+        (tmp_path / "config.json").write_text(json.dumps(V5[family]))
+        with pytest.raises(CheckpointError, match=f"unsupported model_type '{family}'; supp"):
+            pl.load(tmp_path)
+
+
+def test_unsupported_family_is_named_before_any_other_check(tmp_path: Path) -> None:
+    """A BERT folder (its encoder weights hold no decoder layer): the model type is the
+    answer, not a layer-count mismatch."""
+    from safetensors.numpy import save_file
+
+    cfg = {"model_type": "bert", "hidden_size": 32, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "intermediate_size": 64, "vocab_size": 100}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    weights = {f"encoder.layer.{i}.attention.self.query.weight": np.zeros((32, 32), np.float32)
+               for i in range(2)}  # fmt: skip
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError) as info:
+        pl.load(tmp_path)
+    message = str(info.value)
+    assert "unsupported model_type 'bert'; supported: " in message
+    assert message.endswith(", ".join(SUPPORTED_MODEL_TYPES))
+
+
+@pytest.mark.parametrize(
+    ("family", "change", "message"),
+    [
+        ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
+        ("gemma3_text", {"rope_parameters": {"full_attention": {"rope_theta": 1e6}}},
+         "must give full_attention and sliding_attention"),
+        ("llama4_text", {"no_rope_layers": [1, 0]}, "no_rope_layers must list 4 flags"),
+        ("gemma2", {"query_pre_attn_scalar": 0}, "query_pre_attn_scalar must be"),
+        ("phi3", {"rope_parameters": {"rope_type": "longrope"}}, "unknown rope type 'longrope'"),
+    ],
+)  # fmt: skip
+def test_bad_family_configs(family: str, change: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        DecoderConfig.from_dict({**V5[family], **change})
