@@ -151,7 +151,7 @@ def _check_pair(model: LanguageModel, draft: LanguageModel) -> None:
     if tm is None or td is None:
         return
     # The tokenizers' own vocabularies (token -> id, added tokens included).
-    am, ad = (t._tok.get_vocab(with_added_tokens=True) for t in (tm, td))
+    am, ad = tm.vocab(), td.vocab()
     if am != ad:
         diff = sorted(set(am.items()) ^ set(ad.items()), key=lambda item: item[1])[:3]
         raise ValueError(

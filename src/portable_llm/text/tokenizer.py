@@ -56,6 +56,10 @@ class Tokenizer:
         """The id of a token string (``"<|endoftext|>"``), or ``None``."""
         return self._tok.token_to_id(token)
 
+    def vocab(self) -> dict[str, int]:
+        """Every token string and its id, added tokens included (to compare two tokenizers)."""
+        return dict(self._tok.get_vocab(with_added_tokens=True))
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text`` (with the post-processor's special tokens, e.g. a BOS)."""
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
