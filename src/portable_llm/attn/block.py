@@ -1,15 +1,19 @@
 """The attention block of Llama/Qwen/Mistral: projections, q/k RMSNorm, RoPE, attention, output.
 
-The pieces are the ops of :mod:`portable_llm.ops.linear`, :mod:`portable_llm.ops.norm`,
-:mod:`portable_llm.rotary.rope` and :mod:`portable_llm.attn.sdpa`, picked once per call through
-the dispatch table on the backend resolved once for the whole block.
+A front and a body: :func:`attention` checks its arguments and resolves the backend once, then
+calls :func:`attention_body`, which a model's prepared, compiled and paged forwards call too.
+The body runs the kernels of ``linear`` (or ``quantized_linear``), ``rms_norm``, ``rope`` and
+``scaled_dot_product_attention`` through a kernel set (:mod:`portable_llm.ops.kernels`: chosen
+per call here, once per model there) and asks an :class:`AttentionState` for RoPE's positions
+and the keys to attend (a KV cache, a paged cache, the padding).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol
 
 from portable_llm.attn.kv_glue import block_kv_mask, block_offset
 from portable_llm.attn.padding import nonnegative, row_offsets
@@ -20,11 +24,13 @@ from portable_llm.backends import resolve
 from portable_llm.core.arrays import to_numpy
 from portable_llm.core.checks import check_float, check_int, check_same_dtype, match_weight
 from portable_llm.core.dispatch import IMPLS, pick
-from portable_llm.ops.linear import _check_linear
-from portable_llm.ops.quant import QuantizedWeight, project
+from portable_llm.core.types import Array, Namespace
+from portable_llm.ops.kernels import Kernels
+from portable_llm.ops.linear import check_linear
+from portable_llm.ops.quant import QuantizedWeight
 from portable_llm.rotary.args import dispatch_args as rope_dispatch_args
 
-__all__ = ["ROPE_OPTIONS", "attention"]
+__all__ = ["ROPE_OPTIONS", "AttentionState", "AttnWeights", "attention", "attention_body"]
 
 OP = "attention"
 
@@ -50,11 +56,6 @@ def _check_padding(be: Any, pad: Any, L: int) -> None:
         return
     for b, n in enumerate(to_numpy(pad).tolist()):
         check_int(OP, f"left_padding[{b}] (pad tokens of row {b} of L={L})", n, low=0, high=L)
-
-
-def _heads(xp: Any, y: Any, n: int, d: int) -> Any:
-    b, L = y.shape[0], y.shape[1]
-    return xp.permute_dims(xp.reshape(y, (b, L, n, d)), (0, 2, 1, 3))  # (B, n, L, D)
 
 
 def attention(
@@ -196,7 +197,7 @@ def attention(
         head_dim = E // h
     D = _positive("head_dim", head_dim)
     for name, w, b, n in (("wq", wq, bq, h), ("wk", wk, bk, h_kv), ("wv", wv, bv, h_kv)):
-        _check_linear(OP, be, x, w, b, name)
+        check_linear(OP, be, x, w, b, name)
         if w.shape[0] != n * D:
             raise ValueError(
                 f"{OP}: {name} must have shape ({n * D}, {E}) ({n} heads x head_dim {D}, E), "
@@ -234,31 +235,116 @@ def attention(
         _check_padding(be, pad, L)
     if empty(x):  # B = 0 or L = 0: nothing to project or attend (a cache is left untouched)
         return be.xp.zeros((b, L, wo.shape[0]), dtype=x.dtype, device=be.device_of(x))
-    sub = "portable" if impl == "tiled" else impl
-    xp = be.xp
-    if quantized:
-        lin = lambda xp, x, w, b: project(be, sub, x, w, b)  # noqa: E731
-    else:
-        lin = pick(be, "linear", sub, x, wq, bq)
-    q = _heads(xp, lin(xp, x, wq, bq), h, D)  # (B, H, L, D)
-    k = _heads(xp, lin(xp, x, wk, bk), h_kv, D)  # (B, H_kv, L, D)
-    v = _heads(xp, lin(xp, x, wv, bv), h_kv, D)  # (B, H_kv, L, D)
-    if q_norm is not None:  # Qwen3: RMSNorm over each head's D features, before RoPE
-        q = pick(be, "rms_norm", sub, q, q_norm, eps=norm_eps)(xp, q, q_norm, eps=norm_eps)
-    if k_norm is not None:
-        k = pick(be, "rms_norm", sub, k, k_norm, eps=norm_eps)(xp, k, k_norm, eps=norm_eps)
-    if rope is not None:  # one frequency table for q and k
-        start = offset if rows is None else nonnegative(xp, rows)
-        _, (q, offsets, inv), ropts = rope_dispatch_args(q, start, **rope, backend=be)
+    weights = AttnWeights(
+        wq=wq, wk=wk, wv=wv, wo=wo, bq=bq, bk=bk, bv=bv, bo=None, q_norm=q_norm, k_norm=k_norm,
+        window=window, num_heads=h, num_kv_heads=h_kv, head_dim=D, norm_eps=norm_eps,
+    )  # fmt: skip
+    state = _CallState(be, impl, rope, offset, rows, cache, pad, mask, softcap, scale, block_size)
+    kernels = Kernels(be, "portable" if impl == "tiled" else impl)
+    return attention_body(be.xp, kernels, x, weights, state, 0)  # (B, L, E_out)
+
+
+@dataclass(frozen=True)
+class AttnWeights:
+    """One attention layer's weights and shape: projections ``(out, E)`` (float arrays,
+    :class:`~portable_llm.QuantizedWeight` or bound with their kernel:
+    :class:`~portable_llm.ops.kernels.QLinear`, :class:`~portable_llm.ops.kernels.Packed`),
+    optional biases and q/k norms."""
+
+    wq: Any  # (H * D, E)
+    wk: Any  # (H_kv * D, E)
+    wv: Any  # (H_kv * D, E)
+    wo: Any  # (E_out, H * D)
+    bq: Any  # (H * D,) or None
+    bk: Any  # (H_kv * D,) or None
+    bv: Any  # (H_kv * D,) or None
+    bo: Any  # (E_out,) or None: HF's o_proj bias, added after the projection
+    q_norm: Any  # (D,) or None (Qwen3)
+    k_norm: Any  # (D,) or None
+    window: int | None  # the layer's sliding window
+    num_heads: int  # H
+    num_kv_heads: int  # H_kv
+    head_dim: int  # D
+    norm_eps: float  # of q_norm and k_norm
+
+
+class AttentionState(Protocol):
+    """What :func:`attention_body` asks of the call or forward it runs in: RoPE at the
+    positions of the new tokens, and the attention over the keys they see (a KV cache's, a
+    paged cache's, or the new ones alone)."""
+
+    def rotate(self, kn: Any, q: Array, k: Array) -> tuple[Array, Array]:
+        """RoPE of ``q`` ``(B, H, L, D)`` and ``k`` ``(B, H_kv, L, D)`` (or both unchanged)."""
+        ...
+
+    def attend(self, kn: Any, i: int, q: Array, k: Array, v: Array, window: int | None) -> Array:
+        """Layer ``i``'s attention of ``q`` over the new keys and values ``(B, H_kv, L, D)``
+        (after RoPE) and what came before them: ``(B, H, L, D)``."""
+        ...
+
+
+def attention_body(
+    xp: Namespace, kn: Any, x: Array, w: AttnWeights, state: AttentionState, i: int
+) -> Array:
+    """The attention block of checked arguments: the body of :func:`attention` and of a model's
+    layers (prepared, compiled and paged forwards).
+
+    ``kn``: :class:`~portable_llm.ops.kernels.Kernels` (chosen per call) or
+    :class:`~portable_llm.ops.kernels.BoundKernels` (chosen once); ``x`` ``(B, L, E)``;
+    ``state``: where RoPE's positions and the keys come from; ``i``: the layer (its cache).
+    Returns ``(B, L, E_out)`` in x's dtype.
+    """
+    B, L = x.shape[0], x.shape[1]
+    H, H_kv, D = w.num_heads, w.num_kv_heads, w.head_dim
+    q = xp.reshape(kn.project(xp, x, w.wq, w.bq), (B, L, H, D))  # (B, L, H, D)
+    k = xp.reshape(kn.project(xp, x, w.wk, w.bk), (B, L, H_kv, D))  # (B, L, H_kv, D)
+    v = xp.reshape(kn.project(xp, x, w.wv, w.bv), (B, L, H_kv, D))  # (B, L, H_kv, D)
+    q = xp.permute_dims(q, (0, 2, 1, 3))  # (B, H, L, D)
+    k = xp.permute_dims(k, (0, 2, 1, 3))  # (B, H_kv, L, D)
+    v = xp.permute_dims(v, (0, 2, 1, 3))  # (B, H_kv, L, D)
+    if w.q_norm is not None:  # Qwen3: RMSNorm over each head's D features, before RoPE
+        q = kn.rms_norm(xp, q, w.q_norm, eps=w.norm_eps)
+    if w.k_norm is not None:
+        k = kn.rms_norm(xp, k, w.k_norm, eps=w.norm_eps)
+    q, k = state.rotate(kn, q, k)
+    o = state.attend(kn, i, q, k, v, w.window)  # (B, H, L, D)
+    o = xp.reshape(xp.permute_dims(o, (0, 2, 1, 3)), (B, L, H * D))  # (B, L, H*D)
+    o = kn.project(xp, o, w.wo, None)  # (B, L, E_out)
+    return o if w.bo is None else o + w.bo
+
+
+class _CallState:
+    """One call of :func:`attention`: RoPE's options and positions, the cache or the padding,
+    the SDPA options (the projections, norms and RoPE take ``impl`` through the kernels)."""
+
+    def __init__(
+        self, be: Any, impl: str, rope: Mapping[str, Any] | None, offset: Any, rows: Any,
+        cache: Any, pad: Any, mask: Any, softcap: Any, scale: Any, block_size: int,
+    ) -> None:  # fmt: skip
+        self.be, self.impl, self.rope, self.offset, self.rows = be, impl, rope, offset, rows
+        self.cache, self.pad, self.mask = cache, pad, mask
+        self.softcap, self.scale, self.block_size = softcap, scale, block_size
+
+    def rotate(self, kn: Any, q: Array, k: Array) -> tuple[Array, Array]:
+        if self.rope is None:
+            return q, k
+        xp, rows = self.be.xp, self.rows  # one frequency table for q and k
+        start = self.offset if rows is None else nonnegative(xp, rows)
+        _, (q, offsets, inv), ropts = rope_dispatch_args(q, start, **self.rope, backend=self.be)
         offsets = offsets if rows is None else rows  # < 0 only on pad columns, masked out
-        q = pick(be, "rope", sub, q, offsets, inv, **ropts)(xp, q, offsets, inv, **ropts)
-        k = pick(be, "rope", sub, k, offsets, inv, **ropts)(xp, k, offsets, inv, **ropts)
-    if cache is not None or pad is not None:
-        dev = be.device_of(x)
-        k, v, mask, window = block_kv_mask(OP, xp, cache, pad, k, v, mask, window, dev)
-    args, opts = sdpa_args(
-        OP, be, q, k, v, mask, scale=scale, window=window, softcap=softcap, block_size=block_size
-    )
-    o = pick(be, SDPA, impl, *args, **opts)(xp, *args, **opts)  # (B, H, L, D)
-    o = xp.reshape(xp.permute_dims(o, (0, 2, 1, 3)), (b, L, h * D))  # (B, L, H*D)
-    return project(be, sub, o, wo, None)  # (B, L, E_out)
+        q = kn.choose("rope", q, offsets, inv, **ropts)(xp, q, offsets, inv, **ropts)
+        k = kn.choose("rope", k, offsets, inv, **ropts)(xp, k, offsets, inv, **ropts)
+        return q, k
+
+    def attend(self, kn: Any, i: int, q: Array, k: Array, v: Array, window: int | None) -> Array:
+        be, xp, mask = self.be, self.be.xp, self.mask
+        if self.cache is not None or self.pad is not None:
+            dev = be.device_of(q)
+            k, v, mask, window = block_kv_mask(
+                OP, xp, self.cache, self.pad, k, v, mask, window, dev
+            )
+        args, opts = sdpa_args(
+            OP, be, q, k, v, mask, scale=self.scale, window=window, softcap=self.softcap,
+            block_size=self.block_size,
+        )  # fmt: skip
+        return pick(be, SDPA, self.impl, *args, **opts)(xp, *args, **opts)  # (B, H, L, D)

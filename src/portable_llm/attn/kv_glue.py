@@ -38,6 +38,11 @@ class AttentionCache(Protocol):
         """``(mask, window)`` for the keys the last update returned."""
         ...
 
+    def reuse_mask(self) -> None:
+        """The last update's queries attend with a mask built for another cache of the same
+        kind that saw the same updates (what :meth:`make_mask` would give)."""
+        ...
+
 
 def block_offset(op: str, cache: Any, offset: Any, left_padding: Any) -> int:
     """Check the block's ``cache=`` (and what may come with it); return its RoPE offset."""

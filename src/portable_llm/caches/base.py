@@ -21,10 +21,10 @@ from portable_llm.backends import Backend, backend_of, resolve
 from portable_llm.core.arrays import to_numpy
 from portable_llm.core.checks import check_float, check_int, check_optional_int
 
-__all__: list[str] = []
+__all__ = ["BufferCache"]
 
 
-class _Cache:
+class BufferCache:
     """Buffers, checks, trim and masks shared by both caches; subclasses place the tokens.
 
     Two guards keep a misuse from giving wrong numbers or crashing silently:
@@ -195,6 +195,12 @@ class _Cache:
 
     def _check_trim(self, n: int) -> None:
         pass
+
+    def reuse_mask(self) -> None:
+        """Say that the last update's queries attend with a mask built for another cache that
+        saw the same updates (a model builds one mask per kind of layer and shares it): the
+        guard of :meth:`make_mask` is satisfied, as if it had been called."""
+        self._unmasked = False
 
     def make_mask(self, *, window: int | None = None) -> tuple[Any, int | None]:
         """The attention mask of the last update's queries over the keys it returned.

@@ -20,13 +20,13 @@ from typing import Any
 import numpy as np
 
 from portable_llm.attn.visibility import visible
-from portable_llm.caches.base import _Cache
+from portable_llm.caches.base import BufferCache
 from portable_llm.core.checks import check_int
 
 __all__ = ["KVCache", "RotatingKVCache"]
 
 
-class KVCache(_Cache):
+class KVCache(BufferCache):
     """Every key and value seen, in preallocated buffers grown ``step`` slots at a time.
 
     Parameters
@@ -87,8 +87,47 @@ class KVCache(_Cache):
         self._record(L, None if self._offset == S else np.arange(S))
         return self._k[:, :, :S, :], self._v[:, :, :S, :]
 
+    @property
+    def state(self) -> tuple[Any, Any]:
+        """The key and value buffers ``(B, H_kv, capacity, D)`` (``(None, None)`` before the
+        first update): slots ``0 .. offset - 1`` hold the tokens seen (mlx-lm's
+        ``KVCache.state``)."""
+        return self._k, self._v
 
-class RotatingKVCache(_Cache):
+    def reserve(self, tokens: int, /, *, op: str = "KVCache.reserve") -> tuple[Any, Any]:
+        """Grow the buffers (in steps of :attr:`step`) so that ``tokens`` more tokens fit with
+        a slot left free, as :meth:`update_and_fetch` would; return :attr:`state`. For a
+        compiled step that writes the buffers functionally, then hands them back with
+        :meth:`adopt`. ``op`` names the caller in the error of a call from another thread."""
+        self._check_thread(op)
+        if self._k is None:
+            raise ValueError(f"{op}: the cache holds no buffers yet (no update since it was made)")
+        self._reserve(self._offset + tokens + 1)
+        return self._k, self._v
+
+    def adopt(self, keys: Any, values: Any, offset: int, /) -> None:
+        """Take back buffers that a step updated functionally: ``keys`` and ``values`` (the
+        shape of :attr:`state`) now hold ``offset`` tokens, the last ``offset -`` :attr:`offset`
+        of them written by that step, whose queries attended with the cache's mask (as
+        :meth:`make_mask` gives it). The cache is then as :meth:`update_and_fetch` and
+        :meth:`make_mask` would have left it."""
+        if self._k is None or tuple(keys.shape) != tuple(self._k.shape):
+            have = None if self._k is None else tuple(self._k.shape)
+            raise ValueError(
+                f"KVCache.adopt: keys must have the buffers' shape {have}, got {tuple(keys.shape)}"
+            )
+        L = offset - self._offset
+        if L < 1:
+            raise ValueError(
+                f"KVCache.adopt: offset must exceed the cache's ({self._offset}), got {offset}"
+            )
+        self._k, self._v, self._offset = keys, values, offset
+        S = self.capacity - 1 if self._static else offset
+        self._record(L, None if offset == S else np.arange(S))
+        self._unmasked = False  # the step attended with the cache's mask
+
+
+class RotatingKVCache(BufferCache):
     """The first ``keep`` tokens and the last ``max_size - keep``: a bounded-memory cache.
 
     Query at column ``p`` sees key ``j`` iff ``j <= p`` and (``j < keep`` or

@@ -29,12 +29,15 @@ __all__ = [
     "Trace",
     "TraceEntry",
     "auto_portable",
+    "capture",
     "dispatcher",
     "native",
     "pick",
     "portable",
     "register_kernel",
+    "replay",
     "trace",
+    "tracing",
     "unregister_kernel",
 ]
 
@@ -443,6 +446,33 @@ def trace() -> Iterator[Trace]:
         yield t
     finally:
         _TRACES.remove(t)
+
+
+def tracing() -> bool:
+    """Whether a :func:`trace` block is open (a forward that binds its kernels once then asks
+    the dispatcher per call instead, so the trace records each kernel it runs)."""
+    return bool(_TRACES)
+
+
+@contextmanager
+def capture() -> Iterator[Trace]:
+    """A :func:`trace` block whose entries go to it alone, not to the blocks open around it:
+    what a compiled program records while it is traced (once), to :func:`replay` each time it
+    runs."""
+    outer = _TRACES[:]
+    _TRACES.clear()
+    try:
+        with trace() as t:
+            yield t
+    finally:
+        _TRACES[:] = outer
+
+
+def replay(entries: Sequence[TraceEntry]) -> None:
+    """Append ``entries`` (a :func:`capture`'s) to every open :func:`trace` block: the kernels
+    that a compiled program ran, which the dispatcher saw only when it was traced."""
+    for t in _TRACES:
+        t.extend(entries)
 
 
 def _record(d: Dispatcher, op: str, fn: Callable[..., Any]) -> None:

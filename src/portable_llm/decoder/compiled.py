@@ -32,12 +32,11 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
-import numpy as np
-
 from portable_llm.attn.visibility import visible
 from portable_llm.backends import Backend, backend_of
 from portable_llm.caches.kv import KVCache
-from portable_llm.decoder.prepared import Layer, Prepared, QLinear, _Step
+from portable_llm.core.dispatch import TraceEntry, capture, pick, replay, tracing
+from portable_llm.decoder.prepared import Layer, Prepared, QLinear, Step
 from portable_llm.ops.embedding import embedding
 from portable_llm.ops.quant import QuantizedWeight
 from portable_llm.rotary.args import dispatch_args as rope_dispatch_args
@@ -147,7 +146,7 @@ def _array_of(bk: Backend, value: Any) -> bool:
         return False
 
 
-class _TracedStep(_Step):
+class TracedStep(Step):
     """The shared state of one traced step: the buffers, updated functionally."""
 
     def __init__(
@@ -158,7 +157,7 @@ class _TracedStep(_Step):
         self.update, self.ks, self.vs = update, ks, vs
         self.S = int(ks[0].shape[2]) - 1  # the fixed-size view: capacity - 1 keys
 
-    def _rope(self, q: Any) -> tuple[Any, Any, Any, dict[str, Any]]:
+    def rope_args(self, q: Any) -> tuple[Any, Any, Any, dict[str, Any]]:
         """RoPE at the traced offset: the options parsed as for position 0 (nothing read back
         from the offset, which MLX cannot read in a trace), the positions the offset's."""
         if self.rope is None:
@@ -197,7 +196,9 @@ class CompiledStep:
         self._jit = jit
         #: The compiled programs, one per layout of the top weights (see :func:`_split_top`).
         self._fns: dict[tuple[Any, ...], Callable[..., Any]] = {}
-        self._embed = prepared.dispatch.portable_impl("embedding", "masked")
+        #: The kernels each program runs, as :func:`~portable_llm.trace` recorded them while
+        #: the program was traced; a trace open around a call of the program gets them.
+        self.kernels: dict[tuple[Any, ...], list[TraceEntry]] = {}
 
     def applies(self, ids: Any, cache: Sequence[Any] | None) -> bool:
         """Whether this call is a decode step the compiled program runs."""
@@ -214,12 +215,9 @@ class CompiledStep:
         updated as an eager step updates them."""
         xp = self.p.xp
         off = cache[0].offset
-        for c in cache:
-            c._check_thread("model")
-            c._reserve(off + 2)  # as update_and_fetch: a slot stays free
-        S = cache[0].capacity - 1
-        ks = tuple(c._k for c in cache)
-        vs = tuple(c._v for c in cache)
+        state = [c.reserve(1, op="model") for c in cache]  # as update_and_fetch: a slot stays free
+        ks = tuple(k for k, _ in state)
+        vs = tuple(v for _, v in state)
         offset = xp.asarray(off, dtype=xp.int32)
         pad = cache[0].left_padding
         arrays, layout = _split_top(top, self.p.head)
@@ -227,12 +225,10 @@ class CompiledStep:
         if fn is None:
             fn = self._fns[layout] = self._jit(partial(self._step, layout=layout))
         logits, ks, vs = fn(ids, ks, vs, offset, pad, self._leaves, arrays)
-        cols = None if off + 1 == S else np.arange(S)
         for c, k, v in zip(cache, ks, vs, strict=True):
-            c._k, c._v = k, v
-            c._offset = off + 1
-            c._record(1, cols)
-            c._unmasked = False  # the step attended with the cache's mask
+            c.adopt(k, v, off + 1)  # the step attended with the cache's mask
+        if tracing():  # the kernels the program runs, recorded when it was traced
+            replay(self.kernels[layout])
         return logits
 
     def _step(
@@ -240,6 +236,15 @@ class CompiledStep:
         leaves: tuple[Any, ...], top: tuple[Any, Any, Any], *, layout: tuple[Any, ...],
     ) -> tuple[Any, tuple[Any, ...], tuple[Any, ...]]:  # fmt: skip
         self.traces += 1
+        with capture() as kernels:  # every kernel of the program, asked of the dispatcher
+            out = self._forward(ids, ks, vs, offset, pad, leaves, top, layout)
+        self.kernels[layout] = list(kernels)
+        return out
+
+    def _forward(
+        self, ids: Any, ks: tuple[Any, ...], vs: tuple[Any, ...], offset: Any, pad: Any,
+        leaves: tuple[Any, ...], top: tuple[Any, Any, Any], layout: tuple[Any, ...],
+    ) -> tuple[Any, tuple[Any, ...], tuple[Any, ...]]:  # fmt: skip
         p = self.p
         embed, norm, head = (
             a if f is None else QuantizedWeight(*a, bits=f[0], group_size=f[1])
@@ -247,14 +252,14 @@ class CompiledStep:
         )
         if isinstance(embed, QuantizedWeight):  # traced ids: an id out of range gives NaN
             h = embedding(ids, embed)  # (B, 1, E), only the rows dequantized
-        else:
-            h = self._embed(p.xp, ids, embed)  # (B, 1, E); ids checked by the model
-        step = _TracedStep(p, self.update, list(ks), list(vs), pad, offset)
+        else:  # (B, 1, E); ids checked by the model
+            h = pick(p.bk, "embedding", "masked")(p.xp, ids, embed)
+        step = TracedStep(p, self.update, list(ks), list(vs), pad, offset)
         h = p.run_layers(h, step, self._rebuild(leaves))
         if layout[3] and type(p._head) is QLinear:  # the head bound at load: its kernels
             packed, scales, biases = top[2]
             head = dataclasses.replace(p._head, packed=packed, scales=scales, biases=biases, fns={})
-        return p.head_logits(h, norm, head), tuple(step.ks), tuple(step.vs)
+        return p.head_logits(h, norm, head, step.kn), tuple(step.ks), tuple(step.vs)
 
 
 def _split_top(top: tuple[Any, Any, Any], bound: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:

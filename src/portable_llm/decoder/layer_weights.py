@@ -1,28 +1,30 @@
 """The weights of the prepared forward (:mod:`portable_llm.decoder.prepared`), bound at load.
 
-Each decoder layer's weights go into typed records (:class:`AttnWeights`, :class:`MlpWeights`,
-:class:`Layer`); the dense ops' kernels are chosen once (:class:`Kernels`). A projection is a
-plain array of the model's backend and dtype, or one that carries its kernel: a
-:class:`QLinear` for a :class:`~portable_llm.ops.quant.QuantizedWeight` (``quantized_linear``'s
-kernel chosen once per shape of the activations, as the public op chooses it per call) or a
-:class:`Packed` one where the backend packs the weight once (``pack_linear``: oneDNN's layout
-for bfloat16 on torch's CPU), whose kernel gives ``linear``'s bits.
+Each decoder layer's weights go into the records the bodies of the public ops take
+(:class:`~portable_llm.attn.block.AttnWeights`, :class:`~portable_llm.ops.linear.MlpWeights`)
+and a :class:`Layer`. A projection is a plain array of the model's backend and dtype, or one
+that carries its kernel (:mod:`portable_llm.ops.kernels`): a :class:`QLinear` for a
+:class:`~portable_llm.ops.quant.QuantizedWeight` (``quantized_linear``'s kernel chosen once per
+shape of the activations, as the public op chooses it per call) or a :class:`Packed` one where
+the backend packs the weight once (``pack_linear``: oneDNN's layout for bfloat16 on torch's
+CPU), whose kernel gives ``linear``'s bits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from portable_llm.attn.block import AttnWeights
 from portable_llm.backends import Backend, backend_of
-from portable_llm.core.dispatch import portable
+from portable_llm.ops.kernels import Packed, QLinear
+from portable_llm.ops.linear import MlpWeights
 from portable_llm.ops.quant import QuantizedWeight
 
 __all__ = [
     "AttnWeights",
-    "Kernels",
     "Layer",
     "MlpWeights",
     "Packed",
@@ -32,102 +34,6 @@ __all__ = [
     "layer_projections",
     "preparable",
 ]
-
-Fn = Callable[..., Any]
-
-
-@dataclass(frozen=True)
-class Kernels:
-    """The implementations of the dense ops, chosen once for the model's dtype."""
-
-    linear: Fn  # fn(xp, x, w, b)
-    rms_norm: Fn  # fn(xp, x, w, *, eps)
-    act: Fn  # fn(xp, x)
-
-    def project(self, xp: Any, x: Any, w: Any, b: Any) -> Any:
-        """``x @ w.T + b`` for a float weight, a :class:`Packed` or a :class:`QLinear` one."""
-        if type(w) in _BOUND:
-            return w(xp, x, b)
-        return self.linear(xp, x, w, b)
-
-
-@portable("pack_linear")
-def _unpacked(xp: Any, w: Any) -> Any:
-    """No packed layout: the weight as it is (a backend's native kernel may pack it)."""
-    return w
-
-
-@dataclass(frozen=True)
-class Packed:
-    """A float projection in a layout that the backend packed once at load (``pack_linear``,
-    e.g. oneDNN's for bfloat16 on torch's CPU), with its ``packed_linear`` kernel: the bits of
-    ``linear`` on the plain weight (tested)."""
-
-    w: Any  # (O, I), packed
-    fn: Fn  # fn(xp, x, w, b)
-
-    def __call__(self, xp: Any, x: Any, b: Any) -> Any:
-        return self.fn(xp, x, self.w, b)
-
-
-@dataclass(frozen=True)
-class QLinear:
-    """A quantized projection ``(N, K)`` (MLX's affine format) with its kernels.
-
-    ``quantized_linear``'s kernel is chosen once per weight and shape of ``x``'s leading axes
-    (``auto`` looks at the row count: a few rows of a decode step take another portable path
-    than a prefill), then called directly.
-    """
-
-    packed: Any  # (N, K * bits / 32) uint32
-    scales: Any  # (N, K / group_size)
-    biases: Any  # (N, K / group_size)
-    bits: int
-    group_size: int
-    pick: Fn  # pick(x, packed, scales, biases, b, **format): the dispatcher's auto choice
-    fns: dict[tuple[Any, ...], Fn] = field(default_factory=dict, compare=False, repr=False)
-
-    def __call__(self, xp: Any, x: Any, b: Any) -> Any:
-        """``x @ dequantize(w).T + b`` in x's dtype."""
-        opts = {"bits": self.bits, "group_size": self.group_size}
-        key = (*x.shape[:-1], b is None)
-        fn = self.fns.get(key)
-        if fn is None:
-            fn = self.fns[key] = self.pick(x, self.packed, self.scales, self.biases, b, **opts)
-        return fn(xp, x, self.packed, self.scales, self.biases, b, **opts)
-
-
-_BOUND = (Packed, QLinear)  # projections that carry their kernel
-
-
-@dataclass(frozen=True)
-class AttnWeights:
-    """One layer's attention: projections ``(out, E)`` (arrays, :class:`Packed` or
-    :class:`QLinear`), optional biases and q/k norms."""
-
-    wq: Any  # (H * D, E)
-    wk: Any  # (H_kv * D, E)
-    wv: Any  # (H_kv * D, E)
-    wo: Any  # (E, H * D)
-    bq: Any  # (H * D,) or None
-    bk: Any  # (H_kv * D,) or None
-    bv: Any  # (H_kv * D,) or None
-    bo: Any  # (E,) or None: HF's o_proj bias, added after the projection
-    q_norm: Any  # (D,) or None (Qwen3)
-    k_norm: Any  # (D,) or None
-    window: int | None  # the layer's sliding window
-
-
-@dataclass(frozen=True)
-class MlpWeights:
-    """A dense gated MLP: ``down(act(gate(x)) * up(x))`` (weights: as :class:`AttnWeights`)."""
-
-    w_gate: Any  # (I, E)
-    w_up: Any  # (I, E)
-    w_down: Any  # (E, I)
-    b_gate: Any  # (I,) or None
-    b_up: Any  # (I,) or None
-    b_down: Any  # (E,) or None
 
 
 @dataclass(frozen=True)
@@ -194,6 +100,8 @@ def bind_layer(block: Any, bind: Callable[[Any], Any]) -> Layer:
     attn = AttnWeights(
         wq=wq, wk=wk, wv=wv, wo=wo, bq=a["bq"], bk=a["bk"], bv=a["bv"],
         bo=block.o_bias, q_norm=a["q_norm"], k_norm=a["k_norm"], window=a["window"],
+        num_heads=a["num_heads"], num_kv_heads=a["num_kv_heads"], head_dim=a["head_dim"],
+        norm_eps=a["norm_eps"],
     )  # fmt: skip
     dense = None
     if block.mlp is not None:

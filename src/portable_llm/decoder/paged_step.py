@@ -2,7 +2,7 @@
 runs each step).
 
 :class:`PagedStep` is the prepared forward's shared state (:class:`~portable_llm.decoder.prepared.
-_Step`) with another cache: row ``b`` of the batch is one sequence, whose layer ``i`` keeps its
+Step`) with another cache: row ``b`` of the batch is one sequence, whose layer ``i`` keeps its
 keys and values in a :class:`~portable_llm.caches.paged.PagedKVCache` of that layer's
 :class:`~portable_llm.caches.paged.PagePool`. Each layer appends every row's new keys and
 values to the row's cache and attends with :func:`~portable_llm.attn.paged.paged_attention`
@@ -25,13 +25,13 @@ from typing import Any
 from portable_llm.attn.paged import paged_attention
 from portable_llm.caches.paged import PagedKVCache, block_tables
 from portable_llm.core.arrays import asarray
-from portable_llm.decoder.prepared import Prepared, _Step
+from portable_llm.decoder.prepared import Prepared, Step
 from portable_llm.ops.embedding import embedding
 
 __all__ = ["PagedStep", "forward"]
 
 
-class PagedStep(_Step):
+class PagedStep(Step):
     """What the layers of one paged forward share (see the module docstring).
 
     Parameters
@@ -52,7 +52,7 @@ class PagedStep(_Step):
         self.paged_seqs = caches
         self.paged_tables: tuple[Any, Any] | None = None  # (B, max_pages), (B,): every layer's
 
-    def attend(self, i: int, q: Any, k: Any, v: Any, window: int | None) -> Any:
+    def attend(self, kn: Any, i: int, q: Any, k: Any, v: Any, window: int | None) -> Any:
         """Append the rows' keys and values ``(B, H_kv, L, D)`` to their caches of layer ``i``;
         the paged attention of ``q`` ``(B, H, L, D)`` over them."""
         layer = [seq[i] for seq in self.paged_seqs]
@@ -99,4 +99,4 @@ def forward(
     if not logits:
         return None
     head = model.embed if model.lm_head is None else model.lm_head
-    return p.head_logits(h[:, -1:, :], model.norm, head)[:, -1, :]  # (B, V)
+    return p.head_logits(h[:, -1:, :], model.norm, head, step.kn)[:, -1, :]  # (B, V)

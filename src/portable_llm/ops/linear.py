@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from fractions import Fraction
+from typing import Any
 
 from portable_llm.backends import Backend, resolve
 from portable_llm.core.checks import check_float, check_int, check_ndim, match_weight
@@ -11,9 +13,10 @@ from portable_llm.core.dispatch import pick, portable
 from portable_llm.core.types import Array, Namespace
 from portable_llm.ops.activations import activation, activation_op
 from portable_llm.ops.affine import affine
+from portable_llm.ops.kernels import Kernels
 from portable_llm.ops.quant import QuantizedWeight, is_quantized, quantized_linear
 
-__all__ = ["intermediate_size", "linear", "mlp"]
+__all__ = ["MlpWeights", "check_linear", "intermediate_size", "linear", "mlp", "mlp_body"]
 
 
 @portable("linear", pure=True)
@@ -21,7 +24,7 @@ def _linear(xp: Namespace, x: Array, weight: Array, bias: Array = None) -> Array
     return affine(xp, x, weight, bias)  # ops/affine.py, shared with the quantized ops
 
 
-def _check_linear(
+def check_linear(
     op: str, bk: Backend, x: Array, weight: Array, bias: Array, what: str
 ) -> tuple[Array, Array]:
     """Check one projection; ``(weight, bias)`` in x's dtype (the mixed-precision rule)."""
@@ -78,7 +81,7 @@ def linear(
     if isinstance(weight, QuantizedWeight):  # ops/quant.py
         return quantized_linear(x, weight, bias, impl=impl, backend=backend)
     bk, (x, weight, bias) = resolve("linear", backend, x, weight, bias)
-    weight, bias = _check_linear("linear", bk, x, weight, bias, "weight")
+    weight, bias = check_linear("linear", bk, x, weight, bias, "weight")
     return pick(bk, "linear", impl, x, weight, bias)(bk.xp, x, weight, bias)
 
 
@@ -130,8 +133,8 @@ def mlp(
     bk, (x, w_gate, w_up, w_down, b_gate, b_up, b_down) = resolve(
         "mlp", backend, x, w_gate, w_up, w_down, b_gate, b_up, b_down
     )
-    w_gate, b_gate = _check_linear("mlp", bk, x, w_gate, b_gate, "w_gate")
-    w_up, b_up = _check_linear("mlp", bk, x, w_up, b_up, "w_up")
+    w_gate, b_gate = check_linear("mlp", bk, x, w_gate, b_gate, "w_gate")
+    w_up, b_up = check_linear("mlp", bk, x, w_up, b_up, "w_up")
     if tuple(w_up.shape) != tuple(w_gate.shape):
         raise ValueError(
             f"mlp: w_up must have the shape of w_gate (I x E), {tuple(w_gate.shape)}, "
@@ -147,12 +150,34 @@ def mlp(
         raise ValueError(f"mlp: b_down must have shape ({e},), got {tuple(b_down.shape)}")
     w_down = match_weight("mlp", "w_down", w_down, x, bk)
     b_down = match_weight("mlp", "b_down", b_down, x, bk)
-    xp = bk.xp
-    lin = pick(bk, "linear", impl, x, w_gate, b_gate)
-    gate = lin(xp, x, w_gate, b_gate)  # (N.., I)
-    up = lin(xp, x, w_up, b_up)  # (N.., I)
-    h = pick(bk, act_name, impl, gate)(xp, gate) * up
-    return lin(xp, h, w_down, b_down)  # (N.., E)
+    weights = MlpWeights(w_gate, w_up, w_down, b_gate, b_up, b_down)
+    return mlp_body(bk.xp, Kernels(bk, impl, act_name), x, weights)
+
+
+@dataclass(frozen=True)
+class MlpWeights:
+    """A gated MLP's weights: ``down(act(gate(x)) * up(x))``. Each projection is a float array,
+    a :class:`~portable_llm.QuantizedWeight` or one bound with its kernel
+    (:class:`~portable_llm.ops.kernels.QLinear`, :class:`~portable_llm.ops.kernels.Packed`)."""
+
+    w_gate: Any  # (I, E)
+    w_up: Any  # (I, E)
+    w_down: Any  # (E, I)
+    b_gate: Any  # (I,) or None
+    b_up: Any  # (I,) or None
+    b_down: Any  # (E,) or None
+
+
+def mlp_body(xp: Namespace, kn: Any, x: Array, w: MlpWeights) -> Array:
+    """The gated MLP of checked arguments: the body of :func:`mlp` and of a model's layers.
+
+    ``kn``: :class:`~portable_llm.ops.kernels.Kernels` (each kernel chosen per call) or
+    :class:`~portable_llm.ops.kernels.BoundKernels` (chosen once); ``x`` ``(N.., E)``.
+    HF's order: each projection and the activation round to x's dtype.
+    """
+    gate = kn.project(xp, x, w.w_gate, w.b_gate)  # (N.., I)
+    up = kn.project(xp, x, w.w_up, w.b_up)  # (N.., I)
+    return kn.project(xp, kn.act(xp, gate) * up, w.w_down, w.b_down)  # (N.., E)
 
 
 def intermediate_size(hidden_size: int, /, *, ratio: float = 8 / 3, multiple_of: int = 256) -> int:

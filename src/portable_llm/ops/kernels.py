@@ -1,0 +1,183 @@
+"""The kernels a composite op's body calls: chosen per call, or bound once with the weights.
+
+A composite op (``mlp``, ``attention``, a model's layers) is a front that checks its arguments
+and a body that computes (:func:`~portable_llm.ops.linear.mlp_body`,
+:func:`~portable_llm.attn.block.attention_body`), as array-api-extra splits its functions. The
+body calls its kernels through one of two kernel sets with the same methods (``project``,
+``linear``, ``rms_norm``, ``act``, ``choose``):
+
+- :class:`Kernels`: each call asks the dispatcher (:func:`~portable_llm.core.dispatch.pick`,
+  the entry every public op uses), so :func:`~portable_llm.trace` records every kernel that
+  runs. The public ops use it; so does a model's prepared forward while a trace is open.
+- :class:`BoundKernels`: the kernels of the dense ops chosen once for a model's dtype (the same
+  dispatcher, the same choices: ``linear``, ``rms_norm`` and the activations choose by dtype),
+  then called directly: a model's prepared forward outside a trace ("check once, run many").
+
+A projection's weight is a float array, a :class:`~portable_llm.ops.quant.QuantizedWeight`, or
+one bound with its kernel at load (:class:`QLinear`, :class:`Packed`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from portable_llm.backends import Backend
+from portable_llm.core.dispatch import dispatcher, pick, portable
+from portable_llm.ops.quant import QuantizedWeight, quantized_linear
+
+__all__ = ["BOUND_PROJECTIONS", "BoundKernels", "Kernels", "Packed", "QLinear", "unpacked"]
+
+Fn = Callable[..., Any]
+
+
+@portable("pack_linear")
+def unpacked(xp: Any, w: Any) -> Any:
+    """``pack_linear``'s portable implementation: no packed layout, the weight as it is (a
+    backend's native kernel may pack it, e.g. oneDNN's layout on torch's CPU)."""
+    return w
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A float projection in a layout that the backend packed once at load (``pack_linear``,
+    e.g. oneDNN's for bfloat16 on torch's CPU), with its ``packed_linear`` kernel: the bits of
+    ``linear`` on the plain weight (tested)."""
+
+    w: Any  # (O, I), packed
+    fn: Fn  # fn(xp, x, w, b)
+
+    def __call__(self, xp: Any, x: Any, b: Any) -> Any:
+        return self.fn(xp, x, self.w, b)
+
+    def picked(self, bk: Backend, xp: Any, x: Any, b: Any) -> Any:
+        """The same product, its kernel asked of the dispatcher (recorded by a trace)."""
+        return pick(bk, "packed_linear", "native", x, self.w, b)(xp, x, self.w, b)
+
+
+@dataclass(frozen=True)
+class QLinear:
+    """A quantized projection ``(N, K)`` (MLX's affine format) with its kernels.
+
+    ``quantized_linear``'s kernel is chosen once per weight and shape of ``x``'s leading axes
+    (``auto`` looks at the row count: a few rows of a decode step take another portable path
+    than a prefill), then called directly.
+    """
+
+    packed: Any  # (N, K * bits / 32) uint32
+    scales: Any  # (N, K / group_size)
+    biases: Any  # (N, K / group_size)
+    bits: int
+    group_size: int
+    pick: Fn  # pick(x, packed, scales, biases, b, **format): the dispatcher's auto choice
+    fns: dict[tuple[Any, ...], Fn] = field(default_factory=dict, compare=False, repr=False)
+
+    def __call__(self, xp: Any, x: Any, b: Any) -> Any:
+        """``x @ dequantize(w).T + b`` in x's dtype."""
+        opts = {"bits": self.bits, "group_size": self.group_size}
+        key = (*x.shape[:-1], b is None)
+        fn = self.fns.get(key)
+        if fn is None:
+            fn = self.fns[key] = self.pick(x, self.packed, self.scales, self.biases, b, **opts)
+        return fn(xp, x, self.packed, self.scales, self.biases, b, **opts)
+
+    def picked(self, bk: Backend, xp: Any, x: Any, b: Any) -> Any:
+        """The same product, its kernel asked of the dispatcher per call (``auto``, as
+        :attr:`pick` chooses; recorded by a trace)."""
+        arrays = (self.packed, self.scales, self.biases)
+        opts = {"bits": self.bits, "group_size": self.group_size}
+        fn = pick(bk, "quantized_linear", "auto", x, *arrays, b, **opts)
+        return fn(xp, x, *arrays, b, **opts)
+
+
+#: The projections that carry their kernel.
+BOUND_PROJECTIONS = (Packed, QLinear)
+
+
+class Kernels:
+    """Kernels chosen per call through :func:`~portable_llm.core.dispatch.pick` (traced).
+
+    Parameters
+    ----------
+    bk : Backend
+    impl : str
+        The ``impl=`` of every choice (``"auto"``, ``"portable"``, ``"native"``).
+    act : str, optional
+        The activation's op name (:func:`~portable_llm.ops.activations.activation_op`).
+    """
+
+    __slots__ = ("act_op", "bk", "impl")
+
+    #: Whether the kernels were chosen once (:class:`BoundKernels`): a body may then keep the
+    #: choices it makes with :meth:`choose` for the rest of a forward.
+    bound = False
+
+    def __init__(self, bk: Backend, impl: str = "auto", act: str | None = None) -> None:
+        self.bk, self.impl, self.act_op = bk, impl, act
+
+    def choose(self, op: str, *args: Any, **options: Any) -> Fn:
+        """The implementation of ``op`` for these arguments (the dispatcher's, recorded)."""
+        return pick(self.bk, op, self.impl, *args, **options)
+
+    def linear(self, xp: Any, x: Any, w: Any, b: Any) -> Any:
+        """``x @ w.T + b`` for a float weight ``w`` ``(O, I)`` in x's dtype."""
+        return pick(self.bk, "linear", self.impl, x, w, b)(xp, x, w, b)
+
+    def project(self, xp: Any, x: Any, w: Any, b: Any) -> Any:
+        """``x @ w.T + b`` for a float weight, a ``QuantizedWeight`` or a bound one."""
+        t = type(w)
+        if t is QuantizedWeight:
+            return quantized_linear(x, w, b, impl=self.impl, backend=self.bk)
+        if t in BOUND_PROJECTIONS:
+            return w.picked(self.bk, xp, x, b)
+        return pick(self.bk, "linear", self.impl, x, w, b)(xp, x, w, b)
+
+    def rms_norm(self, xp: Any, x: Any, w: Any, *, eps: float) -> Any:
+        return pick(self.bk, "rms_norm", self.impl, x, w, eps=eps)(xp, x, w, eps=eps)
+
+    def act(self, xp: Any, x: Any) -> Any:
+        assert self.act_op is not None
+        return pick(self.bk, self.act_op, self.impl, x)(xp, x)
+
+
+@dataclass(frozen=True)
+class BoundKernels:
+    """The implementations of the dense ops, chosen once for a model's dtype; see the module
+    docstring. Build them with :meth:`choose_for`."""
+
+    bk: Backend
+    linear: Fn  # fn(xp, x, w, b)
+    rms_norm: Fn  # fn(xp, x, w, *, eps)
+    act: Fn  # fn(xp, x)
+    act_op: str
+
+    bound = True
+
+    @classmethod
+    def choose_for(cls, bk: Backend, x: Any, norm: Any, *, eps: float, act: str) -> BoundKernels:
+        """The kernels ``auto`` takes for activations like ``x`` ``(1, 1, E)`` and a norm
+        weight ``(E,)`` of the model's dtype; ``act``: the activation's op name."""
+        d, xp = dispatcher(bk), bk.xp
+        w = xp.zeros((1, x.shape[-1]), dtype=x.dtype, device=bk.device_of(x))
+        return cls(
+            bk,
+            linear=d.pick("linear", "auto", x, w, None),
+            rms_norm=d.pick("rms_norm", "auto", x, norm, eps=eps),
+            act=d.pick(act, "auto", x),
+            act_op=act,
+        )
+
+    def traced(self) -> Kernels:
+        """The same choices asked of the dispatcher per call, so a trace records them."""
+        return Kernels(self.bk, "auto", self.act_op)
+
+    def choose(self, op: str, *args: Any, **options: Any) -> Fn:
+        """``auto``'s implementation of ``op`` for these arguments (not recorded)."""
+        return dispatcher(self.bk).pick(op, "auto", *args, **options)
+
+    def project(self, xp: Any, x: Any, w: Any, b: Any) -> Any:
+        """``x @ w.T + b`` for a float weight, a :class:`Packed` or a :class:`QLinear` one."""
+        if type(w) in BOUND_PROJECTIONS:
+            return w(xp, x, b)
+        return self.linear(xp, x, w, b)
