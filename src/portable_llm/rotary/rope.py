@@ -45,11 +45,13 @@ def _angles(
     return cos, sin
 
 
-def _rotate(
+def rotate(
     xp: Namespace, x: Array, c1: Array, s1: Array, c2: Array, s2: Array, dims: int,
     traditional: bool,
 ) -> Array:  # fmt: skip
-    """Rotate the first ``dims`` features of x; ``c1, s1`` hold pair i's cos and sin (i < dims/2).
+    """Rotate the first ``dims`` features of x ``(.., L, D)``, in x's dtype (the rotation of
+    the portable RoPE kernel, after :func:`rope_tables`); ``c1, s1`` hold pair i's cos and sin
+    (i < dims/2).
 
     ``c2, s2`` are HF's second half of cos and sin (equal to the first for RoPE's own tables),
     used by the rotate-half layout as HF uses them.
@@ -79,6 +81,17 @@ def _rope(
     traditional: bool,
     attention: float,
 ) -> Array:
+    cos, sin = rope_tables(xp, x, offsets, inv_freq, offset=offset, attention=attention)
+    return rotate(xp, x, cos, sin, cos, sin, dims, traditional)
+
+
+def rope_tables(
+    xp: Namespace, x: Array, offsets: Array, inv_freq: Array, *, offset: int, attention: float
+) -> tuple[Array, Array]:
+    """cos and sin of the portable RoPE kernel for ``x`` ``(B, .., L, D)`` at positions
+    ``offsets + offset + l``: ``(L, dims/2)``, or ``(B, 1.., L, dims/2)`` for ``(B,)`` offsets,
+    in x's dtype. A forward computes them once and lets every layer :func:`rotate` (the
+    kernel's own two steps, so the same bits)."""
     L = x.shape[-2]
     positions = xp.arange(offset, offset + L, device=_device(x))  # (L,)
     if offsets is not None:  # () -> (L,); (B,) -> (B, L)
@@ -87,8 +100,7 @@ def _rope(
     if cos.ndim == 3:  # (B, L, h) -> (B, 1.., L, h) against x (B, .., L, D)
         shape = (cos.shape[0], *(1,) * (x.ndim - 3), *tuple(cos.shape)[1:])
         cos, sin = xp.reshape(cos, shape), xp.reshape(sin, shape)
-    cos, sin = xp.astype(cos, x.dtype), xp.astype(sin, x.dtype)
-    return _rotate(xp, x, cos, sin, cos, sin, dims, traditional)
+    return xp.astype(cos, x.dtype), xp.astype(sin, x.dtype)
 
 
 def rope(
@@ -267,4 +279,4 @@ def apply_rope(
     cos, sin = xp.astype(cos, x.dtype), xp.astype(sin, x.dtype)
     h = dims // 2
     c1, s1, c2, s2 = cos[..., :h], sin[..., :h], cos[..., h:], sin[..., h:]
-    return _rotate(xp, x, c1, s1, c2, s2, dims, traditional)
+    return rotate(xp, x, c1, s1, c2, s2, dims, traditional)
