@@ -11,6 +11,7 @@ from portable_llm.attn.mask import causal_mask
 from portable_llm.attn.padding import left_pad
 from portable_llm.attn.paged import paged_attention
 from portable_llm.attn.sdpa import scaled_dot_product_attention
+from portable_llm.attn.temperature import attention_temperature
 
 # Backends, arrays and the dispatcher.
 from portable_llm.backends import (
@@ -77,6 +78,7 @@ __all__ = [
     "activation",
     "apply_rope",
     "attention",
+    "attention_temperature",
     "causal_mask",
     "dequantize",
     "embedding",

@@ -9,6 +9,8 @@ visible to query ``i`` iff, with ``q = q_start + i`` and ``k = k_pos[j]``:
 ==========================  ===================================================================
 ``k <= q``                  causal (always)
 ``k > q - window``          a sliding window of ``window`` positions, the query's own included
+``k // chunk == q // chunk``  chunked attention (Llama 4): the query's own chunk of ``chunk``
+                            columns, chunks starting at column 0
 ``k < keep or k > q - ring``  a rotating cache's layout: the first ``keep`` columns (attention
                             sinks) and the last ``ring``
 ``k >= pad[b]``             left padding: row ``b``'s first ``pad[b]`` columns are pad tokens
@@ -39,6 +41,7 @@ def visible(
     q_start: Any = None,
     k_pos: Array | None = None,
     window: int | None = None,
+    chunk: int | None = None,
     ring: int | None = None,
     keep: int = 0,
     pad: Array | None = None,
@@ -59,6 +62,8 @@ def visible(
         Each key's column; default ``0 .. S - 1``.
     window : int >= 1, optional
         Sliding window: ``k > q - window``.
+    chunk : int >= 1, optional
+        Chunked attention (HF Llama 4's ``attention_chunk_size``): ``k // chunk == q // chunk``.
     ring, keep : int, optional
         A rotating cache keeps the first ``keep`` columns and the last ``ring``:
         ``k < keep or k > q - ring``.
@@ -77,6 +82,8 @@ def visible(
     ok = k <= q  # (L, S)
     if window is not None:
         ok = xp.logical_and(ok, k > q - window)
+    if chunk is not None:
+        ok = xp.logical_and(ok, k // chunk == q // chunk)
     if ring is not None:
         ok = xp.logical_and(ok, xp.logical_or(k > q - ring, k < keep))
     if pad is None:

@@ -36,6 +36,7 @@ import numpy as np
 from portable_llm.attn.block import attention
 from portable_llm.attn.paged import paged_attention
 from portable_llm.attn.sdpa import scaled_dot_product_attention
+from portable_llm.attn.temperature import attention_temperature
 from portable_llm.backends import (
     BACKENDS,
     FLOAT_DTYPES,
@@ -166,6 +167,16 @@ def _rope(seed: int, dtype: str, backend: str) -> Inputs:
     return _inputs(x, offset=5, base=1e6)
 
 
+def _temperature(seed: int, dtype: str, backend: str) -> Inputs:
+    # Positions 16380..16387 straddle 2 * floor_scale: factors log(2)/10 + 1 and log(3)/10 + 1.
+    x = random_array(seed, (2, 4, 8, 64), dtype, backend=backend)
+    return _inputs(x, offset=16380, floor_scale=8192.0, scale=0.1)
+
+
+def _temperature_reference(q: np.ndarray, *, offset: int, **options: Any) -> np.ndarray:
+    return reference.attention_temperature(q, np.arange(offset, offset + q.shape[-2]), **options)
+
+
 def _rope_reference(x: np.ndarray, *, offset: int, **options: Any) -> np.ndarray:
     return reference.rope(x, np.arange(offset, offset + x.shape[-2]), **options)
 
@@ -186,6 +197,14 @@ CASES: list[Case] = [
     Case("linear+bias", "linear", _linear(True), linear, reference.linear, seed=50),
     Case("mlp", "mlp", _mlp, mlp, reference.mlp, seed=60),
     Case("rope", "rope", _rope, rope, _rope_reference, seed=70),
+    Case(
+        "attention_temperature",
+        "attention_temperature",
+        _temperature,
+        attention_temperature,
+        _temperature_reference,
+        seed=75,
+    ),
 ]
 
 

@@ -13,6 +13,7 @@ import numpy as np
 
 __all__ = [
     "attention",
+    "attention_temperature",
     "causal_mask",
     "embedding",
     "gelu",
@@ -70,6 +71,16 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     return e / e.sum(axis=axis, keepdims=True)
 
 
+def attention_temperature(
+    q: np.ndarray, positions: np.ndarray, floor_scale: float = 8192.0, scale: float = 0.1
+) -> np.ndarray:
+    """Llama 4: row l of q times ``log(floor((positions[l] + 1) / floor_scale) + 1) * scale
+    + 1``."""
+    p = _f64(positions)
+    factor = np.log(np.floor((p + 1.0) / floor_scale) + 1.0) * scale + 1.0
+    return _f64(q) * factor[:, None]
+
+
 def rms_norm(
     x: np.ndarray, weight: np.ndarray | None = None, eps: float = 1e-5, offset: float = 0.0
 ) -> np.ndarray:
@@ -112,13 +123,15 @@ def mlp(
 # -- attention ---------------------------------------------------------------------------------
 
 
-def causal_mask(L: int, S: int, window: int | None = None) -> np.ndarray:
-    """Boolean (L, S): query i (at absolute position i + S - L) may see key j."""
+def causal_mask(L: int, S: int, window: int | None = None, chunk: int | None = None) -> np.ndarray:
+    """Boolean (L, S): query i (at absolute position i + S - L) may see key j; ``chunk``: only
+    keys of the query's own chunk of ``chunk`` positions (Llama 4)."""
     mask = np.zeros((L, S), dtype=bool)
     for i in range(L):
         pos = i + S - L
         for j in range(S):
             mask[i, j] = j <= pos and (window is None or j > pos - window)
+            mask[i, j] &= chunk is None or math.floor(j / chunk) == math.floor(pos / chunk)
     return mask
 
 
