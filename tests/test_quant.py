@@ -377,3 +377,38 @@ def test_attention_takes_quantized_weights_of_another_dtype(backend):
     want = pl.attention(x, wq=deq[0], wk=deq[1], wv=deq[2], wo=deq[3], **kw)
     assert bk.dtype_name(out.dtype) == half
     assert_close(out, want, backend=backend, dtype=half)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [32, 4096])
+def test_fastest_form_follows_the_rule(backend, dtype, bits, rows):
+    """fastest_form keeps the codes exactly where keeps_codes says so, and otherwise gives the
+    dequantized weight (in the asked dtype), equal to dequantize's."""
+    from portable_llm.ops.quant import device_kind, fastest_form, keeps_codes
+
+    bk = get_backend(backend)
+    w, _ = random_array(0, (rows, 64), dtype, backend=backend, low=-0.1, high=0.1)
+    qw = quantize(w, bits=bits, group_size=32)
+    kept = keeps_codes(backend, device=device_kind(bk, qw), dtype=dtype, bits=bits, rows=rows)
+    got = fastest_form(qw)
+    if kept:
+        assert got is qw
+    else:
+        assert not isinstance(got, QuantizedWeight) and got.dtype == qw.dtype
+        np.testing.assert_array_equal(to64(got, backend), to64(dequantize(qw), backend))
+    # bits the fast kernels do not take are always dequantized
+    q3 = quantize(w, bits=3, group_size=32)
+    assert not isinstance(fastest_form(q3), QuantizedWeight)
+
+
+def test_keeps_codes_table():
+    from portable_llm.ops.quant import KEEP_CODES_FROM, keeps_codes
+
+    # NumPy has no quantized kernel faster than its BLAS GEMV: never kept
+    assert not any(k[0] in ("numpy", "array_api_strict") for k in KEEP_CODES_FROM)
+    assert keeps_codes("torch", device="cpu", dtype="bfloat16", bits=4, rows=1)
+    assert not keeps_codes("torch", device="cpu", dtype="float32", bits=4, rows=49152)
+    assert not keeps_codes("torch", device="cpu", dtype="bfloat16", bits=8, rows=576)
+    assert keeps_codes("torch", device="cpu", dtype="bfloat16", bits=8, rows=49152)
+    with pytest.raises(ValueError, match="device must be"):
+        keeps_codes("torch", device="cuda", dtype="float32", bits=4, rows=1)

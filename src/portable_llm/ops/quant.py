@@ -25,7 +25,18 @@ from portable_llm.core.checks import check_float, check_int, check_ndim, float_c
 from portable_llm.core.dispatch import auto_portable, pick, portable
 from portable_llm.ops.affine import affine
 
-__all__ = ["BITS", "GROUP_SIZES", "QuantizedWeight", "dequantize", "quantize", "quantized_linear"]
+__all__ = [
+    "BITS",
+    "GROUP_SIZES",
+    "KEEP_CODES_FROM",
+    "QuantizedWeight",
+    "dequantize",
+    "device_kind",
+    "fastest_form",
+    "keeps_codes",
+    "quantize",
+    "quantized_linear",
+]
 
 #: The code widths MLX's affine format supports.
 BITS: tuple[int, ...] = (2, 3, 4, 5, 6, 8)
@@ -544,6 +555,99 @@ def project(bk: Backend, impl: str, x: Any, w: Any, b: Any) -> Any:
     if isinstance(w, QuantizedWeight):
         return quantized_linear(x, w, b, impl=impl, backend=bk)
     return pick(bk, "linear", impl, x, w, b)(bk.xp, x, w, b)
+
+
+# -- the measured rule: keep the codes or multiply the dequantized floats ----------------------
+
+#: ``(backend, device kind, dtype, bits) -> N``: from ``N`` output rows on, a decode projection
+#: (one row of x, ``impl="auto"``) kept quantized is at least as fast as the dense matmul of its
+#: dequantized weight; a combination absent here never is (its quantized path is no faster than
+#: dequantize-then-matmul, e.g. NumPy, array-api-strict, torch float32 on a CPU, torch CUDA).
+#: Measured by ``benchmarks/quant_rule.py`` (one thread, interleaved rounds, medians; the
+#: figures and the load are in ``benchmarks/README.md``) at SmolLM2-135M's shapes, group 32.
+KEEP_CODES_FROM: dict[tuple[str, str, str, int], int] = {
+    # torch's CPU int4 kernel (_weight_int4pack_mm_for_cpu): 1.1-1.7x the dense bfloat16 GEMV,
+    # 8.4x on the 49152-row LM head
+    ("torch", "cpu", "bfloat16", 4): 0,
+    # _weight_int8pack_mm once per group: 0.15-0.47x below 4096 rows, 1.8x on the LM head
+    ("torch", "cpu", "bfloat16", 8): 4096,
+    # XLA fuses the dequantize into the product under jax.jit: 0.4-0.8x on the small
+    # projections, 2.3x (4 bits) and 2.8x (8 bits) on the LM head; bfloat16 0.1-0.6x
+    ("jax", "cpu", "float32", 4): 4096,
+    ("jax", "cpu", "float32", 8): 4096,
+    # mx.quantized_matmul on a CPU: float32 4-bit 0.9-3.5x (noisy: MLX runs several threads);
+    # 8-bit and bfloat16 0.03-0.9x
+    ("mlx", "cpu", "float32", 4): 0,
+    # mx.quantized_matmul on Metal: mlx-lm's own decode path (not measured on this machine)
+    ("mlx", "gpu", "float32", 4): 0,
+    ("mlx", "gpu", "float32", 8): 0,
+    ("mlx", "gpu", "bfloat16", 4): 0,
+    ("mlx", "gpu", "bfloat16", 8): 0,
+    ("mlx", "gpu", "float16", 4): 0,
+    ("mlx", "gpu", "float16", 8): 0,
+}
+
+
+def device_kind(bk: Backend, x: Any) -> str:
+    """``"cpu"`` or ``"gpu"`` (CUDA, Metal, MPS): where the array ``x`` of ``bk`` computes."""
+    dev = x.device if isinstance(x, QuantizedWeight) else bk.device_of(x)
+    text = str(getattr(dev, "type", None) or getattr(dev, "platform", None) or dev).lower()
+    return "cpu" if "cpu" in text else "gpu"
+
+
+def keeps_codes(
+    backend: str | Backend, /, *, device: str, dtype: str, bits: int, rows: int
+) -> bool:
+    """Whether a weight of ``rows`` output rows, ``bits``-bit codes, multiplied by activations
+    of ``dtype`` on ``device`` (``"cpu"``/``"gpu"``), decodes at least as fast kept quantized
+    as dequantized (the rule of :data:`KEEP_CODES_FROM`).
+
+    Parameters
+    ----------
+    backend : str or Backend
+    device : {"cpu", "gpu"}
+    dtype : str
+        The activations' dtype name (``"float32"``, ``"bfloat16"``, ...).
+    bits : int
+    rows : int
+        N of the ``(N, K)`` weight.
+
+    Returns
+    -------
+    bool
+    """
+    name = backend if isinstance(backend, str) else backend.name
+    if device not in ("cpu", "gpu"):
+        raise ValueError(f"keeps_codes: device must be 'cpu' or 'gpu', got {device!r}")
+    start = KEEP_CODES_FROM.get((name, device, dtype, int(bits)))
+    return start is not None and int(rows) >= start
+
+
+def fastest_form(qw: QuantizedWeight, /, *, dtype: Any = None) -> Any:
+    """``qw`` itself where :func:`keeps_codes` says its codes multiply at least as fast as its
+    floats, else ``dequantize(qw)`` (cast to ``dtype``): what ``pl.load(..., dequantize="auto")``
+    keeps of each quantized weight.
+
+    Parameters
+    ----------
+    qw : QuantizedWeight, shape ``(.., N, K)``
+    dtype : dtype, optional
+        The activations' dtype; default qw's.
+
+    Returns
+    -------
+    QuantizedWeight or array, shape ``(.., N, K)``
+        The array: of ``dtype``, equal to ``dequantize(qw)`` cast to it.
+    """
+    qw = _check_qw("fastest_form", "qw", qw)
+    bk = qw.backend
+    dt = qw.dtype if dtype is None else dtype
+    name = bk.dtype_name(dt)
+    rows = qw.shape[-2] if len(qw.shape) >= 2 else 1
+    if keeps_codes(bk, device=device_kind(bk, qw), dtype=name, bits=qw.bits, rows=rows):
+        return qw
+    w = dequantize(qw)
+    return w if w.dtype == dt else bk.astype(w, dt)
 
 
 def dequantized(w: Any) -> Any:
