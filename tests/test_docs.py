@@ -232,3 +232,106 @@ def test_markers_parse() -> None:
     unmarked = Block("p", 0, 1, "import jax\ny = f(x, backend='mlx')\n")
     _check_needs(unmarked)
     assert unmarked.errors == ["uses jax, mlx but has no <!-- docs-test: needs jax mlx -->"]
+
+
+# -- the docs name only flags and keyword arguments that exist ---------------------------------
+
+_COMMAND = re.compile(r"portable-llm((?:[ \t]+[^\s`|)]+)*)")
+_FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+
+
+def _command_lines(text: str) -> list[str]:
+    """Each ``portable-llm ...`` command in a page (code blocks, synopses and inline code), its
+    backslash-continued lines joined; what follows it up to the end of its code span or line."""
+    text = re.sub(r"\\\n\s*", " ", text)
+    found = []
+    for line in text.splitlines():
+        for span in re.findall(r"`([^`]*)`", line) or [line]:
+            found += ["portable-llm" + m.group(1) for m in _COMMAND.finditer(span)]
+    return found
+
+
+def _flag_errors(page: str, text: str) -> list[str]:
+    from portable_llm.cli.cli import parser
+
+    top = parser()
+    errors = []
+    for command in _command_lines(text):
+        words = command.split()[1:]
+        first = words[0].rstrip(":") if words else ""  # "portable-llm generate: error: ..."
+        sub = first if first in top.subcommands else "report"
+        known = {o for a in top.subcommands[sub]._actions for o in a.option_strings}
+        known |= {"--version", "--help"}
+        errors += [
+            f"{page}: `{command}` names {flag}, which `portable-llm {sub}` does not take"
+            for flag in _FLAG.findall(" ".join(words))
+            if flag not in known
+        ]
+    return errors
+
+
+def _keyword_errors(page: str, block: Block) -> list[str]:
+    """``pl.f(..., kw=...)`` calls in a block whose ``f`` takes no such keyword."""
+    import ast
+    import inspect
+
+    import portable_llm as pl
+
+    try:
+        tree = ast.parse(block.code)
+    except SyntaxError:  # a signature written with / and *, not a call
+        return []
+    errors = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+            continue
+        chain, f = [], node.func
+        while isinstance(f, ast.Attribute):
+            chain.insert(0, f.attr)
+            f = f.value
+        if not (isinstance(f, ast.Name) and f.id == "pl"):
+            continue
+        obj: Any = pl
+        for name in chain:
+            obj = getattr(obj, name, None)
+        if obj is None:
+            errors.append(f"{page}:{block.line}: pl.{'.'.join(chain)} does not exist")
+            continue
+        try:
+            params = inspect.signature(obj).parameters
+        except (TypeError, ValueError):
+            continue
+        if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            continue
+        named = {n for n, p in params.items() if p.kind is not p.POSITIONAL_ONLY}
+        errors += [
+            f"{page}:{block.line}: pl.{'.'.join(chain)}(..., {kw.arg}=...): no such argument"
+            for kw in node.keywords
+            if kw.arg is not None and kw.arg not in named
+        ]
+    return errors
+
+
+@pytest.mark.parametrize("path", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
+def test_docs_name_existing_flags_and_arguments(path: Path) -> None:
+    page = str(path.relative_to(ROOT))
+    errors = _flag_errors(page, path.read_text(encoding="utf-8"))
+    for block in parse(path):
+        errors += _keyword_errors(page, block)
+    assert not errors, "\n".join(errors)
+
+
+def test_the_docs_checker_finds_a_wrong_flag_and_keyword() -> None:
+    text = (
+        "Run `portable-llm batch m --max-tokens 4 --nope` or\n```bash\nportable-llm generate m "
+        "\\\n  --temperature 0.5 --wrong\nportable-llm --version\n```\n"
+    )
+    assert [e.split(" names ")[1].split(",")[0] for e in _flag_errors("p", text)] == [
+        "--nope",
+        "--wrong",
+    ]
+    block = Block("p", 0, 1, "y = pl.rms_norm(x, w, eps=1e-6, epsilon=2)\npl.nothing_here(1)\n")
+    assert _keyword_errors("p", block) == [
+        "p:1: pl.rms_norm(..., epsilon=...): no such argument",
+        "p:1: pl.nothing_here does not exist",
+    ]
