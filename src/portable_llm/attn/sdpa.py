@@ -14,6 +14,7 @@ from typing import Any
 from portable_llm.attn.sdpa_args import OP, SdpaOptions, sdpa_args
 from portable_llm.attn.visibility import visible
 from portable_llm.backends import backend_of, resolve
+from portable_llm.core.arrays import creation_device
 from portable_llm.core.checks import float_compute_dtype
 from portable_llm.core.dispatch import auto_portable, pick, portable
 
@@ -25,7 +26,7 @@ TILED_MIN_SCORES = 1 << 20
 
 
 def _device(x: Any) -> Any:
-    return getattr(x, "device", None)  # MLX arrays have none (unified memory)
+    return creation_device(x)  # None on MLX (unified memory)
 
 
 def _grid(q: Any, k: Any) -> tuple[int, ...]:

@@ -90,10 +90,19 @@ class JaxBackend(Backend):
 
     def device_of(self, x: Any) -> Any:
         """The array's device; ``None`` (the default placement) for a tracer of ``jax.jit`` or
-        ``jax.grad``, which has no device while it is traced."""
+        ``jax.grad``, which has no device while it is traced; for an array over several
+        devices, its mesh as a replicated ``NamedSharding``."""
         if isinstance(x, self.jax.core.Tracer):
             return None
-        return next(iter(x.devices()))
+        devices = x.devices()
+        if len(devices) == 1:
+            return next(iter(devices))
+        # An array over several devices (a partitioned model's): its mesh, replicated, where
+        # the inputs and the caches of the same computation go.
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        mesh = getattr(x.sharding, "mesh", None)
+        return x.sharding if mesh is None else NamedSharding(mesh, PartitionSpec())
 
     def to_numpy(self, x: Any) -> np.ndarray:
         return np.asarray(x)

@@ -14,7 +14,9 @@ from typing import Any
 from portable_llm.checkpoint.build import CheckpointContents, LoadOptions, build_model
 from portable_llm.checkpoint.folder import read_folder
 from portable_llm.checkpoint.gguf import read_gguf
+from portable_llm.checkpoint.partitioned import read_partitioned
 from portable_llm.decoder.model import Model
+from portable_llm.partition.engine import engine_for
 
 __all__ = ["load", "read_checkpoint"]
 
@@ -29,6 +31,8 @@ def load(
     dequantize: bool = False,
     revision: str | None = None,
     gguf_file: str | None = None,
+    tensor_parallel: Any = None,
+    pipeline_parallel: Any = None,
 ) -> Model:
     """Load a checkpoint folder (``config.json``, ``model.safetensors``, ``tokenizer.json``) or a
     ``.gguf`` file.
@@ -59,6 +63,13 @@ def load(
     revision, gguf_file : str, optional
         For a Hub repository id (``"org/name"``): the branch, tag or commit, and the ``.gguf``
         file of a GGUF repository.
+    tensor_parallel, pipeline_parallel : the backend's group, optional
+        Split the model over a group (see :doc:`partition`): on JAX a ``jax.sharding.Mesh``
+        with one axis or ``(mesh, axis_name)`` (both at once: one 2-D mesh with axes ``"pp"``
+        and ``"tp"`` passed to both); on torch a ``torch.distributed`` process group or 1-D
+        ``DeviceMesh``; on MLX an ``mx.distributed.Group``. Each rank reads only the tensors
+        and slices it holds. A checkpoint folder only (not yet a ``.gguf`` file nor an mlx-lm
+        quantized folder).
 
     Returns
     -------
@@ -69,7 +80,9 @@ def load(
     FileNotFoundError
         No ``config.json``, or no weights file (or a shard the index names).
     ValueError
-        A dtype the backend lacks (on ``device``), or a device it does not have.
+        A dtype the backend lacks (on ``device``), or a device it does not have; a group
+        that does not split the model (heads, KV heads or intermediate sizes not divisible by
+        its size, a mesh without the named axis), before any weight is read.
     portable_llm.models.CheckpointError
         (a ``ValueError``) Anything wrong with the folder's files, named in the message: a
         malformed JSON file, safetensors file or ``tokenizer.json``; a path out of the folder;
@@ -85,6 +98,11 @@ def load(
         revision=revision,
         gguf_file=gguf_file,
     )
+    if tensor_parallel is not None or pipeline_parallel is not None:
+        engine = engine_for(options.backend, tensor_parallel, pipeline_parallel)
+        if Path(path).suffix == ".gguf":
+            raise ValueError("load: tensor_parallel/pipeline_parallel of a .gguf file: not yet")
+        return read_partitioned(path, options, engine)[0]
     return build_model(read_checkpoint(path, options))
 
 

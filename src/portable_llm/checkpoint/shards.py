@@ -127,12 +127,16 @@ class SafetensorsFiles:
             )
         return SAFETENSORS_FLOATS[kind]
 
-    def read(self, name: str) -> np.ndarray:
-        """Tensor ``name`` as a NumPy array; :class:`CheckpointError` when it cannot be read."""
+    def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        """Tensor ``name`` as a NumPy array, or only its slice ``index`` (one ``slice`` per
+        leading dimension; read alone from the memory-mapped file); :class:`CheckpointError`
+        when it cannot be read."""
         file = self.files[name]
         if self.dtypes.get(name) == "BF16":
             numpy_bfloat16()  # safetensors reads BF16 into NumPy as ml_dtypes' (once imported)
         try:
+            if index is not None and any(s != slice(None) for s in index):
+                return self.handles[file].get_slice(name)[index]
             return self.handles[file].get_tensor(name)
         except Exception as exc:
             raise CheckpointError(f"load: cannot read {name} from {str(file)!r} ({exc})") from None

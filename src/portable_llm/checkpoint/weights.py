@@ -32,6 +32,7 @@ from portable_llm.decoder.config import DecoderConfig
 __all__ = [
     "CheckpointError",
     "SafetensorsFiles",
+    "SliceReader",
     "expected_shapes",
     "read_weights",
     "to_backend",
@@ -263,3 +264,59 @@ def to_backend(name: str, host: np.ndarray, bk: Backend, dtype: Any, device: Any
         host = host.astype(numpy_bfloat16() if name == "bfloat16" else np.dtype(name))
     arr = bk.from_numpy(host, device)
     return arr if arr.dtype == dtype else bk.astype(arr, dtype)
+
+
+class SliceReader:
+    """Any tensor :func:`read_weights` gives, or one slice of it, read alone from the files (a
+    rank of a partitioned model reads only what it holds).
+
+    ``st``: the files, open; ``cfg``: the config they are checked against at once (as
+    :func:`read_weights` checks them: :class:`CheckpointError` listing every problem).
+    ``shapes`` maps the names :func:`read_weights` returns (stacked experts' ``gate_up_proj``
+    as ``gate_proj`` and ``up_proj``) to their full shapes; ``touched`` counts the bytes of the
+    file spans the reads covered (a slice's first to last byte, per tensor read).
+    """
+
+    def __init__(self, st: SafetensorsFiles, cfg: DecoderConfig) -> None:
+        self.st = st
+        self.src = _Sources(cfg, {n: f for n, f in st.files.items() if n not in st.misplaced})
+        _check(self.src, st)
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for name, shape in self.src.expected.items():
+            stem, _, proj = name.rpartition(".")
+            if proj == "gate_up_proj":
+                X, two_i, E = shape
+                self.shapes[stem + ".gate_proj"] = self.shapes[stem + ".up_proj"] = (
+                    X, two_i // 2, E,
+                )  # fmt: skip
+            else:
+                self.shapes[name] = shape
+        self.touched = 0
+
+    def read(self, name: str, index: tuple[slice, ...] = ()) -> np.ndarray:
+        """Tensor ``name`` (a key of :attr:`shapes`), or its slice ``index``."""
+        index = tuple(index) + (slice(None),) * (len(self.shapes[name]) - len(index))
+        stem, _, proj = name.rpartition(".")
+        if name in self.src.direct:
+            return self._read(self.src.direct[name], index)
+        if proj in ("gate_proj", "up_proj") and stem + ".gate_up_proj" in self.src.direct:
+            fused = self.src.direct[stem + ".gate_up_proj"]  # (X, 2I, E)
+            half = self.shapes[name][1]
+            rows = range(half)[index[1]]
+            start = rows.start + (half if proj == "up_proj" else 0)
+            stop = start + len(rows)
+            return self._read(fused, (index[0], slice(start, stop), index[2]))
+        kind = proj.removesuffix("_proj")
+        experts = range(self.src.num_experts)[index[0]]
+        pieces = self.src.pieces[stem]
+        return np.stack([self._read(pieces[e, kind], index[1:]) for e in experts])
+
+    def _read(self, file_name: str, index: tuple[slice, ...]) -> np.ndarray:
+        shape = self.st.shapes[file_name]
+        out = self.st.read(file_name, index)
+        if out.size:
+            first = [range(n)[s][0] for n, s in zip(shape, index, strict=True)]
+            last = [range(n)[s][-1] for n, s in zip(shape, index, strict=True)]
+            span = np.ravel_multi_index(last, shape) - np.ravel_multi_index(first, shape) + 1
+            self.touched += int(span) * out.itemsize
+        return out

@@ -8,7 +8,7 @@ import numpy as np
 
 from portable_llm.backends import Backend, backend_of, get_backend
 
-__all__ = ["asarray", "device_of", "to_numpy"]
+__all__ = ["asarray", "creation_device", "device_of", "to_numpy"]
 
 
 def asarray(x: Any, /, *, backend: str | None = None, dtype: Any = None, device: Any = None) -> Any:
@@ -60,6 +60,17 @@ def to_numpy(x: Any, /) -> np.ndarray:
     """
     bk = backend_of(x)
     return np.asarray(x) if bk is None else bk.to_numpy(x)
+
+
+def creation_device(x: Any, /) -> Any:
+    """The ``device=`` of a new array made beside ``x`` (a mask, a table of positions): its
+    ``device`` attribute (``None`` for MLX, whose arrays have none: unified memory), except
+    for a JAX array split over several devices (a partitioned model's), whose own sharding
+    would not fit an array of another rank: there its mesh, replicated (:func:`device_of`)."""
+    dev = getattr(x, "device", None)
+    if getattr(dev, "num_devices", 1) > 1:  # a jax.sharding.Sharding
+        return device_of(x)
+    return dev
 
 
 def device_of(x: Any, /) -> Any:

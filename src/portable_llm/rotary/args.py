@@ -106,7 +106,11 @@ def device_table(
     """
     if traced:
         return bk.from_numpy(inv_freq_table(spec, dims, dtype, seq_len).copy(), device)
-    key = (bk.name, str(device), spec, dims, dtype, seq_len)
+    try:  # the device itself: two meshes of a partitioned JAX model print alike
+        where: Any = (device, hash(device))[0]
+    except TypeError:
+        where = str(device)
+    key = (bk.name, where, spec, dims, dtype, seq_len)
     table = _TABLES.get(key)
     if table is None:
         if len(_TABLES) >= 256:

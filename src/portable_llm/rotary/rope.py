@@ -14,6 +14,7 @@ from typing import Any
 
 from portable_llm.backends import resolve
 from portable_llm.backends._base import FLOAT_DTYPES
+from portable_llm.core.arrays import creation_device
 from portable_llm.core.checks import check_float, check_ndim
 from portable_llm.core.dispatch import pick, portable
 from portable_llm.core.types import Array, Namespace
@@ -31,7 +32,7 @@ __all__ = ["apply_rope", "rope", "rope_cos_sin"]
 
 
 def _device(x: Array) -> Any:
-    return getattr(x, "device", None)  # MLX arrays have none (unified memory)
+    return creation_device(x)  # None on MLX (unified memory)
 
 
 def _angles(

@@ -1,0 +1,109 @@
+"""The engines a partitioned model runs on: what each collective is, per array library.
+
+An :class:`Engine` wraps the handles the user passes to :func:`portable_llm.load`
+(``tensor_parallel=``, ``pipeline_parallel=``): a JAX mesh, a ``torch.distributed`` process
+group or ``DeviceMesh``, an ``mx.distributed.Group``. It says which plans this process builds
+(:meth:`Engine.plans`), places each weight (:meth:`Engine.place`), and gives the forward its
+collectives: the all-reduce after ``o_proj`` and ``down_proj`` (:meth:`Engine.all_reduce`), the
+hand-over of hidden states between pipeline stages (:meth:`Engine.send`, :meth:`Engine.recv`,
+:meth:`Engine.move`) and the logits shared by every rank (:meth:`Engine.share_logits`).
+:func:`engine_for` picks the engine of a backend; the engines live in ``jax_mesh.py``,
+``torch_dist.py`` and ``mlx_dist.py``, and import their library only when asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from importlib import import_module
+from typing import Any
+
+import numpy as np
+
+from portable_llm.decoder.config import DecoderConfig
+from portable_llm.partition.plan import PartitionPlan, plan_partition
+
+__all__ = ["ENGINES", "Engine", "engine_for"]
+
+#: The backends that partition a model, and the module of each one's engine.
+ENGINES = {
+    "jax": "portable_llm.partition.jax_mesh",
+    "torch": "portable_llm.partition.torch_dist",
+    "mlx": "portable_llm.partition.mlx_dist",
+}
+
+#: ``read(name, index)``: tensor ``name``'s slice ``index`` as a NumPy array of the load dtype.
+Reader = Callable[[str, tuple[slice, ...]], np.ndarray]
+
+
+class Engine:
+    """The groups of one partitioned model, and the collectives its forward calls.
+
+    ``tp_size``/``pp_size``: the group sizes; ``tp_rank``/``pp_rank``: this process's ranks
+    (``pp_rank`` is ``None`` where one process runs every stage: JAX). The defaults are those
+    of a process that runs its own ranks (torch, MLX).
+    """
+
+    tp_size: int = 1
+    tp_rank: int = 0
+    pp_size: int = 1
+    pp_rank: int | None = 0
+
+    @property
+    def single_controller(self) -> bool:
+        """Whether this one process drives every rank (JAX)."""
+        return self.pp_rank is None
+
+    def plans(self, config: DecoderConfig, group_size: int | None = None) -> list[PartitionPlan]:
+        """The plans this process builds: its own, or one per stage (TP rank 0) where one
+        process runs every stage. Raises ``ValueError`` before any weight is read."""
+        tp = (self.tp_size, self.tp_rank)
+        stages = range(self.pp_size) if self.pp_rank is None else [self.pp_rank]
+        return [
+            plan_partition(config, tp=tp, pp=(self.pp_size, s), group_size=group_size)
+            for s in stages
+        ]
+
+    def place(self, name: str, shape: tuple[int, ...], plan: PartitionPlan, read: Reader) -> Any:
+        """Weight ``name`` (full ``shape``) as this process holds it for ``plan``'s stage: the
+        host slice of its rank (a process per rank), or the engine's own array."""
+        return read(name, plan.index(name, shape))
+
+    def all_reduce(self, x: Any) -> Any:
+        """The sum of ``x`` over the tensor-parallel group."""
+        return x
+
+    def move(self, h: Any, stage: int) -> Any:
+        """Hidden states ``h`` moved onto stage ``stage`` (one process, every stage)."""
+        return h
+
+    def send(self, h: Any, stage: int) -> None:
+        """Send hidden states ``h`` to pipeline stage ``stage`` (its rank of this TP rank)."""
+        raise NotImplementedError
+
+    def recv(self, stage: int, shape: tuple[int, ...], like: Any) -> Any:
+        """Hidden states ``shape`` in ``like``'s dtype and device, from stage ``stage``."""
+        raise NotImplementedError
+
+    def share_logits(self, logits: Any, shape: tuple[int, ...], like: Any) -> Any:
+        """The last stage's ``logits`` (``None`` elsewhere) on every rank."""
+        return logits
+
+
+def engine_for(backend: str, tensor_parallel: Any, pipeline_parallel: Any) -> Engine:
+    """The engine of ``backend`` for the handles given to :func:`portable_llm.load` (each
+    ``None`` or the library's own group; see docs/partition.md).
+
+    Raises
+    ------
+    ValueError
+        A backend that does not partition (NumPy, array-api-strict), or a handle that the
+        engine refuses (a mesh without the named axis, a group of another kind).
+    """
+    if backend not in ENGINES:
+        raise ValueError(
+            f"load: tensor_parallel/pipeline_parallel need a backend with collectives "
+            f"({', '.join(ENGINES)}); got backend={backend!r}"
+        )
+    module = import_module(ENGINES[backend])
+    engine: Engine = module.make_engine(tensor_parallel, pipeline_parallel)
+    return engine

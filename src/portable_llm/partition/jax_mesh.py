@@ -1,0 +1,109 @@
+"""JAX: one process drives a mesh; weights are placed with ``NamedSharding`` and XLA inserts
+the collectives (GSPMD).
+
+``tensor_parallel``: a ``jax.sharding.Mesh`` with one axis (any name), or ``(mesh, axis_name)``;
+``pipeline_parallel``: the same for the stages; both at once: one 2-D mesh with axes ``"pp"``
+and ``"tp"`` passed to both keywords. Each stage's weights live on its row of the mesh, split
+over the ``tp`` devices along the axes of :meth:`~portable_llm.partition.plan.PartitionPlan.
+split_axis`; the hidden states go from stage to stage with ``jax.device_put`` (a device-to-device
+copy), and the all-reduces of tensor parallelism are XLA's own, inserted where a row-split
+product meets a replicated output.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from portable_llm.partition.engine import Engine, Reader
+from portable_llm.partition.plan import PartitionPlan
+
+__all__ = ["JaxEngine", "make_engine"]
+
+
+def _axis(handle: Any, keyword: str, want: str) -> tuple[Any, str]:
+    """``(mesh, axis name)`` of a handle: a 1-axis mesh, ``(mesh, name)``, or a 2-D mesh with
+    the axis ``want``; ``ValueError`` naming the axis it lacks."""
+    from jax.sharding import Mesh
+
+    if isinstance(handle, tuple) and len(handle) == 2 and isinstance(handle[0], Mesh):
+        mesh, name = handle
+    elif isinstance(handle, Mesh):
+        mesh = handle
+        name = mesh.axis_names[0] if len(mesh.axis_names) == 1 else want
+    else:
+        raise ValueError(
+            f"load: {keyword} on JAX must be a jax.sharding.Mesh or (mesh, axis_name), got "
+            f"{type(handle).__name__}"
+        )
+    if name not in mesh.axis_names:
+        raise ValueError(
+            f"load: {keyword}: the mesh has no axis {name!r} (its axes: {mesh.axis_names}; a "
+            "2-D mesh needs axes named 'pp' and 'tp')"
+        )
+    return mesh, name
+
+
+class JaxEngine(Engine):
+    """The stages of a mesh: ``self.meshes[s]`` is stage ``s``'s 1-axis mesh of TP devices."""
+
+    pp_rank = None
+
+    def __init__(self, tensor_parallel: Any, pipeline_parallel: Any) -> None:
+        from jax.sharding import Mesh
+
+        tp = _axis(tensor_parallel, "tensor_parallel", "tp") if tensor_parallel else None
+        pp = _axis(pipeline_parallel, "pipeline_parallel", "pp") if pipeline_parallel else None
+        if tp and pp and tp[0] is not pp[0]:
+            raise ValueError(
+                "load: tensor_parallel and pipeline_parallel on JAX must be one 2-D mesh (axes "
+                "'pp' and 'tp') passed to both"
+            )
+        mesh = (tp or pp)[0]  # type: ignore[index]
+        devices = np.asarray(mesh.devices)
+        names = list(mesh.axis_names)
+        tp_name = tp[1] if tp else None
+        pp_name = pp[1] if pp else None
+        others = [n for n in names if n not in (tp_name, pp_name)]
+        if any(mesh.shape[n] != 1 for n in others):
+            raise ValueError(
+                f"load: the mesh's axes {others} are neither tensor_parallel's nor "
+                "pipeline_parallel's"
+            )
+        order = [n for n in (pp_name, tp_name) if n] + others
+        devices = devices.transpose([names.index(n) for n in order])
+        devices = devices.reshape(mesh.shape[pp_name] if pp_name else 1, -1)  # (P, T)
+        self.axis = tp_name or "tp"
+        self.meshes = [Mesh(row, (self.axis,)) for row in devices]
+        self.pp_size, self.tp_size = devices.shape
+
+    def sharding(self, stage: int, spec: tuple[str | None, ...] = ()) -> Any:
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        return NamedSharding(self.meshes[stage], PartitionSpec(*spec))
+
+    def place(self, name: str, shape: tuple[int, ...], plan: PartitionPlan, read: Reader) -> Any:
+        import jax
+
+        axis = plan.split_axis(name, len(shape))
+        spec = tuple(self.axis if d == axis else None for d in range(len(shape)))
+        seen: dict[Any, np.ndarray] = {}
+
+        def shard(index: tuple[slice, ...] | None) -> np.ndarray:
+            index = index or ()
+            key = tuple((s.start, s.stop) for s in index)
+            if key not in seen:  # a replicated tensor is read once, not once per device
+                seen[key] = read(name, index)
+            return seen[key]
+
+        return jax.make_array_from_callback(shape, self.sharding(plan.pp_rank, spec), shard)
+
+    def move(self, h: Any, stage: int) -> Any:
+        import jax
+
+        return jax.device_put(h, self.sharding(stage))
+
+
+def make_engine(tensor_parallel: Any, pipeline_parallel: Any) -> JaxEngine:
+    return JaxEngine(tensor_parallel, pipeline_parallel)

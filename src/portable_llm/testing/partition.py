@@ -1,0 +1,131 @@
+"""Run a partitioned model in local processes, one per rank, as the tests do (and as a user can,
+to check a setup): ``python -m portable_llm.testing.partition ENGINE MODE RANK WORLD ADDRESS
+FOLDER OUT``.
+
+``ENGINE``: ``torch`` (gloo over ``tcp://ADDRESS``) or ``mlx`` (the ring backend: ``ADDRESS`` is
+the hostfile, a JSON list of one ``["127.0.0.1:port"]`` list per rank, as ``mlx.launch``
+writes it); ``MODE``: ``tp`` or ``pp`` (the whole world as one group). Each rank writes
+``OUT/rank{RANK}.npz``: the logits of :data:`PROMPT` (float32), the greedy tokens of
+:func:`~portable_llm.generate`, and the bytes it held and touched (``LoadReport``).
+:func:`launch` starts the processes and waits for them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["NEW_TOKENS", "PROMPT", "free_port", "launch", "run_rank"]
+
+#: The prompt each rank runs (token ids below the tiny checkpoints' vocabulary).
+PROMPT = [3, 17, 42, 9, 100, 7, 250, 31]
+#: Greedy tokens generated after it.
+NEW_TOKENS = 8
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_rank(
+    engine: str, mode: str, rank: int, world: int, address: str, folder: str, out: str
+) -> None:
+    """One rank: join the group, load its share of ``folder``, write its results to ``out``."""
+    from portable_llm.checkpoint.build import LoadOptions
+    from portable_llm.checkpoint.partitioned import read_partitioned
+    from portable_llm.core.arrays import to_numpy
+    from portable_llm.generation.generate import generate
+    from portable_llm.partition.engine import engine_for
+
+    group: Any
+    if engine == "torch":
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://{address}", rank=rank, world_size=world)
+        group = dist.group.WORLD
+    else:
+        import mlx.core as mx
+
+        os.environ["MLX_RANK"], os.environ["MLX_HOSTFILE"] = str(rank), address
+        group = mx.distributed.init(strict=True, backend="ring")
+        assert group.rank() == rank and group.size() == world
+    kw = {"tensor_parallel" if mode == "tp" else "pipeline_parallel": group}
+    eng = engine_for(engine, kw.get("tensor_parallel"), kw.get("pipeline_parallel"))
+    model, report = read_partitioned(folder, LoadOptions(backend=engine, dtype="float32"), eng)
+    logits = to_numpy(model([PROMPT])).astype(np.float32)
+    tokens = [int(t) for t in generate(model, PROMPT, max_new_tokens=NEW_TOKENS, stop=())]
+    np.savez(
+        Path(out) / f"rank{rank}.npz",
+        logits=logits,
+        tokens=np.asarray(tokens),
+        held=report.held,
+        touched=report.touched,
+        total=report.total,
+        file_bytes=report.file,
+    )
+    if engine == "torch":
+        dist.destroy_process_group()
+
+
+def launch(engine: str, mode: str, folder: str | Path, out: str | Path, *, world: int = 2,
+           timeout: float = 120.0) -> list[dict[str, Any]]:  # fmt: skip
+    """Start ``world`` local ranks of ``engine`` in ``mode`` and return each one's results."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if engine == "torch":
+        address = f"127.0.0.1:{free_port()}"
+    else:
+        hostfile = out / "hostfile.json"
+        hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"] for _ in range(world)]))
+        address = str(hostfile)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "portable_llm.testing.partition",
+                engine,
+                mode,
+                str(r),
+                str(world),
+                address,
+                str(folder),
+                str(out),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for r in range(world)
+    ]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=timeout)[0].decode(errors="replace"))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for r, (p, log) in enumerate(zip(procs, logs, strict=True)):
+        if p.returncode:
+            raise RuntimeError(
+                f"rank {r} of {engine} {mode} failed ({p.returncode}):\n{log[-3000:]}"
+            )
+    return [dict(np.load(out / f"rank{r}.npz")) for r in range(world)]
+
+
+if __name__ == "__main__":
+    e, m, r, w, a, f, o = sys.argv[1:8]
+    run_rank(e, m, int(r), int(w), a, f, o)
