@@ -65,14 +65,8 @@ __all__ = [
     "Prepared",
     "QLinear",
     "Step",
-    "mask_key",
     "preparable",
 ]
-
-
-def mask_key(cache: Any, window: int | None) -> tuple[Any, ...]:
-    """Caches of one kind and window saw the same updates: their masks are equal."""
-    return (type(cache), window, getattr(cache, "max_size", None), getattr(cache, "keep", None))
 
 
 class Prepared:
@@ -85,6 +79,8 @@ class Prepared:
     dtype : the backend's float dtype of every weight
     embed, norm, lm_head : arrays ``(V, E)``, ``(E,)``, ``(V, E)`` or ``None`` (tied)
     blocks : the model's :class:`~portable_llm.decoder.model.Block` records
+    norm_bias, head_bias : arrays ``(E,)``, ``(V,)``, optional
+        The final LayerNorm's bias (GPT-2, Phi-2) and the LM head's (Phi-2).
     """
 
     def __init__(
@@ -96,8 +92,14 @@ class Prepared:
         norm: Any,
         lm_head: Any,
         blocks: Sequence[Any],
+        *,
+        norm_bias: Any = None,
+        head_bias: Any = None,
     ) -> None:
         self.config = config
+        self.norm_bias, self.head_bias = norm_bias, head_bias
+        #: The model's norms are LayerNorm (GPT-2, Phi-2), with biases; else RMSNorm.
+        self.layer_norm = config.norm == "layer"
         self.bk = bk
         self.xp = bk.xp
         self.embed, self.norm = embed, norm
@@ -118,6 +120,8 @@ class Prepared:
         self.eps = config.rms_norm_eps
         self.scale = 1.0 / math.sqrt(self.D)
         self.rope = dict(config.rope) if config.rope is not None else None
+        #: Whether the layers rotate q and k (GPT-2's learned positions: no RoPE).
+        self.use_rope = config.position_embedding == "rope"
         self.portable_rope = d.portable_impl("rope")
         x = bk.xp.zeros((1, 1, config.hidden_size), dtype=dtype, device=bk.device_of(norm))
         act = activation_op(config.hidden_act, "model")
@@ -156,17 +160,30 @@ class Prepared:
 
     def run_layers(self, h: Any, step: Step, layers: Sequence[Layer]) -> Any:
         """The decoder layers over ``h`` ``(B, L, E)``; ``step`` holds what they share."""
-        xp, kn, eps = self.xp, step.kn, self.eps
+        xp, kn = self.xp, step.kn
         for i, layer in enumerate(layers):
-            r = kn.rms_norm(xp, h, layer.input_norm, eps=eps)
-            h = h + attention_body(xp, kn, r, layer.attn, step, i)
-            r = kn.rms_norm(xp, h, layer.post_norm, eps=eps)
-            if layer.mlp is not None:
-                h = h + mlp_body(xp, kn, r, layer.mlp)
-            else:
-                assert layer.moe is not None
-                h = h + moe(r, *layer.moe["arrays"], **layer.moe["options"])
+            r = self.normed(kn, h, layer.input_norm, layer.input_bias)
+            a = attention_body(xp, kn, r, layer.attn, step, i)
+            if layer.parallel:  # Phi-2: HF's attn_outputs + feed_forward + residual
+                h = (a + self.feed_forward(kn, r, layer)) + h
+                continue
+            h = h + a
+            r = self.normed(kn, h, layer.post_norm, layer.post_bias)
+            h = h + self.feed_forward(kn, r, layer)
         return h
+
+    def normed(self, kn: Any, h: Any, w: Any, b: Any) -> Any:
+        """The model's norm of ``h``: LayerNorm (weight and bias) or RMSNorm."""
+        if self.layer_norm:
+            return kn.layer_norm(self.xp, h, w, b, eps=self.eps)
+        return kn.rms_norm(self.xp, h, w, eps=self.eps)
+
+    def feed_forward(self, kn: Any, r: Any, layer: Layer) -> Any:
+        """The layer's dense MLP or mixture of experts."""
+        if layer.mlp is not None:
+            return mlp_body(self.xp, kn, r, layer.mlp)
+        assert layer.moe is not None
+        return moe(r, *layer.moe["arrays"], **layer.moe["options"])
 
     def head_logits(self, h: Any, norm: Any, head: Any, kn: Any = None) -> Any:
         """The final norm and the LM head: ``(B, L, E)`` -> ``(B, L, V)``; ``kn``: the
@@ -177,7 +194,8 @@ class Prepared:
             head = self._head
         elif isinstance(head, QuantizedWeight):  # another head than the one bound at load
             head = bind_weight(self.dispatch, head)
-        return kn.project(self.xp, kn.rms_norm(self.xp, h, norm, eps=self.eps), head, None)
+        h = self.normed(kn, h, norm, self.norm_bias)
+        return kn.project(self.xp, h, head, self.head_bias)  # (B, L, V)
 
 
 class Step:
@@ -230,9 +248,9 @@ class Step:
         kernel's own steps, :func:`~portable_llm.rotary.rope.rope_tables`) and every layer only
         rotates; a native kernel runs per call, and so does every kernel inside a trace.
         """
-        if self.p.rope is None:
+        if self.p.rope is None or not self.p.use_rope:
             return q, k
-        fn, offsets, inv, ropts = self.rope_args(q)
+        fn, offsets, inv, ropts = self.rope or self.rope_args(q)
         xp = self.p.xp
         if not kn.bound:  # inside a trace: the dispatcher's choice per call, recorded
             fq = kn.choose("rope", q, offsets, inv, **ropts)
@@ -265,7 +283,9 @@ class Step:
                     None,
                 )
             return got
-        key = mask_key(layer_cache, window)
+        # Caches of one kind and window saw the same updates: their masks are equal.
+        c = layer_cache
+        key = (type(c), window, getattr(c, "max_size", None), getattr(c, "keep", None))
         got = self.masks.get(key)
         if got is None:
             got = self.masks[key] = layer_cache.make_mask(window=window)
@@ -291,6 +311,8 @@ class Step:
         opts = SdpaOptions(scale=p.scale, causal=causal, window=window)
         key = (causal, window, None if mask is None else tuple(mask.shape), tuple(k.shape))
         fn = self.sdpa.get(key)
-        if fn is None or not kn.bound:  # inside a trace: asked (and recorded) per layer
-            fn = self.sdpa[key] = kn.choose(SDPA, q, k, v, mask, opts=opts)
+        if not kn.bound:  # inside a trace: asked (and recorded) per layer
+            fn = kn.choose(SDPA, q, k, v, mask, opts=opts)
+        elif fn is None:  # auto's choice, as kn.choose makes it, once per forward
+            fn = self.sdpa[key] = p.dispatch.pick(SDPA, "auto", q, k, v, mask, opts=opts)
         return fn(p.xp, q, k, v, mask, opts=opts)  # (B, H, L, D)
