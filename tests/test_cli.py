@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import re
 import subprocess
 import sys
@@ -269,6 +270,63 @@ def test_apply_threads_sets_torch_threads():
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_report_and_bench_print_each_row_as_it_is_ready(monkeypatch, capsys):
+    # When the third case runs, the rows of the first two are already out.
+    seen: list[str] = []
+    check_case = report.check_case
+
+    def spy(bk, case, dtype):
+        seen.append(capsys.readouterr().out)
+        return check_case(bk, case, dtype)
+
+    monkeypatch.setattr(report, "check_case", spy)
+    args = ["--backend", "numpy", "--op", "silu", "--op", "relu", "--dtype", "float32"]
+    assert main(["report", *args]) == 0
+    assert "silu" not in seen[0] and re.search(r"^silu +float32 +auto", seen[1], re.M)
+    measure = bench.measure
+
+    def timed(variants, sync, repeat, target, budget=0.0):
+        seen.append(capsys.readouterr().out)
+        return measure(variants, sync, 1, 0.0, 0.0)
+
+    monkeypatch.setattr(bench, "measure", timed)
+    assert main(["bench", "--quick", "--backend", "numpy", "--op", "rms_norm"]) == 0
+    assert "(1, E) x (E,)" not in seen[-2] and "(1, E) x (E,) " in seen[-1]
+
+
+def test_generate_says_what_runs_on_a_terminal(tiny_folder, monkeypatch, capsys):
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    err = Terminal()
+    monkeypatch.setattr(sys, "stderr", err)
+    args = [str(tiny_folder), "--ids", "1,2", "--max-new-tokens", "2", "--threads", "1"]
+    assert main(["generate", *args]) == 0
+    lines = [line for line in _unwrap(err.getvalue()).splitlines() if "threadpoolctl" not in line]
+    assert lines[0] == f"loading {tiny_folder} on numpy (1 thread) ..."
+    assert re.fullmatch(r"loaded in \d+\.\d\d s; prefill \.\.\.", lines[1])
+    out = capsys.readouterr().out
+    _check_width(out)
+    assert "prefill: 2 tokens in" in out and "decode: 1 token in" in out  # one token, singular
+    assert main(["batch", str(tiny_folder), "--ids", "1,2", "--ids", "3", "--max-tokens", "2"]) == 0
+    assert err.getvalue().splitlines()[-1] == "2 requests; prefill and decode ..."
+    _check_width(capsys.readouterr().out)
+
+
+def test_batch_samples_with_the_shared_flags(tiny_folder, capsys):
+    def run(*flags: str) -> list[str]:
+        args = ["batch", str(tiny_folder), "--ids", "1,2", "--ids", "3", "--max-new-tokens", "6"]
+        assert main([*args, *flags]) == 0
+        out = capsys.readouterr().out.splitlines()
+        return [out[i + 1] for i, line in enumerate(out) if line.startswith("--- [")]
+
+    greedy = run()
+    sampled = run("--temperature", "1.5", "--top-k", "50", "--seed", "3")
+    assert sampled == run("--temperature", "1.5", "--top-k", "50", "--seed", "3")  # seeded
+    assert sampled != greedy and sampled != run("--temperature", "1.5", "--seed", "4")
 
 
 def test_python_dash_m_runs_the_report():

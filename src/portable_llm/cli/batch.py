@@ -17,7 +17,7 @@ from portable_llm.cli.options import (
     sampling_options,
     token_ids,
 )
-from portable_llm.cli.output import Progress, check_usage, error, path_errors, wrap
+from portable_llm.cli.output import Progress, check_usage, error, path_errors, plural, wrap
 
 __all__ = ["add_batch_parser", "run_batch"]
 
@@ -73,7 +73,7 @@ def run_batch(
     threads = apply_threads(getattr(args, "threads", None), [args.backend])
     progress = Progress("batch")
     try:
-        progress(f"loading {args.path} on {args.backend} ({threads} threads) ...")
+        progress(f"loading {args.path} on {args.backend} ({plural(threads, 'thread')}) ...")
         model = load(args.path, backend=args.backend, dtype=args.dtype, device=args.device)
         tok = model.tokenizer
         if args.prompt and tok is None:

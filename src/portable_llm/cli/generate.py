@@ -16,7 +16,7 @@ from portable_llm.cli.options import (
     sampling_options,
     token_ids,
 )
-from portable_llm.cli.output import Progress, check_usage, error, path_errors, wrap
+from portable_llm.cli.output import Progress, check_usage, error, path_errors, plural, wrap
 
 __all__ = ["add_generate_parser", "run_generate"]
 
@@ -93,7 +93,7 @@ def run_generate(
     threads = apply_threads(getattr(args, "threads", None), [args.backend])
     progress = Progress("generate")
     try:
-        progress(f"loading {args.path} on {args.backend} ({threads} threads) ...")
+        progress(f"loading {args.path} on {args.backend} ({plural(threads, 'thread')}) ...")
         start = time.perf_counter()
         model = load(args.path, backend=args.backend, dtype=args.dtype, device=args.device)
         draft = None
@@ -133,9 +133,9 @@ def run_generate(
     lines = [
         _why_stopped(model, s, args.max_new_tokens),
         f"load {loaded:.2f} s ({model!r})",
-        f"prefill: {_tokens(s.prompt_tokens)} in {s.prefill_seconds:.3f} s, "
+        f"prefill: {plural(s.prompt_tokens, 'token')} in {s.prefill_seconds:.3f} s, "
         f"{s.prefill_tokens_per_second:.1f} tokens/s",
-        f"decode: {_tokens(s.decode_steps)} in {s.decode_seconds:.3f} s, "
+        f"decode: {plural(s.decode_steps, 'token')} in {s.decode_seconds:.3f} s, "
         f"{s.decode_tokens_per_second:.1f} tokens/s",
     ]
     if isinstance(s, SpeculativeStats):
@@ -149,14 +149,10 @@ def run_generate(
     return 0
 
 
-def _tokens(n: int) -> str:
-    return f"{n} token{'' if n == 1 else 's'}"
-
-
 def _why_stopped(model: Any, stats: Any, max_new_tokens: int) -> str:
     """One line: the stop token that ended generation (with its text), or the token limit."""
     n = stats.generated_tokens
-    new = f"{n} new {_tokens(n).partition(' ')[2]}"
+    new = f"{n} new {'token' if n == 1 else 'tokens'}"
     if stats.stop_token is None:
         return f"stopped: {new}, the --max-new-tokens limit ({max_new_tokens})"
     token = str(stats.stop_token)

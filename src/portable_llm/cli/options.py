@@ -165,11 +165,11 @@ def apply_threads(threads: int | None, backends: Sequence[str], file: Any = None
             threadpoolctl = importlib.import_module("threadpoolctl")  # optional, untyped
         except ImportError:
             if threads is not None:
-                print(
+                note = (
                     "note: --threads does not reach NumPy's BLAS without threadpoolctl (pip "
-                    "install threadpoolctl); set OPENBLAS_NUM_THREADS before starting instead",
-                    file=file if file is not None else sys.stderr,
+                    "install threadpoolctl); set OPENBLAS_NUM_THREADS before starting instead"
                 )
+                print(wrap(note), file=file if file is not None else sys.stderr)
         else:
             threadpoolctl.threadpool_limits(n, user_api="blas")
     return n

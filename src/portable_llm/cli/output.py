@@ -18,6 +18,7 @@ __all__ = [
     "check_usage",
     "error",
     "path_errors",
+    "plural",
     "wrap",
 ]
 
@@ -41,6 +42,11 @@ def wrap(text: str, indent: str = "", hang: str = "    ") -> str:
         break_on_hyphens=False,
     )
     return "\n".join(lines) if lines else text
+
+
+def plural(n: int, word: str) -> str:
+    """``1 token``, ``2 tokens``."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def error(command: str, exc: BaseException | str, file: TextIO | None = None) -> None:
