@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from portable_llm.backends import BACKENDS
-from portable_llm.backends._base import FLOAT_DTYPES
+from portable_llm.backends.base import FLOAT_DTYPES
 
 _SELECTED = [
     b.strip() for b in os.environ.get("PORTABLE_LLM_BACKENDS", ",".join(BACKENDS)).split(",")

@@ -15,7 +15,7 @@ from typing import Any
 from portable_llm.attn.sdpa_args import check_window, int_option
 from portable_llm.attn.visibility import visible
 from portable_llm.backends import get_backend
-from portable_llm.backends._base import FLOAT_DTYPES
+from portable_llm.backends.base import FLOAT_DTYPES
 
 __all__ = ["causal_mask"]
 

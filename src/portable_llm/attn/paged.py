@@ -29,7 +29,7 @@ from typing import Any
 
 from portable_llm.attn import paged_pool  # noqa: F401  (registers impl="pool")
 from portable_llm.attn.paged_args import OP, PagedOptions, paged_args
-from portable_llm.attn.sdpa import _sdpa_direct, _tiled_block, _tiled_finish, empty
+from portable_llm.attn.sdpa import empty, sdpa_direct, tiled_block, tiled_finish
 from portable_llm.backends import backend_of, resolve
 from portable_llm.core.arrays import to_numpy
 from portable_llm.core.checks import float_compute_dtype
@@ -62,7 +62,7 @@ def _paged_direct(
     k = opts.gather(xp, k_pages, tables)  # (B, H_kv, S, D)
     v = opts.gather(xp, v_pages, tables)
     mask = opts.mask(xp, lens, q.shape[2], k.shape[2], 0, _device(q))  # (B, 1, L, S)
-    return _sdpa_direct(xp, q, k, v, mask, opts=opts.sdpa)
+    return sdpa_direct(xp, q, k, v, mask, opts=opts.sdpa)
 
 
 _BLOCKED = OP + ".blocked"
@@ -101,7 +101,7 @@ def _blocked_block(
     B, S, L = kb.shape[0], kb.shape[2], grid[-1]
     mb = opts.mask(xp, lens, L, S, first, _device(qg))  # (B, 1, L, n * P)
     mb = xp.reshape(mb, (B, 1, 1, L, S))  # the grouped layout (B, H_kv, G, L, S)
-    return _tiled_block(xp, qg, kb, vb, mb, run_max, total, acc, 0, grid=grid, opts=opts.sdpa)
+    return tiled_block(xp, qg, kb, vb, mb, run_max, total, acc, 0, grid=grid, opts=opts.sdpa)
 
 
 @portable(OP, "blocked")
@@ -119,7 +119,7 @@ def _paged_blocked(
     """Flash attention's online softmax over blocks of ``opts.block_pages`` pages.
 
     Each block gathers only its own pages; the step is the tiled SDPA's
-    (:func:`portable_llm.attn.sdpa._tiled_block`). With a window, the blocks left of every
+    (:func:`portable_llm.attn.sdpa.tiled_block`). With a window, the blocks left of every
     row's window are skipped.
     """
     bk = backend_of(q)
@@ -143,7 +143,7 @@ def _paged_blocked(
 
 @portable(_BLOCKED, "finish", pure=True)
 def _blocked_finish(xp: Any, acc: Any, total: Any, q: Any) -> Any:
-    return _tiled_finish(xp, acc, total, q)
+    return tiled_finish(xp, acc, total, q)
 
 
 @auto_portable(OP)

@@ -26,7 +26,7 @@ import math
 from typing import Any
 
 from portable_llm.attn.paged_args import OP, UNUSED, PagedOptions
-from portable_llm.attn.sdpa import _finish
+from portable_llm.attn.sdpa import softmax_finish
 from portable_llm.attn.visibility import visible
 from portable_llm.core.checks import float_compute_dtype
 from portable_llm.core.dispatch import portable
@@ -94,4 +94,4 @@ def _paged_pool(
     tot = xp.matmul(sel, xp.reshape(p, (N, h_kv * G * L * P)))  # (B, H_kv*G*L*P)
     tot = xp.sum(xp.reshape(tot, (B, h_kv, G * L, P)), axis=-1, keepdims=True)
     acc = xp.reshape(acc, (B, h_kv, G * L, D))
-    return _finish(xp, acc, tot, q)  # (B, H, L, D)
+    return softmax_finish(xp, acc, tot, q)  # (B, H, L, D)

@@ -18,7 +18,17 @@ from portable_llm.core.arrays import creation_device
 from portable_llm.core.checks import float_compute_dtype
 from portable_llm.core.dispatch import auto_portable, pick, portable
 
-__all__ = ["OP", "TILED_MIN_SCORES", "SdpaOptions", "scaled_dot_product_attention", "sdpa_args"]
+__all__ = [
+    "OP",
+    "TILED_MIN_SCORES",
+    "SdpaOptions",
+    "scaled_dot_product_attention",
+    "sdpa_args",
+    "sdpa_direct",
+    "softmax_finish",
+    "tiled_block",
+    "tiled_finish",
+]
 
 #: ``impl="auto"`` without an applicable native kernel takes the tiled path once one head's
 #: score matrix has this many entries (``L * S >= 2**20``, 4 MiB in float32 per batch and head).
@@ -87,7 +97,11 @@ def _safe_max(xp: Any, s: Any) -> Any:
     return xp.where(m == -math.inf, 0.0, m)
 
 
-def _finish(xp: Any, acc: Any, total: Any, q: Any) -> Any:
+def softmax_finish(xp: Any, acc: Any, total: Any, q: Any) -> Any:
+    """The attention output from the weighted values ``acc`` and the softmax denominators
+    ``total`` (float32 sums over the keys; rows that see no key give 0), reshaped to ``q``'s
+    ``(B.., H, L, D)`` and rounded once to q's dtype. Shared by the direct, tiled and paged
+    paths."""
     out = acc / xp.where(total == 0.0, 1.0, total)  # rows that see no key: 0 / 1
     return xp.astype(xp.reshape(out, q.shape), q.dtype)  # (B.., H, L, D)
 
@@ -99,7 +113,7 @@ def _prepare(xp: Any, q: Any, k: Any, mask: Any, scale: float) -> tuple[Any, Any
 
 
 @portable(OP, pure=True)
-def _sdpa_direct(
+def sdpa_direct(
     xp: Any,
     q: Any,
     k: Any,
@@ -108,12 +122,14 @@ def _sdpa_direct(
     *,
     opts: SdpaOptions,
 ) -> Any:
+    """The portable attention in one step (all ``S`` keys' scores at once): ``(B.., H, L, D)``
+    in q's dtype, accumulated in float32 (float64 for float64)."""
     qg, mask, grid = _prepare(xp, q, k, mask, opts.scale)
     shift = q.shape[-2] - k.shape[-2]  # key 0 minus query 0's position: L - S
     s = _block_scores(xp, qg, k, mask, shift, grid=grid, opts=opts)
     p = xp.exp(s - _safe_max(xp, s))  # (B.., H_kv, G*L, S)
     total = xp.sum(p, axis=-1, keepdims=True)
-    return _finish(xp, xp.matmul(p, xp.astype(v, qg.dtype, copy=False)), total, q)
+    return softmax_finish(xp, xp.matmul(p, xp.astype(v, qg.dtype, copy=False)), total, q)
 
 
 # The tiled path is a Python loop over key blocks, so it is not one compiled program: JAX would
@@ -133,7 +149,7 @@ def _tiled_start(xp: Any, q: Any, k: Any, mask: Any, *, scale: float) -> tuple[A
 
 
 @portable(_TILED, "block", pure=True)
-def _tiled_block(
+def tiled_block(
     xp: Any,
     qg: Any,
     kb: Any,
@@ -159,8 +175,9 @@ def _tiled_block(
 
 
 @portable(_TILED, "finish", pure=True)
-def _tiled_finish(xp: Any, acc: Any, total: Any, q: Any) -> Any:
-    return _finish(xp, acc, total, q)
+def tiled_finish(xp: Any, acc: Any, total: Any, q: Any) -> Any:
+    """The tiled path's last step: :func:`softmax_finish` of the running state."""
+    return softmax_finish(xp, acc, total, q)
 
 
 @portable(OP, "tiled")

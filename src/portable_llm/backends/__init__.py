@@ -10,13 +10,15 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from portable_llm.backends._base import FLOAT_DTYPES, Backend, numpy_bfloat16
+from portable_llm.backends.base import FLOAT_DTYPES, Backend, numpy_bfloat16
 
 __all__ = [
+    "ALIASES",
     "BACKENDS",
     "FLOAT_DTYPES",
     "Backend",
     "BackendNotInstalledError",
+    "TOP_MODULES",
     "available_backends",
     "backend_of",
     "get_backend",
@@ -34,8 +36,8 @@ _ADAPTERS = {
     "jax": "portable_llm.backends.jax",
     "array_api_strict": "portable_llm.backends.strict",
 }
-# Top-level module of an array type -> backend name.
-_TOP_MODULE = {
+#: Top-level module of an array (or dtype) type -> backend name.
+TOP_MODULES: dict[str, str] = {
     "numpy": "numpy",
     "ml_dtypes": "numpy",
     "torch": "torch",
@@ -44,7 +46,12 @@ _TOP_MODULE = {
     "jaxlib": "jax",
     "array_api_strict": "array_api_strict",
 }
-_ALIASES = {"np": "numpy", "strict": "array_api_strict", "array-api-strict": "array_api_strict"}
+#: Other names of the backends (``backend="np"``) -> backend name.
+ALIASES: dict[str, str] = {
+    "np": "numpy",
+    "strict": "array_api_strict",
+    "array-api-strict": "array_api_strict",
+}
 _EXTRAS = {
     "numpy": "numpy",
     "torch": "torch",
@@ -80,7 +87,7 @@ def get_backend(name: str | Backend) -> Backend:
         return name
     if not isinstance(name, str):
         raise TypeError(f"backend must be a str or None, got {type(name).__name__}")
-    canonical = _ALIASES.get(name, name)
+    canonical = ALIASES.get(name, name)
     if canonical not in _ADAPTERS:
         raise ValueError(f"unknown backend {name!r}; known backends: {', '.join(BACKENDS)}")
     if canonical not in _LOADED:
@@ -112,7 +119,7 @@ def available_backends() -> list[str]:
 
 def _lookup_type(t: type, op: str = "") -> Backend:
     top = t.__module__.partition(".")[0]
-    name = _TOP_MODULE.get(top)
+    name = TOP_MODULES.get(top)
     if name is None:
         where = f"{op}: " if op else ""
         raise TypeError(

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from portable_llm.backends._base import FLOAT_DTYPES, Backend, seed_value
+from portable_llm.backends.base import FLOAT_DTYPES, Backend, seed_value
 
 
 class JaxBackend(Backend):

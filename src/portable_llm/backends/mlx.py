@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from portable_llm.backends._base import FLOAT_DTYPES, Backend, numpy_bfloat16, seed_value
+from portable_llm.backends.base import FLOAT_DTYPES, Backend, numpy_bfloat16, seed_value
 
 
 class MlxBackend(Backend):
@@ -16,7 +16,7 @@ class MlxBackend(Backend):
         super().__init__()
         import mlx.core as mx
 
-        from portable_llm.backends._mlx_compat import make_namespace
+        from portable_llm.backends.mlx_compat import make_namespace
 
         self.mx = mx
         self.xp = make_namespace(mx)

@@ -74,5 +74,5 @@ def make_namespace(mx: Any) -> types.SimpleNamespace:
     ns.astype = astype
     ns.argsort = argsort
     ns.bool = mx.bool_
-    ns.__name__ = "portable_llm.backends._mlx_compat"
+    ns.__name__ = "portable_llm.backends.mlx_compat"
     return ns

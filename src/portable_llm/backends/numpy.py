@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from portable_llm.backends._base import Backend, numpy_bfloat16
+from portable_llm.backends.base import Backend, numpy_bfloat16
 
 
 class NumpyBackend(Backend):

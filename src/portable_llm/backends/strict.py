@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from portable_llm.backends._base import Backend
+from portable_llm.backends.base import Backend
 
 
 class StrictBackend(Backend):

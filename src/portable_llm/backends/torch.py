@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from portable_llm.backends._base import FLOAT_DTYPES, Backend, numpy_bfloat16, seed_value
+from portable_llm.backends.base import FLOAT_DTYPES, Backend, numpy_bfloat16, seed_value
 
 
 class TorchBackend(Backend):

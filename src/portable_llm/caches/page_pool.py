@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from portable_llm.backends import _TOP_MODULE, Backend, get_backend, resolve
+from portable_llm.backends import TOP_MODULES, Backend, get_backend, resolve
 from portable_llm.core.checks import check_float, check_int, check_optional_int
 
 __all__ = ["PagePool", "PagePoolExhausted"]
@@ -42,7 +42,7 @@ def _backend(dtype: Any, backend: Any) -> Backend:
     by comparing dtypes of two libraries), else NumPy."""
     if backend is not None:
         return get_backend(backend)
-    name = _TOP_MODULE.get(type(dtype).__module__.split(".")[0])
+    name = TOP_MODULES.get(type(dtype).__module__.split(".")[0])
     return get_backend(name if name is not None else "numpy")
 
 

@@ -6,7 +6,7 @@ import math
 import numbers
 from typing import Any
 
-from portable_llm.backends._base import FLOAT_DTYPES, Backend
+from portable_llm.backends.base import FLOAT_DTYPES, Backend
 from portable_llm.core.types import Array, Namespace
 
 

@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
-from portable_llm.backends import _ALIASES, BACKENDS
-from portable_llm.backends._base import FLOAT_DTYPES, Backend
+from portable_llm.backends import ALIASES, BACKENDS
+from portable_llm.backends.base import FLOAT_DTYPES, Backend
 
 __all__ = [
     "IMPLS",
@@ -395,7 +395,7 @@ def unregister_kernel(backend: str, op: str) -> None:
 
 
 def _backend_name(backend: str, where: str) -> str:
-    name = _ALIASES.get(backend, backend) if isinstance(backend, str) else backend
+    name = ALIASES.get(backend, backend) if isinstance(backend, str) else backend
     if name not in BACKENDS:
         raise ValueError(f"{where}: unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
     return str(name)

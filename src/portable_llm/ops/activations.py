@@ -13,13 +13,24 @@ from portable_llm.core.checks import check_float, check_int, check_ndim, float_c
 from portable_llm.core.dispatch import pick, portable
 from portable_llm.core.types import Array, Namespace
 
-__all__ = ["ACTIVATIONS", "activation", "gelu", "gelu_tanh", "relu", "silu", "softmax"]
+__all__ = [
+    "ACTIVATIONS",
+    "activation",
+    "gelu",
+    "gelu_tanh",
+    "logistic",
+    "relu",
+    "silu",
+    "softmax",
+]
 
 _SQRT_PI = math.sqrt(math.pi)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
-def _sigmoid(xp: Namespace, x: Array) -> Array:
+def logistic(xp: Namespace, x: Array) -> Array:
+    """The logistic sigmoid ``1 / (1 + exp(-x))`` of ``x`` (any shape) in x's dtype, pure
+    ``xp`` code: the piece of SiLU that the MoE router's shared-expert gate also uses."""
     # exp(-|x|) never overflows, so neither branch produces inf or NaN.
     e = xp.exp(-xp.abs(x))
     return xp.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
@@ -52,7 +63,7 @@ def _erf(xp: Namespace, z: Array) -> Array:
 @portable("silu", pure=True)
 def _silu(xp: Namespace, x: Array) -> Array:
     xc = xp.astype(x, float_compute_dtype(xp, x.dtype))
-    return xp.astype(xc * _sigmoid(xp, xc), x.dtype)
+    return xp.astype(xc * logistic(xp, xc), x.dtype)
 
 
 @portable("gelu", pure=True)

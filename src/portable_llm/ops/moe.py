@@ -19,7 +19,7 @@ from portable_llm.core.checks import (
 )
 from portable_llm.core.dispatch import pick, portable
 from portable_llm.core.types import Array, Namespace
-from portable_llm.ops.activations import _sigmoid, activation_op
+from portable_llm.ops.activations import activation_op, logistic
 from portable_llm.ops.linear import mlp
 from portable_llm.ops.quant import dequantized, is_quantized
 
@@ -304,6 +304,6 @@ def moe(
         s = mlp(xf, s_gate, s_up, s_down, act=act, impl=sub)  # (N, E)
         if shared_gate is not None:
             g = pick(bk, "linear", sub, xf, shared_gate)(xp, xf, shared_gate)  # (N, 1)
-            s = xp.astype(_sigmoid(xp, xp.astype(g, weights.dtype)), x.dtype) * s
+            s = xp.astype(logistic(xp, xp.astype(g, weights.dtype)), x.dtype) * s
         out = out + s
     return xp.reshape(out, x.shape)  # (B.., L, E)

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from portable_llm.backends import resolve
-from portable_llm.backends._base import FLOAT_DTYPES
+from portable_llm.backends.base import FLOAT_DTYPES
 from portable_llm.core.arrays import creation_device
 from portable_llm.core.checks import check_float, check_ndim
 from portable_llm.core.dispatch import pick, portable
@@ -28,7 +28,7 @@ from portable_llm.rotary.args import (
 )
 from portable_llm.rotary.scaling import DEFAULT_BASE, check_dims, rope_spec
 
-__all__ = ["apply_rope", "rope", "rope_cos_sin"]
+__all__ = ["apply_rope", "rope", "rope_cos_sin", "rope_tables", "rotate"]
 
 
 def _device(x: Array) -> Any:
