@@ -51,6 +51,8 @@ def start_server(args: argparse.Namespace, model: Path, port: int) -> subprocess
     ]  # fmt: skip
     if args.dtype:
         argv += ["--dtype", args.dtype]
+    if args.threads:
+        argv += ["--threads", str(args.threads)]
     code = f"import sys; from portable_llm.cli.cli import main; sys.exit(main({argv!r}))"
     return subprocess.Popen([sys.executable, "-c", code])
 
@@ -106,6 +108,7 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=None)
     parser.add_argument("--backend", default="torch")
     parser.add_argument("--dtype", default=None)
+    parser.add_argument("--threads", type=int, default=None, help="the server's --threads")
     parser.add_argument("--clients", default="1,4,8,16")
     parser.add_argument("--requests", type=int, default=2, help="requests per client")
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens per request")

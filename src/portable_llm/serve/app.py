@@ -34,6 +34,8 @@ __all__ = ["create_app"]
 
 #: Seconds between checks that a waiting client is still connected.
 POLL = 0.5
+#: The largest request body read (bytes); a larger one gets 413.
+MAX_BODY = 4 << 20
 
 
 class ClientGone(Exception):
@@ -178,12 +180,7 @@ def _authorize(served: _Served, request: Request) -> None:
 # -- one request ------------------------------------------------------------------------------
 async def _generate(served: _Served, request: Request, *, chat: bool) -> Response:
     _authorize(served, request)
-    try:
-        body = json.loads(await request.body())
-    except (ValueError, UnicodeDecodeError):
-        raise APIError(
-            "We could not parse the JSON body of your request.", code="invalid_json"
-        ) from None
+    body = await _read_json(request, MAX_BODY)
     sampling, source = (read_chat if chat else read_completion)(body, served.name)
     if sampling.model not in served.aliases:
         raise APIError(
@@ -226,6 +223,29 @@ async def _generate(served: _Served, request: Request, *, chat: bool) -> Respons
         return Response(status_code=499)  # nobody reads it
     finally:
         engine.cancel(job)  # a no-op once it finished
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    """The request's JSON body: 413 past ``limit`` bytes (read no further), 400 when it does not
+    parse (nesting too deep included)."""
+    too_large = APIError(
+        f"the request body is larger than {limit} bytes", status=413, code="request_too_large"
+    )
+    size = request.headers.get("content-length", "")
+    if size.isdigit() and int(size) > limit:
+        raise too_large
+    chunks, n = [], 0
+    async for chunk in request.stream():
+        n += len(chunk)
+        if n > limit:
+            raise too_large
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise APIError(
+            "We could not parse the JSON body of your request.", code="invalid_json"
+        ) from None
 
 
 def _prompt_ids(model: Any, source: Any, chat: bool) -> list[int]:

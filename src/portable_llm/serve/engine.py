@@ -239,7 +239,7 @@ class Engine:
         except (ValueError, TypeError) as exc:
             with self._cond:
                 self._queued.discard(id(job))
-            job.post("error", str(exc))
+            job.post("error", str(exc)[:1000])
             return
         self._jobs[job.rid] = job
 

@@ -12,6 +12,8 @@ __all__ = ["APIError", "Sampling", "error_body", "read_chat", "read_completion"]
 
 #: The most stop strings and top log-probabilities a request may ask for.
 MAX_STOP = 16
+#: The longest stop string, in characters.
+MAX_STOP_CHARS = 512
 MAX_TOP_LOGPROBS = 20
 
 
@@ -138,8 +140,8 @@ def _common(body: Any, default_model: str) -> Sampling:
         stops = list(stop)
     else:
         raise _bad("stop", "expected a string or an array of strings", "invalid_type")
-    if len(stops) > MAX_STOP or any(not s for s in stops):
-        raise _bad("stop", f"at most {MAX_STOP} non-empty strings")
+    if len(stops) > MAX_STOP or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+        raise _bad("stop", f"at most {MAX_STOP} strings of 1 to {MAX_STOP_CHARS} characters")
     top_k = body.get("top_k")
     if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k in (0, -1):
         top_k = None  # vLLM's "no top-k"
