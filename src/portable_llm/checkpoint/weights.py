@@ -34,6 +34,7 @@ __all__ = [
     "SafetensorsFiles",
     "SliceReader",
     "expected_shapes",
+    "family_name",
     "read_weights",
     "to_backend",
 ]
@@ -53,10 +54,13 @@ def expected_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
     E, V, D = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
     H, H_kv = cfg.num_attention_heads, cfg.num_key_value_heads
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, E)}
+    norms = ("weight", "bias") if cfg.norm == "layer" else ("weight",)  # LayerNorm: a bias too
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
-        out[p + "input_layernorm.weight"] = (E,)
-        out[p + "post_attention_layernorm.weight"] = (E,)
+        for kind in norms:
+            out[p + f"input_layernorm.{kind}"] = (E,)
+            if not cfg.parallel_block:  # Phi-2: one norm feeds attention and MLP
+                out[p + f"post_attention_layernorm.{kind}"] = (E,)
         for name, rows in (("q", H * D), ("k", H_kv * D), ("v", H_kv * D)):
             out[p + f"self_attn.{name}_proj.weight"] = (rows, E)
             if cfg.qkv_bias:
@@ -76,18 +80,50 @@ def expected_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
                 _mlp(out, p + "mlp.shared_expert.", E, cfg.shared_expert_intermediate_size, False)
                 out[p + "mlp.shared_expert_gate.weight"] = (1, E)
         else:
-            _mlp(out, p + "mlp.", E, cfg.intermediate_size, cfg.mlp_bias)
-    out["model.norm.weight"] = (E,)
+            _mlp(out, p + "mlp.", E, cfg.intermediate_size, cfg.mlp_bias, cfg.gated_mlp)
+    for kind in norms:
+        out[f"model.norm.{kind}"] = (E,)
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = (V, E)
+    if cfg.lm_head_bias:
+        out["lm_head.bias"] = (V,)
     return out
 
 
-def _mlp(out: dict[str, tuple[int, ...]], p: str, E: int, I: int, bias: bool) -> None:  # noqa: E741
+def _mlp(
+    out: dict[str, tuple[int, ...]],
+    p: str,
+    E: int,
+    I: int,  # noqa: E741
+    bias: bool,
+    gated: bool = True,
+) -> None:
     for name, shape in (("gate", (I, E)), ("up", (I, E)), ("down", (E, I))):
+        if name == "gate" and not gated:  # the plain MLP: up (fc1) and down (fc2)
+            continue
         out[f"{p}{name}_proj.weight"] = shape
         if bias:
             out[f"{p}{name}_proj.bias"] = shape[:1]
+
+
+#: Each family's checkpoint names that differ from Llama's, as (file's, the decoder's).
+FAMILY_NAMES: dict[str, tuple[tuple[str, str], ...]] = {
+    "phi": (
+        (".self_attn.dense.", ".self_attn.o_proj."),
+        (".mlp.fc1.", ".mlp.up_proj."),
+        (".mlp.fc2.", ".mlp.down_proj."),
+        ("model.final_layernorm.", "model.norm."),
+    ),
+}
+
+
+def family_name(model_type: str, name: str) -> str:
+    """A checkpoint tensor's name in the decoder's (Llama's) vocabulary: Phi-2's ``dense``,
+    ``fc1``, ``fc2`` and ``final_layernorm`` renamed (:data:`FAMILY_NAMES`)."""
+    for old, new in FAMILY_NAMES.get(model_type, ()):
+        if old in name:
+            return name.replace(old, new)
+    return name
 
 
 def _canonical(name: str) -> str:
@@ -109,7 +145,7 @@ class _Sources:
         self.pieces: dict[str, dict[tuple[int, str], str]] = {}  # "...experts" -> (e, proj)
         self.unexpected: list[str] = []
         for file_name in files:
-            name = _canonical(file_name)
+            name = _canonical(family_name(cfg.model_type, file_name))
             m = _LEGACY_EXPERT.match(name)
             if name in self.expected:
                 self.direct[name] = file_name

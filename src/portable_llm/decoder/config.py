@@ -27,12 +27,12 @@ SUPPORTED_MODEL_TYPES: tuple[str, ...] = (
     "mistral",
     "mixtral",
     "qwen2_moe",
+    "phi",
 )
 #: Families whose ``config.json`` :meth:`DecoderConfig.from_dict` reads (their fields resolved
 #: below) but whose forward the decoder does not run yet: ``pl.load`` refuses them by name.
 READ_MODEL_TYPES: tuple[str, ...] = (
     "gpt2",
-    "phi",
     "phi3",
     "gemma2",
     "gemma3_text",
@@ -219,7 +219,7 @@ class DecoderConfig:
             qkv_bias={"qwen2": True, "qwen2_moe": _bool(d, "qkv_bias", True)}.get(mt, bias),
             o_bias=bias if mt in ("llama", "qwen3", "gpt2", "phi", *_GEMMA) else False,
             mlp_bias=_bool(d, "mlp_bias") if mt == "llama" else mt in ("gpt2", "phi"),
-            qk_norm=mt == "qwen3" or mt == "gemma3_text" or _bool(d, "qk_layernorm"),
+            qk_norm=mt in ("qwen3", "gemma3_text"),
             sliding_window=window,
             layer_types=layer_types,
             num_experts=moe.get("num_experts", 0),
@@ -419,6 +419,8 @@ def _family(mt: str, d: Mapping[str, Any], n: int) -> dict[str, Any]:
                 "scale_attn_by_inverse_layer_idx=true is not supported"
             )
     elif mt == "phi":
+        if _bool(d, "qk_layernorm"):
+            raise ValueError("config.json: Phi with qk_layernorm=true is not supported")
         out.update(parallel_block=True, lm_head_bias=True)
     elif mt in _GEMMA:
         scalar = _real(d, "query_pre_attn_scalar", 256.0, low=0.0, low_open=True)

@@ -38,18 +38,24 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Layer:
-    """One decoder layer: norms, attention, and a dense MLP or the public ``moe``'s arguments."""
+    """One decoder layer: norms, attention, and a dense MLP or the public ``moe``'s arguments.
+
+    ``parallel`` (Phi-2): attention and MLP both read ``input_norm``'s output and are added to
+    the residual together; there is no ``post_norm``. The norm biases are LayerNorm's."""
 
     input_norm: Any  # (E,)
-    post_norm: Any  # (E,)
+    post_norm: Any  # (E,), or None (parallel)
     attn: AttnWeights
     mlp: MlpWeights | None
     moe: dict[str, Any] | None  # {"arrays": ..., "options": ...} of portable_llm.ops.moe
+    input_bias: Any = None  # (E,): LayerNorm's bias
+    post_bias: Any = None  # (E,)
+    parallel: bool = False
 
 
 def _arrays(block: Any) -> list[Any]:
     a = block.attn
-    out = [block.input_norm, block.post_norm, block.o_bias]
+    out = [block.input_norm, block.post_norm, block.o_bias, block.input_bias, block.post_bias]
     out += [a[k] for k in ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "q_norm", "k_norm")]
     if block.mlp is not None:
         out += [*block.mlp, *(block.mlp_options.get(f"b_{k}") for k in ("gate", "up", "down"))]
@@ -61,7 +67,7 @@ _PROJECTIONS = ("wq", "wk", "wv", "wo")
 
 
 def _projections(block: Any) -> list[Any]:
-    return [*(block.attn[k] for k in _PROJECTIONS), *(block.mlp or ())]
+    return [*(block.attn[k] for k in _PROJECTIONS), *(w for w in block.mlp or () if w is not None)]
 
 
 def preparable(bk: Backend, dtype: Any, arrays: Sequence[Any], blocks: Sequence[Any]) -> bool:
@@ -107,11 +113,15 @@ def bind_layer(block: Any, bind: Callable[[Any], Any]) -> Layer:
     if block.mlp is not None:
         opts = block.mlp_options
         biases = (opts.get(f"b_{k}") for k in ("gate", "up", "down"))
-        dense = MlpWeights(*(bind(w) for w in block.mlp), *biases)
-    return Layer(block.input_norm, block.post_norm, attn, dense, block.moe)
+        dense = MlpWeights(*(None if w is None else bind(w) for w in block.mlp), *biases)
+    return Layer(
+        block.input_norm, block.post_norm, attn, dense, block.moe,
+        input_bias=block.input_bias, post_bias=block.post_bias, parallel=block.parallel,
+    )  # fmt: skip
 
 
 def layer_projections(layer: Layer) -> tuple[Any, ...]:
     """The projections a layer binds: the attention's, then a dense MLP's."""
     a, m = layer.attn, layer.mlp
-    return (a.wq, a.wk, a.wv, a.wo, *(() if m is None else (m.w_gate, m.w_up, m.w_down)))
+    mlp = () if m is None else (w for w in (m.w_gate, m.w_up, m.w_down) if w is not None)
+    return (a.wq, a.wk, a.wv, a.wo, *mlp)

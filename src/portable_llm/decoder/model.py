@@ -22,10 +22,11 @@ from portable_llm.decoder.compiled import CompiledStep, compiled_step
 from portable_llm.decoder.config import DecoderConfig
 from portable_llm.decoder.paged_step import forward as paged_forward
 from portable_llm.decoder.prepared import Prepared, preparable
+from portable_llm.ops.activations import activation
 from portable_llm.ops.embedding import embedding, unembed
 from portable_llm.ops.linear import linear, mlp
 from portable_llm.ops.moe import moe
-from portable_llm.ops.norm import rms_norm
+from portable_llm.ops.norm import layer_norm, rms_norm
 
 __all__ = ["Block", "Model"]
 
@@ -35,26 +36,43 @@ class Block:
     """One decoder layer's weights, bound as the keyword arguments of the ops it calls."""
 
     input_norm: Any  # (E,)
-    post_norm: Any  # (E,)
+    post_norm: Any  # (E,), or None (parallel)
     attn: dict[str, Any]  # keyword arguments of portable_llm.attn.block
     o_bias: Any  # (E,) or None
-    mlp: tuple[Any, ...] | None  # (w_gate, w_up, w_down) of a dense layer
+    mlp: tuple[Any, ...] | None  # (w_gate, w_up, w_down) of a dense layer; w_gate may be None
     mlp_options: dict[str, Any]  # act and biases: keyword arguments of portable_llm.mlp
     moe: dict[str, Any] | None  # arrays and keyword arguments of portable_llm.ops.moe
+    input_bias: Any = None  # (E,): LayerNorm's bias (GPT-2, Phi-2)
+    post_bias: Any = None  # (E,)
+    parallel: bool = False  # Phi-2: h + attention(norm(h)) + mlp(norm(h))
+    layer_norm: bool = False  # the norms are LayerNorm (with input_bias, post_bias)
+
+    def norm(self, h: Any, w: Any, b: Any, eps: float) -> Any:
+        if self.layer_norm:
+            return layer_norm(h, w, b, eps=eps)
+        return rms_norm(h, w, eps=eps)
 
     def __call__(self, h: Any, *, cache: Any, left_padding: Any, eps: float) -> Any:
-        r = rms_norm(h, self.input_norm, eps=eps)
+        r = self.norm(h, self.input_norm, self.input_bias, eps)
         a = attention(r, **self.attn, cache=cache, left_padding=left_padding)
         if self.o_bias is not None:  # HF's o_proj bias (Llama/Qwen3 attention_bias)
             a = a + self.o_bias
+        if self.parallel:  # HF PhiDecoderLayer: attn_outputs + feed_forward + residual
+            return (a + self._feed_forward(r)) + h
         h = h + a
-        r = rms_norm(h, self.post_norm, eps=eps)
+        r = self.norm(h, self.post_norm, self.post_bias, eps)
+        return h + self._feed_forward(r)
+
+    def _feed_forward(self, r: Any) -> Any:
         if self.moe is not None:
-            m = moe(r, *self.moe["arrays"], **self.moe["options"])
-        else:
-            assert self.mlp is not None
-            m = mlp(r, *self.mlp, **self.mlp_options)
-        return h + m
+            return moe(r, *self.moe["arrays"], **self.moe["options"])
+        assert self.mlp is not None
+        w_gate, w_up, w_down = self.mlp
+        if w_gate is None:  # the plain MLP: down(act(up(r))), HF's order of roundings
+            up = linear(r, w_up, self.mlp_options["b_up"])
+            act = activation(self.mlp_options["act"])(up)
+            return linear(act, w_down, self.mlp_options["b_down"])
+        return mlp(r, *self.mlp, **self.mlp_options)
 
 
 def _block(cfg: DecoderConfig, w: dict[str, Any], i: int) -> Block:
@@ -74,7 +92,7 @@ def _block(cfg: DecoderConfig, w: dict[str, Any], i: int) -> Block:
         "num_kv_heads": cfg.num_key_value_heads,
         "head_dim": cfg.head_dim,
         "norm_eps": cfg.rms_norm_eps,
-        "rope": cfg.rope,
+        "rope": cfg.rope if cfg.position_embedding == "rope" else None,
         "window": cfg.window(i),
     }
     m = p + "mlp."
@@ -96,16 +114,20 @@ def _block(cfg: DecoderConfig, w: dict[str, Any], i: int) -> Block:
         )
         moe_args = {"arrays": arrays, "options": options}
     else:
-        dense = tuple(w[f"{m}{k}_proj.weight"] for k in ("gate", "up", "down"))
+        dense = tuple(w.get(f"{m}{k}_proj.weight") for k in ("gate", "up", "down"))
         mlp_options.update({f"b_{k}": w.get(f"{m}{k}_proj.bias") for k in ("gate", "up", "down")})
     return Block(
         input_norm=w[p + "input_layernorm.weight"],
-        post_norm=w[p + "post_attention_layernorm.weight"],
+        post_norm=w.get(p + "post_attention_layernorm.weight"),
         attn=attn,
         o_bias=w.get(a + "o_proj.bias"),
         mlp=dense,
         mlp_options=mlp_options,
         moe=moe_args,
+        input_bias=w.get(p + "input_layernorm.bias"),
+        post_bias=w.get(p + "post_attention_layernorm.bias"),
+        parallel=cfg.parallel_block,
+        layer_norm=cfg.norm == "layer",
     )
 
 
@@ -144,7 +166,9 @@ class Model:
         #: Where the weights live (:func:`portable_llm.load`'s ``device``); inputs go there.
         self.device = backend.device_of(self.embed)
         self.norm = weights["model.norm.weight"]  # (E,)
+        self.norm_bias = weights.get("model.norm.bias")  # (E,): a final LayerNorm's bias
         self.lm_head = weights.get("lm_head.weight")  # (V, E); None when tied
+        self.head_bias = weights.get("lm_head.bias")  # (V,): Phi-2's
         self.blocks = [_block(config, weights, i) for i in range(config.num_hidden_layers)]
         self.tokenizer = tokenizer
         self.generation_config = dict(generation_config or {})
@@ -155,8 +179,9 @@ class Model:
         self.prepared: Prepared | None = None
         if prepared and preparable(backend, self.dtype, self._top_arrays(), self.blocks):
             self.prepared = Prepared(
-                config, backend, self.dtype, self.embed, self.norm, self.lm_head, self.blocks
-            )
+                config, backend, self.dtype, self.embed, self.norm, self.lm_head, self.blocks,
+                norm_bias=self.norm_bias, head_bias=self.head_bias,
+            )  # fmt: skip
         #: The compiled decode step (:mod:`portable_llm.decoder.compiled`; JAX, and MLX for
         #: float weights), run by a call with one token per row and caches that hold the
         #: prompt; ``None`` elsewhere.
@@ -165,7 +190,8 @@ class Model:
             self.compiled = compiled_step(self.prepared)
 
     def _top_arrays(self) -> list[Any]:
-        return [a for a in (self.embed, self.norm, self.lm_head) if a is not None]
+        top = (self.embed, self.norm, self.lm_head, self.norm_bias, self.head_bias)
+        return [a for a in top if a is not None]
 
     def __repr__(self) -> str:
         c = self.config
@@ -232,10 +258,13 @@ class Model:
             h = block(h, cache=layer_cache, left_padding=left_padding, eps=eps)
         if last_only:
             h = h[:, -1:, :]  # (B, 1, E)
-        h = rms_norm(h, self.norm, eps=eps)
+        if self.config.norm == "layer":
+            h = layer_norm(h, self.norm, self.norm_bias, eps=eps)
+        else:
+            h = rms_norm(h, self.norm, eps=eps)
         if self.lm_head is None:
             return unembed(h, self.embed)  # (B, L, V)
-        return linear(h, self.lm_head)  # (B, L, V)
+        return linear(h, self.lm_head, self.head_bias)  # (B, L, V)
 
     def _prepared(
         self, ids: Any, cache: Any, left_padding: Any, last_only: bool, *, check_ids: bool

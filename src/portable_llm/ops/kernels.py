@@ -136,6 +136,9 @@ class Kernels:
     def rms_norm(self, xp: Any, x: Any, w: Any, *, eps: float) -> Any:
         return pick(self.bk, "rms_norm", self.impl, x, w, eps=eps)(xp, x, w, eps=eps)
 
+    def layer_norm(self, xp: Any, x: Any, w: Any, b: Any, *, eps: float) -> Any:
+        return pick(self.bk, "layer_norm", self.impl, x, w, b, eps=eps)(xp, x, w, b, eps=eps)
+
     def act(self, xp: Any, x: Any) -> Any:
         assert self.act_op is not None
         return pick(self.bk, self.act_op, self.impl, x)(xp, x)
@@ -151,6 +154,7 @@ class BoundKernels:
     rms_norm: Fn  # fn(xp, x, w, *, eps)
     act: Fn  # fn(xp, x)
     act_op: str
+    layer_norm: Fn | None = None  # fn(xp, x, w, b, *, eps); None: a set without norms
 
     bound = True
 
@@ -166,6 +170,7 @@ class BoundKernels:
             rms_norm=d.pick("rms_norm", "auto", x, norm, eps=eps),
             act=d.pick(act, "auto", x),
             act_op=act,
+            layer_norm=d.pick("layer_norm", "auto", x, norm, norm, eps=eps),
         )
 
     def traced(self) -> Kernels:

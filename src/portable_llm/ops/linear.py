@@ -156,11 +156,12 @@ def mlp(
 
 @dataclass(frozen=True)
 class MlpWeights:
-    """A gated MLP's weights: ``down(act(gate(x)) * up(x))``. Each projection is a float array,
-    a :class:`~portable_llm.QuantizedWeight` or one bound with its kernel
+    """A gated MLP's weights: ``down(act(gate(x)) * up(x))``; without ``w_gate`` the plain MLP
+    ``down(act(up(x)))`` (GPT-2's ``c_fc``/``c_proj``, Phi-2's ``fc1``/``fc2``). Each projection
+    is a float array, a :class:`~portable_llm.QuantizedWeight` or one bound with its kernel
     (:class:`~portable_llm.ops.kernels.QLinear`, :class:`~portable_llm.ops.kernels.Packed`)."""
 
-    w_gate: Any  # (I, E)
+    w_gate: Any  # (I, E), or None: the plain MLP
     w_up: Any  # (I, E)
     w_down: Any  # (E, I)
     b_gate: Any  # (I,) or None
@@ -175,6 +176,9 @@ def mlp_body(xp: Namespace, kn: Any, x: Array, w: MlpWeights) -> Array:
     :class:`~portable_llm.ops.kernels.BoundKernels` (chosen once); ``x`` ``(N.., E)``.
     HF's order: each projection and the activation round to x's dtype.
     """
+    if w.w_gate is None:  # HF PhiMLP / GPT2MLP: fc1, act, fc2
+        up = kn.project(xp, x, w.w_up, w.b_up)  # (N.., I)
+        return kn.project(xp, kn.act(xp, up), w.w_down, w.b_down)  # (N.., E)
     gate = kn.project(xp, x, w.w_gate, w.b_gate)  # (N.., I)
     up = kn.project(xp, x, w.w_up, w.b_up)  # (N.., I)
     return kn.project(xp, kn.act(xp, gate) * up, w.w_down, w.b_down)  # (N.., E)

@@ -1,0 +1,135 @@
+"""The families beyond Llama, as transformers writes them (random-initialised, saved offline with
+``save_pretrained``), on every backend: logits equal transformers' within the tolerance table
+(float32 and bfloat16), greedy tokens identical, and the same tokens through the op-by-op,
+prepared, cached (the compiled step where a backend has one), paged/batched and speculative
+paths.
+
+Families run by the decoder so far: ``phi`` (Phi-2: LayerNorm with bias, attention and MLP in
+parallel from one norm, biases everywhere, ``fc1 -> gelu_new -> fc2``, partial rotary, an
+``lm_head`` bias).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import portable_llm as pl
+from portable_llm.testing import MODEL_TOLERANCES, assert_close
+
+pytestmark = pytest.mark.oracle
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+V = 300
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "phi": ("Phi", {
+        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "max_position_embeddings": 256, "partial_rotary_factor": 0.5,
+        "rope_theta": 10000.0,
+    }),
+}  # fmt: skip
+IDS = np.random.default_rng(0).integers(3, V, size=(2, 12))
+STEPS = 16
+
+
+def _build(family: str, folder: Path, seed: int) -> Any:
+    name, extra = FAMILIES[family]
+    config = getattr(transformers, f"{name}Config")(
+        vocab_size=V, bos_token_id=1, eos_token_id=2, **extra
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{name}ForCausalLM")(config).eval()
+    with torch.no_grad():  # wider than the default init: varied greedy tokens
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(torch.randn_like(p) * 0.1)
+            elif p.ndim == 1:  # a norm's weight
+                p.copy_(torch.rand_like(p) * 0.4 + 0.8)
+            else:
+                p.copy_(torch.randn_like(p) * 0.15)
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:
+    return {
+        family: (folder := tmp_path_factory.mktemp(family), _build(family, folder, seed=i))
+        for i, family in enumerate(FAMILIES)
+    }
+
+
+def _hf_logits(model: Any, ids: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(ids)).logits.float().numpy()
+
+
+def _hf_greedy(model: Any, prompt: np.ndarray) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor(prompt[None]), do_sample=False, max_new_tokens=STEPS,
+            min_new_tokens=STEPS, eos_token_id=None, pad_token_id=0,
+        )  # fmt: skip
+    return list(out[0, len(prompt) :].tolist())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_transformers(hf_models: dict, family: str, backend: str) -> None:
+    folder, hf = hf_models[family]
+    model = pl.load(folder, backend=backend, dtype="float32")
+    assert model.prepared is not None
+    want = _hf_logits(hf, IDS)
+    assert_close(model(pl.asarray(IDS, backend=backend)), want, backend=backend)
+    slow = copy.copy(model)  # the op-by-op path: each layer composes the public ops
+    slow.prepared, slow.compiled = None, None
+    assert_close(slow(pl.asarray(IDS, backend=backend)), want, backend=backend)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cached_decode_matches_transformers(hf_models: dict, family: str, backend: str) -> None:
+    """A prompt of 5, then one token at a time (the compiled step where there is one)."""
+    folder, hf = hf_models[family]
+    model = pl.load(folder, backend=backend, dtype="float32")
+    cache = model.make_cache()
+    parts = [pl.to_numpy(model(pl.asarray(IDS[:, :5], backend=backend), cache=cache))]
+    for j in range(5, IDS.shape[1]):
+        parts.append(pl.to_numpy(model(pl.asarray(IDS[:, j : j + 1], backend=backend), cache=cache)))
+    assert_close(np.concatenate(parts, axis=1), _hf_logits(hf, IDS), backend="numpy")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_tokens_match_transformers(hf_models: dict, family: str, backend: str) -> None:
+    folder, hf = hf_models[family]
+    prompt = IDS[0, :7]
+    want = _hf_greedy(hf, prompt)
+    assert len(set(want)) > 3  # the test models do not just repeat one token
+    model = pl.load(folder, backend=backend, dtype="float32")
+    assert list(pl.generate(model, prompt, max_new_tokens=STEPS, stop=())) == want
+    # continuous batching over paged caches, two prompts at once
+    other = IDS[1, :5]
+    got = pl.batch_generate(model, [prompt, other], max_new_tokens=STEPS, stop=())
+    assert [list(g) for g in got] == [want, _hf_greedy(hf, other)]
+    # speculative decoding, the model as its own draft: the greedy tokens again
+    gen = pl.speculative_generate(model, model, prompt, num_draft_tokens=3,
+                                  max_new_tokens=STEPS, stop=())  # fmt: skip
+    assert list(gen) == want
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bfloat16_matches_transformers(hf_models: dict, family: str, backend: str) -> None:
+    if "bfloat16" not in pl.get_backend(backend).float_dtypes():
+        pytest.skip(f"{backend} has no bfloat16")
+    folder, hf = hf_models[family]
+    hf16 = type(hf).from_pretrained(folder, dtype=torch.bfloat16).eval()
+    model = pl.load(folder, backend=backend, dtype="bfloat16")
+    tol = MODEL_TOLERANCES["bfloat16"]
+    got = model(pl.asarray(IDS, backend=backend))
+    assert_close(got, _hf_logits(hf16, IDS), backend=backend, dtype="bfloat16", rtol=tol.rtol,
+                 atol=tol.atol)  # fmt: skip
