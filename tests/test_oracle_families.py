@@ -100,7 +100,9 @@ def test_cached_decode_matches_transformers(hf_models: dict, family: str, backen
     cache = model.make_cache()
     parts = [pl.to_numpy(model(pl.asarray(IDS[:, :5], backend=backend), cache=cache))]
     for j in range(5, IDS.shape[1]):
-        parts.append(pl.to_numpy(model(pl.asarray(IDS[:, j : j + 1], backend=backend), cache=cache)))
+        parts.append(
+            pl.to_numpy(model(pl.asarray(IDS[:, j : j + 1], backend=backend), cache=cache))
+        )
     assert_close(np.concatenate(parts, axis=1), _hf_logits(hf, IDS), backend="numpy")
 
 
