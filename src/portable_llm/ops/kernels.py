@@ -91,6 +91,10 @@ class QLinear:
         return fn(xp, x, *arrays, b, **opts)
 
 
+def _no_norm(xp: Any, x: Any, w: Any, *, eps: float) -> Any:
+    raise TypeError("these kernels hold no rms_norm (BoundKernels.for_mlp)")
+
+
 #: The projections that carry their kernel.
 BOUND_PROJECTIONS = (Packed, QLinear)
 
@@ -149,7 +153,7 @@ class BoundKernels:
     """The implementations of the dense ops, chosen once for a model's dtype; see the module
     docstring. Build them with :meth:`choose_for`."""
 
-    bk: Backend
+    bk: Backend | None  # None: kernels a composite op chose per call (a MoE's experts)
     linear: Fn  # fn(xp, x, w, b)
     rms_norm: Fn  # fn(xp, x, w, *, eps)
     act: Fn  # fn(xp, x)
@@ -173,12 +177,20 @@ class BoundKernels:
             layer_norm=d.pick("layer_norm", "auto", x, norm, norm, eps=eps),
         )
 
+    @classmethod
+    def for_mlp(cls, linear: Fn, act: Fn) -> BoundKernels:
+        """The kernels of a gated MLP (``linear``, ``act``) that a composite op chose itself
+        (a MoE's experts); no ``rms_norm``, no backend to ask for more."""
+        return cls(None, linear=linear, rms_norm=_no_norm, act=act, act_op="")
+
     def traced(self) -> Kernels:
         """The same choices asked of the dispatcher per call, so a trace records them."""
+        assert self.bk is not None
         return Kernels(self.bk, "auto", self.act_op)
 
     def choose(self, op: str, *args: Any, **options: Any) -> Fn:
         """``auto``'s implementation of ``op`` for these arguments (not recorded)."""
+        assert self.bk is not None
         return dispatcher(self.bk).pick(op, "auto", *args, **options)
 
     def project(self, xp: Any, x: Any, w: Any, b: Any) -> Any:

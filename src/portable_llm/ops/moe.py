@@ -20,7 +20,8 @@ from portable_llm.core.checks import (
 from portable_llm.core.dispatch import pick, portable
 from portable_llm.core.types import Array, Namespace
 from portable_llm.ops.activations import activation_op, logistic
-from portable_llm.ops.linear import mlp
+from portable_llm.ops.kernels import BoundKernels
+from portable_llm.ops.linear import MlpWeights, mlp, mlp_body
 from portable_llm.ops.quant import dequantized, is_quantized
 
 __all__ = ["moe", "route"]
@@ -42,7 +43,10 @@ def _expert_ranks(xp: Namespace, gate: Array, dtype: Any) -> Array:
 def _expert_mlp(
     xp: Namespace, xs: Array, gate: Array, up: Array, down: Array, act: Any, linear: Any
 ) -> Array:
-    return linear(xp, act(xp, linear(xp, xs, gate)) * linear(xp, xs, up), down)  # (n, E)
+    """One expert over its tokens ``xs`` ``(n, E)``: the gated MLP's body with the kernels the
+    call chose."""
+    kernels = BoundKernels.for_mlp(linear, act)
+    return mlp_body(xp, kernels, xs, MlpWeights(gate, up, down, None, None, None))  # (n, E)
 
 
 @portable("moe_experts")
