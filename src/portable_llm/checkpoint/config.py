@@ -7,7 +7,7 @@ from pathlib import Path
 from portable_llm.checkpoint.files import CheckpointError, checkpoint_file, read_json
 from portable_llm.decoder.config import DecoderConfig, check_model_type
 
-__all__ = ["config_path", "read_config"]
+__all__ = ["check_held", "config_path", "read_config"]
 
 
 def config_path(path: str | Path) -> Path:
@@ -19,6 +19,16 @@ def config_path(path: str | Path) -> Path:
             "config.json next to model.safetensors)"
         )
     return file
+
+
+def check_held(file: str | Path, key: str, value: int, held: int, what: str) -> None:
+    """Refuse a count (``num_hidden_layers``, a GGUF ``block_count``) larger than what the
+    weights hold, before anything is built from it: the one rule of every reader, so a config
+    asking for ``10**7`` layers fails at once instead of listing ten million missing tensors."""
+    if value > held:
+        raise CheckpointError(
+            f"load: {str(file)!r}: {key}={value} but the weights hold {held} {what}"
+        )
 
 
 def read_config(
@@ -53,11 +63,7 @@ def read_config(
         value = d.get(key)
         if held is None or isinstance(value, bool) or not isinstance(value, int):
             continue  # from_dict reports a value of the wrong type
-        if value > held:
-            what = "layers" if key == "num_hidden_layers" else "experts"
-            raise CheckpointError(
-                f"load: {str(file)!r}: {key}={value} but the weights hold {held} {what}"
-            )
+        check_held(file, key, value, held, "layers" if key == "num_hidden_layers" else "experts")
     try:
         return DecoderConfig.from_dict(d)
     except ValueError as exc:

@@ -27,13 +27,20 @@ import numpy as np
 
 from portable_llm.backends import Backend
 from portable_llm.checkpoint.build import CheckpointContents, LoadOptions
-from portable_llm.checkpoint.files import CheckpointError
+from portable_llm.checkpoint.files import CheckpointError, library_errors, listed
 from portable_llm.checkpoint.gguf_blocks import (
     AFFINE_BITS,
     BLOCK_SIZES,
     affine_parts,
     dequantize_blocks,
     pack_codes,
+)
+from portable_llm.checkpoint.gguf_layout import check_gguf_layout
+from portable_llm.checkpoint.gguf_meta import (
+    GGUF_ARCHITECTURES,
+    PERMUTED,
+    GGUFMetadata,
+    gguf_config,
 )
 from portable_llm.checkpoint.gguf_tokenizer import gguf_tokenizer
 from portable_llm.checkpoint.weights import expected_shapes
@@ -46,11 +53,6 @@ __all__ = [
     "read_gguf",
 ]
 
-#: The ``general.architecture`` values :func:`load_gguf` reads. llama.cpp writes Mistral
-#: (7B, Nemo) models as ``llama``; there is no ``mistral`` architecture in GGUF.
-GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
-# llama.cpp's LlamaModel converter (its Mistral subclass too) permutes q/k rows; Qwen's do not.
-_PERMUTED = ("llama",)
 _GLOBAL = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -84,87 +86,6 @@ def hf_name(name: str) -> str | None:
     return None
 
 
-class _Meta:
-    """The metadata of a reader, with errors that name the file and the key."""
-
-    def __init__(self, reader: Any, file: Path) -> None:
-        self.fields = reader.fields
-        self.file = file
-
-    def get(self, key: str, default: Any = None) -> Any:
-        field = self.fields.get(key)
-        return default if field is None else field.contents()
-
-    def need(self, key: str) -> Any:
-        if key not in self.fields:
-            raise CheckpointError(f"load: {str(self.file)!r}: GGUF metadata key {key} is missing")
-        return self.get(key)
-
-
-def gguf_config(meta: _Meta, tensors: dict[str, Any]) -> DecoderConfig:
-    """The :class:`DecoderConfig` a GGUF file's metadata describes (transformers' reading)."""
-    arch = meta.need("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise CheckpointError(
-            f"load: {str(meta.file)!r}: unsupported GGUF architecture {arch!r} "
-            f"(general.architecture); supported: {', '.join(GGUF_ARCHITECTURES)}"
-        )
-    head_dim = meta.get(f"{arch}.attention.key_length")
-    if head_dim is None and arch in _PERMUTED:
-        head_dim = meta.get(f"{arch}.rope.dimension_count")
-    embed = tensors.get("token_embd.weight")
-    vocab = int(embed.shape[1]) if embed is not None else meta.get(f"{arch}.vocab_size")
-    d: dict[str, Any] = {
-        "model_type": arch,
-        "vocab_size": vocab,
-        "hidden_size": meta.need(f"{arch}.embedding_length"),
-        "intermediate_size": meta.need(f"{arch}.feed_forward_length"),
-        "num_hidden_layers": meta.need(f"{arch}.block_count"),
-        "num_attention_heads": meta.need(f"{arch}.attention.head_count"),
-        "num_key_value_heads": _one(meta, f"{arch}.attention.head_count_kv"),
-        "head_dim": head_dim,
-        "rms_norm_eps": meta.need(f"{arch}.attention.layer_norm_rms_epsilon"),
-        "rope_theta": meta.get(f"{arch}.rope.freq_base", 10000.0),
-        "max_position_embeddings": meta.get(f"{arch}.context_length"),
-        "tie_word_embeddings": "output.weight" not in tensors,
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": eos_ids(meta),
-    }
-    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    if scaling == "linear":
-        d["rope_scaling"] = {
-            "rope_type": "linear",
-            "factor": meta.need(f"{arch}.rope.scaling.factor"),
-        }
-    elif scaling != "none":
-        raise CheckpointError(
-            f"load: {str(meta.file)!r}: {arch}.rope.scaling.type {scaling!r} is not supported "
-            "(none, linear)"
-        )
-    try:
-        return DecoderConfig.from_dict(d)
-    except ValueError as exc:
-        raise CheckpointError(f"load: {str(meta.file)!r}: GGUF metadata: {exc}") from None
-
-
-def _one(meta: _Meta, key: str) -> int | None:
-    """A count that some files store per layer: the one value, or an error if they differ."""
-    value = meta.get(key)
-    if isinstance(value, list):
-        if len(set(value)) != 1:
-            raise CheckpointError(
-                f"load: {str(meta.file)!r}: {key} differs between layers ({value}); not supported"
-            )
-        value = value[0]
-    return None if value is None else int(value)
-
-
-def eos_ids(meta: _Meta) -> list[int]:
-    """The ids that end a turn: ``tokenizer.ggml.eos_token_id`` (then ``eot``, ``eom``)."""
-    ids = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
-    return list(dict.fromkeys(int(i) for i in ids if i is not None))
-
-
 def read_gguf(path: str | Path, options: LoadOptions | None = None, /) -> CheckpointContents:
     """Read a ``.gguf`` file: its config, weights (HF names), tokenizer and stop ids.
 
@@ -189,6 +110,7 @@ def read_gguf(path: str | Path, options: LoadOptions | None = None, /) -> Checkp
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"load: no GGUF file {str(file)!r}")
+    check_gguf_layout(file)  # every count against the file's size, before GGUFReader reads
     try:
         reader = GGUFReader(file, "r")
     except (ValueError, OSError, KeyError, IndexError) as exc:
@@ -197,7 +119,7 @@ def read_gguf(path: str | Path, options: LoadOptions | None = None, /) -> Checkp
             f"load: {str(file)!r} ({size} bytes) is not a readable GGUF file: {exc} "
             "(a truncated file, or not GGUF)"
         ) from None
-    meta = _Meta(reader, file)
+    meta = GGUFMetadata(reader.fields, file)
     tensors = {t.name: t for t in reader.tensors}
     cfg = gguf_config(meta, tensors)
     bk, target, dev = options.placement("float32")
@@ -211,7 +133,9 @@ def read_gguf(path: str | Path, options: LoadOptions | None = None, /) -> Checkp
         generation["eos_token_id"] = list(cfg.eos_token_id)
     if cfg.bos_token_id is not None:
         generation["bos_token_id"] = cfg.bos_token_id
-    return CheckpointContents(cfg, weights, bk, gguf_tokenizer(meta), generation)
+    with library_errors(f"{str(file)!r}: the tokenizer of its metadata (tokenizer.ggml.*)"):
+        tokenizer = gguf_tokenizer(meta)
+    return CheckpointContents(cfg, weights, bk, tokenizer, generation)
 
 
 def _shape(t: Any) -> tuple[int, ...]:
@@ -233,16 +157,16 @@ def _check(file: Path, cfg: DecoderConfig, tensors: dict[str, Any]) -> dict[str,
     problems = []
     missing = [_gguf_name(h) for h in expected if h not in names]
     if missing:
-        problems.append(f"missing tensors ({len(missing)}): {', '.join(missing)}")
+        problems.append(f"missing tensors ({len(missing)}): {listed(missing)}")
     if unexpected:
-        problems.append(f"unexpected tensors ({len(unexpected)}): {', '.join(unexpected)}")
+        problems.append(f"unexpected tensors ({len(unexpected)}): {listed(unexpected)}")
     bad = [
         f"{g} {_shape(tensors[g])} (metadata implies {expected[h]})"
         for h, g in names.items()
         if _shape(tensors[g]) != expected[h]
     ]
     if bad:
-        problems.append(f"tensors whose shape disagrees with the metadata: {', '.join(bad)}")
+        problems.append(f"tensors whose shape disagrees with the metadata: {listed(bad)}")
     if problems:
         raise CheckpointError(f"load: {str(file)!r}: " + "; ".join(problems))
     return {h: names[h] for h in expected}
@@ -288,7 +212,7 @@ def _floats(host: np.ndarray, bk: Backend, dtype: Any, device: Any) -> Any:
 
 def _row_order(name: str, cfg: DecoderConfig) -> np.ndarray | None:
     """The rows that undo llama.cpp's q/k permutation (transformers' ``_reverse_permute``)."""
-    if cfg.model_type not in _PERMUTED or not name.endswith(("q_proj.weight", "k_proj.weight")):
+    if cfg.model_type not in PERMUTED or not name.endswith(("q_proj.weight", "k_proj.weight")):
         return None
     heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
     half = cfg.head_dim // 2

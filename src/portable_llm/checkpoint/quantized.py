@@ -45,9 +45,9 @@ def _format(where: str, entry: Any) -> tuple[int, int]:
     if mode != "affine":
         raise CheckpointError(f"{where}: mode {mode!r} is not supported (only 'affine')")
     bits, group = entry.get("bits"), entry.get("group_size")
-    if bits not in BITS or isinstance(bits, bool):
+    if type(bits) is not int or bits not in BITS:  # 4.0 == 4, but a float is not a bit count
         raise CheckpointError(f"{where}: bits must be one of {BITS}, got {bits!r}")
-    if group not in GROUP_SIZES or isinstance(group, bool):
+    if type(group) is not int or group not in GROUP_SIZES:
         raise CheckpointError(f"{where}: group_size must be one of {GROUP_SIZES}, got {group!r}")
     return bits, group
 

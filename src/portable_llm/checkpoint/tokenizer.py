@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from portable_llm.checkpoint.files import CheckpointError, checkpoint_file, read_json
+from portable_llm.checkpoint.files import (
+    CheckpointError,
+    checkpoint_file,
+    library_errors,
+    read_json,
+)
 from portable_llm.text.tokenizer import TEMPLATE_FILES, Tokenizer, default_template
 
 __all__ = ["read_tokenizer"]
@@ -29,10 +34,8 @@ def read_tokenizer(path: str | Path) -> Tokenizer | None:
         return None
     from tokenizers import Tokenizer as HFTokenizer
 
-    try:
+    with library_errors(f"{str(file)!r} is not a valid tokenizer"):  # a bare Exception, a panic
         tok = HFTokenizer.from_file(str(file))
-    except Exception as exc:  # tokenizers raises a bare Exception
-        raise CheckpointError(f"load: {str(file)!r} is not a valid tokenizer: {exc}") from None
     config_file = checkpoint_file(folder, "tokenizer_config.json")
     config = read_json(config_file) if config_file.is_file() else {}
     specials_file = checkpoint_file(folder, "special_tokens_map.json")  # legacy: merged under

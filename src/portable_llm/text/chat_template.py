@@ -6,76 +6,56 @@ A chat template comes with the checkpoint, so it is untrusted input. It is compi
 blocks; ``raise_exception``, ``strftime_now``, a ``tojson`` that takes ``indent``, and
 transformers' guarded ``dict`` and ``namespace``), so a template cannot reach Python's internals
 (``cycler.__init__.__globals__``) nor change its inputs. Work is bounded too: ``range`` is the
-sandbox's (at most ``MAX_RANGE`` items), every ``{% for %}`` draws from one budget of
-:data:`MAX_LOOP_STEPS` iterations per render, and ``*``/``**`` refuse results beyond
-:data:`MAX_SIZE`. Every error (syntax, security, an undefined name, ``raise_exception``, a
-bound hit) is a ``ValueError`` that names the file the template came from.
+sandbox's (at most ``MAX_RANGE`` items), and every render and every compile draws from one
+:class:`~portable_llm.text.template_budget.Budget` of steps (loop iterations and calls), call
+depth, the size of each value built and the total built (see
+:mod:`portable_llm.text.template_budget`); a template source is at most :data:`MAX_SOURCE`
+characters. Every error (syntax, security, an undefined name, ``raise_exception``, a bound
+hit) is a ``ValueError`` that names the file the template came from.
 """
 
 from __future__ import annotations
 
-import contextvars
 import json
 import numbers
-import operator
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Mapping
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
-__all__ = ["MAX_LOOP_STEPS", "MAX_SIZE", "compile_chat_template", "render_chat_template"]
+from portable_llm.text.template_budget import (
+    CALL_STEPS,
+    MAX_DEPTH,
+    MAX_LOOP_STEPS,
+    MAX_SIZE,
+    MAX_WORK,
+    Budget,
+    Refused,
+    binop,
+    budget,
+    checked_filter,
+    checked_lipsum,
+    checked_method,
+    reset_budget,
+    set_budget,
+    size_of,
+)
+from portable_llm.text.template_budget import loop as budget_loop
 
-#: Loop iterations one render may run, over all its ``{% for %}`` loops together.
-MAX_LOOP_STEPS = 1_000_000
-#: The largest string, list or integer (in bits) that ``*`` and ``**`` may build.
-MAX_SIZE = 1_000_000
+__all__ = [
+    "MAX_DEPTH",
+    "MAX_LOOP_STEPS",
+    "MAX_SIZE",
+    "MAX_SOURCE",
+    "MAX_WORK",
+    "compile_chat_template",
+    "render_chat_template",
+]
 
-_steps_left: contextvars.ContextVar[list[int]] = contextvars.ContextVar("_steps_left")
-
-
-class _Refused(Exception):
-    """A bound of the sandbox was hit (turned into a ValueError by the caller)."""
-
-
-def _budget(iterable: Iterable[Any]) -> Iterator[Any]:
-    """``iterable``, one step of the render's loop budget per item (wrapped around every loop)."""
-    left = _steps_left.get([MAX_LOOP_STEPS])
-    for item in iterable:
-        left[0] -= 1
-        if left[0] < 0:
-            raise _Refused(f"the template ran more than {MAX_LOOP_STEPS} loop iterations")
-        yield item
-
-
-def _size(value: Any) -> int:
-    if isinstance(value, str | bytes | list | tuple):
-        return len(value)
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        return int(value).bit_length()
-    return 0
-
-
-def _mul(left: Any, right: Any) -> Any:
-    counts = [v for v in (left, right) if isinstance(v, numbers.Integral)]
-    seqs = [v for v in (left, right) if isinstance(v, str | bytes | list | tuple)]
-    if seqs and counts and _size(seqs[0]) * max(int(counts[0]), 0) > MAX_SIZE:
-        raise _Refused(f"'*' would build a sequence longer than {MAX_SIZE}")
-    if len(counts) == 2 and _size(left) + _size(right) > MAX_SIZE:
-        raise _Refused(f"'*' would build an integer of more than {MAX_SIZE} bits")
-    return left * right
-
-
-def _pow(left: Any, right: Any) -> Any:
-    if (
-        isinstance(left, numbers.Integral)
-        and isinstance(right, numbers.Integral)
-        and int(right) > 0
-        and _size(left) * int(right) > MAX_SIZE
-    ):
-        raise _Refused(f"'**' would build an integer of more than {MAX_SIZE} bits")
-    return operator.pow(left, right)
+#: The longest template source compiled (real chat templates are a few to a few dozen KB).
+MAX_SOURCE = 1_000_000
 
 
 def _tojson(
@@ -114,6 +94,7 @@ def _environment() -> Any:
         import jinja2
         import jinja2.ext
         from jinja2 import nodes
+        from jinja2.compiler import CodeGenerator
         from jinja2.sandbox import ImmutableSandboxedEnvironment
         from jinja2.utils import Namespace
     except ImportError as exc:
@@ -152,17 +133,52 @@ def _environment() -> Any:
                     f"a namespace cannot hold underscore attributes, got {name!r}"
                 )
 
+    class Generator(CodeGenerator):
+        """Jinja's code generator, with ``~`` joined under the budget."""
+
+        def visit_Concat(self, node: Any, frame: Any) -> None:
+            self.write("environment.budget_join((")
+            for arg in node.nodes:
+                self.visit(arg, frame)
+                self.write(", ")
+            self.write("))")
+
     class Environment(ImmutableSandboxedEnvironment):
-        intercepted_binops = frozenset(("*", "**"))
+        intercepted_binops = frozenset(("*", "**", "+", "%"))
+        code_generator_class = Generator
 
         def call_binop(self, context: Any, op: str, left: Any, right: Any) -> Any:
-            return _mul(left, right) if op == "*" else _pow(left, right)
+            binop(op, left, right)
+            return budget().built(super().call_binop(context, op, left, right), f"'{op}'")
+
+        def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+            b = budget()
+            b.step(CALL_STEPS)
+            args = checked_method(__obj, args, kwargs)
+            if b.depth >= MAX_DEPTH:
+                raise Refused(f"calls nested more than {MAX_DEPTH} deep (a recursive macro?)")
+            b.depth += 1
+            try:
+                call = ImmutableSandboxedEnvironment.call
+                result = call(__self, __context, __obj, *args, **kwargs)
+            finally:
+                b.depth -= 1
+            return b.built(result, "a call")
+
+        def concat(self, parts: Any) -> str:
+            """Every buffer join (the output, a macro's, a block's), under the budget."""
+            return budget().join(parts)
+
+        def budget_join(self, parts: Any) -> str:
+            return budget().join(parts, "'~'")
 
     env = Environment(
         trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
-    env.filters["_pl_budget"] = _budget
+    env.filters = {name: checked_filter(name, fn) for name, fn in env.filters.items()}
+    env.filters["_pl_budget"] = budget_loop
+    env.globals["lipsum"] = checked_lipsum(env.globals["lipsum"])
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _TemplateDict()
@@ -172,10 +188,15 @@ def _environment() -> Any:
 
 def compile_chat_template(source: str, origin: str) -> Any:
     """The compiled template of ``source``; a ``ValueError`` naming ``origin`` (the file) when
-    it is not a string or not valid Jinja."""
+    it is not a string, longer than :data:`MAX_SOURCE`, or not valid Jinja, or when what jinja2
+    evaluates while compiling exceeds a budget."""
     if not isinstance(source, str):
         raise ValueError(
             f"chat template in {origin}: expected a string, got {type(source).__name__}"
+        )
+    if len(source) > MAX_SOURCE:
+        raise ValueError(
+            f"chat template in {origin}: {len(source)} characters (at most {MAX_SOURCE})"
         )
     return _compile(source, origin)
 
@@ -186,6 +207,7 @@ def _compile(source: str, origin: str) -> Any:
     from jinja2 import nodes
 
     env = _environment()
+    token = set_budget(Budget(len(source)))  # jinja2 folds constants while compiling
     try:
         tree = env.parse(source)
         for loop in tree.find_all(nodes.For):  # every loop draws from the render's budget
@@ -197,8 +219,14 @@ def _compile(source: str, origin: str) -> Any:
         raise ValueError(
             f"chat template in {origin}: syntax error on line {exc.lineno}: {exc.message}"
         ) from None
-    except jinja2.TemplateError as exc:
+    except (jinja2.TemplateError, Refused) as exc:
         raise ValueError(f"chat template in {origin}: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"chat template in {origin}: nested too deeply to compile") from None
+    except Exception as exc:  # a template is code: any failure of it is the file's fault
+        raise ValueError(f"chat template in {origin}: {type(exc).__name__}: {exc}") from None
+    finally:
+        reset_budget(token)
 
 
 def render_chat_template(template: Any, origin: str, variables: Mapping[str, Any]) -> str:
@@ -206,23 +234,24 @@ def render_chat_template(template: Any, origin: str, variables: Mapping[str, Any
     transformers does); every failure is a ``ValueError`` naming ``origin``."""
     import jinja2
 
-    token = _steps_left.set([MAX_LOOP_STEPS])
+    plain = {k: _plain(v) for k, v in variables.items()}
+    token = set_budget(Budget(size_of(plain)))
     try:
-        return str(template.render(**{k: _plain(v) for k, v in variables.items()}))
+        return str(template.render(**plain))
     except jinja2.exceptions.SecurityError as exc:
         raise ValueError(f"chat template in {origin}: refused by the sandbox: {exc}") from None
     except jinja2.exceptions.UndefinedError as exc:
         raise ValueError(f"chat template in {origin}: undefined: {exc}") from None
     except OverflowError as exc:  # the sandbox's range bound
         raise ValueError(f"chat template in {origin}: {exc}") from None
-    except (_Refused, jinja2.TemplateError) as exc:
+    except (Refused, jinja2.TemplateError) as exc:
         raise ValueError(f"chat template in {origin}: {exc}") from None
     except RecursionError:
         raise ValueError(f"chat template in {origin}: recursion too deep") from None
     except Exception as exc:  # a template is code: any failure of it is the file's fault
         raise ValueError(f"chat template in {origin}: {type(exc).__name__}: {exc}") from None
     finally:
-        _steps_left.reset(token)
+        reset_budget(token)
 
 
 def _plain(value: Any) -> Any:

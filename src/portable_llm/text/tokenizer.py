@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+from portable_llm.text.failures import foreign_errors
+
 __all__ = ["TEMPLATE_FILES", "TextStream", "Tokenizer", "default_template"]
 
 
@@ -61,8 +63,14 @@ class Tokenizer:
         return dict(self._tok.get_vocab(with_added_tokens=True))
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text`` (with the post-processor's special tokens, e.g. a BOS)."""
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        """Token ids of ``text`` (with the post-processor's special tokens, e.g. a BOS).
+
+        A failure of the tokenizer's own files (a pre-tokenizer regex past the regex engine's
+        limits makes the Rust library panic) is a ``ValueError``."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode: text must be a str, got {type(text).__name__}")
+        with foreign_errors("encode: the tokenizer failed on this text"):
+            return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     @property
     def bos_token(self) -> str | None:
@@ -77,7 +85,8 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
-        return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
+        with foreign_errors("decode: the tokenizer failed on these ids"):
+            return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     def stream_decoder(self, *, skip_special_tokens: bool = True) -> TextStream:
         """A :class:`TextStream` of this tokenizer: ids in, new text out, O(1) per id."""

@@ -1,0 +1,211 @@
+"""A GGUF file's metadata, read with a type and range check per key, and the config it describes.
+
+Every value a hostile file sets is checked where it is read, and a wrong one is a
+:class:`~portable_llm.checkpoint.files.CheckpointError` naming the file and the GGUF key: a
+count is an integer (a float such as ``2.7`` or a string is refused, never truncated or
+parsed), at least 1, and no more layers than the file holds tensors of; a number is finite; a
+token id lies inside the vocabulary; the vocabulary has one token per row of ``token_embd``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from portable_llm.checkpoint.config import check_held
+from portable_llm.checkpoint.files import CheckpointError, brief
+from portable_llm.decoder.config import DecoderConfig
+
+__all__ = ["GGUF_ARCHITECTURES", "PERMUTED", "GGUFMetadata", "eos_ids", "gguf_config"]
+
+#: The ``general.architecture`` values :func:`gguf_config` reads. llama.cpp writes Mistral
+#: (7B, Nemo) models as ``llama``; there is no ``mistral`` architecture in GGUF.
+GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+#: llama.cpp's LlamaModel converter (its Mistral subclass too) permutes q/k rows; Qwen's do not.
+PERMUTED: tuple[str, ...] = ("llama",)
+_LAYER_OF = re.compile(r"^blk\.(\d+)\.")
+_SPECIAL_IDS = ("bos", "eos", "eot", "eom")
+
+
+class GGUFMetadata:
+    """The metadata of a ``GGUFReader`` (``fields``), with checked getters whose errors name
+    the file and the key."""
+
+    def __init__(self, fields: Any, file: Path) -> None:
+        self.fields = fields
+        self.file = file
+
+    def fail(self, key: str, what: str) -> CheckpointError:
+        return CheckpointError(f"load: {str(self.file)!r}: GGUF metadata {key}: {what}")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The raw value of ``key`` (a str, int, float, bool or list), or ``default``."""
+        field = self.fields.get(key)
+        if field is None:
+            return default
+        try:
+            return field.contents()
+        except (UnicodeDecodeError, ValueError, IndexError) as exc:
+            raise self.fail(key, f"cannot be read ({exc})") from None
+
+    def need(self, key: str) -> Any:
+        """The raw value of ``key``; an error when the file lacks it."""
+        if key not in self.fields:
+            raise CheckpointError(f"load: {str(self.file)!r}: GGUF metadata key {key} is missing")
+        return self.get(key)
+
+    def count(self, key: str) -> int:
+        """An integer >= 1 (some files store one per layer: the list's one value)."""
+        self.need(key)
+        value = self.count_or_none(key)
+        assert value is not None
+        return value
+
+    def count_or_none(self, key: str) -> int | None:
+        """:meth:`count`, or ``None`` when the file lacks ``key``."""
+        value = self.get(key)
+        if value is None:
+            return None
+        if isinstance(value, list):
+            if not value or len(set(map(repr, value))) != 1:
+                raise self.fail(key, f"differs between layers ({brief(value)}); not supported")
+            value = value[0]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise self.fail(key, f"must be an integer >= 1, got {brief(value)}")
+        return value
+
+    def number(self, key: str, default: float | None = None, *, low: float = 0.0) -> float:
+        """A finite number >= ``low``."""
+        value = self.get(key, default) if default is not None else self.need(key)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self.fail(key, f"must be a number, got {brief(value)}")
+        if not math.isfinite(value) or value < low:
+            raise self.fail(key, f"must be finite and >= {low}, got {brief(value)}")
+        return float(value)
+
+    def text(self, key: str, default: str | None = None) -> str:
+        """A string."""
+        value = self.get(key, default) if default is not None else self.need(key)
+        if not isinstance(value, str):
+            raise self.fail(key, f"must be a string, got {brief(value)}")
+        return value
+
+    def items(self, key: str, kinds: tuple[type, ...], what: str, n: int | None) -> list[Any]:
+        """A list whose items are ``kinds`` (bools refused unless asked for), of length ``n``
+        when given; an empty list when the file lacks it."""
+        value = self.get(key)
+        if value is None:
+            return []
+        if not isinstance(value, list) or not all(
+            isinstance(v, kinds) and (bool in kinds or not isinstance(v, bool)) for v in value
+        ):
+            raise self.fail(key, f"must be a list of {what}, got {brief(value)}")
+        if n is not None and len(value) != n:
+            raise self.fail(key, f"has {len(value)} entries for {n} tokens")
+        return value
+
+
+def check_tokenizer_metadata(meta: GGUFMetadata, vocab: int) -> None:
+    """The ``tokenizer.ggml.*`` values checked before a tokenizer is built from them: tokens
+    (one per embedding row), their types and scores, merges, special ids inside the vocabulary
+    and the add-token flags."""
+    if meta.get("tokenizer.ggml.model") is not None:
+        meta.text("tokenizer.ggml.model")
+    tokens = meta.items("tokenizer.ggml.tokens", (str,), "strings", None)
+    if tokens and len(tokens) != vocab:
+        raise meta.fail(
+            "tokenizer.ggml.tokens",
+            f"has {len(tokens)} tokens but token_embd.weight has {vocab} rows (one per token)",
+        )
+    meta.items("tokenizer.ggml.token_type", (int,), "integers", len(tokens) or None)
+    meta.items("tokenizer.ggml.scores", (int, float), "numbers", len(tokens) or None)
+    meta.items("tokenizer.ggml.merges", (str,), "strings", None)
+    for name in (*_SPECIAL_IDS, "unknown", "padding", "seperator", "cls", "mask"):
+        key = f"tokenizer.ggml.{name}_token_id"
+        value = meta.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise meta.fail(key, f"must be an integer token id, got {brief(value)}")
+        if name in _SPECIAL_IDS and not 0 <= value < vocab:
+            raise meta.fail(key, f"{value} is not a token id (the vocabulary has {vocab})")
+    for flag in ("add_bos_token", "add_eos_token", "add_space_prefix"):
+        key = f"tokenizer.ggml.{flag}"
+        if meta.get(key) is not None and not isinstance(meta.get(key), bool):
+            raise meta.fail(key, f"must be a bool, got {brief(meta.get(key))}")
+
+
+def held_layers(tensors: dict[str, Any]) -> int:
+    """How many layers the file holds tensors of (``blk.{i}.``)."""
+    found = [int(m[1]) for name in tensors if (m := _LAYER_OF.match(name))]
+    return max(found) + 1 if found else 0
+
+
+def gguf_config(meta: GGUFMetadata, tensors: dict[str, Any]) -> DecoderConfig:
+    """The :class:`DecoderConfig` a GGUF file's metadata describes (transformers' reading),
+    every value checked, and the layer count checked against the tensors before anything is
+    built from it."""
+    arch = meta.text("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise CheckpointError(
+            f"load: {str(meta.file)!r}: unsupported GGUF architecture {brief(arch)} "
+            f"(general.architecture); supported: {', '.join(GGUF_ARCHITECTURES)}"
+        )
+    layers = meta.count(f"{arch}.block_count")
+    check_held(meta.file, f"{arch}.block_count", layers, held_layers(tensors), "layers")
+    embed = tensors.get("token_embd.weight")
+    if embed is not None:
+        shape = tuple(int(n) for n in reversed(embed.shape))
+        if len(shape) != 2:
+            raise CheckpointError(
+                f"load: {str(meta.file)!r}: token_embd.weight has shape {shape}; a (V, E) "
+                "matrix is needed"
+            )
+        vocab: int | None = shape[0]
+    else:
+        vocab = meta.count_or_none(f"{arch}.vocab_size")
+    if vocab is not None:
+        check_tokenizer_metadata(meta, vocab)
+    head_dim = meta.count_or_none(f"{arch}.attention.key_length")
+    if head_dim is None and arch in PERMUTED:
+        head_dim = meta.count_or_none(f"{arch}.rope.dimension_count")
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    d: dict[str, Any] = {
+        "model_type": arch,
+        "vocab_size": vocab,
+        "hidden_size": meta.count(f"{arch}.embedding_length"),
+        "intermediate_size": meta.count(f"{arch}.feed_forward_length"),
+        "num_hidden_layers": layers,
+        "num_attention_heads": meta.count(f"{arch}.attention.head_count"),
+        "num_key_value_heads": meta.count_or_none(f"{arch}.attention.head_count_kv"),
+        "head_dim": head_dim,
+        "rms_norm_eps": meta.number(f"{arch}.attention.layer_norm_rms_epsilon"),
+        "rope_theta": meta.number(f"{arch}.rope.freq_base", 10000.0, low=1e-30),
+        "max_position_embeddings": meta.count_or_none(f"{arch}.context_length"),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "bos_token_id": bos,
+        "eos_token_id": eos_ids(meta),
+    }
+    scaling = meta.text(f"{arch}.rope.scaling.type", "none")
+    if scaling == "linear":
+        d["rope_scaling"] = {
+            "rope_type": "linear",
+            "factor": meta.number(f"{arch}.rope.scaling.factor", low=1e-30),
+        }
+    elif scaling != "none":
+        raise CheckpointError(
+            f"load: {str(meta.file)!r}: {arch}.rope.scaling.type {brief(scaling)} is not "
+            "supported (none, linear)"
+        )
+    try:
+        return DecoderConfig.from_dict(d)
+    except ValueError as exc:
+        raise CheckpointError(f"load: {str(meta.file)!r}: GGUF metadata: {exc}") from None
+
+
+def eos_ids(meta: GGUFMetadata) -> list[int]:
+    """The ids that end a turn: ``tokenizer.ggml.eos_token_id`` (then ``eot``, ``eom``)."""
+    ids = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    return list(dict.fromkeys(int(i) for i in ids if i is not None))
