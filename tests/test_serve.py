@@ -409,6 +409,31 @@ def test_queue_full_answers_429(model: pl.Model) -> None:
             assert c.completions.create(model="tiny", prompt="a", max_tokens=2).choices
 
 
+def test_generation_failure_keeps_serving(
+    server: tuple[str, Any], client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forward that raises mid-batch: its requests get 500 (an OpenAI error body), every page
+    comes back, and the next request is served."""
+    url, app = server
+    gen = app.state.engine.generator
+    forward = gen._forward
+    calls = []
+
+    def boom(*args: Any, **kwargs: Any) -> Any:
+        if not calls:
+            calls.append(1)
+            raise RuntimeError("injected failure")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(gen, "_forward", boom)
+    with pytest.raises(openai.InternalServerError) as info:
+        client.completions.create(model="tiny", prompt="a", max_tokens=4)
+    assert info.value.body["type"] == "server_error"
+    h = _idle(url)
+    assert h["free_pages"] + h["cached_pages"] == POOL
+    assert client.completions.create(model="tiny", prompt="a", max_tokens=2).choices
+
+
 # -- prefix caching -----------------------------------------------------------------------------
 
 

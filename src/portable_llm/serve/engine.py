@@ -140,6 +140,7 @@ class Engine:
         self.steps = 0
         self.cancelled = 0
         self._health: dict[str, Any] = {}
+        self._counted = 0.0  # when the idle cached pages were last counted
         self._snapshot()
 
     # -- the handlers' side ---------------------------------------------------------------------
@@ -196,13 +197,19 @@ class Engine:
 
     # -- the engine thread ----------------------------------------------------------------------
     def _snapshot(self) -> None:
+        """Refresh :meth:`health`; the idle cached pages (a walk over the prefix cache) only
+        when the batch is empty or every 0.25 s."""
         gen = self.generator
         cache = gen.prefix_cache
+        now = time.monotonic()
+        cached = self._health.get("cached_pages", 0)
+        if cache is not None and (not gen.has_work or now - self._counted >= 0.25):
+            cached, self._counted = cache.num_idle, now
         free = min((p.num_free for p in gen.pools), default=0)  # no pools: a model without pages
         self._health = {
             "running": len(self._jobs),
             "free_pages": free,
-            "cached_pages": 0 if cache is None else cache.num_idle,
+            "cached_pages": cached,
             "pool_pages": min((p.num_pages for p in gen.pools), default=0),
             "steps": self.steps,
         }
@@ -217,15 +224,18 @@ class Engine:
                     break
                 adds, self._inbox = self._inbox, []
                 cancels, self._cancels = self._cancels, []
-            for job in adds:
-                self._add(job)
-            for job in cancels:
-                if job.rid in self._jobs:
-                    gen.cancel(job.rid)
-                    del self._jobs[job.rid]
-                    self.cancelled += 1
-            if gen.has_work:
-                self._step()
+            try:
+                for job in adds:
+                    self._add(job)
+                for job in cancels:
+                    if job.rid in self._jobs:
+                        gen.cancel(job.rid)
+                        del self._jobs[job.rid]
+                        self.cancelled += 1
+                if gen.has_work:
+                    self._step()
+            except Exception as exc:  # a bug of ours: fail the requests, keep serving
+                self._fail_all(f"internal error: {type(exc).__name__}: {str(exc)[:500]}")
             with self._cond:
                 self._snapshot()
         self._fail_all("the server is shutting down")
@@ -276,7 +286,8 @@ class Engine:
         for job in self._jobs.values():
             job.post("error", message)
         for rid in list(self._jobs):
-            self.generator.cancel(rid)
+            with contextlib.suppress(Exception):  # the generator may be what failed
+                self.generator.cancel(rid)
         self._jobs.clear()
         with self._cond:
             for job in self._inbox:
