@@ -7,7 +7,10 @@ the hostfile, a JSON list of one ``["127.0.0.1:port"]`` list per rank, as ``mlx.
 writes it); ``MODE``: ``tp`` or ``pp`` (the whole world as one group). Each rank writes
 ``OUT/rank{RANK}.npz``: the logits of :data:`PROMPT` (float32), the greedy tokens of
 :func:`~portable_llm.generate`, and the bytes it held and touched (``LoadReport``).
-:func:`launch` starts the processes and waits for them.
+:func:`launch` starts the processes and waits for them. JAX drives every device from one
+process: :func:`launch_jax` runs :func:`run_jax`'s cases (``tp2``, ``pp2``, ``pp2tp2``, ...)
+in a process with 8 host devices (``python -m portable_llm.testing.partition jax FOLDER OUT
+DTYPE CASES...``).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["NEW_TOKENS", "PROMPT", "free_port", "launch", "run_rank"]
+__all__ = ["NEW_TOKENS", "PROMPT", "free_port", "launch", "launch_jax", "run_jax", "run_rank"]
 
 #: The prompt each rank runs (token ids below the tiny checkpoints' vocabulary).
 PROMPT = [3, 17, 42, 9, 100, 7, 250, 31]
@@ -126,6 +129,60 @@ def launch(engine: str, mode: str, folder: str | Path, out: str | Path, *, world
     return [dict(np.load(out / f"rank{r}.npz")) for r in range(world)]
 
 
+def _mesh(case: str) -> dict[str, Any]:
+    """The keywords of one JAX case: ``tp4`` (a 1-axis mesh of 4 devices), ``pp2``, ``pp2tp2``
+    (a 2-D mesh with axes "pp" and "tp", passed to both)."""
+    import re
+
+    import jax
+    from jax.sharding import Mesh
+
+    m = re.fullmatch(r"(?:pp(\d))?(?:tp(\d))?", case)
+    assert m, case
+    P, T = int(m[1] or 1), int(m[2] or 1)
+    devices = np.asarray(jax.devices()[: P * T])
+    if m[1] and m[2]:
+        mesh = Mesh(devices.reshape(P, T), ("pp", "tp"))
+        return {"tensor_parallel": mesh, "pipeline_parallel": mesh}
+    if m[1]:
+        return {"pipeline_parallel": Mesh(devices, ("stages",))}
+    return {"tensor_parallel": (Mesh(devices, ("model",)), "model")}
+
+
+def run_jax(folder: str, out: str, cases: list[str], dtype: str = "float32") -> None:
+    """The JAX cases in this process (started with ``XLA_FLAGS`` asking for 8 host devices):
+    ``OUT/{case}.npz`` for each, and ``one`` for the model on one device."""
+    from portable_llm.checkpoint.loader import load
+    from portable_llm.core.arrays import to_numpy
+    from portable_llm.generation.generate import generate
+
+    for case in ["one", *cases]:
+        kw = {} if case == "one" else _mesh(case)
+        model = load(folder, backend="jax", dtype=dtype, **kw)
+        logits = to_numpy(model([PROMPT])).astype(np.float32)
+        tokens = [int(t) for t in generate(model, PROMPT, max_new_tokens=NEW_TOKENS, stop=())]
+        np.savez(Path(out) / f"{case}.npz", logits=logits, tokens=np.asarray(tokens))
+
+
+def launch_jax(folder: str | Path, out: str | Path, cases: list[str], *, dtype: str = "float32",
+               timeout: float = 300.0) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """:func:`run_jax` in a fresh process with 8 host devices; each case's results."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    args = ["jax", str(folder), str(out), dtype, *cases]
+    done = subprocess.run(
+        [sys.executable, "-m", "portable_llm.testing.partition", *args],
+        env=env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    if done.returncode:
+        raise RuntimeError(f"JAX cases {cases} failed:\n{(done.stdout + done.stderr)[-3000:]}")
+    return {c: dict(np.load(out / f"{c}.npz")) for c in ["one", *cases]}
+
+
 if __name__ == "__main__":
-    e, m, r, w, a, f, o = sys.argv[1:8]
-    run_rank(e, m, int(r), int(w), a, f, o)
+    if sys.argv[1] == "jax":
+        run_jax(sys.argv[2], sys.argv[3], sys.argv[5:], sys.argv[4])
+    else:
+        e, m, r, w, a, f, o = sys.argv[1:8]
+        run_rank(e, m, int(r), int(w), a, f, o)

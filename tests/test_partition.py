@@ -1,0 +1,207 @@
+"""Model partition (issue 19): the plan, per-rank reading, and each engine against one device.
+
+The engines run in processes of their own, started by the tests with bounded time: JAX in one
+process with 8 host devices (``XLA_FLAGS``), torch as 2 ranks over gloo, MLX as 2 ranks over
+the ring backend on 127.0.0.1 (a hostfile the test writes). Each compares the logits with the
+same backend on one device (the tolerance table's float32 entry) and the greedy tokens exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import skip_reason
+from portable_llm.checkpoint.build import LoadOptions
+from portable_llm.checkpoint.partitioned import read_partitioned
+from portable_llm.checkpoint.shards import SafetensorsFiles
+from portable_llm.decoder.config import DecoderConfig
+from portable_llm.partition import Engine, plan_partition, stage_layers
+from portable_llm.testing import assert_close
+from portable_llm.testing.checkpoints import tiny_config, write_checkpoint
+from portable_llm.testing.partition import launch, launch_jax
+
+numpy_only = pytest.mark.skipif(bool(skip_reason("numpy")), reason=str(skip_reason("numpy")))
+
+
+def _cfg(model_type: str, **kw: object) -> DecoderConfig:
+    return DecoderConfig.from_dict(tiny_config(model_type, **kw))
+
+
+class _Ranks(Engine):
+    """A process engine whose collectives are never called: the reading alone."""
+
+    def __init__(self, tp: tuple[int, int] = (1, 0), pp: tuple[int, int] = (1, 0)) -> None:
+        (self.tp_size, self.tp_rank), (self.pp_size, self.pp_rank) = tp, pp
+
+
+@numpy_only
+def test_plan_splits_heads_rows_and_columns() -> None:
+    cfg = _cfg("llama")  # E=32, H=4, H_kv=2, D=8, I=48, biases
+    p = plan_partition(cfg, tp=(2, 1))
+    a = "model.layers.0.self_attn."
+    assert p.index(a + "q_proj.weight", (32, 32)) == (slice(16, 32), slice(None))
+    assert p.index(a + "q_proj.bias", (32,)) == (slice(16, 32),)
+    assert p.index(a + "k_proj.weight", (16, 32)) == (slice(8, 16), slice(None))
+    assert p.index(a + "o_proj.weight", (32, 32)) == (slice(None), slice(16, 32))
+    assert p.index(a + "o_proj.bias", (32,)) == (slice(None),)  # added once, after the sum
+    m = "model.layers.0.mlp."
+    assert p.index(m + "down_proj.weight", (32, 48)) == (slice(None), slice(24, 48))
+    assert p.index(m + "down_proj.bias", (32,)) == (slice(None),)
+    assert p.index(m + "up_proj.bias", (48,)) == (slice(24, 48),)
+    assert p.index("model.embed_tokens.weight", (300, 32)) == (slice(None), slice(None))
+    c = p.config
+    assert (c.num_attention_heads, c.num_key_value_heads, c.intermediate_size) == (2, 1, 24)
+
+
+@numpy_only
+def test_plan_replicates_kv_heads_and_splits_experts() -> None:
+    p = plan_partition(_cfg("llama"), tp=(4, 3))  # 2 KV heads over 4 ranks
+    assert p.kv_replicated and p.config.num_key_value_heads == 1
+    k = "model.layers.1.self_attn.k_proj.weight"
+    assert p.index(k, (16, 32)) == (slice(8, 16), slice(None))  # rank 3 reads KV head 1
+    assert p.split_axis(k, 2) is None
+    p = plan_partition(_cfg("mixtral"), tp=(2, 1))
+    x = "model.layers.0.mlp.experts."
+    assert p.index(x + "gate_proj", (4, 48, 32)) == (slice(None), slice(24, 48), slice(None))
+    assert p.index(x + "down_proj", (4, 32, 48)) == (slice(None), slice(None), slice(24, 48))
+    assert p.index("model.layers.0.mlp.gate.weight", (4, 32)) == (slice(None), slice(None))
+
+
+@numpy_only
+def test_plan_stages() -> None:
+    assert [stage_layers(5, 2, s) for s in (0, 1)] == [range(0, 3), range(3, 5)]
+    cfg = _cfg("qwen2", num_hidden_layers=3)  # tied embedding
+    first, last = (plan_partition(cfg, pp=(2, s)) for s in (0, 1))
+    assert first.held("model.embed_tokens.weight") and last.held("model.embed_tokens.weight")
+    assert not first.held("model.norm.weight") and last.held("model.norm.weight")
+    assert (
+        last.local_name("model.layers.2.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
+    )
+    assert last.config.layer_types == cfg.layer_types[2:]
+
+
+@numpy_only
+@pytest.mark.parametrize(
+    ("overrides", "tp", "pp", "match"),
+    [
+        ({}, 3, 1, "num_attention_heads=4 is not divisible by tensor_parallel=3"),
+        ({"num_attention_heads": 12, "num_key_value_heads": 3}, 4, 1, "num_key_value_heads=3"),
+        ({"intermediate_size": 50}, 4, 1, "intermediate_size=50"),
+        ({}, 1, 3, "pipeline_parallel=3 exceeds num_hidden_layers=2"),
+    ],
+)
+def test_bad_group_is_refused_before_the_weights_are_read(
+    tmp_path, monkeypatch, overrides, tp, pp, match
+) -> None:
+    write_checkpoint(tmp_path, tiny_config("llama", **overrides))
+
+    def refuse(*args: object, **kw: object) -> None:
+        raise AssertionError("a weight was read")
+
+    monkeypatch.setattr(SafetensorsFiles, "read", refuse)
+    with pytest.raises(ValueError, match=match):
+        read_partitioned(tmp_path, LoadOptions(), _Ranks(tp=(tp, 0), pp=(pp, 0)))
+
+
+@numpy_only
+def test_group_on_a_backend_without_collectives() -> None:
+    import portable_llm as pl
+
+    with pytest.raises(ValueError, match="backend with collectives"):
+        pl.load("unused", backend="numpy", tensor_parallel=object())
+
+
+@numpy_only
+@pytest.mark.parametrize("model_type", ["qwen2", "llama"])  # tied embedding, untied head
+def test_pipeline_ranks_read_their_layers_only(tmp_path, model_type) -> None:
+    cfg = tiny_config(model_type, num_hidden_layers=4)
+    full = write_checkpoint(tmp_path, cfg)
+    for rank in (0, 1):
+        model, report = read_partitioned(tmp_path, LoadOptions(), _Ranks(pp=(2, rank)))
+        assert report.held <= 0.75 * report.total, report
+        assert report.touched <= 0.8 * report.file, report
+        assert len(model.blocks) == 2
+        name = f"model.layers.{2 * rank + 1}.self_attn.q_proj.weight"
+        np.testing.assert_array_equal(model.blocks[1].attn["wq"], full[name])
+
+
+@numpy_only
+def test_tensor_ranks_read_their_slices(tmp_path) -> None:
+    full = write_checkpoint(tmp_path, tiny_config("mixtral"))
+    model, _ = read_partitioned(tmp_path, LoadOptions(), _Ranks(tp=(2, 1)))
+    a, moe = model.blocks[0].attn, model.blocks[0].moe
+    np.testing.assert_array_equal(a["wo"], full["model.layers.0.self_attn.o_proj.weight"][:, 16:])
+    w1 = full["model.layers.0.block_sparse_moe.experts.3.w1.weight"]  # expert 3's gate (I, E)
+    assert moe is not None
+    np.testing.assert_array_equal(moe["arrays"][1][3], w1[24:])
+
+
+def _equal_to_one_device(got: dict, want_logits: np.ndarray, want_tokens: list[int]) -> None:
+    assert_close(got["logits"], want_logits)
+    assert [int(t) for t in got["tokens"]] == want_tokens
+
+
+def _one_device(folder, backend: str) -> tuple[np.ndarray, list[int]]:
+    import portable_llm as pl
+    from portable_llm.testing.partition import NEW_TOKENS, PROMPT
+
+    model = pl.load(folder, backend=backend, dtype="float32")
+    logits = np.asarray(pl.to_numpy(model([PROMPT])), dtype=np.float32)
+    tokens = [int(t) for t in pl.generate(model, PROMPT, max_new_tokens=NEW_TOKENS, stop=())]
+    return logits, tokens
+
+
+JAX_CASES = [
+    pytest.param("llama", ["pp2tp2"], id="llama-pp2xtp2"),  # both kinds, one process
+    pytest.param("llama", ["tp2", "tp4"], id="llama-tp2-tp4", marks=pytest.mark.slow),
+    pytest.param("qwen2", ["tp4", "pp2"], id="qwen2-tp4-pp2", marks=pytest.mark.slow),
+    pytest.param("mixtral", ["tp2", "pp2"], id="mixtral-tp2-pp2", marks=pytest.mark.slow),
+    pytest.param("qwen2_moe", ["tp2"], id="qwen2_moe-tp2", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.skipif(bool(skip_reason("jax")), reason=str(skip_reason("jax")))
+@pytest.mark.parametrize(("model_type", "cases"), JAX_CASES)
+def test_jax_mesh_equals_one_device(tmp_path, model_type, cases) -> None:
+    write_checkpoint(tmp_path / "ckpt", tiny_config(model_type))
+    results = launch_jax(tmp_path / "ckpt", tmp_path / "out", cases)
+    one = results.pop("one")
+    for case, got in results.items():
+        assert_close(got["logits"], one["logits"], err_msg=case)
+        np.testing.assert_array_equal(got["tokens"], one["tokens"], err_msg=case)
+
+
+@pytest.mark.skipif(bool(skip_reason("jax")), reason=str(skip_reason("jax")))
+def test_jax_mesh_without_the_axis(tmp_path) -> None:
+    import jax
+    from jax.sharding import Mesh
+
+    import portable_llm as pl
+
+    write_checkpoint(tmp_path, tiny_config("llama"))
+    mesh = Mesh(np.asarray(jax.devices()[:1]), ("x",))
+    with pytest.raises(ValueError, match="no axis 'tp'"):
+        pl.load(tmp_path, backend="jax", tensor_parallel=(mesh, "tp"))
+    both = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("a", "b"))
+    with pytest.raises(ValueError, match="no axis 'pp'"):
+        pl.load(tmp_path, backend="jax", pipeline_parallel=both)
+
+
+PROCESS_CASES = [
+    pytest.param("llama", "tp", id="llama-tp2"),
+    pytest.param("qwen2", "pp", id="qwen2-pp2"),
+    pytest.param("mixtral", "tp", id="mixtral-tp2", marks=pytest.mark.slow),
+    pytest.param("llama", "pp", id="llama-pp2", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("engine", ["torch", "mlx"])
+@pytest.mark.parametrize(("model_type", "mode"), PROCESS_CASES)
+def test_two_local_ranks_equal_one_device(tmp_path, engine, model_type, mode) -> None:
+    if skip_reason(engine):
+        pytest.skip(str(skip_reason(engine)))
+    write_checkpoint(tmp_path / "ckpt", tiny_config(model_type))
+    logits, tokens = _one_device(tmp_path / "ckpt", engine)
+    for got in launch(engine, mode, tmp_path / "ckpt", tmp_path / "out"):
+        _equal_to_one_device(got, logits, tokens)
