@@ -51,6 +51,8 @@ def start_server(args: argparse.Namespace, model: Path, port: int) -> subprocess
     ]  # fmt: skip
     if args.dtype:
         argv += ["--dtype", args.dtype]
+    if args.dequantize:
+        argv += ["--dequantize"]
     if args.threads:
         argv += ["--threads", str(args.threads)]
     code = f"import sys; from portable_llm.cli.cli import main; sys.exit(main({argv!r}))"
@@ -108,6 +110,7 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=None)
     parser.add_argument("--backend", default="torch")
     parser.add_argument("--dtype", default=None)
+    parser.add_argument("--dequantize", action="store_true", help="the server's --dequantize")
     parser.add_argument("--threads", type=int, default=None, help="the server's --threads")
     parser.add_argument("--clients", default="1,4,8,16")
     parser.add_argument("--requests", type=int, default=2, help="requests per client")
@@ -124,8 +127,9 @@ def main() -> None:
         wait_ready(url, proc)
         rng = np.random.default_rng(0)
         asyncio.run(level(url, 1, argparse.Namespace(**{**vars(args), "requests": 1}), rng))
-        print(f"{model.name}, backend {args.backend}, prompt {args.prompt} ids, {args.new} new "
-              f"tokens, {args.requests} requests per client")  # fmt: skip
+        kept = "dequantized" if args.dequantize else "kept quantized"
+        print(f"{model.name} ({kept}), backend {args.backend}, prompt {args.prompt} ids, "
+              f"{args.new} new tokens, {args.requests} requests per client")  # fmt: skip
         print("| clients | aggregate tok/s | TTFT median s | TTFT p90 s | tokens | wall s | load |")
         print("| ---: | ---: | ---: | ---: | ---: | ---: | --- |")
         for n in args.clients:

@@ -26,6 +26,11 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
         "/v1/models, /health) over one continuous batch, with prefix caching",
     )
     add_model_arguments(p)  # path, --backend, --dtype, --device, --threads
+    p.add_argument(
+        "--dequantize", action="store_true",
+        help="unpack a quantized checkpoint (.gguf, mlx-lm folder) to --dtype at load: more "
+        "memory, faster products where the quantized kernels are slow (a CPU)",
+    )  # fmt: skip
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     p.add_argument("--port", type=non_negative_int, default=8000, help="port (default 8000)")
     p.add_argument(
@@ -91,7 +96,10 @@ def run_serve(args: argparse.Namespace) -> int:
     print(f"portable-llm serve: loading {args.path} on {args.backend} ({threads} threads)",
           file=sys.stderr)  # fmt: skip
     try:
-        model = load(args.path, backend=args.backend, dtype=args.dtype, device=args.device)
+        model = load(
+            args.path, backend=args.backend, dtype=args.dtype, device=args.device,
+            dequantize=args.dequantize,
+        )  # fmt: skip
     except (FileNotFoundError, ValueError, TypeError, ImportError, OSError) as exc:
         print(f"portable-llm serve: error: {str(exc)[:2000]}", file=sys.stderr)
         return 1
