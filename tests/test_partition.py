@@ -8,6 +8,9 @@ same backend on one device (the tolerance table's float32 entry) and the greedy 
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -92,7 +95,12 @@ def test_plan_stages() -> None:
     ],
 )
 def test_bad_group_is_refused_before_the_weights_are_read(
-    tmp_path, monkeypatch, overrides, tp, pp, match
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    overrides: dict[str, Any],
+    tp: int,
+    pp: int,
+    match: str,
 ) -> None:
     write_checkpoint(tmp_path, tiny_config("llama", **overrides))
 
@@ -114,7 +122,7 @@ def test_group_on_a_backend_without_collectives() -> None:
 
 @numpy_only
 @pytest.mark.parametrize("model_type", ["qwen2", "llama"])  # tied embedding, untied head
-def test_pipeline_ranks_read_their_layers_only(tmp_path, model_type) -> None:
+def test_pipeline_ranks_read_their_layers_only(tmp_path: Path, model_type: str) -> None:
     cfg = tiny_config(model_type, num_hidden_layers=4)
     full = write_checkpoint(tmp_path, cfg)
     for rank in (0, 1):
@@ -127,7 +135,7 @@ def test_pipeline_ranks_read_their_layers_only(tmp_path, model_type) -> None:
 
 
 @numpy_only
-def test_tensor_ranks_read_their_slices(tmp_path) -> None:
+def test_tensor_ranks_read_their_slices(tmp_path: Path) -> None:
     full = write_checkpoint(tmp_path, tiny_config("mixtral"))
     model, _ = read_partitioned(tmp_path, LoadOptions(), _Ranks(tp=(2, 1)))
     a, moe = model.blocks[0].attn, model.blocks[0].moe
@@ -137,12 +145,14 @@ def test_tensor_ranks_read_their_slices(tmp_path) -> None:
     np.testing.assert_array_equal(moe["arrays"][1][3], w1[24:])
 
 
-def _equal_to_one_device(got: dict, want_logits: np.ndarray, want_tokens: list[int]) -> None:
+def _equal_to_one_device(
+    got: dict[str, Any], want_logits: np.ndarray, want_tokens: list[int]
+) -> None:
     assert_close(got["logits"], want_logits)
     assert [int(t) for t in got["tokens"]] == want_tokens
 
 
-def _one_device(folder, backend: str) -> tuple[np.ndarray, list[int]]:
+def _one_device(folder: Path, backend: str) -> tuple[np.ndarray, list[int]]:
     import portable_llm as pl
     from portable_llm.testing.partition import NEW_TOKENS, PROMPT
 
@@ -163,7 +173,7 @@ JAX_CASES = [
 
 @pytest.mark.skipif(bool(skip_reason("jax")), reason=str(skip_reason("jax")))
 @pytest.mark.parametrize(("model_type", "cases"), JAX_CASES)
-def test_jax_mesh_equals_one_device(tmp_path, model_type, cases) -> None:
+def test_jax_mesh_equals_one_device(tmp_path: Path, model_type: str, cases: list[str]) -> None:
     write_checkpoint(tmp_path / "ckpt", tiny_config(model_type))
     results = launch_jax(tmp_path / "ckpt", tmp_path / "out", cases)
     one = results.pop("one")
@@ -173,7 +183,7 @@ def test_jax_mesh_equals_one_device(tmp_path, model_type, cases) -> None:
 
 
 @pytest.mark.skipif(bool(skip_reason("jax")), reason=str(skip_reason("jax")))
-def test_jax_mesh_without_the_axis(tmp_path) -> None:
+def test_jax_mesh_without_the_axis(tmp_path: Path) -> None:
     import jax
     from jax.sharding import Mesh
 
@@ -198,7 +208,9 @@ PROCESS_CASES = [
 
 @pytest.mark.parametrize("engine", ["torch", "mlx"])
 @pytest.mark.parametrize(("model_type", "mode"), PROCESS_CASES)
-def test_two_local_ranks_equal_one_device(tmp_path, engine, model_type, mode) -> None:
+def test_two_local_ranks_equal_one_device(
+    tmp_path: Path, engine: str, model_type: str, mode: str
+) -> None:
     if skip_reason(engine):
         pytest.skip(str(skip_reason(engine)))
     write_checkpoint(tmp_path / "ckpt", tiny_config(model_type))
