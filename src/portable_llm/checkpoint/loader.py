@@ -14,6 +14,7 @@ from typing import Any
 from portable_llm.checkpoint.build import CheckpointContents, LoadOptions, build_model
 from portable_llm.checkpoint.folder import read_folder
 from portable_llm.checkpoint.gguf import read_gguf
+from portable_llm.checkpoint.hub import resolve_checkpoint
 from portable_llm.checkpoint.partitioned import read_partitioned
 from portable_llm.decoder.model import Model
 from portable_llm.partition.engine import engine_for
@@ -40,7 +41,9 @@ def load(
     Parameters
     ----------
     path : str or Path
-        A local folder as ``save_pretrained`` writes it (or a Hub snapshot): ``config.json``,
+        A ``.gguf`` file, a Hub repository id (``"org/name"``, read from the local Hugging Face
+        cache, never downloaded: :mod:`portable_llm.checkpoint.hub`), or a local folder as
+        ``save_pretrained`` writes it (or a Hub snapshot): ``config.json``,
         ``model.safetensors`` or ``model.safetensors.index.json`` with its shards; optionally
         ``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja`` and
         ``generation_config.json``. Every file must lie inside the folder (a Hub snapshot's
@@ -100,6 +103,7 @@ def load(
     )
     if tensor_parallel is not None or pipeline_parallel is not None:
         engine = engine_for(options.backend, tensor_parallel, pipeline_parallel)
+        path = resolve_checkpoint(path, revision=revision, gguf_file=gguf_file)
         if Path(path).suffix == ".gguf":
             raise ValueError("load: tensor_parallel/pipeline_parallel of a .gguf file: not yet")
         return read_partitioned(path, options, engine)[0]
@@ -109,9 +113,11 @@ def load(
 def read_checkpoint(path: str | Path, options: LoadOptions | None = None, /) -> CheckpointContents:
     """What :func:`load` builds its model from: a folder read by
     :func:`~portable_llm.checkpoint.folder.read_folder`, a ``.gguf`` file by
-    :func:`~portable_llm.checkpoint.gguf.read_gguf`. ``options``: default ``LoadOptions()``."""
+    :func:`~portable_llm.checkpoint.gguf.read_gguf`, a Hub repository id resolved in the local
+    cache first (:func:`~portable_llm.checkpoint.hub.resolve_checkpoint`, with ``options``'
+    ``revision`` and ``gguf_file``). ``options``: default ``LoadOptions()``."""
     options = LoadOptions() if options is None else options
-    source = Path(path)
+    source = resolve_checkpoint(path, revision=options.revision, gguf_file=options.gguf_file)
     if source.suffix == ".gguf" and not source.is_dir():
         return read_gguf(source, options)
     return read_folder(source, options)

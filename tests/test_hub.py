@@ -1,0 +1,186 @@
+"""Hub names: ``pl.load("org/name")`` resolves in a local Hugging Face cache laid out as
+huggingface_hub lays it out (``models--org--name/snapshots/<commit>``, ``refs/<branch>``,
+files symlinked into ``blobs/``), built by the test; ``revision=``, ``gguf_file=``; nothing is
+downloaded; a name not in the cache is one clear error; the containment rule holds there."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import portable_llm as pl
+from portable_llm.models import CheckpointError
+from portable_llm.testing.checkpoints import tiny_config, write_checkpoint, write_tokenizer
+
+pytest.importorskip("huggingface_hub", reason="Hub names need huggingface_hub (extra: hub)")
+
+MAIN = "a" * 40
+OLD = "b" * 40
+IDS = [[5, 9, 200, 17]]
+
+
+def _cache_repo(cache: Path, repo_id: str, commit: str, files: dict[str, bytes]) -> Path:
+    """``files`` stored as huggingface_hub stores them: content-addressed blobs, the snapshot
+    of ``commit`` made of relative symlinks into ``blobs/``. Returns the snapshot folder."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        link = snapshot / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    return snapshot
+
+
+def _set_ref(cache: Path, repo_id: str, ref: str, commit: str) -> None:
+    refs = cache / ("models--" + repo_id.replace("/", "--")) / "refs"
+    refs.mkdir(parents=True, exist_ok=True)
+    (refs / ref).write_text(commit)
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    hub = tmp_path / "hf" / "hub"
+    hub.mkdir(parents=True)
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return hub
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two tiny checkpoints with different weights (two revisions of one repository)."""
+    base = tmp_path_factory.mktemp("hub_src")
+    cfg = tiny_config("qwen2")
+    for rev, seed in (("main", 0), ("old", 1)):
+        write_checkpoint(base / rev, cfg, seed=seed)
+        write_tokenizer(base / rev, vocab_size=cfg["vocab_size"])
+    return {rev: base / rev for rev in ("main", "old")}
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def _logits(model: pl.Model) -> np.ndarray:
+    return pl.to_numpy(model(IDS))
+
+
+def test_repo_id_loads_from_the_cache(cache: Path, folders: dict[str, Path]) -> None:
+    _cache_repo(cache, "org/tiny", MAIN, _files(folders["main"]))
+    _set_ref(cache, "org/tiny", "main", MAIN)
+    np.testing.assert_array_equal(_logits(pl.load("org/tiny")), _logits(pl.load(folders["main"])))
+
+
+def test_revision_picks_a_branch_or_a_commit(cache: Path, folders: dict[str, Path]) -> None:
+    _cache_repo(cache, "org/tiny", MAIN, _files(folders["main"]))
+    _cache_repo(cache, "org/tiny", OLD, _files(folders["old"]))
+    _set_ref(cache, "org/tiny", "main", MAIN)
+    _set_ref(cache, "org/tiny", "v1", OLD)
+    old = _logits(pl.load(folders["old"]))
+    np.testing.assert_array_equal(_logits(pl.load("org/tiny", revision="v1")), old)
+    np.testing.assert_array_equal(_logits(pl.load("org/tiny", revision=OLD)), old)
+    assert not np.array_equal(_logits(pl.load("org/tiny")), old)
+    with pytest.raises(FileNotFoundError, match="at revision 'v2'"):
+        pl.load("org/tiny", revision="v2")
+
+
+def test_gguf_repository_with_gguf_file(cache: Path, tmp_path: Path) -> None:
+    from test_gguf import family_config, random_weights, write_gguf
+
+    cfg = family_config("qwen2", num_hidden_layers=1)
+    file = tmp_path / "m.Q8_0.gguf"
+    write_gguf(file, "qwen2", cfg, random_weights(cfg))
+    _cache_repo(cache, "org/tiny-GGUF", MAIN, {"m.Q8_0.gguf": file.read_bytes(), "README.md": b""})
+    _set_ref(cache, "org/tiny-GGUF", "main", MAIN)
+    got = _logits(pl.load("org/tiny-GGUF", gguf_file="m.Q8_0.gguf"))
+    np.testing.assert_array_equal(got, _logits(pl.load(file)))
+    with pytest.raises(FileNotFoundError, match=r"pass gguf_file= one of m\.Q8_0\.gguf"):
+        pl.load("org/tiny-GGUF")
+    with pytest.raises(FileNotFoundError, match=r"no 'other\.gguf'.*its GGUF files: m\.Q8_0"):
+        pl.load("org/tiny-GGUF", gguf_file="other.gguf")
+    with pytest.raises(CheckpointError, match="not a file name inside"):
+        pl.load("org/tiny-GGUF", gguf_file="../../../m.gguf")
+
+
+def test_name_not_in_the_cache_is_one_clear_error(cache: Path) -> None:
+    with pytest.raises(FileNotFoundError) as info:
+        pl.load("org/absent")
+    message = str(info.value)
+    assert "'org/absent' is neither a local path nor a Hub repository in the cache" in message
+    assert "HF_HUB_OFFLINE is set, and pl.load never downloads" in message
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+
+
+def test_online_never_downloads(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without HF_HUB_OFFLINE nothing is fetched either: the error says how to fetch."""
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+
+    def no_network(*args: object, **kwargs: object) -> None:
+        raise AssertionError("pl.load opened a connection")
+
+    import socket
+
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    with pytest.raises(FileNotFoundError, match=r"fetch it first \(hf download org/absent\)"):
+        pl.load("org/absent")
+
+
+def test_local_paths_win_and_revision_is_for_hub_ids(
+    cache: Path, folders: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An existing folder named like a repository id is the folder, not the cache's."""
+    monkeypatch.chdir(folders["main"].parent)
+    _cache_repo(cache, "x/y", MAIN, _files(folders["old"]))
+    _set_ref(cache, "x/y", "main", MAIN)
+    local = folders["main"].parent / "x" / "y"
+    local.parent.mkdir(exist_ok=True)
+    if not local.exists():
+        local.symlink_to(folders["main"])
+    np.testing.assert_array_equal(_logits(pl.load("x/y")), _logits(pl.load(folders["main"])))
+    with pytest.raises(ValueError, match="revision='v1' applies to Hub repository ids"):
+        pl.load(folders["main"], revision="v1")
+
+
+def test_hostile_cache_layouts_are_contained(cache: Path, folders: dict[str, Path]) -> None:
+    """A ``blobs`` that is a symlink to ``/`` lets nothing out (issue 22: a template linked
+    through it to any file was rendered); nor does a snapshot file linked out of ``blobs/``,
+    nor a ref naming a folder outside ``snapshots/``."""
+    files = _files(folders["main"])
+    snapshot = _cache_repo(cache, "org/evil", MAIN, files)
+    _set_ref(cache, "org/evil", "main", MAIN)
+    pl.load("org/evil")  # the layout itself is fine
+    repo = snapshot.parent.parent
+    secret = cache.parent / "secret.jinja"
+    secret.write_text("{{ 'SECRET' }}")
+    # a snapshot file linked straight out of blobs/
+    (snapshot / "chat_template.jinja").symlink_to(os.path.relpath(secret, snapshot))
+    with pytest.raises(CheckpointError, match=r"chat_template\.jinja' leads out of the checkpoint"):
+        pl.load("org/evil")
+    # blobs -> "/", every file linked through it
+    store = repo / "store"
+    (repo / "blobs").rename(store)
+    (repo / "blobs").symlink_to("/")
+    for name in [*files, "chat_template.jinja"]:
+        (snapshot / name).unlink()
+        target = secret if name == "chat_template.jinja" else store / _blob(files[name])
+        (snapshot / name).symlink_to("../../blobs" + str(target))
+    assert (snapshot / "chat_template.jinja").read_text() == "{{ 'SECRET' }}"  # it does lead out
+    with pytest.raises(CheckpointError, match="leads out of the checkpoint folder"):
+        pl.load("org/evil")
+    # a ref naming a folder outside snapshots/
+    _set_ref(cache, "org/evil", "main", "../../../../hf")
+    with pytest.raises((CheckpointError, FileNotFoundError, ValueError)):
+        pl.load("org/evil")
+
+
+def _blob(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
