@@ -111,8 +111,9 @@ def check_tokenizer_metadata(meta: GGUFMetadata, vocab: int) -> None:
     """The ``tokenizer.ggml.*`` values checked before a tokenizer is built from them: tokens
     (one per embedding row), their types and scores, merges, special ids inside the vocabulary
     and the add-token flags."""
-    if meta.get("tokenizer.ggml.model") is not None:
-        meta.text("tokenizer.ggml.model")
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template"):
+        if meta.get(key) is not None:
+            meta.text(key)
     tokens = meta.items("tokenizer.ggml.tokens", (str,), "strings", None)
     if tokens and len(tokens) != vocab:
         raise meta.fail(
