@@ -51,6 +51,9 @@ def test_plan_splits_heads_rows_and_columns() -> None:
     m = "model.layers.0.mlp."
     assert p.index(m + "down_proj.weight", (32, 48)) == (slice(None), slice(24, 48))
     assert p.index(m + "down_proj.bias", (32,)) == (slice(None),)
+    assert p.zeroed(m + "down_proj.bias") and not plan_partition(cfg, tp=(2, 0)).zeroed(
+        m + "down_proj.bias"
+    )  # held by TP rank 0 only: the all-reduce counts it once
     assert p.index(m + "up_proj.bias", (48,)) == (slice(24, 48),)
     assert p.index("model.embed_tokens.weight", (300, 32)) == (slice(None), slice(None))
     c = p.config

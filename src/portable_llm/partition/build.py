@@ -45,6 +45,8 @@ def build_partitioned(
 
     def host(name: str, plan: PartitionPlan) -> Any:
         x = engine.place(name, shapes[name], plan, read)
+        if isinstance(x, np.ndarray) and plan.zeroed(name):
+            x = np.zeros_like(x)
         return (
             backend.from_numpy(np.ascontiguousarray(x), device) if isinstance(x, np.ndarray) else x
         )

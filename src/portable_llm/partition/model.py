@@ -7,7 +7,8 @@ stages: stage 0 embeds, each stage runs its layers and hands the hidden states o
 stage norms and projects, and every rank gets the logits. Within a layer, each rank's attention
 and MLP (or MoE) give a partial sum over its heads and intermediate slices, completed by one
 all-reduce each: ``h = h + all_reduce(attention(norm(h)))``, ``h = h + all_reduce(mlp(norm(h)))``.
-Biases that follow a reduction (``o_proj``, ``down_proj``) are added once, after it.
+An ``o_proj`` bias is added once, after the sum; a ``down_proj`` bias is held by TP rank 0
+only (zeros elsewhere), so the sum counts it once.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from portable_llm.backends import Backend, backend_of
 from portable_llm.core.arrays import asarray
 from portable_llm.decoder.config import DecoderConfig
 from portable_llm.decoder.model import Block, Model
+from portable_llm.ops.activations import activation
 from portable_llm.ops.embedding import embedding
 from portable_llm.ops.linear import linear, mlp
 from portable_llm.ops.moe import moe
-from portable_llm.ops.norm import rms_norm
+from portable_llm.ops.norm import layer_norm, rms_norm
 from portable_llm.partition.engine import Engine
 
 __all__ = ["PartitionedModel"]
@@ -120,28 +122,40 @@ class PartitionedModel(Model):
         if h is not None and last in self.stages:
             if last_only:
                 h = h[:, -1:, :]  # (B, 1, E)
-            h = rms_norm(h, self.norm, eps=eps)
+            if self.config.norm == "layer":
+                h = layer_norm(h, self.norm, self.norm_bias, eps=eps)
+            else:
+                h = rms_norm(h, self.norm, eps=eps)
             head = self.embed if self.lm_head is None else self.lm_head
-            logits = linear(h, head)  # (B, L, V)
+            logits = linear(h, head, self.head_bias)  # (B, L, V)
         shape = (B, 1 if last_only else L, self.full_config.vocab_size)
         return e.share_logits(logits, shape, self.norm)
 
     def _block(self, block: Block, h: Any, cache: Any, left_padding: Any, eps: float) -> Any:
-        """One layer: the block's ops, each partial sum completed by the engine."""
+        """One layer: :class:`~portable_llm.decoder.model.Block`'s ops, each partial sum
+        (attention, feed-forward) completed by the engine's all-reduce."""
         e = self.engine
-        r = rms_norm(h, block.input_norm, eps=eps)
-        a = e.all_reduce(attention(r, **block.attn, cache=cache, left_padding=left_padding))
-        if block.o_bias is not None:
+        r = block.norm(h, block.input_norm, block.input_bias, eps)
+        a = attention(r, **block.attn, cache=cache, left_padding=left_padding)
+        if block.parallel:  # Phi-2: one all-reduce of attention + feed-forward
+            a = e.all_reduce(a + _feed_forward(block, r))
+            return (a if block.o_bias is None else a + block.o_bias) + h
+        a = e.all_reduce(a)
+        if block.o_bias is not None:  # whole on every rank: added after the sum
             a = a + block.o_bias
         h = h + a
-        r = rms_norm(h, block.post_norm, eps=eps)
-        if block.moe is not None:
-            m = e.all_reduce(moe(r, *block.moe["arrays"], **block.moe["options"]))
-        else:
-            assert block.mlp is not None
-            opts = dict(block.mlp_options)
-            b_down = opts.pop("b_down", None)
-            m = e.all_reduce(mlp(r, *block.mlp, **opts))
-            if b_down is not None:
-                m = m + b_down
-        return h + m
+        r = block.norm(h, block.post_norm, block.post_bias, eps)
+        return h + e.all_reduce(_feed_forward(block, r))
+
+
+def _feed_forward(block: Block, r: Any) -> Any:
+    """The rank's partial MLP or MoE (its ``down_proj`` bias is zeros on TP ranks but 0)."""
+    if block.moe is not None:
+        return moe(r, *block.moe["arrays"], **block.moe["options"])
+    assert block.mlp is not None
+    w_gate, w_up, w_down = block.mlp
+    opts = block.mlp_options
+    if w_gate is None:  # the plain MLP: down(act(up(r)))
+        up = linear(r, w_up, opts["b_up"])
+        return linear(activation(opts["act"])(up), w_down, opts["b_down"])
+    return mlp(r, *block.mlp, **opts)

@@ -6,14 +6,14 @@ the sizes (and this process's ranks) of the two groups, before any weight is rea
 - **tensor parallel** (Megatron): ``q_proj``/``k_proj``/``v_proj`` and ``gate_proj``/``up_proj``
   are split by rows (their output columns: whole heads, whole intermediate slices),
   ``o_proj``/``down_proj`` by columns (their input), so each rank's attention and MLP give a
-  partial sum that one all-reduce completes; biases added after a reduction (``o_proj``,
-  ``down_proj``) stay whole and are added once. With fewer KV heads than ranks, the KV heads
-  are *replicated*: rank ``r`` holds KV head ``r // (T / H_kv)``, the one its query heads read
-  (vLLM's and mlx-lm's rule), so ``T`` must be a multiple of ``H_kv``. MoE layers split every
-  expert's intermediate size (the router stays whole, so every rank routes alike and one
-  all-reduce completes the sum); the embedding, the final norm and the LM head are replicated
-  (no collective in the embedding nor a gather of the logits: every rank has the logits its
-  sampler needs).
+  partial sum that one all-reduce completes; an ``o_proj`` bias stays whole and is added once
+  after the sum, a ``down_proj`` bias is held by TP rank 0 (zeros on the others). With fewer KV
+  heads than ranks, the KV heads are *replicated*: rank ``r`` holds KV head ``r // (T / H_kv)``,
+  the one its query heads read (vLLM's and mlx-lm's rule), so ``T`` must be a multiple of
+  ``H_kv``. MoE layers split every expert's intermediate size (the router stays whole, so every
+  rank routes alike and one all-reduce completes the sum); the embedding, the final norm and the
+  LM head are replicated (no collective in the embedding nor a gather of the logits: every rank
+  has the logits its sampler needs).
 - **pipeline parallel** (Mistral): contiguous layer ranges, the first ``n % P`` stages one
   layer longer; stage 0 embeds, the last stage norms and projects (a tied embedding is read
   at both ends).
@@ -106,6 +106,11 @@ class PartitionPlan:
                 return None
             return ndim - 2 if name.endswith(".weight") or ndim == 3 else 0
         return None
+
+    def zeroed(self, name: str) -> bool:
+        """Whether this rank holds tensor ``name`` as zeros: a ``down_proj`` bias, added
+        before the all-reduce, is held by TP rank 0 only, so the sum counts it once."""
+        return self.tp_rank > 0 and name.endswith("down_proj.bias")
 
     def index(self, name: str, shape: tuple[int, ...]) -> tuple[slice, ...]:
         """The slice of tensor ``name`` (of full ``shape``) this rank holds (one ``slice`` per
