@@ -63,3 +63,17 @@ def test_one_prepared_decode_step_traces_every_kernel(folder, backend, quantized
         assert model.compiled.kernels
     assert ops == want
     assert int(pl.to_numpy(token)[0]) >= 0
+
+
+def test_a_generate_step_traces_its_forward_and_its_sampling(folder, backend) -> None:
+    """The decode loop's greedy choice and log-probabilities are the ops' kernels, asked of the
+    dispatcher: a step of generate_step records them after the model's."""
+    model = pl.load(folder, backend=backend)
+    steps = pl.generate_step(model, [5, 9, 17, 33])
+    next(steps)  # the prefill and the first token
+    with pl.trace() as t:
+        next(steps)
+        next(steps)
+    ops = [e.op for e in t]
+    assert SDPA in ops and "rope" in ops
+    assert ops.count("greedy") >= 1 and ops.count("greedy") == ops.count("log_softmax")

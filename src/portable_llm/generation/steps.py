@@ -17,6 +17,7 @@ import numpy as np
 from portable_llm.backends import Backend, backend_of
 from portable_llm.core.arrays import to_numpy
 from portable_llm.core.checks import check_optional_int
+from portable_llm.core.dispatch import pick
 from portable_llm.core.types import Array
 from portable_llm.generation.protocol import LanguageModel, check_model, decode_step
 from portable_llm.generation.sampler import LogitsProcessor, Sampler
@@ -264,13 +265,14 @@ class Decode:
     def _sample(self, logits: Any) -> tuple[Any, Any, Any]:
         """``(ids (B, 1), row maxima (B,) or None, logprobs (B, V) or None)``, on the device.
 
-        Greedy (the default) is :func:`~portable_llm.greedy`'s argmax (ties: the lowest id)
-        with the row maxima beside it, checked on the host with the ids (NaN or ``-inf``: no
-        distribution), instead of its per-row mark computed on the device; another sampler
-        marks such a row ``-1``.
+        Greedy (the default) and the log-probabilities are the kernels of
+        :func:`~portable_llm.greedy` and :func:`~portable_llm.ops.sampling.log_softmax`, asked
+        of the dispatcher (a trace records them); a row with no distribution (NaN or ``-inf``
+        throughout) gets id ``-1``, as from any sampler. The row maxima slot stays ``None``.
         """
         assert self.bk is not None
-        xp = self.bk.xp
+        bk = self.bk
+        xp = bk.xp
         if tuple(logits.shape) != (len(self.host), self.vocab):
             raise ValueError(
                 f"generate: the model's logits of step {self.step} have shape "
@@ -279,12 +281,12 @@ class Decode:
             )
         for processor in self.processors:
             logits = processor(self.tokens, logits)
-        lp = _log_softmax(xp, logits) if self.logprobs else None  # (B, V)
+        lp = None
+        if self.logprobs:
+            lp = pick(bk, "log_softmax", "auto", logits)(xp, logits)  # (B, V)
         if self.sampler is None or self.sampler is greedy:
-            ids = xp.argmax(logits, axis=-1, keepdims=True)  # MLX: uint32, cast in the step
-            if ids.dtype != self.index:  # (the embedding's cast would wait for the ids)
-                ids = xp.astype(ids, self.index)
-            return ids, xp.max(logits, axis=-1), lp
+            ids = pick(bk, "greedy", "auto", logits)(xp, logits)  # (B,) the default int dtype
+            return xp.reshape(ids, (-1, 1)), None, lp
         drawn = self.sampler(logits)
         if tuple(getattr(drawn, "shape", ())) != (len(self.host),):
             raise ValueError(
@@ -317,12 +319,3 @@ def prefill(model: LanguageModel, host: np.ndarray, cache: Sequence[Any], chunk:
             bk.synchronize(out)
         start += chunk
     return start
-
-
-def _log_softmax(xp: Any, logits: Array) -> Array:
-    """``log_softmax`` over the last axis in float32 (float64 kept): ``x - max - log Σ exp``."""
-    x = logits if logits.dtype == xp.float64 else xp.astype(logits, xp.float32)
-    top = xp.max(x, axis=-1, keepdims=True)  # (B, 1)
-    top = xp.where((top > -math.inf) & (top < math.inf), top, xp.zeros_like(top))
-    shifted = x - top
-    return shifted - xp.log(xp.sum(xp.exp(shifted), axis=-1, keepdims=True))

@@ -25,7 +25,7 @@ from portable_llm.core.checks import (
 from portable_llm.core.dispatch import pick, portable
 from portable_llm.core.types import Array, Namespace
 
-__all__ = ["greedy", "logprobs", "sample"]
+__all__ = ["greedy", "log_softmax", "logprobs", "sample"]
 
 #: A temperature below this is greedy, as 0 is (vLLM's ``_SAMPLING_EPS``). Logits this close to
 #: the top one would otherwise be a coin flip decided by float32 rounding, and ``x / T``
@@ -129,6 +129,20 @@ def _one_hot_logprobs(xp: Namespace, ids: Array, logits: Array) -> Array:
 def _index_dtype(xp: Namespace) -> Any:
     """The backend's default integer dtype (int64; int32 on MLX and on JAX without x64)."""
     return xp.asarray(0).dtype
+
+
+@portable("log_softmax", pure=True)
+def log_softmax(xp: Namespace, logits: Array) -> Array:
+    """``log_softmax`` of ``logits`` ``(B.., V)`` over the last axis: ``x - max - log sum exp``,
+    in float32 (float64 kept); a row without a finite maximum is shifted by 0 (its NaN or
+    infinities come through). The log-probabilities a decode loop yields beside each token
+    (the unfiltered distribution at temperature 1); its portable implementation, run through
+    the dispatcher (``pick(bk, "log_softmax", "auto", logits)``) so a trace records it."""
+    x = logits if logits.dtype == xp.float64 else xp.astype(logits, xp.float32)
+    top = xp.max(x, axis=-1, keepdims=True)  # (B.., 1)
+    top = xp.where((top > -math.inf) & (top < math.inf), top, xp.zeros_like(top))
+    shifted = x - top
+    return shifted - xp.log(xp.sum(xp.exp(shifted), axis=-1, keepdims=True))
 
 
 @portable("greedy", pure=True)
