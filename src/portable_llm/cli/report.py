@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import textwrap
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -48,7 +47,7 @@ from portable_llm.backends import (
 )
 from portable_llm.caches.kv import KVCache
 from portable_llm.cli.options import backend_name
-from portable_llm.cli.output import WIDTH, Table, UsageError
+from portable_llm.cli.output import Table, UsageError, wrap
 from portable_llm.core.arrays import asarray, to_numpy
 from portable_llm.core.dispatch import TraceEntry, dispatcher, trace
 from portable_llm.ops.activations import gelu, gelu_tanh, relu, silu, softmax
@@ -636,7 +635,7 @@ def load(name: str, file: TextIO, *, x64: bool = True) -> Backend | None:
     try:
         bk = get_backend(name)
     except BackendNotInstalledError as exc:
-        print(f"== {name}: skipped, not installed ({exc})\n", file=file)
+        print(wrap(f"== {name}: skipped, not installed ({exc})") + "\n", file=file)
         return None
     had_float64 = "float64" in bk.float_dtypes()
     if x64:  # float64 rows need it
@@ -654,7 +653,8 @@ def load_for_dtype(name: str, dtype: str, file: TextIO) -> Backend | None:
     the backend is skipped (not installed, or ``dtype`` is not among its float dtypes)."""
     bk = load(name, file, x64=False)
     if bk is not None and dtype not in bk.float_dtypes():
-        print(f"   skipped: no {dtype} on {name} ({', '.join(bk.float_dtypes())})", file=file)
+        dtypes = ", ".join(bk.float_dtypes())
+        print(wrap(f"   skipped: no {dtype} on {name} ({dtypes})", hang="     "), file=file)
         return None
     return bk
 
@@ -673,8 +673,7 @@ def _cells(row: Row) -> list[str]:
 
 
 def _wrap(text: str, indent: str, hang: str) -> list[str]:
-    return textwrap.wrap(text, WIDTH, initial_indent=indent, subsequent_indent=hang,
-                         break_on_hyphens=False)  # fmt: skip
+    return wrap(text, indent, hang).split("\n")
 
 
 def _notes(backend: str, rows: Sequence[Row]) -> list[str]:
@@ -738,11 +737,11 @@ def run_report(
     skip: set[str] = set()
     if numpy_bfloat16() is None and (not dtypes or "bfloat16" in dtypes):
         skip.add("bfloat16")
-        print(
+        note = (
             "note: bfloat16 skipped on every backend: ml_dtypes is not installed, and the NumPy "
-            "reference needs it (pip install 'portable-llm[bfloat16]')\n",
-            file=out,
+            "reference needs it (pip install 'portable-llm[bfloat16]')"
         )
+        print(wrap(note) + "\n", file=out)
     for name in names:
         start = time.perf_counter()
         bk = load(name, out)
