@@ -148,6 +148,46 @@ def test_tensor_ranks_read_their_slices(tmp_path: Path) -> None:
     np.testing.assert_array_equal(moe["arrays"][1][3], w1[24:])
 
 
+def _smollm_like_gguf(folder: Path, **types: str) -> tuple[Path, dict[str, np.ndarray]]:
+    """A llama GGUF with SmolLM2's head ratio (6 query heads, 3 KV heads), Q8_0 matrices."""
+    from test_gguf import family_config, gguf_tokenizer_meta, random_weights, write_gguf
+
+    cfg = family_config(
+        "llama", hidden_size=96, head_dim=16, num_attention_heads=6, num_key_value_heads=3,
+        intermediate_size=192, num_hidden_layers=2,
+    )  # fmt: skip
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = gguf_tokenizer_meta(folder / "tok")
+    file = folder / "smol.gguf"
+    held = write_gguf(file, "llama", cfg, random_weights(cfg), tok=tok, types=types)
+    return file, held
+
+
+@numpy_only
+def test_gguf_ranks_read_their_blocks(tmp_path: Path) -> None:
+    file, held = _smollm_like_gguf(tmp_path)
+    a, m = "model.layers.1.self_attn.", "model.layers.1.mlp."
+    for r in range(3):  # TP 3: 2 query heads and 1 KV head per rank
+        model, report = read_partitioned(file, LoadOptions(), _Ranks(tp=(3, r)))
+        b = model.blocks[1]
+        np.testing.assert_array_equal(
+            b.attn["wq"], held[a + "q_proj.weight"][32 * r : 32 * (r + 1)]
+        )
+        np.testing.assert_array_equal(
+            b.attn["wk"], held[a + "k_proj.weight"][16 * r : 16 * (r + 1)]
+        )
+        np.testing.assert_array_equal(
+            b.attn["wo"], held[a + "o_proj.weight"][:, 32 * r : 32 * (r + 1)]
+        )
+        assert b.mlp is not None
+        np.testing.assert_array_equal(
+            b.mlp[2], held[m + "down_proj.weight"][:, 64 * r : 64 * (r + 1)]
+        )
+        assert report.touched < 0.75 * report.file
+    with pytest.raises(ValueError, match="not a whole number of quantization groups of 32"):
+        read_partitioned(file, LoadOptions(), _Ranks(tp=(6, 0)))  # 16 columns of o_proj
+
+
 def _equal_to_one_device(
     got: dict[str, Any], want_logits: np.ndarray, want_tokens: list[int]
 ) -> None:
@@ -159,7 +199,7 @@ def _one_device(folder: Path, backend: str) -> tuple[np.ndarray, list[int]]:
     import portable_llm as pl
     from portable_llm.testing.partition import NEW_TOKENS, PROMPT
 
-    model = pl.load(folder, backend=backend, dtype="float32")
+    model = pl.load(folder, backend=backend, dtype="float32", dequantize=True)
     logits = np.asarray(pl.to_numpy(model([PROMPT])), dtype=np.float32)
     tokens = [int(t) for t in pl.generate(model, PROMPT, max_new_tokens=NEW_TOKENS, stop=())]
     return logits, tokens
@@ -219,4 +259,13 @@ def test_two_local_ranks_equal_one_device(
     write_checkpoint(tmp_path / "ckpt", tiny_config(model_type))
     logits, tokens = _one_device(tmp_path / "ckpt", engine)
     for got in launch(engine, mode, tmp_path / "ckpt", tmp_path / "out"):
+        _equal_to_one_device(got, logits, tokens)
+
+
+@pytest.mark.skipif(bool(skip_reason("mlx")), reason=str(skip_reason("mlx")))
+def test_gguf_tp3_on_three_mlx_ranks(tmp_path: Path) -> None:
+    """SmolLM2's head ratio at TP 3 (one KV head per rank), each rank reading its blocks."""
+    file, _ = _smollm_like_gguf(tmp_path / "ckpt")
+    logits, tokens = _one_device(file, "mlx")
+    for got in launch("mlx", "tp", file, tmp_path / "out", world=3):
         _equal_to_one_device(got, logits, tokens)

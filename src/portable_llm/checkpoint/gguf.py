@@ -48,6 +48,7 @@ from portable_llm.decoder.config import DecoderConfig
 
 __all__ = [
     "GGUF_ARCHITECTURES",
+    "GGUFSlices",
     "gguf_config",
     "gguf_tokenizer",
     "read_gguf",
@@ -104,10 +105,24 @@ def read_gguf(path: str | Path, options: LoadOptions | None = None, /) -> Checkp
     ValueError
         A dtype that is not a float dtype of the backend, or a device it does not have.
     """
-    from gguf import GGUFReader
-
     options = LoadOptions() if options is None else options
     file = Path(path)
+    meta, tensors, cfg = _open(file)
+    bk, target, dev = options.placement("float32")
+    names = _check(file, cfg, tensors)
+    with np.errstate(all="ignore"):  # non-finite scales decode to inf/NaN, as in llama.cpp
+        weights = {
+            name: _tensor(file, tensors[g], name, cfg, bk, target, dev, options.dequantize)
+            for name, g in names.items()
+        }
+    tokenizer, generation = _extras(file, meta, cfg)
+    return CheckpointContents(cfg, weights, bk, tokenizer, generation)
+
+
+def _open(file: Path) -> tuple[GGUFMetadata, dict[str, Any], DecoderConfig]:
+    """The metadata, tensors (memory-mapped, nothing read) and config of a GGUF file."""
+    from gguf import GGUFReader
+
     if not file.is_file():
         raise FileNotFoundError(f"load: no GGUF file {str(file)!r}")
     check_gguf_layout(file)  # every count against the file's size, before GGUFReader reads
@@ -121,13 +136,11 @@ def read_gguf(path: str | Path, options: LoadOptions | None = None, /) -> Checkp
         ) from None
     meta = GGUFMetadata(reader.fields, file)
     tensors = {t.name: t for t in reader.tensors}
-    cfg = gguf_config(meta, tensors)
-    bk, target, dev = options.placement("float32")
-    names = _check(file, cfg, tensors)
-    weights = {
-        name: _tensor(file, tensors[g], name, cfg, bk, target, dev, options.dequantize)
-        for name, g in names.items()
-    }
+    return meta, tensors, gguf_config(meta, tensors)
+
+
+def _extras(file: Path, meta: GGUFMetadata, cfg: DecoderConfig) -> tuple[Any, dict[str, Any]]:
+    """The tokenizer and the generation config (stop and BOS ids) of a GGUF file."""
     generation: dict[str, Any] = {}
     if cfg.eos_token_id:
         generation["eos_token_id"] = list(cfg.eos_token_id)
@@ -135,7 +148,60 @@ def read_gguf(path: str | Path, options: LoadOptions | None = None, /) -> Checkp
         generation["bos_token_id"] = cfg.bos_token_id
     with library_errors(f"{str(file)!r}: the tokenizer of its metadata (tokenizer.ggml.*)"):
         tokenizer = gguf_tokenizer(meta)
-    return CheckpointContents(cfg, weights, bk, tokenizer, generation)
+    return tokenizer, generation
+
+
+class GGUFSlices:
+    """A ``.gguf`` file read one tensor, or one slice of it, at a time (a rank of a
+    partitioned model reads only what it holds), as float32 (every block type dequantized).
+
+    ``config``, ``tokenizer`` and ``generation_config`` are :func:`read_gguf`'s; ``shapes``
+    maps each HF name to its full shape (checked as :func:`read_gguf` checks them);
+    ``touched`` counts the bytes of the blocks read; ``size`` is the file's.
+    A slice of a matrix's columns must hold whole blocks (32 values, 256 for K-quants).
+    """
+
+    def __init__(self, path: str | Path, /) -> None:
+        self.file = Path(path)
+        meta, self.tensors, self.config = _open(self.file)
+        self.names = _check(self.file, self.config, self.tensors)
+        self.shapes = {h: _shape(self.tensors[g]) for h, g in self.names.items()}
+        self.tokenizer, self.generation_config = _extras(self.file, meta, self.config)
+        self.touched = 0
+        self.size = self.file.stat().st_size
+        #: The largest block (in values) of the matrices a tensor-parallel split cuts along
+        #: their columns (``o_proj``, ``down_proj``): each rank's share must hold whole blocks.
+        self.column_block = max(
+            BLOCK_SIZES[self.tensors[g].tensor_type.name][0]
+            for h, g in self.names.items()
+            if h.endswith(("o_proj.weight", "down_proj.weight"))
+            and self.tensors[g].tensor_type.name in BLOCK_SIZES
+        )
+
+    def read(self, name: str, index: tuple[slice, ...] = ()) -> np.ndarray:
+        """Tensor ``name`` (HF name), or its slice ``index``, as float32."""
+        t = self.tensors[self.names[name]]
+        kind, blocks = _blocks(self.file, t)  # a view of the memory-mapped file
+        shape = _shape(t)
+        index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+        if len(shape) != 2:
+            self.touched += blocks.nbytes
+            return dequantize_blocks(kind, blocks).reshape(shape)[index]
+        (N, K), per = shape, BLOCK_SIZES[kind][0]
+        rows = np.arange(N)[index[0]]
+        order = _row_order(name, self.config)
+        if order is not None:
+            rows = order[rows]
+        c0, c1, _ = index[1].indices(K)
+        if c0 % per or c1 % per:
+            raise ValueError(
+                f"load: {self.names[name]} ({kind}) split at columns {c0}:{c1}, not along its "
+                f"blocks of {per}"
+            )
+        part = blocks.reshape(N, K // per, -1)[rows, c0 // per : c1 // per]  # reads these only
+        self.touched += part.nbytes
+        host = dequantize_blocks(kind, part.reshape(-1, part.shape[-1]))
+        return host.reshape(len(rows), c1 - c0)
 
 
 def _shape(t: Any) -> tuple[int, ...]:

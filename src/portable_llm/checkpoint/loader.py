@@ -71,7 +71,7 @@ def load(
         with one axis or ``(mesh, axis_name)`` (both at once: one 2-D mesh with axes ``"pp"``
         and ``"tp"`` passed to both); on torch a ``torch.distributed`` process group or 1-D
         ``DeviceMesh``; on MLX an ``mx.distributed.Group``. Each rank reads only the tensors
-        and slices it holds. A checkpoint folder only (not yet a ``.gguf`` file nor an mlx-lm
+        and slices it holds (a ``.gguf`` file's dequantized to ``dtype``; not yet an mlx-lm
         quantized folder).
 
     Returns
@@ -104,8 +104,6 @@ def load(
     if tensor_parallel is not None or pipeline_parallel is not None:
         engine = engine_for(options.backend, tensor_parallel, pipeline_parallel)
         path = resolve_checkpoint(path, revision=revision, gguf_file=gguf_file)
-        if Path(path).suffix == ".gguf":
-            raise ValueError("load: tensor_parallel/pipeline_parallel of a .gguf file: not yet")
         return read_partitioned(path, options, engine)[0]
     return build_model(read_checkpoint(path, options))
 
