@@ -1,1 +1,1 @@
-"""caches"""
+"""KV caches: growing buffers (KVCache, RotatingKVCache), page pools, paged and prefix caches."""

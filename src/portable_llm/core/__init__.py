@@ -1,1 +1,1 @@
-"""core"""
+"""The core: dispatch (portable or native kernels, traces), argument checks, array helpers."""
