@@ -189,20 +189,21 @@ def test_gguf_ranks_read_their_blocks(tmp_path: Path) -> None:
 
 
 def _equal_to_one_device(
-    got: dict[str, Any], want_logits: np.ndarray, want_tokens: list[int]
+    got: dict[str, Any], want_logits: np.ndarray, want: dict[str, Any]
 ) -> None:
     assert_close(got["logits"], want_logits)
-    assert [int(t) for t in got["tokens"]] == want_tokens
+    for key, tokens in want.items():  # generate, batch_generate, speculative_generate
+        np.testing.assert_array_equal(got[key], tokens, err_msg=key)
 
 
-def _one_device(folder: Path, backend: str) -> tuple[np.ndarray, list[int]]:
+def _one_device(folder: Path, backend: str) -> tuple[np.ndarray, dict[str, Any]]:
     import portable_llm as pl
-    from portable_llm.testing.partition import NEW_TOKENS, PROMPT
+    from portable_llm.testing.partition import NEW_TOKENS, PROMPT, more_tokens
 
     model = pl.load(folder, backend=backend, dtype="float32", dequantize=True)
     logits = np.asarray(pl.to_numpy(model([PROMPT])), dtype=np.float32)
     tokens = [int(t) for t in pl.generate(model, PROMPT, max_new_tokens=NEW_TOKENS, stop=())]
-    return logits, tokens
+    return logits, {"tokens": np.asarray(tokens), **more_tokens(model)}
 
 
 JAX_CASES = [

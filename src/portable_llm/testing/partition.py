@@ -3,14 +3,14 @@ to check a setup): ``python -m portable_llm.testing.partition ENGINE MODE RANK W
 FOLDER OUT``.
 
 ``ENGINE``: ``torch`` (gloo over ``tcp://ADDRESS``) or ``mlx`` (the ring backend: ``ADDRESS`` is
-the hostfile, a JSON list of one ``["127.0.0.1:port"]`` list per rank, as ``mlx.launch``
-writes it); ``MODE``: ``tp`` or ``pp`` (the whole world as one group). Each rank writes
+the hostfile, a JSON list of one ``["127.0.0.1:port"]`` list per rank, as ``mlx.launch`` writes
+it); ``MODE``: ``tp`` or ``pp`` (the whole world as one group). Each rank writes
 ``OUT/rank{RANK}.npz``: the logits of :data:`PROMPT` (float32), the greedy tokens of
-:func:`~portable_llm.generate`, and the bytes it held and touched (``LoadReport``).
-:func:`launch` starts the processes and waits for them. JAX drives every device from one
-process: :func:`launch_jax` runs :func:`run_jax`'s cases (``tp2``, ``pp2``, ``pp2tp2``, ...)
-in a process with 8 host devices (``python -m portable_llm.testing.partition jax FOLDER OUT
-DTYPE CASES...``).
+:func:`~portable_llm.generate` (and of ``batch_generate`` and ``speculative_generate``), and the
+bytes it held and touched (``LoadReport``). :func:`launch` starts the processes and waits for
+them. JAX drives every device from one process: :func:`launch_jax` runs :func:`run_jax`'s cases
+(``tp2``, ``pp2``, ``pp2tp2``, ...) in a process with 8 host devices (``python -m
+portable_llm.testing.partition jax FOLDER OUT DTYPE CASES...``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,16 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["NEW_TOKENS", "PROMPT", "free_port", "launch", "launch_jax", "run_jax", "run_rank"]
+__all__ = [
+    "NEW_TOKENS",
+    "PROMPT",
+    "free_port",
+    "launch",
+    "launch_jax",
+    "more_tokens",
+    "run_jax",
+    "run_rank",
+]
 
 #: The prompt each rank runs (token ids below the tiny checkpoints' vocabulary).
 PROMPT = [3, 17, 42, 9, 100, 7, 250, 31]
@@ -68,17 +77,28 @@ def run_rank(
     model, report = read_partitioned(folder, LoadOptions(backend=engine, dtype="float32"), eng)
     logits = to_numpy(model([PROMPT])).astype(np.float32)
     tokens = [int(t) for t in generate(model, PROMPT, max_new_tokens=NEW_TOKENS, stop=())]
-    np.savez(
-        Path(out) / f"rank{rank}.npz",
-        logits=logits,
-        tokens=np.asarray(tokens),
-        held=report.held,
-        touched=report.touched,
-        total=report.total,
-        file_bytes=report.file,
-    )
+    results: dict[str, Any] = {"logits": logits, "tokens": np.asarray(tokens)}
+    results.update(more_tokens(model))
+    results.update(held=report.held, touched=report.touched, total=report.total)
+    np.savez(Path(out) / f"rank{rank}.npz", file_bytes=report.file, **results)
     if engine == "torch":
         dist.destroy_process_group()
+
+
+def more_tokens(model: Any) -> dict[str, np.ndarray]:
+    """Greedy tokens of :func:`~portable_llm.batch_generate` (two prompts of two lengths) and
+    of :func:`~portable_llm.speculative_generate` with the model as its own draft."""
+    from portable_llm.generation.batch import batch_generate
+    from portable_llm.generation.speculative import speculative_generate
+
+    rows = batch_generate(model, [PROMPT, PROMPT[:5]], max_new_tokens=NEW_TOKENS, stop=())
+    spec = speculative_generate(
+        model, model, PROMPT, max_new_tokens=NEW_TOKENS, stop=(), num_draft_tokens=2
+    )
+    return {
+        "batch": np.asarray(rows),
+        "speculative": np.asarray([int(t) for t in spec]),
+    }
 
 
 def launch(engine: str, mode: str, folder: str | Path, out: str | Path, *, world: int = 2,
