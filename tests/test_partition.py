@@ -20,7 +20,7 @@ from portable_llm.checkpoint.partitioned import read_partitioned
 from portable_llm.checkpoint.shards import SafetensorsFiles
 from portable_llm.decoder.config import DecoderConfig
 from portable_llm.partition import Engine, plan_partition, stage_layers
-from portable_llm.testing import assert_close
+from portable_llm.testing import MODEL_TOLERANCES, assert_close
 from portable_llm.testing.checkpoints import tiny_config, write_checkpoint
 from portable_llm.testing.partition import launch, launch_jax
 
@@ -196,12 +196,14 @@ def _equal_to_one_device(
         np.testing.assert_array_equal(got[key], tokens, err_msg=key)
 
 
-def _one_device(folder: Path, backend: str) -> tuple[np.ndarray, dict[str, Any]]:
+def _one_device(
+    folder: Path, backend: str, dtype: str = "float32"
+) -> tuple[np.ndarray, dict[str, Any]]:
     import portable_llm as pl
     from portable_llm.testing.partition import NEW_TOKENS, PROMPT, more_tokens
 
-    model = pl.load(folder, backend=backend, dtype="float32", dequantize=True)
-    logits = np.asarray(pl.to_numpy(model([PROMPT])), dtype=np.float32)
+    model = pl.load(folder, backend=backend, dtype=dtype, dequantize=True)
+    logits = pl.to_numpy(model([PROMPT])).astype(np.float32)
     tokens = [int(t) for t in pl.generate(model, PROMPT, max_new_tokens=NEW_TOKENS, stop=())]
     return logits, {"tokens": np.asarray(tokens), **more_tokens(model)}
 
@@ -270,3 +272,29 @@ def test_gguf_tp3_on_three_mlx_ranks(tmp_path: Path) -> None:
     logits, tokens = _one_device(file, "mlx")
     for got in launch("mlx", "tp", file, tmp_path / "out", world=3):
         _equal_to_one_device(got, logits, tokens)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["torch", "mlx"])
+@pytest.mark.parametrize("mode", ["tp", "pp"])
+def test_bfloat16_ranks_equal_one_device(tmp_path: Path, engine: str, mode: str) -> None:
+    """bfloat16 logits within the whole-model table (``MODEL_TOLERANCES``): a TP rank rounds
+    its partial sum to bfloat16 before the all-reduce, one rounding more than one device's
+    product, so only the logits are compared."""
+    if skip_reason(engine):
+        pytest.skip(str(skip_reason(engine)))
+    write_checkpoint(tmp_path / "ckpt", tiny_config("llama"))
+    logits, _ = _one_device(tmp_path / "ckpt", engine, "bfloat16")
+    tol = MODEL_TOLERANCES["bfloat16"]
+    for got in launch(engine, mode, tmp_path / "ckpt", tmp_path / "out", dtype="bfloat16"):
+        assert_close(got["logits"], logits, rtol=tol.rtol, atol=tol.atol)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(bool(skip_reason("jax")), reason=str(skip_reason("jax")))
+def test_jax_bfloat16_mesh(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path / "ckpt", tiny_config("llama"))
+    results = launch_jax(tmp_path / "ckpt", tmp_path / "out", ["tp2", "pp2tp2"], dtype="bfloat16")
+    one, tol = results.pop("one"), MODEL_TOLERANCES["bfloat16"]
+    for case, got in results.items():
+        assert_close(got["logits"], one["logits"], rtol=tol.rtol, atol=tol.atol, err_msg=case)

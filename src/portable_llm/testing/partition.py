@@ -1,6 +1,6 @@
 """Run a partitioned model in local processes, one per rank, as the tests do (and as a user can,
 to check a setup): ``python -m portable_llm.testing.partition ENGINE MODE RANK WORLD ADDRESS
-FOLDER OUT``.
+FOLDER OUT DTYPE``.
 
 ``ENGINE``: ``torch`` (gloo over ``tcp://ADDRESS``) or ``mlx`` (the ring backend: ``ADDRESS`` is
 the hostfile, a JSON list of one ``["127.0.0.1:port"]`` list per rank, as ``mlx.launch`` writes
@@ -51,9 +51,17 @@ def free_port() -> int:
 
 
 def run_rank(
-    engine: str, mode: str, rank: int, world: int, address: str, folder: str, out: str
+    engine: str,
+    mode: str,
+    rank: int,
+    world: int,
+    address: str,
+    folder: str,
+    out: str,
+    dtype: str = "float32",
 ) -> None:
-    """One rank: join the group, load its share of ``folder``, write its results to ``out``."""
+    """One rank: join the group, load its share of ``folder`` in ``dtype``, write its results
+    (logits as float32) to ``out``."""
     from portable_llm.checkpoint.build import LoadOptions
     from portable_llm.checkpoint.partitioned import read_partitioned
     from portable_llm.core.arrays import to_numpy
@@ -74,7 +82,7 @@ def run_rank(
         assert group.rank() == rank and group.size() == world
     kw = {"tensor_parallel" if mode == "tp" else "pipeline_parallel": group}
     eng = engine_for(engine, kw.get("tensor_parallel"), kw.get("pipeline_parallel"))
-    model, report = read_partitioned(folder, LoadOptions(backend=engine, dtype="float32"), eng)
+    model, report = read_partitioned(folder, LoadOptions(backend=engine, dtype=dtype), eng)
     logits = to_numpy(model([PROMPT])).astype(np.float32)
     tokens = [int(t) for t in generate(model, PROMPT, max_new_tokens=NEW_TOKENS, stop=())]
     results: dict[str, Any] = {"logits": logits, "tokens": np.asarray(tokens)}
@@ -102,7 +110,7 @@ def more_tokens(model: Any) -> dict[str, np.ndarray]:
 
 
 def launch(engine: str, mode: str, folder: str | Path, out: str | Path, *, world: int = 2,
-           timeout: float = 120.0) -> list[dict[str, Any]]:  # fmt: skip
+           dtype: str = "float32", timeout: float = 120.0) -> list[dict[str, Any]]:  # fmt: skip
     """Start ``world`` local ranks of ``engine`` in ``mode`` and return each one's results."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -126,6 +134,7 @@ def launch(engine: str, mode: str, folder: str | Path, out: str | Path, *, world
                 address,
                 str(folder),
                 str(out),
+                dtype,
             ],
             env=env,
             stdout=subprocess.PIPE,
@@ -204,5 +213,5 @@ if __name__ == "__main__":
     if sys.argv[1] == "jax":
         run_jax(sys.argv[2], sys.argv[3], sys.argv[5:], sys.argv[4])
     else:
-        e, m, r, w, a, f, o = sys.argv[1:8]
-        run_rank(e, m, int(r), int(w), a, f, o)
+        e, m, r, w, a, f, o, d = sys.argv[1:9]
+        run_rank(e, m, int(r), int(w), a, f, o, d)
