@@ -6,7 +6,8 @@ paths.
 
 Families run by the decoder so far: ``phi`` (Phi-2: LayerNorm with bias, attention and MLP in
 parallel from one norm, biases everywhere, ``fc1 -> gelu_new -> fc2``, partial rotary, an
-``lm_head`` bias).
+``lm_head`` bias) and ``gpt2`` (learned positions, fused ``c_attn``, Conv1D weights stored
+``(in, out)``, LayerNorm, a tied head, the ``transformer.`` prefix).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         "num_attention_heads": 4, "max_position_embeddings": 256, "partial_rotary_factor": 0.5,
         "rope_theta": 10000.0,
     }),
+    "gpt2": ("GPT2", {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64}),
 }  # fmt: skip
 IDS = np.random.default_rng(0).integers(3, V, size=(2, 12))
 STEPS = 16
@@ -45,7 +47,8 @@ def _build(family: str, folder: Path, seed: int) -> Any:
         vocab_size=V, bos_token_id=1, eos_token_id=2, **extra
     )
     torch.manual_seed(seed)
-    model = getattr(transformers, f"{name}ForCausalLM")(config).eval()
+    cls = "GPT2LMHeadModel" if name == "GPT2" else f"{name}ForCausalLM"
+    model = getattr(transformers, cls)(config).eval()
     with torch.no_grad():  # wider than the default init: varied greedy tokens
         for name, p in model.named_parameters():
             if name.endswith("bias"):
@@ -135,3 +138,37 @@ def test_bfloat16_matches_transformers(hf_models: dict, family: str, backend: st
     got = model(pl.asarray(IDS, backend=backend))
     assert_close(got, _hf_logits(hf16, IDS), backend=backend, dtype="bfloat16", rtol=tol.rtol,
                  atol=tol.atol)  # fmt: skip
+
+
+def test_gpt2_original_layout(hf_models: dict, tmp_path: Path) -> None:
+    """The layout of the original ``gpt2`` checkpoint: no ``transformer.`` prefix, and the
+    causal-mask buffers old checkpoints carry (``h.N.attn.bias``), which are ignored."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    folder, hf = hf_models["gpt2"]
+    tensors = load_file(str(folder / "model.safetensors"))
+    renamed = {k.removeprefix("transformer."): v for k, v in tensors.items()}
+    renamed["h.0.attn.bias"] = np.tril(np.ones((1, 1, 64, 64), np.float32))
+    shutil.copy(folder / "config.json", tmp_path / "config.json")
+    save_file(renamed, str(tmp_path / "model.safetensors"))
+    model = pl.load(tmp_path, backend="numpy", dtype="float32")
+    assert_close(model(IDS), _hf_logits(hf, IDS))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_left_padded_rows_equal_alone(hf_models: dict, family: str, backend: str) -> None:
+    """A left-padded batch: each row's logits are those of the row alone (positions, learned
+    or rotary, start at the row's first real token), prepared and op-by-op."""
+    folder, _ = hf_models[family]
+    model = pl.load(folder, backend=backend, dtype="float32")
+    short = IDS[1, :7]
+    batch = np.stack([IDS[0, :10], np.concatenate([[0, 0, 0], short])])
+    pad = pl.asarray(np.array([0, 3]), backend=backend)
+    slow = copy.copy(model)
+    slow.prepared, slow.compiled = None, None
+    for m in (model, slow):
+        got = pl.to_numpy(m(pl.asarray(batch, backend=backend), left_padding=pad))
+        alone = pl.to_numpy(m(pl.asarray(short[None], backend=backend)))
+        assert_close(got[1:, 3:], alone, backend="numpy")

@@ -26,6 +26,7 @@ import numpy as np
 
 from portable_llm.backends import FLOAT_DTYPES, Backend, numpy_bfloat16
 from portable_llm.checkpoint.files import CheckpointError, listed
+from portable_llm.checkpoint.gpt2_layout import GPT2_IGNORED, Derived, gpt2_sources
 from portable_llm.checkpoint.shards import INDEX, SAFETENSORS_FLOATS, SafetensorsFiles
 from portable_llm.decoder.config import DecoderConfig
 
@@ -54,6 +55,8 @@ def expected_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
     E, V, D = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
     H, H_kv = cfg.num_attention_heads, cfg.num_key_value_heads
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, E)}
+    if cfg.position_embedding == "learned":  # GPT-2's wpe
+        out["model.embed_positions.weight"] = (cfg.max_position_embeddings or 0, E)
     norms = ("weight", "bias") if cfg.norm == "layer" else ("weight",)  # LayerNorm: a bias too
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
@@ -144,6 +147,19 @@ class _Sources:
         self.direct: dict[str, str] = {}  # expected name -> file name
         self.pieces: dict[str, dict[tuple[int, str], str]] = {}  # "...experts" -> (e, proj)
         self.unexpected: list[str] = []
+        #: expected name -> (file name, its shape, transform): a tensor cut from another
+        #: (GPT-2's fused, transposed Conv1D weights; gpt2_layout).
+        self.derived: dict[str, Derived] = {}
+        if cfg.model_type == "gpt2":
+            table = gpt2_sources(cfg, files)
+            self.derived = {k: v for k, v in table.items() if v[0] in files}
+            used = {v[0] for v in table.values()}
+            self.unexpected = [
+                f for f in files
+                if f not in used and not GPT2_IGNORED.match(f)
+                and not (f == "lm_head.weight" and cfg.tie_word_embeddings)
+            ]  # fmt: skip
+            files = {}
         for file_name in files:
             name = _canonical(family_name(cfg.model_type, file_name))
             m = _LEGACY_EXPERT.match(name)
@@ -162,7 +178,7 @@ class _Sources:
         out = []
         for name in self.expected:
             stem, _, proj = name.rpartition(".")
-            if name in self.direct:
+            if name in self.direct or name in self.derived:
                 continue
             got = self.pieces.get(stem) if stem.endswith(".experts") else None
             if got is None:
@@ -203,6 +219,7 @@ def _check(src: _Sources, st: SafetensorsFiles) -> None:
         problems.append(f"unexpected tensors ({len(unexpected)}): {listed(unexpected)}")
     bad, kinds = [], []
     used = [(st.shapes[f], src.expected[name], f) for name, f in src.direct.items()]
+    used += list({(st.shapes[f], shape, f) for f, shape, _ in src.derived.values()})
     for stem, pieces in src.pieces.items():
         _, two_i, E = src.expected[stem + ".gate_up_proj"]
         want_piece = {"gate": (two_i // 2, E), "up": (two_i // 2, E), "down": (E, two_i // 2)}
@@ -278,6 +295,9 @@ def _host_tensors(
                     )
         elif name in src.direct:
             yield name, read(src.direct[name])
+        elif name in src.derived:
+            file_name, _, cut = src.derived[name]
+            yield name, cut(read(file_name))
         else:
             yield name, _stack(src.pieces[stem], "down", src.num_experts, read)  # (X, E, I)
 

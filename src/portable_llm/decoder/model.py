@@ -21,7 +21,7 @@ from portable_llm.core.checks import check_int
 from portable_llm.decoder.compiled import CompiledStep, compiled_step
 from portable_llm.decoder.config import DecoderConfig
 from portable_llm.decoder.paged_step import forward as paged_forward
-from portable_llm.decoder.prepared import Prepared, preparable
+from portable_llm.decoder.prepared import Prepared, position_ids, preparable
 from portable_llm.ops.activations import activation
 from portable_llm.ops.embedding import embedding, unembed
 from portable_llm.ops.linear import linear, mlp
@@ -169,6 +169,8 @@ class Model:
         self.norm_bias = weights.get("model.norm.bias")  # (E,): a final LayerNorm's bias
         self.lm_head = weights.get("lm_head.weight")  # (V, E); None when tied
         self.head_bias = weights.get("lm_head.bias")  # (V,): Phi-2's
+        #: Learned absolute position embeddings ``(P, E)`` (GPT-2's ``wpe``), or ``None``.
+        self.positions = weights.get("model.embed_positions.weight")
         self.blocks = [_block(config, weights, i) for i in range(config.num_hidden_layers)]
         self.tokenizer = tokenizer
         self.generation_config = dict(generation_config or {})
@@ -180,7 +182,7 @@ class Model:
         if prepared and preparable(backend, self.dtype, self._top_arrays(), self.blocks):
             self.prepared = Prepared(
                 config, backend, self.dtype, self.embed, self.norm, self.lm_head, self.blocks,
-                norm_bias=self.norm_bias, head_bias=self.head_bias,
+                norm_bias=self.norm_bias, head_bias=self.head_bias, positions=self.positions,
             )  # fmt: skip
         #: The compiled decode step (:mod:`portable_llm.decoder.compiled`; JAX, and MLX for
         #: float weights), run by a call with one token per row and caches that hold the
@@ -190,7 +192,7 @@ class Model:
             self.compiled = compiled_step(self.prepared)
 
     def _top_arrays(self) -> list[Any]:
-        top = (self.embed, self.norm, self.lm_head, self.norm_bias, self.head_bias)
+        top = (self.embed, self.norm, self.lm_head, self.norm_bias, self.head_bias, self.positions)
         return [a for a in top if a is not None]
 
     def __repr__(self) -> str:
@@ -253,6 +255,14 @@ class Model:
             return self._prepared(ids, cache, left_padding, last_only, check_ids=True)
         eps = self.config.rms_norm_eps
         h = embedding(ids, self.embed)  # (B, L, E)
+        if self.positions is not None:  # GPT-2: h = wte[ids] + wpe[positions]
+            start, pad = (0, left_padding) if cache is None else (
+                cache[0].offset, cache[0].left_padding
+            )  # fmt: skip
+            if pad is not None:
+                start = start - asarray(pad, backend=bk.name, device=self.device)  # (B,)
+            pos = position_ids(bk.xp, start, ids.shape[1], getattr(h, "device", None))
+            h = h + embedding(pos, self.positions)
         for i, block in enumerate(self.blocks):
             layer_cache = None if cache is None else cache[i]
             h = block(h, cache=layer_cache, left_padding=left_padding, eps=eps)

@@ -59,6 +59,7 @@ Fn = Callable[..., Any]
 
 __all__ = [
     "AttnWeights",
+    "position_ids",
     "Layer",
     "MlpWeights",
     "Packed",
@@ -81,6 +82,9 @@ class Prepared:
     blocks : the model's :class:`~portable_llm.decoder.model.Block` records
     norm_bias, head_bias : arrays ``(E,)``, ``(V,)``, optional
         The final LayerNorm's bias (GPT-2, Phi-2) and the LM head's (Phi-2).
+    positions : array ``(P, E)``, optional
+        Learned absolute position embeddings (GPT-2's ``wpe``), added to the token embeddings
+        before the first layer.
     """
 
     def __init__(
@@ -95,9 +99,10 @@ class Prepared:
         *,
         norm_bias: Any = None,
         head_bias: Any = None,
+        positions: Any = None,
     ) -> None:
         self.config = config
-        self.norm_bias, self.head_bias = norm_bias, head_bias
+        self.norm_bias, self.head_bias, self.positions = norm_bias, head_bias, positions
         #: The model's norms are LayerNorm (GPT-2, Phi-2), with biases; else RMSNorm.
         self.layer_norm = config.norm == "layer"
         self.bk = bk
@@ -159,8 +164,13 @@ class Prepared:
         return self.head_logits(h, norm, head, step.kn)
 
     def run_layers(self, h: Any, step: Step, layers: Sequence[Layer]) -> Any:
-        """The decoder layers over ``h`` ``(B, L, E)``; ``step`` holds what they share."""
+        """The decoder layers over ``h`` ``(B, L, E)``; ``step`` holds what they share (and,
+        with learned positions, where the rows start: their embeddings are added first)."""
         xp, kn = self.xp, step.kn
+        if self.positions is not None:  # GPT-2: h = wte[ids] + wpe[positions]
+            start = step.offset if step.rows is None else step.rows
+            pos = position_ids(xp, start, step.L, getattr(h, "device", None))
+            h = h + self.dispatch.pick("embedding", "masked")(xp, pos, self.positions)
         for i, layer in enumerate(layers):
             r = self.normed(kn, h, layer.input_norm, layer.input_bias)
             a = attention_body(xp, kn, r, layer.attn, step, i)
@@ -196,6 +206,17 @@ class Prepared:
             head = bind_weight(self.dispatch, head)
         h = self.normed(kn, h, norm, self.norm_bias)
         return kn.project(self.xp, h, head, self.head_bias)  # (B, L, V)
+
+
+def position_ids(xp: Any, start: Any, L: int, device: Any) -> Any:
+    """Positions ``start + l`` of ``L`` new tokens: ``(L,)`` for an int (or traced 0-d) start,
+    ``(B, L)`` for ``(B,)`` row starts (a left-padded row starts below 0: its pad columns get
+    position 0, as they are masked anyway)."""
+    steps = xp.arange(L, device=device)  # (L,)
+    if getattr(start, "ndim", 0) == 1:
+        pos = xp.reshape(start, (start.shape[0], 1)) + steps  # (B, L)
+        return xp.where(pos < 0, xp.zeros_like(pos), pos)
+    return steps + start  # (L,)
 
 
 class Step:
