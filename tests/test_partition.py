@@ -298,3 +298,30 @@ def test_jax_bfloat16_mesh(tmp_path: Path) -> None:
     one, tol = results.pop("one"), MODEL_TOLERANCES["bfloat16"]
     for case, got in results.items():
         assert_close(got["logits"], one["logits"], rtol=tol.rtol, atol=tol.atol, err_msg=case)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(bool(skip_reason("torch")), reason=str(skip_reason("torch")))
+def test_cli_generate_under_torchrun(tmp_path: Path) -> None:
+    """``portable-llm generate --tensor-parallel 2 --pipeline-parallel 2`` under ``torchrun``
+    (4 ranks: two TP groups, two pipelines) prints the one-process tokens, once."""
+    import os
+    import subprocess
+    import sys
+
+    from portable_llm.testing.partition import free_port
+
+    write_checkpoint(tmp_path, tiny_config("llama"))
+    cmd = ["generate", str(tmp_path), "--backend", "torch", "--ids", "3,17,42"]
+    cmd += ["--max-new-tokens", "6"]
+    one = subprocess.run(
+        [sys.executable, "-m", "portable_llm", *cmd], capture_output=True, text=True
+    )
+    run = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4"]
+    run += ["--master-port", str(free_port()), "-m", "portable_llm", *cmd]
+    run += ["--tensor-parallel", "2", "--pipeline-parallel", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    split = subprocess.run(run, capture_output=True, text=True, timeout=300, env=env)
+    assert split.returncode == 0, split.stderr[-2000:]
+    tokens = one.stdout.splitlines()[0]
+    assert split.stdout.splitlines().count(tokens) == 1, split.stdout

@@ -4,6 +4,7 @@ continuation of a prompt, then say why it stopped and how fast it ran."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Any, TextIO
@@ -54,6 +55,21 @@ def add_generate_parser(sub: Any) -> argparse.ArgumentParser:
         "the same tokenizer proposes tokens that the model verifies; prints the acceptance rate",
     )
     p.add_argument(
+        "--tensor-parallel",
+        type=positive_int,
+        default=1,
+        metavar="T",
+        help="split the model over T ranks by heads (torch: started by torchrun, MLX: by "
+        "mlx.launch, JAX: T of its devices); see docs/partition.md",
+    )
+    p.add_argument(
+        "--pipeline-parallel",
+        type=positive_int,
+        default=1,
+        metavar="P",
+        help="split the model's layers over P ranks (as --tensor-parallel; both: T x P ranks)",
+    )
+    p.add_argument(
         "--num-draft-tokens",
         type=positive_int,
         default=4,
@@ -79,6 +95,7 @@ def run_generate(
     from portable_llm.checkpoint.loader import load
     from portable_llm.generation.generate import generate
     from portable_llm.generation.speculative import SpeculativeStats, speculative_generate
+    from portable_llm.partition.engine import launch_groups
 
     out = out if out is not None else sys.stdout
     ids = getattr(args, "ids", None)
@@ -95,7 +112,16 @@ def run_generate(
     try:
         progress(f"loading {args.path} on {args.backend} ({plural(threads, 'thread')}) ...")
         start = time.perf_counter()
-        model = load(args.path, backend=args.backend, dtype=args.dtype, device=args.device)
+        groups, main = launch_groups(
+            args.backend,
+            tensor_parallel=getattr(args, "tensor_parallel", 1),
+            pipeline_parallel=getattr(args, "pipeline_parallel", 1),
+        )
+        if not main:  # every rank generates; rank 0 prints
+            out = open(os.devnull, "w")  # noqa: SIM115
+        model = load(
+            args.path, backend=args.backend, dtype=args.dtype, device=args.device, **groups
+        )
         draft = None
         if draft_path is not None:
             draft = load(draft_path, backend=args.backend, dtype=args.dtype, device=args.device)

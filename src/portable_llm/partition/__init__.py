@@ -7,7 +7,7 @@ its own; :class:`PartitionedModel` runs the stages with the engine's collectives
 """
 
 from portable_llm.partition.build import build_partitioned
-from portable_llm.partition.engine import ENGINES, Engine, engine_for
+from portable_llm.partition.engine import ENGINES, Engine, engine_for, launch_groups
 from portable_llm.partition.model import PartitionedModel
 from portable_llm.partition.plan import PartitionPlan, plan_partition, stage_layers
 
@@ -18,6 +18,7 @@ __all__ = [
     "PartitionedModel",
     "build_partitioned",
     "engine_for",
+    "launch_groups",
     "plan_partition",
     "stage_layers",
 ]

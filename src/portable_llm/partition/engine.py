@@ -22,7 +22,7 @@ import numpy as np
 from portable_llm.decoder.config import DecoderConfig
 from portable_llm.partition.plan import PartitionPlan, plan_partition
 
-__all__ = ["ENGINES", "Engine", "engine_for"]
+__all__ = ["ENGINES", "Engine", "engine_for", "launch_groups"]
 
 #: The backends that partition a model, and the module of each one's engine.
 ENGINES = {
@@ -107,3 +107,23 @@ def engine_for(backend: str, tensor_parallel: Any, pipeline_parallel: Any) -> En
     module = import_module(ENGINES[backend])
     engine: Engine = module.make_engine(tensor_parallel, pipeline_parallel)
     return engine
+
+
+def launch_groups(
+    backend: str, *, tensor_parallel: int = 1, pipeline_parallel: int = 1
+) -> tuple[dict[str, Any], bool]:
+    """The groups of a process started by the engine's launcher (``torchrun``, ``mlx.launch``;
+    JAX: this process's devices), for a split of ``tensor_parallel`` x ``pipeline_parallel``
+    ranks: the keywords of :func:`portable_llm.load` (empty for 1 x 1) and whether this
+    process is rank 0 (the one that prints)."""
+    if tensor_parallel == pipeline_parallel == 1:
+        return {}, True
+    if backend not in ENGINES:
+        raise ValueError(
+            f"--tensor-parallel/--pipeline-parallel need a backend with collectives "
+            f"({', '.join(ENGINES)}); got {backend!r}"
+        )
+    groups: tuple[dict[str, Any], bool] = import_module(ENGINES[backend]).launch_groups(
+        tensor_parallel, pipeline_parallel
+    )
+    return groups

@@ -19,7 +19,7 @@ import numpy as np
 from portable_llm.partition.engine import Engine, Reader
 from portable_llm.partition.plan import PartitionPlan
 
-__all__ = ["JaxEngine", "make_engine"]
+__all__ = ["JaxEngine", "launch_groups", "make_engine"]
 
 
 def _axis(handle: Any, keyword: str, want: str) -> tuple[Any, str]:
@@ -107,3 +107,26 @@ class JaxEngine(Engine):
 
 def make_engine(tensor_parallel: Any, pipeline_parallel: Any) -> JaxEngine:
     return JaxEngine(tensor_parallel, pipeline_parallel)
+
+
+def launch_groups(tp: int, pp: int) -> tuple[dict[str, Any], bool]:
+    """A mesh over the first ``tp * pp`` of ``jax.devices()`` (axes ``"pp"`` and ``"tp"`` when
+    both are > 1). Returns the keywords of :func:`portable_llm.load` and ``True`` (one
+    process drives them all)."""
+    import jax
+    from jax.sharding import Mesh
+
+    devices = jax.devices()
+    if len(devices) < tp * pp:
+        raise ValueError(
+            f"--tensor-parallel {tp} x --pipeline-parallel {pp} needs {tp * pp} JAX devices; "
+            f"there are {len(devices)} (on a CPU: XLA_FLAGS="
+            f"--xla_force_host_platform_device_count={tp * pp})"
+        )
+    mesh = Mesh(np.asarray(devices[: tp * pp]).reshape(pp, tp), ("pp", "tp"))
+    out: dict[str, Any] = {}
+    if tp > 1:
+        out["tensor_parallel"] = mesh if pp > 1 else (mesh, "tp")
+    if pp > 1:
+        out["pipeline_parallel"] = mesh if tp > 1 else (mesh, "pp")
+    return out, True

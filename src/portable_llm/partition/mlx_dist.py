@@ -10,7 +10,7 @@ from typing import Any
 
 from portable_llm.partition.engine import Engine
 
-__all__ = ["MlxEngine", "make_engine"]
+__all__ = ["MlxEngine", "launch_groups", "make_engine"]
 
 
 def _group(handle: Any, keyword: str) -> Any:
@@ -61,3 +61,31 @@ class MlxEngine(Engine):
 
 def make_engine(tensor_parallel: Any, pipeline_parallel: Any) -> MlxEngine:
     return MlxEngine(tensor_parallel, pipeline_parallel)
+
+
+def launch_groups(tp: int, pp: int) -> tuple[dict[str, Any], bool]:
+    """The groups of a process started by ``mlx.launch`` (``mx.distributed.init()``): ranks
+    ``[p T, (p + 1) T)`` form stage ``p``'s TP group (``Group.split``). Returns the keywords of
+    :func:`portable_llm.load` and whether this is rank 0."""
+    import mlx.core as mx
+
+    world = mx.distributed.init(strict=True)
+    size, rank = world.size(), world.rank()
+    if size != tp * pp:
+        raise ValueError(
+            f"--tensor-parallel {tp} x --pipeline-parallel {pp} = {tp * pp} ranks, but "
+            f"mlx.launch started {size}"
+        )
+    if tp > 1 and pp > 1:
+        try:
+            groups = {
+                "tensor_parallel": world.split(rank // tp),
+                "pipeline_parallel": world.split(rank % tp),
+            }
+        except RuntimeError as exc:  # the ring backend: "[ring] Group split not supported."
+            raise ValueError(
+                f"--tensor-parallel with --pipeline-parallel on MLX needs Group.split, which "
+                f"this backend lacks ({exc}); use one of them"
+            ) from None
+        return groups, rank == 0
+    return {"tensor_parallel" if tp > 1 else "pipeline_parallel": world}, rank == 0

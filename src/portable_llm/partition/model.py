@@ -66,10 +66,13 @@ class PartitionedModel(Model):
         self.full_config = full_config
 
     def __repr__(self) -> str:
-        e = self.engine
+        c, e = self.full_config, self.engine
         return (
-            super().__repr__()[:-1]
-            + f", tensor_parallel={e.tp_size}, pipeline_parallel={e.pp_size})"
+            f"PartitionedModel({c.model_type}, layers={c.num_hidden_layers}, "
+            f"E={c.hidden_size}, H={c.num_attention_heads}, H_kv={c.num_key_value_heads}, "
+            f"V={c.vocab_size}, backend={self.backend.name!r}, "
+            f"dtype={self.backend.dtype_name(self.dtype)}, tensor_parallel={e.tp_size}, "
+            f"pipeline_parallel={e.pp_size}, stages here={sorted(self.stages)})"
         )
 
     @property

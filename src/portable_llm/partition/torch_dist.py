@@ -12,7 +12,7 @@ from typing import Any
 
 from portable_llm.partition.engine import Engine
 
-__all__ = ["TorchEngine", "make_engine"]
+__all__ = ["TorchEngine", "launch_groups", "make_engine"]
 
 
 def _group(handle: Any, keyword: str) -> Any:
@@ -82,3 +82,29 @@ class TorchEngine(Engine):
 
 def make_engine(tensor_parallel: Any, pipeline_parallel: Any) -> TorchEngine:
     return TorchEngine(tensor_parallel, pipeline_parallel)
+
+
+def launch_groups(tp: int, pp: int) -> tuple[dict[str, Any], bool]:
+    """The groups of a process started by ``torchrun`` (the process group joined here when it
+    is not yet: NCCL where CUDA is, gloo otherwise): ranks ``[p T, (p + 1) T)`` form stage
+    ``p``'s TP group, ranks ``t, t + T, ...`` TP rank ``t``'s pipeline. Returns the keywords of
+    :func:`portable_llm.load` and whether this is rank 0."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world != tp * pp:
+        raise ValueError(
+            f"--tensor-parallel {tp} x --pipeline-parallel {pp} = {tp * pp} ranks, but torchrun "
+            f"started {world}"
+        )
+    out: dict[str, Any] = {}
+    if tp > 1:
+        groups = [dist.new_group(list(range(p * tp, (p + 1) * tp))) for p in range(pp)]
+        out["tensor_parallel"] = groups[rank // tp] if pp > 1 else dist.group.WORLD
+    if pp > 1:
+        groups = [dist.new_group(list(range(t, world, tp))) for t in range(tp)]
+        out["pipeline_parallel"] = groups[rank % tp] if tp > 1 else dist.group.WORLD
+    return out, rank == 0
