@@ -180,7 +180,10 @@ def _mesh(case: str) -> dict[str, Any]:
 
 def run_jax(folder: str, out: str, cases: list[str], dtype: str = "float32") -> None:
     """The JAX cases in this process (started with ``XLA_FLAGS`` asking for 8 host devices):
-    ``OUT/{case}.npz`` for each, and ``one`` for the model on one device."""
+    ``OUT/{case}.npz`` for each, and ``one`` for the model on one device. The ids arrive as
+    an ordinary JAX array on the first device."""
+    import jax
+
     from portable_llm.checkpoint.loader import load
     from portable_llm.core.arrays import to_numpy
     from portable_llm.generation.generate import generate
@@ -188,7 +191,8 @@ def run_jax(folder: str, out: str, cases: list[str], dtype: str = "float32") -> 
     for case in ["one", *cases]:
         kw = {} if case == "one" else _mesh(case)
         model = load(folder, backend="jax", dtype=dtype, **kw)
-        logits = to_numpy(model([PROMPT])).astype(np.float32)
+        ids = jax.device_put(np.asarray([PROMPT]), jax.devices()[0])  # on the first device
+        logits = to_numpy(model(ids)).astype(np.float32)
         tokens = [int(t) for t in generate(model, PROMPT, max_new_tokens=NEW_TOKENS, stop=())]
         np.savez(Path(out) / f"{case}.npz", logits=logits, tokens=np.asarray(tokens))
 
