@@ -355,6 +355,10 @@ class SliceReader:
         stem, _, proj = name.rpartition(".")
         if name in self.src.direct:
             return self._read(self.src.direct[name], index)
+        if name in self.src.derived:  # cut from a fused tensor (GPT-2), read whole
+            file_name, _, cut = self.src.derived[name]
+            full = self._read(file_name, (slice(None),) * len(self.st.shapes[file_name]))
+            return np.ascontiguousarray(cut(full)[index])
         if proj in ("gate_proj", "up_proj") and stem + ".gate_up_proj" in self.src.direct:
             fused = self.src.direct[stem + ".gate_up_proj"]  # (X, 2I, E)
             half = self.shapes[name][1]

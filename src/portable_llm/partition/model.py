@@ -18,9 +18,10 @@ from typing import Any
 
 from portable_llm.attn.block import attention
 from portable_llm.backends import Backend, backend_of
-from portable_llm.core.arrays import asarray
+from portable_llm.core.arrays import asarray, creation_device
 from portable_llm.decoder.config import DecoderConfig
 from portable_llm.decoder.model import Block, Model
+from portable_llm.decoder.prepared import position_ids
 from portable_llm.ops.activations import activation
 from portable_llm.ops.embedding import embedding
 from portable_llm.ops.linear import linear, mlp
@@ -110,7 +111,7 @@ class PartitionedModel(Model):
         h = None
         for stage, layers in self.stages.items():
             if stage == 0:
-                h = embedding(ids, self.embed)  # (B, L, E)
+                h = self._embed(ids, cache, left_padding)  # (B, L, E)
             elif h is None:
                 h = e.recv(stage - 1, (B, L, self.config.hidden_size), self.norm)
             else:
@@ -133,6 +134,21 @@ class PartitionedModel(Model):
             logits = linear(h, head, self.head_bias)  # (B, L, V)
         shape = (B, 1 if last_only else L, self.full_config.vocab_size)
         return e.share_logits(logits, shape, self.norm)
+
+    def _embed(self, ids: Any, cache: Any, left_padding: Any) -> Any:
+        """The first stage's hidden states: the token embedding, plus GPT-2's learned
+        positions (as :class:`~portable_llm.decoder.model.Model` adds them)."""
+        h = embedding(ids, self.embed)  # (B, L, E)
+        if self.positions is None:
+            return h
+        bk = self.backend
+        start, pad = (0, left_padding) if cache is None else (
+            cache[0].offset, cache[0].left_padding
+        )  # fmt: skip
+        if pad is not None:
+            start = start - asarray(pad, backend=bk.name, device=self.device)  # (B,)
+        pos = position_ids(bk.xp, start, ids.shape[1], creation_device(h))
+        return h + embedding(pos, self.positions)
 
     def _block(self, block: Block, h: Any, cache: Any, left_padding: Any, eps: float) -> Any:
         """One layer: :class:`~portable_llm.decoder.model.Block`'s ops, each partial sum

@@ -85,6 +85,8 @@ class PartitionPlan:
             return int(m[1]) in self.layers
         if name == "model.embed_tokens.weight":
             return self.first or (self.last and self.full.tie_word_embeddings)
+        if name.startswith("model.embed_"):  # GPT-2's learned positions: where ids are embedded
+            return self.first
         return self.last  # model.norm.weight, lm_head.weight
 
     def local_name(self, name: str) -> str:
