@@ -419,6 +419,12 @@ def quantize(
     QuantizedWeight
         ``dequantize(quantize(w))`` is within half a step (``|scale| / 2``) of ``w`` per element,
         plus the rounding of scales and biases to w's dtype.
+
+    Raises
+    ------
+    ValueError
+        ``w`` holds a NaN or an infinity (on every backend and ``impl``: one rule, where MLX's
+        own kernel and the portable formula would disagree).
     """
     op = "quantize"
     bits, group_size = _check_format(op, bits, group_size)
@@ -429,6 +435,12 @@ def quantize(
         raise ValueError(
             f"{op}: the last dimension of w (shape {tuple(w.shape)}) must be a multiple of "
             f"group_size={group_size}"
+        )
+    if not bool(bk.xp.all(bk.xp.isfinite(w))):  # the one NaN rule, on every backend
+        raise ValueError(
+            f"{op}: w (shape {tuple(w.shape)}) holds NaN or infinite values; only finite "
+            "weights are quantized (MLX's kernel would map a NaN to a number, the portable "
+            "path would make its whole group NaN)"
         )
     packed, scales, biases = pick(bk, op, impl, w, bits=bits, group_size=group_size)(
         bk.xp, w, bits=bits, group_size=group_size
