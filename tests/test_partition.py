@@ -249,6 +249,10 @@ PROCESS_CASES = [
     pytest.param("qwen2", "pp", id="qwen2-pp2"),
     pytest.param("mixtral", "tp", id="mixtral-tp2", marks=pytest.mark.slow),
     pytest.param("llama", "pp", id="llama-pp2", marks=pytest.mark.slow),
+    pytest.param("mistral", "tp", id="mistral-tp2", marks=pytest.mark.slow),  # rotating caches
+    pytest.param("qwen3", "tp", id="qwen3-tp2", marks=pytest.mark.slow),  # q/k norms
+    pytest.param("qwen2_moe", "tp", id="qwen2_moe-tp2", marks=pytest.mark.slow),
+    pytest.param("qwen2_moe", "pp", id="qwen2_moe-pp2", marks=pytest.mark.slow),
 ]
 
 
