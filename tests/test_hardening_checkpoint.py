@@ -207,6 +207,15 @@ def test_bad_merges_and_a_bos_outside_the_alphabet(base: Path, tmp_path: Path) -
     bad = rewrite(base, tmp_path / "t.gguf", {"tokenizer.ggml.merges": (["zzz qqq"], VT.ARRAY)})
     with pytest.raises(CheckpointError, match=r"t\.gguf.*tokenizer"):
         pl.load(bad)
+    tokens = gguf.GGUFReader(base).fields["tokenizer.ggml.tokens"].contents()
+    tokens[1] = "\u20ac\u20ac"  # the BOS, spelled outside the byte-level alphabet
+    change = {
+        "tokenizer.ggml.tokens": (tokens, VT.ARRAY),
+        "tokenizer.ggml.add_bos_token": (True, VT.BOOL),
+    }
+    bad = rewrite(base, tmp_path / "b.gguf", change)
+    with pytest.raises(CheckpointError, match=r"b\.gguf.*tokenizer"):
+        pl.load(bad)
 
 
 def test_text_file_named_gguf(tmp_path: Path) -> None:
