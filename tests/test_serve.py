@@ -20,6 +20,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from conftest import skip_reason
+
+if skip_reason("numpy") is not None:  # the server runs the model on NumPy
+    pytest.skip(skip_reason("numpy"), allow_module_level=True)
 pytest.importorskip("starlette", reason="the serve extra (starlette) is not installed")
 uvicorn = pytest.importorskip("uvicorn", reason="the serve extra (uvicorn) is not installed")
 openai = pytest.importorskip("openai", reason="the openai client is not installed")
