@@ -39,7 +39,7 @@ class TokenEvent:
     logprobs: tuple[float, list[tuple[int, float]]] | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity (the engine finds a job in its lists)
 class Job:
     """One request as the engine runs it; its events go to ``queue`` on ``loop``.
 
