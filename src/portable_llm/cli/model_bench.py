@@ -8,7 +8,9 @@ shape, torch and MLX warm their allocators); the second is reported: prefill tok
 tokens over the time to the first new token) and decode tokens/s (the later tokens). Every
 engine runs on the same checkpoint, in the same process, one after the other.
 
-A ``.gguf`` file runs kept quantized on every backend (``pl.load(path)``), next to llama.cpp
+A ``.gguf`` file runs kept quantized on every backend (``pl.load(path)``) and dequantized at load
+(``dequantize=True``, the ``pl floats`` rows; then the memory of each choice and a warning line
+where the quantized weights decode slower than the dequantized ones), next to llama.cpp
 (``llama-cpp-python``, when installed) on the same file with torch's thread count; the table
 ends with each backend's decode speed as a fraction of llama.cpp's.
 """
@@ -30,7 +32,17 @@ import numpy as np
 from portable_llm.cli.output import Table, UsageError, wrap
 from portable_llm.cli.report import backend_names, load_for_dtype
 
-__all__ = ["GGUF_PEERS", "PEERS", "QWEN2_0_5B", "TINY", "run_model_bench", "write_bench_checkpoint"]
+__all__ = [
+    "DEQUANTIZED",
+    "GGUF_PEERS",
+    "MEMORY",
+    "PEERS",
+    "QWEN2_0_5B",
+    "TINY",
+    "run_model_bench",
+    "weight_bytes",
+    "write_bench_checkpoint",
+]
 
 #: Qwen2-0.5B's config.json, the fields a decoder reads.
 QWEN2_0_5B: dict[str, Any] = {
@@ -86,13 +98,38 @@ def write_bench_checkpoint(
     return folder
 
 
-def _ours(folder: Path, backend: str, dtype: str) -> tuple[float, Runner]:
+def weight_bytes(obj: Any, depth: int = 0) -> int:
+    """Bytes of the arrays and quantized weights a model holds (its embedding, norms, head and
+    blocks; a kernel's own repacked copy, e.g. torch's int4 layout, is not counted)."""
+    if hasattr(obj, "nbytes") and hasattr(obj, "shape"):  # an array or a QuantizedWeight
+        return int(obj.nbytes)
+    if depth > 4 or obj is None or isinstance(obj, str | int | float | bool):
+        return 0
+    if isinstance(obj, dict):
+        return sum(weight_bytes(v, depth + 1) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(weight_bytes(v, depth + 1) for v in obj)
+    fields = getattr(obj, "__dict__", None)
+    return 0 if fields is None else sum(weight_bytes(v, depth + 1) for v in fields.values())
+
+
+def _model_bytes(model: Any) -> int:
+    parts = (model.embed, model.norm, model.lm_head, model.blocks)
+    return sum(weight_bytes(p) for p in parts)
+
+
+#: (backend, dtype, dequantize) -> bytes of the weights of the last model loaded that way
+MEMORY: dict[tuple[str, str, bool], int] = {}
+
+
+def _ours(folder: Path, backend: str, dtype: str, dequantize: bool = False) -> tuple[float, Runner]:
     from portable_llm.checkpoint.loader import load
     from portable_llm.generation.generate import generate
 
     start = time.perf_counter()
-    model = load(folder, backend=backend, dtype=dtype)
+    model = load(folder, backend=backend, dtype=dtype, dequantize=dequantize)
     loaded = time.perf_counter() - start
+    MEMORY[backend, dtype, dequantize] = _model_bytes(model)
 
     def run(ids: np.ndarray, n: int) -> tuple[float, float]:
         gen = generate(model, ids[0], max_new_tokens=n, stop=())
@@ -284,6 +321,8 @@ def run_model_bench(
         if load_for_dtype(name, dtype, out) is None:
             continue
         engines = [("portable_llm", partial(_ours, folder, name, dtype))]
+        if gguf:  # the same file dequantized at load: the speed and memory of each choice
+            engines.append((DEQUANTIZED, partial(_ours, folder, name, dtype, True)))
         for engine, module, peer in () if gguf else PEERS.get(name, ()):
             if _installed(module):
                 engines.append((engine, partial(peer, folder, dtype)))
@@ -308,7 +347,7 @@ def run_model_bench(
         f"run is reported (the warm-up column is the first: compilation, allocation). {peers}."
     )
     print(wrap(text, "", ""), file=out)
-    for line in [*notes, *_ratios(rows)]:
+    for line in [*notes, *_ratios(rows), *(_choices(rows, dtype) if gguf else [])]:
         print(wrap(line), file=out)
     return 0
 
@@ -347,10 +386,38 @@ def _ratios(rows: list[list[str]]) -> list[str]:
         return []
     base = float(peer[0][5])
     return [
-        f"decode / llama.cpp: {r[1]} {r[2]} {float(r[5]) / base:.2f}x"
+        f"decode / llama.cpp: {r[1]} {r[2]}{' dequantized' if r[0] == DEQUANTIZED else ''} "
+        f"{float(r[5]) / base:.2f}x"
         for r in rows
-        if r[0] == "portable_llm" and r[5] != "-"
+        if r[0] in ("portable_llm", DEQUANTIZED) and r[5] != "-"
     ]
+
+
+#: The engine name of the rows that load a ``.gguf`` file with ``dequantize=True``.
+DEQUANTIZED = "pl floats"
+
+
+def _choices(rows: list[list[str]], dtype: str) -> list[str]:
+    """Per backend: the weights' memory kept quantized and dequantized, and a warning line
+    where the quantized weights decode slower than the dequantized ones."""
+    rate = {(r[0], r[1]): float(r[5]) for r in rows if r[5] != "-"}
+    lines = []
+    for (engine, backend), codes in rate.items():
+        floats = rate.get((DEQUANTIZED, backend))
+        if engine != "portable_llm" or floats is None:
+            continue
+        mb = [MEMORY.get((backend, dtype, d), 0) / 2**20 for d in (False, True)]
+        lines.append(
+            f"{backend} {dtype}: weights kept quantized {mb[0]:.0f} MiB, {codes:.2f} tok/s; "
+            f"dequantized {mb[1]:.0f} MiB, {floats:.2f} tok/s"
+        )
+        if codes < floats:
+            lines.append(
+                f"warning: {backend} {dtype}: the quantized weights decode slower "
+                f"({codes:.2f} tok/s) than dequantized ({floats:.2f} tok/s); "
+                f"pl.load(..., dequantize=True) trades {mb[1] - mb[0]:.0f} MiB for the speed"
+            )
+    return lines
 
 
 def _installed(module: str) -> bool:

@@ -285,10 +285,16 @@ def _int8_pack(packed: Any, scales: Any, biases: Any, dtype: Any) -> tuple[Any, 
         n, k = packed.shape[0], packed.shape[1] * 4
         g = scales.shape[1]
         codes = packed.view(torch.uint8) ^ 128  # q ^ 0x80 read as int8 is q - 128
-        codes = codes.view(torch.int8).reshape(n, g, k // g).transpose(0, 1).contiguous()
+        codes = codes.view(torch.int8).reshape(n, g, k // g).transpose(0, 1)  # (G, N, gs)
+        # Each group's codes and scales padded to a whole number of the kernel's blocks of
+        # output rows: at N not a multiple of 64, torch 2.13's _weight_int8pack_mm read past the
+        # end of its weight (a segfault, depending on what lay there: seen at N = 8, 16, 32, 48)
+        pad = -n % _INT8_BLOCK_N
+        codes = torch.nn.functional.pad(codes, (0, 0, 0, pad)).contiguous()  # (G, N + pad, gs)
         s32 = scales.float()
         zeros = (biases.float() + 128 * s32).T.contiguous()  # (G, N), float32
-        return codes, zeros, scales.T.contiguous()  # (G, N, gs), (G, N), (G, N) in x's dtype
+        s = torch.nn.functional.pad(scales.T, (0, pad)).contiguous()  # (G, N + pad), x's dtype
+        return codes, zeros, s
 
     return _repacked("int8", packed, scales, biases, dtype, build)
 
@@ -297,16 +303,18 @@ def _int8_pack(packed: Any, scales: Any, biases: Any, dtype: Any) -> tuple[Any, 
 # path's widening below this many output rows (1536x576: 0.82 against 0.33 ms), and win above
 # it (4864x896: 3.3 against 3.4 ms; the 49152x576 LM head: 20 against 72 ms).
 _INT8_MIN_N = 4096
+#: The output rows _int8_pack pads each group's codes to a multiple of (see there).
+_INT8_BLOCK_N = 64
 
 
 def _int8_grouped(x: Any, packed: Any, scales: Any, biases: Any, *, group_size: int) -> Any:
     codes, zeros, s = _int8_pack(packed, scales, biases, x.dtype)
-    g = codes.shape[0]
+    g, n = codes.shape[0], zeros.shape[1]
     xg = x.reshape(-1, g, group_size)  # (M, G, gs)
     y = xg.sum(-1, dtype=torch.float32) @ zeros  # (M, N), float32
     for i in range(g):  # each group's partial product rounded once to x's dtype
-        y += torch.ops.aten._weight_int8pack_mm(xg[:, i].contiguous(), codes[i], s[i])
-    return y.to(x.dtype).reshape(*x.shape[:-1], codes.shape[1])
+        y += torch.ops.aten._weight_int8pack_mm(xg[:, i].clone(), codes[i], s[i])[:, :n]
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
 def _bytes_applies(
