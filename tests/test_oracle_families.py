@@ -36,6 +36,13 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         "rope_theta": 10000.0,
     }),
     "gpt2": ("GPT2", {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64}),
+    "gemma2": ("Gemma2", {
+        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "max_position_embeddings": 256, "sliding_window": 6, "query_pre_attn_scalar": 24,
+        "attn_logit_softcapping": 20.0, "final_logit_softcapping": 10.0,
+        "tie_word_embeddings": False,  # a random tied head repeats the last token
+    }),
 }  # fmt: skip
 IDS = np.random.default_rng(0).integers(3, V, size=(2, 12))
 STEPS = 16
@@ -46,6 +53,7 @@ def _build(family: str, folder: Path, seed: int) -> Any:
     config = getattr(transformers, f"{name}Config")(
         vocab_size=V, bos_token_id=1, eos_token_id=2, **extra
     )
+    config._attn_implementation = "eager"  # Gemma 2's soft-capping: HF's eager attention
     torch.manual_seed(seed)
     cls = "GPT2LMHeadModel" if name == "GPT2" else f"{name}ForCausalLM"
     model = getattr(transformers, cls)(config).eval()
@@ -53,8 +61,8 @@ def _build(family: str, folder: Path, seed: int) -> Any:
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.copy_(torch.randn_like(p) * 0.1)
-            elif p.ndim == 1:  # a norm's weight
-                p.copy_(torch.rand_like(p) * 0.4 + 0.8)
+            elif p.ndim == 1:  # a norm's weight (Gemma's: the offset from a scale of 1)
+                p.copy_(torch.rand_like(p) * 0.4 + (-0.2 if family.startswith("gemma") else 0.8))
             else:
                 p.copy_(torch.randn_like(p) * 0.15)
     model.save_pretrained(folder)

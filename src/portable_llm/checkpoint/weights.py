@@ -64,6 +64,9 @@ def expected_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
             out[p + f"input_layernorm.{kind}"] = (E,)
             if not cfg.parallel_block:  # Phi-2: one norm feeds attention and MLP
                 out[p + f"post_attention_layernorm.{kind}"] = (E,)
+            if cfg.sandwich_norms:  # Gemma: the MLP's input and output normed too
+                out[p + f"pre_feedforward_layernorm.{kind}"] = (E,)
+                out[p + f"post_feedforward_layernorm.{kind}"] = (E,)
         for name, rows in (("q", H * D), ("k", H_kv * D), ("v", H_kv * D)):
             out[p + f"self_attn.{name}_proj.weight"] = (rows, E)
             if cfg.qkv_bias:

@@ -51,11 +51,14 @@ class Layer:
     input_bias: Any = None  # (E,): LayerNorm's bias
     post_bias: Any = None  # (E,)
     parallel: bool = False
+    attn_norm: Any = None  # (E,): Gemma's norm of the attention output
+    ff_norm: Any = None  # (E,): Gemma's norm of the MLP output
 
 
 def _arrays(block: Any) -> list[Any]:
     a = block.attn
     out = [block.input_norm, block.post_norm, block.o_bias, block.input_bias, block.post_bias]
+    out += [block.attn_norm, block.ff_norm]
     out += [a[k] for k in ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "q_norm", "k_norm")]
     if block.mlp is not None:
         out += [*block.mlp, *(block.mlp_options.get(f"b_{k}") for k in ("gate", "up", "down"))]
@@ -117,6 +120,7 @@ def bind_layer(block: Any, bind: Callable[[Any], Any]) -> Layer:
     return Layer(
         block.input_norm, block.post_norm, attn, dense, block.moe,
         input_bias=block.input_bias, post_bias=block.post_bias, parallel=block.parallel,
+        attn_norm=block.attn_norm, ff_norm=block.ff_norm,
     )  # fmt: skip
 
 

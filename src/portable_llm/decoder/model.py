@@ -6,6 +6,7 @@ time (:class:`Block`); the forward pass resolves nothing per layer beyond what t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,8 @@ class Block:
     post_bias: Any = None  # (E,)
     parallel: bool = False  # Phi-2: h + attention(norm(h)) + mlp(norm(h))
     layer_norm: bool = False  # the norms are LayerNorm (with input_bias, post_bias)
+    attn_norm: Any = None  # (E,): Gemma's norm of the attention output (sandwich norms)
+    ff_norm: Any = None  # (E,): Gemma's norm of the MLP output
 
     def norm(self, h: Any, w: Any, b: Any, eps: float) -> Any:
         if self.layer_norm:
@@ -59,9 +62,14 @@ class Block:
             a = a + self.o_bias
         if self.parallel:  # HF PhiDecoderLayer: attn_outputs + feed_forward + residual
             return (a + self._feed_forward(r)) + h
+        if self.attn_norm is not None:  # Gemma's sandwich: the output normed before the sum
+            a = self.norm(a, self.attn_norm, None, eps)
         h = h + a
         r = self.norm(h, self.post_norm, self.post_bias, eps)
-        return h + self._feed_forward(r)
+        m = self._feed_forward(r)
+        if self.ff_norm is not None:
+            m = self.norm(m, self.ff_norm, None, eps)
+        return h + m
 
     def _feed_forward(self, r: Any) -> Any:
         if self.moe is not None:
@@ -94,6 +102,8 @@ def _block(cfg: DecoderConfig, w: dict[str, Any], i: int) -> Block:
         "norm_eps": cfg.rms_norm_eps,
         "rope": cfg.rope if cfg.position_embedding == "rope" else None,
         "window": cfg.window(i),
+        "scale": cfg.attn_scale,  # Gemma: query_pre_attn_scalar ** -0.5
+        "softcap": cfg.attn_softcap,
     }
     m = p + "mlp."
     dense = moe_args = None
@@ -116,9 +126,13 @@ def _block(cfg: DecoderConfig, w: dict[str, Any], i: int) -> Block:
     else:
         dense = tuple(w.get(f"{m}{k}_proj.weight") for k in ("gate", "up", "down"))
         mlp_options.update({f"b_{k}": w.get(f"{m}{k}_proj.bias") for k in ("gate", "up", "down")})
+    sandwich = cfg.sandwich_norms  # Gemma: post_attention_layernorm norms attention's output
+    post = "pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"
     return Block(
         input_norm=w[p + "input_layernorm.weight"],
-        post_norm=w.get(p + "post_attention_layernorm.weight"),
+        post_norm=w.get(p + post + ".weight"),
+        attn_norm=w.get(p + "post_attention_layernorm.weight") if sandwich else None,
+        ff_norm=w.get(p + "post_feedforward_layernorm.weight") if sandwich else None,
         attn=attn,
         o_bias=w.get(a + "o_proj.bias"),
         mlp=dense,
@@ -161,6 +175,9 @@ class Model:
     ) -> None:
         self.config = config
         self.backend = backend
+        if config.norm_offset:  # Gemma's norms scale by 1 + w: the scale formed once, here
+            off = config.norm_offset
+            weights = {k: _offset_norm(backend, k, w, off) for k, w in weights.items()}
         self.embed = weights["model.embed_tokens.weight"]  # (V, E)
         self.dtype = self.embed.dtype
         #: Where the weights live (:func:`portable_llm.load`'s ``device``); inputs go there.
@@ -255,6 +272,9 @@ class Model:
             return self._prepared(ids, cache, left_padding, last_only, check_ids=True)
         eps = self.config.rms_norm_eps
         h = embedding(ids, self.embed)  # (B, L, E)
+        if self.config.embed_scale:  # Gemma: h * sqrt(E), rounded to the dtype as HF's
+            root = math.sqrt(self.config.hidden_size)
+            h = h * bk.xp.asarray(root, dtype=h.dtype, device=bk.device_of(h))
         if self.positions is not None:  # GPT-2: h = wte[ids] + wpe[positions]
             start, pad = (0, left_padding) if cache is None else (
                 cache[0].offset, cache[0].left_padding
@@ -273,8 +293,14 @@ class Model:
         else:
             h = rms_norm(h, self.norm, eps=eps)
         if self.lm_head is None:
-            return unembed(h, self.embed)  # (B, L, V)
-        return linear(h, self.lm_head, self.head_bias)  # (B, L, V)
+            logits = unembed(h, self.embed)  # (B, L, V)
+        else:
+            logits = linear(h, self.lm_head, self.head_bias)  # (B, L, V)
+        cap = self.config.final_softcap
+        if cap is not None:  # Gemma 2: cap * tanh(logits / cap)
+            c = bk.xp.asarray(cap, dtype=logits.dtype, device=bk.device_of(logits))
+            logits = bk.xp.tanh(logits / c) * c
+        return logits
 
     def _prepared(
         self, ids: Any, cache: Any, left_padding: Any, last_only: bool, *, check_ids: bool
@@ -374,6 +400,15 @@ class Model:
             else:
                 caches.append(RotatingKVCache(window, step=step, left_padding=left_padding))
         return caches
+
+
+def _offset_norm(bk: Backend, name: str, w: Any, offset: float) -> Any:
+    """A norm weight ``w`` as its scale ``offset + w`` (Gemma's ``1 + w``; mlx-lm forms it so
+    too): the same products as HF's float32 order in a float32 model; in bfloat16 the scale is
+    rounded once to bfloat16. Other weights as they are."""
+    if name.endswith(("layernorm.weight", "norm.weight")):
+        return w + bk.xp.asarray(offset, dtype=w.dtype, device=bk.device_of(w))
+    return w
 
 
 def _check_left_padding(left_padding: Any, shape: tuple[int, ...]) -> np.ndarray:

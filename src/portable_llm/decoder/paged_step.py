@@ -65,7 +65,9 @@ class PagedStep(Step):
             self.paged_tables = block_tables(layer)
         tables, lengths = self.paged_tables
         pool, scale = layer[0].pool, self.p.scale
-        return paged_attention(q, pool, tables, lengths, scale=scale, window=window)
+        return paged_attention(
+            q, pool, tables, lengths, scale=scale, window=window, softcap=self.p.softcap
+        )
 
 
 def forward(

@@ -123,7 +123,15 @@ class Prepared:
             config.head_dim,
         )
         self.eps = config.rms_norm_eps
-        self.scale = 1.0 / math.sqrt(self.D)
+        scale = config.attn_scale  # Gemma: query_pre_attn_scalar ** -0.5
+        self.scale = 1.0 / math.sqrt(self.D) if scale is None else scale
+        #: Gemma 2's attention and final-logit soft-capping (None: none).
+        self.softcap, self.final_softcap = config.attn_softcap, config.final_softcap
+        #: Gemma: the embeddings times sqrt(E), rounded to the model's dtype (HF's normalizer).
+        self.embed_scale = None
+        if config.embed_scale:
+            root, dev = math.sqrt(config.hidden_size), bk.device_of(norm)
+            self.embed_scale = bk.xp.asarray(root, dtype=dtype, device=dev)
         self.rope = dict(config.rope) if config.rope is not None else None
         #: Whether the layers rotate q and k (GPT-2's learned positions: no RoPE).
         self.use_rope = config.position_embedding == "rope"
@@ -171,15 +179,22 @@ class Prepared:
             start = step.offset if step.rows is None else step.rows
             pos = position_ids(xp, start, step.L, getattr(h, "device", None))
             h = h + self.dispatch.pick("embedding", "masked")(xp, pos, self.positions)
+        if self.embed_scale is not None:  # Gemma: h * sqrt(E), in the model's dtype
+            h = h * self.embed_scale
         for i, layer in enumerate(layers):
             r = self.normed(kn, h, layer.input_norm, layer.input_bias)
             a = attention_body(xp, kn, r, layer.attn, step, i)
             if layer.parallel:  # Phi-2: HF's attn_outputs + feed_forward + residual
                 h = (a + self.feed_forward(kn, r, layer)) + h
                 continue
+            if layer.attn_norm is not None:  # Gemma's sandwich: the output normed too
+                a = self.normed(kn, a, layer.attn_norm, None)
             h = h + a
             r = self.normed(kn, h, layer.post_norm, layer.post_bias)
-            h = h + self.feed_forward(kn, r, layer)
+            m = self.feed_forward(kn, r, layer)
+            if layer.ff_norm is not None:
+                m = self.normed(kn, m, layer.ff_norm, None)
+            h = h + m
         return h
 
     def normed(self, kn: Any, h: Any, w: Any, b: Any) -> Any:
@@ -205,7 +220,12 @@ class Prepared:
         elif isinstance(head, QuantizedWeight):  # another head than the one bound at load
             head = bind_weight(self.dispatch, head)
         h = self.normed(kn, h, norm, self.norm_bias)
-        return kn.project(self.xp, h, head, self.head_bias)  # (B, L, V)
+        logits = kn.project(self.xp, h, head, self.head_bias)  # (B, L, V)
+        if self.final_softcap is not None:  # Gemma 2: cap * tanh(logits / cap), HF's order
+            xp = self.xp
+            cap = xp.asarray(self.final_softcap, dtype=logits.dtype, device=self.bk.device_of(h))
+            logits = xp.tanh(logits / cap) * cap
+        return logits
 
 
 def position_ids(xp: Any, start: Any, L: int, device: Any) -> Any:
@@ -329,7 +349,7 @@ class Step:
         k, v, mask, window = self.kv(i, k, v, window)
         causal = isinstance(mask, str) or window is not None
         mask = None if isinstance(mask, str) else mask
-        opts = SdpaOptions(scale=p.scale, causal=causal, window=window)
+        opts = SdpaOptions(scale=p.scale, causal=causal, window=window, softcap=p.softcap)
         key = (causal, window, None if mask is None else tuple(mask.shape), tuple(k.shape))
         fn = self.sdpa.get(key)
         if not kn.bound:  # inside a trace: asked (and recorded) per layer
