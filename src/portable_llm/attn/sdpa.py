@@ -35,10 +35,6 @@ __all__ = [
 TILED_MIN_SCORES = 1 << 20
 
 
-def _device(x: Any) -> Any:
-    return creation_device(x)  # None on MLX (unified memory)
-
-
 def _grid(q: Any, k: Any) -> tuple[int, ...]:
     """``(B.., H_kv, G, L)``: the grouped layout of the query rows."""
     *batch, h, n_q, _ = q.shape
@@ -82,7 +78,9 @@ def _block_scores(
         s = xp.where(mb, s, -math.inf) if mb.dtype == xp.bool else s + xp.astype(mb, s.dtype)
     if opts.causal:
         L = grid[-1]
-        keep = visible(xp, L, n, q_start=-shift, window=opts.window, device=_device(s))  # (L, n)
+        keep = visible(
+            xp, L, n, q_start=-shift, window=opts.window, device=creation_device(s)
+        )  # (L, n)
         s = xp.where(keep, s, -math.inf)
     return xp.reshape(s, (*grid[:-2], grid[-2] * grid[-1], n))
 

@@ -27,7 +27,15 @@ from portable_llm.backends import Backend
 from portable_llm.core.dispatch import dispatcher, pick, portable
 from portable_llm.ops.quant import QuantizedWeight, quantized_linear
 
-__all__ = ["BOUND_PROJECTIONS", "BoundKernels", "Kernels", "Packed", "QLinear", "unpacked"]
+__all__ = [
+    "BOUND_PROJECTIONS",
+    "BoundKernels",
+    "Kernels",
+    "Packed",
+    "QLinear",
+    "projector",
+    "unpacked",
+]
 
 Fn = Callable[..., Any]
 
@@ -158,30 +166,39 @@ class BoundKernels:
     rms_norm: Fn  # fn(xp, x, w, *, eps)
     act: Fn  # fn(xp, x)
     act_op: str
+    #: ``project(xp, x, w, b)``: ``x @ w.T + b`` for the model's projections: the ``linear``
+    #: kernel itself where every projection is a float array (one Python frame per product),
+    #: else :func:`projector`'s, which also runs :class:`Packed` and :class:`QLinear` ones.
+    project: Fn
     layer_norm: Fn | None = None  # fn(xp, x, w, b, *, eps); None: a set without norms
 
     bound = True
 
     @classmethod
-    def choose_for(cls, bk: Backend, x: Any, norm: Any, *, eps: float, act: str) -> BoundKernels:
+    def choose_for(
+        cls, bk: Backend, x: Any, norm: Any, *, eps: float, act: str, bound: bool = True
+    ) -> BoundKernels:
         """The kernels ``auto`` takes for activations like ``x`` ``(1, 1, E)`` and a norm
-        weight ``(E,)`` of the model's dtype; ``act``: the activation's op name."""
+        weight ``(E,)`` of the model's dtype; ``act``: the activation's op name; ``bound``:
+        whether some projection carries its kernel (:class:`Packed`, :class:`QLinear`)."""
         d, xp = dispatcher(bk), bk.xp
         w = xp.zeros((1, x.shape[-1]), dtype=x.dtype, device=bk.device_of(x))
+        linear = d.pick("linear", "auto", x, w, None)
         return cls(
             bk,
-            linear=d.pick("linear", "auto", x, w, None),
+            linear=linear,
             rms_norm=d.pick("rms_norm", "auto", x, norm, eps=eps),
             act=d.pick(act, "auto", x),
             act_op=act,
+            project=projector(linear) if bound else linear,
             layer_norm=d.pick("layer_norm", "auto", x, norm, norm, eps=eps),
         )
 
     @classmethod
     def for_mlp(cls, linear: Fn, act: Fn) -> BoundKernels:
-        """The kernels of a gated MLP (``linear``, ``act``) that a composite op chose itself
-        (a MoE's experts); no ``rms_norm``, no backend to ask for more."""
-        return cls(None, linear=linear, rms_norm=_no_norm, act=act, act_op="")
+        """The kernels of a gated MLP of float weights (``linear``, ``act``) that a composite
+        op chose itself (a MoE's experts); no ``rms_norm``, no backend to ask for more."""
+        return cls(None, linear=linear, rms_norm=_no_norm, act=act, act_op="", project=linear)
 
     def traced(self) -> Kernels:
         """The same choices asked of the dispatcher per call, so a trace records them."""
@@ -193,8 +210,14 @@ class BoundKernels:
         assert self.bk is not None
         return dispatcher(self.bk).pick(op, "auto", *args, **options)
 
-    def project(self, xp: Any, x: Any, w: Any, b: Any) -> Any:
-        """``x @ w.T + b`` for a float weight, a :class:`Packed` or a :class:`QLinear` one."""
+
+def projector(linear: Fn) -> Fn:
+    """``project(xp, x, w, b)``: ``x @ w.T + b`` for a float weight (by ``linear``), a
+    :class:`Packed` or a :class:`QLinear` one (by the kernel it carries)."""
+
+    def project(xp: Any, x: Any, w: Any, b: Any) -> Any:
         if type(w) in BOUND_PROJECTIONS:
             return w(xp, x, b)
-        return self.linear(xp, x, w, b)
+        return linear(xp, x, w, b)
+
+    return project

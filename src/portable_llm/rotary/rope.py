@@ -31,10 +31,6 @@ from portable_llm.rotary.scaling import DEFAULT_BASE, check_dims, rope_spec
 __all__ = ["apply_rope", "rope", "rope_cos_sin", "rope_tables", "rotate"]
 
 
-def _device(x: Array) -> Any:
-    return creation_device(x)  # None on MLX (unified memory)
-
-
 def _angles(
     xp: Namespace, positions: Array, inv_freq: Array, attention: float
 ) -> tuple[Array, Array]:
@@ -94,7 +90,7 @@ def rope_tables(
     in x's dtype. A forward computes them once and lets every layer :func:`rotate` (the
     kernel's own two steps, so the same bits)."""
     L = x.shape[-2]
-    positions = xp.arange(offset, offset + L, device=_device(x))  # (L,)
+    positions = xp.arange(offset, offset + L, device=creation_device(x))  # (L,): None on MLX
     if offsets is not None:  # () -> (L,); (B,) -> (B, L)
         positions = xp.reshape(offsets, (*tuple(offsets.shape), 1)) + positions
     cos, sin = _angles(xp, positions, inv_freq, attention)  # (L, h) or (B, L, h)
