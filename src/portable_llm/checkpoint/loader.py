@@ -29,7 +29,7 @@ def load(
     backend: str = "numpy",
     dtype: Any = None,
     device: Any = None,
-    dequantize: bool = False,
+    dequantize: bool | str = False,
     revision: str | None = None,
     gguf_file: str | None = None,
     tensor_parallel: Any = None,
@@ -59,10 +59,13 @@ def load(
         (array-api-strict) or the library's own device object; default: the backend's default
         device. Each tensor is read on the host and moved there at once; the model's inputs
         follow its weights.
-    dequantize : bool
+    dequantize : bool or "auto"
         A ``.gguf`` file (:mod:`portable_llm.checkpoint.gguf`): every weight as floats in
         ``dtype`` (transformers' reading) rather than kept quantized where the block type is
-        exactly MLX's affine format.
+        exactly MLX's affine format. ``"auto"``: kept quantized only where the codes decode at
+        least as fast as the floats on this backend, device and dtype
+        (:func:`~portable_llm.ops.quant.keeps_codes`, measured; docs/ops/quantization.md);
+        ``False`` (default) keeps them everywhere, for the memory.
     revision, gguf_file : str, optional
         For a Hub repository id (``"org/name"``): the branch, tag or commit, and the ``.gguf``
         file of a GGUF repository.
