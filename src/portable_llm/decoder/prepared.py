@@ -48,7 +48,7 @@ from portable_llm.decoder.layer_weights import (
 )
 from portable_llm.ops.activations import activation_op
 from portable_llm.ops.embedding import embedding
-from portable_llm.ops.kernels import BoundKernels, Kernels
+from portable_llm.ops.kernels import BOUND_PROJECTIONS, BoundKernels, Kernels
 from portable_llm.ops.linear import mlp_body
 from portable_llm.ops.moe import moe
 from portable_llm.ops.quant import QuantizedWeight
@@ -139,7 +139,14 @@ class Prepared:
         x = bk.xp.zeros((1, 1, config.hidden_size), dtype=dtype, device=bk.device_of(norm))
         act = activation_op(config.hidden_act, "model")
         #: The dense ops' kernels, chosen once.
-        self.kernels = BoundKernels.choose_for(bk, x, norm, eps=self.eps, act=act)
+        bound = any(type(w) in BOUND_PROJECTIONS for w in [*projections, self._head])
+        self.kernels = BoundKernels.choose_for(bk, x, norm, eps=self.eps, act=act, bound=bound)
+        #: Every layer is RMSNorm, attention, RMSNorm, a dense MLP (Llama, Qwen, Mistral):
+        #: :meth:`run_layers` then writes the two-line layer out, with no helper calls.
+        self.plain = not self.layer_norm and all(
+            not layer.parallel and layer.mlp is not None and layer.attn_norm is None
+            for layer in self.layers
+        )
 
     # -- one forward ---------------------------------------------------------------------------
     def __call__(
@@ -181,20 +188,30 @@ class Prepared:
             h = h + self.dispatch.pick("embedding", "masked")(xp, pos, self.positions)
         if self.embed_scale is not None:  # Gemma: h * sqrt(E), in the model's dtype
             h = h * self.embed_scale
+        if not self.plain:
+            for i, layer in enumerate(layers):
+                r = self.normed(kn, h, layer.input_norm, layer.input_bias)
+                a = attention_body(xp, kn, r, layer.attn, step, i)
+                if layer.parallel:  # Phi-2: HF's attn_outputs + feed_forward + residual
+                    h = (a + self.feed_forward(kn, r, layer)) + h
+                    continue
+                if layer.attn_norm is not None:  # Gemma's sandwich: the output normed too
+                    a = self.normed(kn, a, layer.attn_norm, None)
+                h = h + a
+                r = self.normed(kn, h, layer.post_norm, layer.post_bias)
+                m = self.feed_forward(kn, r, layer)
+                if layer.ff_norm is not None:
+                    m = self.normed(kn, m, layer.ff_norm, None)
+                h = h + m
+            return h
+        # RMSNorm and a dense MLP in every layer (Llama, Qwen, Mistral): the equation, with no
+        # call between the layer and its kernels and bodies (a decode step's Python overhead).
+        eps = self.eps
         for i, layer in enumerate(layers):
-            r = self.normed(kn, h, layer.input_norm, layer.input_bias)
-            a = attention_body(xp, kn, r, layer.attn, step, i)
-            if layer.parallel:  # Phi-2: HF's attn_outputs + feed_forward + residual
-                h = (a + self.feed_forward(kn, r, layer)) + h
-                continue
-            if layer.attn_norm is not None:  # Gemma's sandwich: the output normed too
-                a = self.normed(kn, a, layer.attn_norm, None)
-            h = h + a
-            r = self.normed(kn, h, layer.post_norm, layer.post_bias)
-            m = self.feed_forward(kn, r, layer)
-            if layer.ff_norm is not None:
-                m = self.normed(kn, m, layer.ff_norm, None)
-            h = h + m
+            r = kn.rms_norm(xp, h, layer.input_norm, eps=eps)
+            h = h + attention_body(xp, kn, r, layer.attn, step, i)
+            r = kn.rms_norm(xp, h, layer.post_norm, eps=eps)
+            h = h + mlp_body(xp, kn, r, layer.mlp)  # type: ignore[arg-type]  # plain: dense
         return h
 
     def normed(self, kn: Any, h: Any, w: Any, b: Any) -> Any:
@@ -220,7 +237,10 @@ class Prepared:
         elif isinstance(head, QuantizedWeight):  # another head than the one bound at load
             head = bind_weight(self.dispatch, head)
         h = self.normed(kn, h, norm, self.norm_bias)
-        logits = kn.project(self.xp, h, head, self.head_bias)  # (B, L, V)
+        if kn.bound and type(head) in BOUND_PROJECTIONS:  # its own kernel (another head too)
+            logits = head(self.xp, h, self.head_bias)  # (B, L, V)
+        else:
+            logits = kn.project(self.xp, h, head, self.head_bias)  # (B, L, V)
         if self.final_softcap is not None:  # Gemma 2: cap * tanh(logits / cap), HF's order
             xp = self.xp
             cap = xp.asarray(self.final_softcap, dtype=logits.dtype, device=self.bk.device_of(h))
@@ -309,11 +329,13 @@ class Step:
             rotate(xp, k, cos, sin, cos, sin, dims, traditional),
         )
 
-    def mask(self, layer_cache: Any, window: int | None, k: Any) -> tuple[Any, Any]:
-        """``(mask, window)`` of the layer's attention, built once per kind of layer."""
-        if layer_cache is None:
+    def kv(self, i: int, k: Any, v: Any, window: int | None) -> tuple[Any, Any, Any, Any]:
+        """Layer ``i``'s keys and values to attend (its cache updated) and ``(mask, window)``,
+        the mask built once per kind of layer."""
+        c = None if self.cache is None else self.cache[i]
+        if c is None:
             if self.pad is None:
-                return "causal", window
+                return k, v, "causal", window
             key: tuple[Any, ...] = (None, window)
             got = self.masks.get(key)
             if got is None:
@@ -323,23 +345,16 @@ class Step:
                     visible(xp, L, L, window=window, pad=self.pad, device=dev),
                     None,
                 )
-            return got
+            return k, v, *got
+        k, v = c.update_and_fetch(k, v)
         # Caches of one kind and window saw the same updates: their masks are equal.
-        c = layer_cache
         key = (type(c), window, getattr(c, "max_size", None), getattr(c, "keep", None))
         got = self.masks.get(key)
         if got is None:
-            got = self.masks[key] = layer_cache.make_mask(window=window)
+            got = self.masks[key] = c.make_mask(window=window)
         else:  # the same mask, already built for an earlier layer of this kind
-            layer_cache.reuse_mask()
-        return got
-
-    def kv(self, i: int, k: Any, v: Any, window: int | None) -> tuple[Any, Any, Any, Any]:
-        """Layer ``i``'s keys and values to attend (its cache updated) and ``(mask, window)``."""
-        layer_cache = None if self.cache is None else self.cache[i]
-        if layer_cache is not None:
-            k, v = layer_cache.update_and_fetch(k, v)
-        return (k, v, *self.mask(layer_cache, window, k))
+            c.reuse_mask()
+        return k, v, *got
 
     def attend(self, kn: Any, i: int, q: Any, k: Any, v: Any, window: int | None) -> Any:
         """Layer ``i``'s attention of ``q`` ``(B, H, L, D)`` over its cache and the new keys
