@@ -7,7 +7,10 @@ paths.
 Families run by the decoder so far: ``phi`` (Phi-2: LayerNorm with bias, attention and MLP in
 parallel from one norm, biases everywhere, ``fc1 -> gelu_new -> fc2``, partial rotary, an
 ``lm_head`` bias) and ``gpt2`` (learned positions, fused ``c_attn``, Conv1D weights stored
-``(in, out)``, LayerNorm, a tied head, the ``transformer.`` prefix).
+``(in, out)``, LayerNorm, a tied head, the ``transformer.`` prefix), ``gemma2`` (embedding
+scale, ``(1 + w)`` norms, sandwich norms, GeGLU, ``query_pre_attn_scalar``, attention and
+final-logit soft-capping, sliding and full layers) and ``gemma3_text`` (as Gemma 2 without
+soft-capping, q/k norms, RoPE parameters per layer type).
 """
 
 from __future__ import annotations
@@ -43,6 +46,17 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         "attn_logit_softcapping": 20.0, "final_logit_softcapping": 10.0,
         "tie_word_embeddings": False,  # a random tied head repeats the last token
     }),
+    "gemma3_text": ("Gemma3Text", {
+        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "max_position_embeddings": 256, "sliding_window": 6, "query_pre_attn_scalar": 24,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+        "tie_word_embeddings": False,
+    }),
 }  # fmt: skip
 IDS = np.random.default_rng(0).integers(3, V, size=(2, 12))
 STEPS = 16
@@ -55,7 +69,9 @@ def _build(family: str, folder: Path, seed: int) -> Any:
     )
     config._attn_implementation = "eager"  # Gemma 2's soft-capping: HF's eager attention
     torch.manual_seed(seed)
-    cls = "GPT2LMHeadModel" if name == "GPT2" else f"{name}ForCausalLM"
+    cls = {"GPT2": "GPT2LMHeadModel", "Gemma3Text": "Gemma3ForCausalLM"}.get(
+        name, f"{name}ForCausalLM"
+    )
     model = getattr(transformers, cls)(config).eval()
     with torch.no_grad():  # wider than the default init: varied greedy tokens
         for name, p in model.named_parameters():

@@ -30,12 +30,12 @@ SUPPORTED_MODEL_TYPES: tuple[str, ...] = (
     "phi",
     "gpt2",
     "gemma2",
+    "gemma3_text",
 )
 #: Families whose ``config.json`` :meth:`DecoderConfig.from_dict` reads (their fields resolved
 #: below) but whose forward the decoder does not run yet: ``pl.load`` refuses them by name.
 READ_MODEL_TYPES: tuple[str, ...] = (
     "phi3",
-    "gemma3_text",
     "llama4_text",
 )
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")

@@ -100,7 +100,7 @@ def _block(cfg: DecoderConfig, w: dict[str, Any], i: int) -> Block:
         "num_kv_heads": cfg.num_key_value_heads,
         "head_dim": cfg.head_dim,
         "norm_eps": cfg.rms_norm_eps,
-        "rope": cfg.rope if cfg.position_embedding == "rope" else None,
+        "rope": _layer_rope(cfg, i),
         "window": cfg.window(i),
         "scale": cfg.attn_scale,  # Gemma: query_pre_attn_scalar ** -0.5
         "softcap": cfg.attn_softcap,
@@ -400,6 +400,16 @@ class Model:
             else:
                 caches.append(RotatingKVCache(window, step=step, left_padding=left_padding))
         return caches
+
+
+def _layer_rope(cfg: DecoderConfig, i: int) -> Any:
+    """Layer ``i``'s RoPE options: none (learned positions), Gemma 3's ``rope_local`` on its
+    sliding layers, else the model's."""
+    if cfg.position_embedding != "rope":
+        return None
+    if cfg.rope_local is not None and cfg.layer_types[i] == "sliding_attention":
+        return cfg.rope_local
+    return cfg.rope
 
 
 def _offset_norm(bk: Backend, name: str, w: Any, offset: float) -> Any:
