@@ -162,7 +162,7 @@ class TracedStep(Step):
         from the offset, which MLX cannot read in a trace), the positions the offset's."""
         if self.rope is None:
             p = self.p
-            _, (_, _, inv), ropts = rope_dispatch_args(q, 0, **self.rope_options, backend=p.bk)
+            _, (_, _, inv), ropts = rope_dispatch_args(q, 0, **p.rope, backend=p.bk)
             offsets = self.offset if self.rows is None else self.rows  # () or (B,)
             fn = p.dispatch.pick("rope", "auto", q, offsets, inv, **ropts)
             self.rope = (fn, offsets, inv, ropts)
@@ -256,9 +256,10 @@ class CompiledStep:
             h = pick(p.bk, "embedding", "masked")(p.xp, ids, embed)
         step = TracedStep(p, self.update, list(ks), list(vs), pad, offset)
         h = p.run_layers(h, step, self._rebuild(leaves))
-        if layout[3] and type(p._head) is QLinear:  # the head bound at load: its kernels
+        if layout[3] and type(p.bound_head) is QLinear:  # the head bound at load: its kernels
             packed, scales, biases = top[2]
-            head = dataclasses.replace(p._head, packed=packed, scales=scales, biases=biases, fns={})
+            bound = p.bound_head
+            head = dataclasses.replace(bound, packed=packed, scales=scales, biases=biases, fns={})
         return p.head_logits(h, norm, head, step.kn), tuple(step.ks), tuple(step.vs)
 
 
