@@ -162,7 +162,7 @@ class TracedStep(Step):
         from the offset, which MLX cannot read in a trace), the positions the offset's."""
         if self.rope is None:
             p = self.p
-            _, (_, _, inv), ropts = rope_dispatch_args(q, 0, **p.rope, backend=p.bk)
+            _, (_, _, inv), ropts = rope_dispatch_args(q, 0, **self.rope_options, backend=p.bk)
             offsets = self.offset if self.rows is None else self.rows  # () or (B,)
             fn = p.dispatch.pick("rope", "auto", q, offsets, inv, **ropts)
             self.rope = (fn, offsets, inv, ropts)

@@ -24,6 +24,7 @@ public ops use, with the same choices), so the trace lists each kernel of each l
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -133,6 +134,12 @@ class Prepared:
             root, dev = math.sqrt(config.hidden_size), bk.device_of(norm)
             self.embed_scale = bk.xp.asarray(root, dtype=dtype, device=dev)
         self.rope = dict(config.rope) if config.rope is not None else None
+        #: Gemma 3: the RoPE of the sliding layers (``local_layers``), apart from the others'.
+        self.rope_local = None if config.rope_local is None else dict(config.rope_local)
+        self.local_layers = frozenset(
+            i for i, kind in enumerate(config.layer_types)
+            if self.rope_local is not None and kind == "sliding_attention"
+        )  # fmt: skip
         #: Whether the layers rotate q and k (GPT-2's learned positions: no RoPE).
         self.use_rope = config.position_embedding == "rope"
         self.portable_rope = d.portable_impl("rope")
@@ -194,10 +201,12 @@ class Prepared:
             h = h + self.dispatch.pick("embedding", "masked")(xp, pos, self.positions)
         if self.embed_scale is not None:  # Gemma: h * sqrt(E), in the model's dtype
             h = h * self.embed_scale
+        local = step.local() if self.local_layers else step
         if not self.plain:
             for i, layer in enumerate(layers):
                 r = self.normed(kn, h, layer.input_norm, layer.input_bias)
-                a = attention_body(xp, kn, r, layer.attn, step, i)
+                state = local if i in self.local_layers else step
+                a = attention_body(xp, kn, r, layer.attn, state, i)
                 if layer.parallel:  # Phi-2: HF's attn_outputs + feed_forward + residual
                     h = (a + self.feed_forward(kn, r, layer)) + h
                     continue
@@ -296,13 +305,23 @@ class Step:
         self.tables: tuple[Any, Any] | None = None  # the portable RoPE's cos and sin
         self.masks: dict[tuple[Any, ...], tuple[Any, Any]] = {}
         self.sdpa: dict[tuple[Any, ...], Fn] = {}
+        #: The options of this step's RoPE (Gemma 3's sliding layers: their own, :meth:`local`).
+        self.rope_options: dict[str, Any] = p.rope or {}
+
+    def local(self) -> Step:
+        """This step with the RoPE of the sliding layers (Gemma 3's ``rope_local``): the same
+        caches, masks and kernels, its own frequency table and positions' angles."""
+        other = copy.copy(self)
+        other.rope, other.tables, other.rope_options = None, None, self.p.rope_local or {}
+        return other
 
     def rope_args(self, q: Any) -> tuple[Fn, Any, Any, dict[str, Any]]:
         """RoPE's kernel (``auto``'s), offsets, frequency table and options, once per forward."""
         if self.rope is None:
             p, xp = self.p, self.p.xp
             start = self.offset if self.rows is None else nonnegative(xp, self.rows)
-            _, (_, offsets, inv), ropts = rope_dispatch_args(q, start, **p.rope, backend=p.bk)
+            opts = self.rope_options
+            _, (_, offsets, inv), ropts = rope_dispatch_args(q, start, **opts, backend=p.bk)
             offsets = offsets if self.rows is None else self.rows  # < 0 only on pad columns
             fn = p.dispatch.pick("rope", "auto", q, offsets, inv, **ropts)
             self.rope = (fn, offsets, inv, ropts)
