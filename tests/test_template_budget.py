@@ -152,3 +152,12 @@ def test_real_template_work_fits() -> None:
     }
     out = render_chat_template(compile_chat_template(source, "t"), "t", variables)
     assert out.startswith("<|user|>word word") and out.endswith("ok      |----x----a, b   7")
+
+
+def test_error_messages_are_bounded() -> None:
+    """A template's own raise_exception of a megabyte string stays a short message."""
+    from portable_llm.text.failures import MAX_MESSAGE
+
+    with pytest.raises(ValueError, match=r"^chat template in t\.jinja: xxx.*cut: ") as info:
+        _render("{{ raise_exception('x' * 1000000) }}")
+    assert len(str(info.value)) <= MAX_MESSAGE

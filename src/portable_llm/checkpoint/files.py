@@ -19,7 +19,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
-from portable_llm.text.failures import foreign_errors
+from portable_llm.text.failures import MAX_MESSAGE, foreign_errors, shorten
 
 __all__ = [
     "LIST_AT_MOST",
@@ -32,8 +32,6 @@ __all__ = [
     "read_json",
 ]
 
-#: The longest message a :class:`CheckpointError` carries (longer ones are cut, saying so).
-MAX_MESSAGE = 4000
 
 #: How many names an error message lists before it says how many more there are.
 LIST_AT_MOST = 12
@@ -45,10 +43,7 @@ class CheckpointError(ValueError):
     is at most :data:`MAX_MESSAGE` characters long."""
 
     def __init__(self, message: object = "", *args: object) -> None:
-        text = str(message)
-        if len(text) > MAX_MESSAGE:
-            text = text[: MAX_MESSAGE - 60] + f" ... (cut: {len(text)} characters in all)"
-        super().__init__(text, *args)
+        super().__init__(shorten(str(message)), *args)
 
 
 def brief(value: object, /, limit: int = 80) -> str:

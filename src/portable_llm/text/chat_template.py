@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from portable_llm.text.failures import shorten
 from portable_llm.text.template_budget import (
     CALL_STEPS,
     MAX_DEPTH,
@@ -50,9 +51,20 @@ __all__ = [
     "MAX_SIZE",
     "MAX_SOURCE",
     "MAX_WORK",
+    "TemplateError",
     "compile_chat_template",
     "render_chat_template",
 ]
+
+
+class TemplateError(ValueError):
+    """A chat template that fails (a ``ValueError``); the message names the template's file
+    and is at most :data:`~portable_llm.text.failures.MAX_MESSAGE` characters long (a
+    template's ``raise_exception`` of a megabyte string stays a short message)."""
+
+    def __init__(self, message: object = "") -> None:
+        super().__init__(shorten(str(message)))
+
 
 #: The longest template source compiled (real chat templates are a few to a few dozen KB).
 MAX_SOURCE = 1_000_000
@@ -191,11 +203,11 @@ def compile_chat_template(source: str, origin: str) -> Any:
     it is not a string, longer than :data:`MAX_SOURCE`, or not valid Jinja, or when what jinja2
     evaluates while compiling exceeds a budget."""
     if not isinstance(source, str):
-        raise ValueError(
+        raise TemplateError(
             f"chat template in {origin}: expected a string, got {type(source).__name__}"
         )
     if len(source) > MAX_SOURCE:
-        raise ValueError(
+        raise TemplateError(
             f"chat template in {origin}: {len(source)} characters (at most {MAX_SOURCE})"
         )
     return _compile(source, origin)
@@ -216,15 +228,15 @@ def _compile(source: str, origin: str) -> Any:
             loop.iter.set_environment(env)
         return env.from_string(tree)
     except jinja2.TemplateSyntaxError as exc:
-        raise ValueError(
+        raise TemplateError(
             f"chat template in {origin}: syntax error on line {exc.lineno}: {exc.message}"
         ) from None
     except (jinja2.TemplateError, Refused) as exc:
-        raise ValueError(f"chat template in {origin}: {exc}") from None
+        raise TemplateError(f"chat template in {origin}: {exc}") from None
     except RecursionError:
-        raise ValueError(f"chat template in {origin}: nested too deeply to compile") from None
+        raise TemplateError(f"chat template in {origin}: nested too deeply to compile") from None
     except Exception as exc:  # a template is code: any failure of it is the file's fault
-        raise ValueError(f"chat template in {origin}: {type(exc).__name__}: {exc}") from None
+        raise TemplateError(f"chat template in {origin}: {type(exc).__name__}: {exc}") from None
     finally:
         reset_budget(token)
 
@@ -239,17 +251,17 @@ def render_chat_template(template: Any, origin: str, variables: Mapping[str, Any
     try:
         return str(template.render(**plain))
     except jinja2.exceptions.SecurityError as exc:
-        raise ValueError(f"chat template in {origin}: refused by the sandbox: {exc}") from None
+        raise TemplateError(f"chat template in {origin}: refused by the sandbox: {exc}") from None
     except jinja2.exceptions.UndefinedError as exc:
-        raise ValueError(f"chat template in {origin}: undefined: {exc}") from None
+        raise TemplateError(f"chat template in {origin}: undefined: {exc}") from None
     except OverflowError as exc:  # the sandbox's range bound
-        raise ValueError(f"chat template in {origin}: {exc}") from None
+        raise TemplateError(f"chat template in {origin}: {exc}") from None
     except (Refused, jinja2.TemplateError) as exc:
-        raise ValueError(f"chat template in {origin}: {exc}") from None
+        raise TemplateError(f"chat template in {origin}: {exc}") from None
     except RecursionError:
-        raise ValueError(f"chat template in {origin}: recursion too deep") from None
+        raise TemplateError(f"chat template in {origin}: recursion too deep") from None
     except Exception as exc:  # a template is code: any failure of it is the file's fault
-        raise ValueError(f"chat template in {origin}: {type(exc).__name__}: {exc}") from None
+        raise TemplateError(f"chat template in {origin}: {type(exc).__name__}: {exc}") from None
     finally:
         reset_budget(token)
 

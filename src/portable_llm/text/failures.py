@@ -12,7 +12,17 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["foreign_errors"]
+__all__ = ["MAX_MESSAGE", "foreign_errors", "shorten"]
+
+#: The longest message of an error about an untrusted file (longer ones are cut, saying so).
+MAX_MESSAGE = 4000
+
+
+def shorten(text: str, /, limit: int = MAX_MESSAGE) -> str:
+    """``text``, cut to ``limit`` characters with a note of its full length when longer."""
+    if len(text) <= limit:
+        return text
+    return text[: limit - 60] + f" ... (cut: {len(text)} characters in all)"
 
 
 @contextmanager
@@ -24,8 +34,8 @@ def foreign_errors(where: str, error: type[Exception] = ValueError) -> Iterator[
     except error:
         raise
     except Exception as exc:
-        raise error(f"{where}: {type(exc).__name__}: {exc}") from None
+        raise error(shorten(f"{where}: {type(exc).__name__}: {exc}")) from None
     except BaseException as exc:
         if type(exc).__name__ != "PanicException":
             raise
-        raise error(f"{where}: the tokenizers library panicked: {exc}") from None
+        raise error(shorten(f"{where}: the tokenizers library panicked: {exc}")) from None
