@@ -10,7 +10,8 @@ parallel from one norm, biases everywhere, ``fc1 -> gelu_new -> fc2``, partial r
 ``(in, out)``, LayerNorm, a tied head, the ``transformer.`` prefix), ``gemma2`` (embedding
 scale, ``(1 + w)`` norms, sandwich norms, GeGLU, ``query_pre_attn_scalar``, attention and
 final-logit soft-capping, sliding and full layers) and ``gemma3_text`` (as Gemma 2 without
-soft-capping, q/k norms, RoPE parameters per layer type).
+soft-capping, q/k norms, RoPE parameters per layer type), and ``phi3`` (fused ``qkv_proj`` and
+``gate_up_proj`` cut at load, a sliding window on every layer).
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         "max_position_embeddings": 256, "sliding_window": 6, "query_pre_attn_scalar": 24,
         "attn_logit_softcapping": 20.0, "final_logit_softcapping": 10.0,
         "tie_word_embeddings": False,  # a random tied head repeats the last token
+    }),
+    "phi3": ("Phi3", {
+        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+        "sliding_window": 6, "pad_token_id": 0,
     }),
     "gemma3_text": ("Gemma3Text", {
         "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,

@@ -1,4 +1,5 @@
-"""GPT-2's checkpoint layout, read into the decoder's (Llama's) names.
+"""GPT-2's checkpoint layout (and Phi-3's fused projections), read into the decoder's (Llama's)
+names.
 
 GPT-2 stores its projections as ``Conv1D`` weights, ``(in, out)`` (the transpose of
 ``nn.Linear``'s), with q, k and v fused in one ``attn.c_attn`` ``(E, 3E)``; its names carry a
@@ -16,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["GPT2_IGNORED", "Derived", "gpt2_sources"]
+__all__ = ["GPT2_IGNORED", "Derived", "gpt2_sources", "phi3_sources"]
 
 #: A tensor read from one file tensor: ``(file name, its shape, host transform)``.
 Derived = tuple[str, tuple[int, ...], Callable[[np.ndarray], np.ndarray]]
@@ -68,4 +69,22 @@ def gpt2_sources(cfg: Any, files: dict[str, Any]) -> dict[str, Derived]:
         out[f"{p}mlp.up_proj.bias"] = (f"{h}mlp.c_fc.bias", (I,), keep)
         out[f"{p}mlp.down_proj.weight"] = (f"{h}mlp.c_proj.weight", (I, E), _t)
         out[f"{p}mlp.down_proj.bias"] = (f"{h}mlp.c_proj.bias", (E,), keep)
+    return out
+
+
+def phi3_sources(cfg: Any, files: dict[str, Any]) -> dict[str, Derived]:
+    """Phi-3's fused projections cut into the decoder's: ``self_attn.qkv_proj`` ``(H D + 2 H_kv
+    D, E)`` into q, k and v (rows in that order), ``mlp.gate_up_proj`` ``(2 I, E)`` into gate
+    (the first half) and up (HF ``Phi3MLP``'s ``chunk(2)``). The other tensors keep their names."""
+    E, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim  # noqa: E741
+    q, kv = cfg.num_attention_heads * D, cfg.num_key_value_heads * D
+    out: dict[str, Derived] = {}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        qkv = (f"{p}self_attn.qkv_proj.weight", (q + 2 * kv, E))
+        for name, rows in (("q", (0, q)), ("k", (q, q + kv)), ("v", (q + kv, q + 2 * kv))):
+            out[f"{p}self_attn.{name}_proj.weight"] = (*qkv, _part(*rows))
+        fused = (f"{p}mlp.gate_up_proj.weight", (2 * I, E))
+        out[f"{p}mlp.gate_proj.weight"] = (*fused, _part(0, I))
+        out[f"{p}mlp.up_proj.weight"] = (*fused, _part(I, 2 * I))
     return out

@@ -26,7 +26,7 @@ import numpy as np
 
 from portable_llm.backends import FLOAT_DTYPES, Backend, numpy_bfloat16
 from portable_llm.checkpoint.files import CheckpointError, listed
-from portable_llm.checkpoint.gpt2_layout import GPT2_IGNORED, Derived, gpt2_sources
+from portable_llm.checkpoint.gpt2_layout import GPT2_IGNORED, Derived, gpt2_sources, phi3_sources
 from portable_llm.checkpoint.shards import INDEX, SAFETENSORS_FLOATS, SafetensorsFiles
 from portable_llm.decoder.config import DecoderConfig
 
@@ -163,6 +163,11 @@ class _Sources:
                 and not (f == "lm_head.weight" and cfg.tie_word_embeddings)
             ]  # fmt: skip
             files = {}
+        elif cfg.model_type == "phi3":  # the fused tensors cut; the others by name below
+            table = phi3_sources(cfg, files)
+            self.derived = {k: v for k, v in table.items() if v[0] in files}
+            used = {v[0] for v in table.values()}
+            files = {f: path for f, path in files.items() if f not in used}
         for file_name in files:
             name = _canonical(family_name(cfg.model_type, file_name))
             m = _LEGACY_EXPERT.match(name)

@@ -31,13 +31,11 @@ SUPPORTED_MODEL_TYPES: tuple[str, ...] = (
     "gpt2",
     "gemma2",
     "gemma3_text",
+    "phi3",
 )
 #: Families whose ``config.json`` :meth:`DecoderConfig.from_dict` reads (their fields resolved
 #: below) but whose forward the decoder does not run yet: ``pl.load`` refuses them by name.
-READ_MODEL_TYPES: tuple[str, ...] = (
-    "phi3",
-    "llama4_text",
-)
+READ_MODEL_TYPES: tuple[str, ...] = ("llama4_text",)
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 # HF's class defaults where config.json may leave a field out (per family where they differ).
 _DEFAULT_THETA = {"mixtral": 1e6, "gemma3_text": 1e6, "llama4_text": 5e5}
