@@ -160,6 +160,9 @@ def _environment() -> Any:
         code_generator_class = Generator
 
         def call_binop(self, context: Any, op: str, left: Any, right: Any) -> Any:
+            if op == "+" and type(left) is str and type(right) is str:  # the common case
+                budget().check(len(left) + len(right), "'+'")
+                return left + right
             binop(op, left, right)
             return budget().built(super().call_binop(context, op, left, right), f"'{op}'")
 

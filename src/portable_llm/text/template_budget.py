@@ -138,8 +138,10 @@ def reset_budget(token: contextvars.Token[Budget]) -> None:
 def size_of(value: Any, *, deep: bool = True) -> int:
     """Characters of a string, items of a list or dict (with ``deep``, those of its items
     too), bits of an integer; 0 for anything else."""
-    if isinstance(value, str | bytes):
+    if type(value) is str or isinstance(value, str | bytes):
         return len(value)
+    if value is None or type(value) is float or type(value) is bool:
+        return 0
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         return int(value).bit_length()
     if isinstance(value, dict):
