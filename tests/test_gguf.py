@@ -447,24 +447,40 @@ def test_chat_template_error_names_the_file(tmp_path: Path) -> None:
         tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
-def _copy_with(src: Path, dst: Path, change: dict[str, Any]) -> None:
-    """Copy a GGUF, changing boolean metadata values."""
+def rewrite_gguf(src: Path, dst: Path, change: dict[str, tuple[Any, Any]]) -> Path:
+    """Copy GGUF ``src`` to ``dst`` with metadata ``key: (value, GGUFValueType)`` changed or
+    added (``(value, None)``: the source's type; ``(None, None)`` drops the key); tensors
+    unchanged."""
+    vt = gguf.GGUFValueType
     reader = gguf.GGUFReader(src)
-    arch = reader.fields["general.architecture"].contents()
-    w = gguf.GGUFWriter(str(dst), arch)
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        value = change.get(key, field.contents())
-        vtype = field.types[0]
-        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(key, value, vtype, sub_type=sub)
+    fields = {
+        key: (f.contents(), f.types[0], f.types[-1] if f.types[0] == vt.ARRAY else None)
+        for key, f in reader.fields.items()
+        if not key.startswith("GGUF.")
+    }
+    for key, (value, kind) in change.items():
+        if value is None and kind is None:
+            fields.pop(key, None)
+        elif kind is None:
+            fields[key] = (value, *fields[key][1:])
+        else:
+            item = vt.INT32 if kind == vt.ARRAY and isinstance(value[0], int) else vt.STRING
+            fields[key] = (value, kind, item if kind == vt.ARRAY else None)
+    w = gguf.GGUFWriter(str(dst), fields.pop("general.architecture")[0])
+    for key, (value, kind, sub) in fields.items():
+        w.add_key_value(key, value, kind, sub_type=sub)
     for t in reader.tensors:
         w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return dst
+
+
+def _copy_with(src: Path, dst: Path, change: dict[str, Any]) -> None:
+    """Copy a GGUF, changing metadata values (keeping their types)."""
+    rewrite_gguf(src, dst, {key: (value, None) for key, value in change.items()})
 
 
 # -- errors --------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from test_gguf import (  # noqa: E402
     random_weights,
     write_gguf,
 )
+from test_gguf import rewrite_gguf as rewrite  # noqa: E402
 
 VT = gguf.GGUFValueType
 
@@ -40,34 +41,6 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     file = folder / "base.gguf"
     write_gguf(file, "qwen2", cfg, random_weights(cfg), tok=tok)
     return file
-
-
-def rewrite(src: Path, dst: Path, change: dict[str, tuple[Any, Any]]) -> Path:
-    """Copy GGUF ``src`` to ``dst`` with metadata ``key: (value, GGUFValueType)`` changed or
-    added (``(None, None)`` drops the key); tensors unchanged."""
-    reader = gguf.GGUFReader(src)
-    arch = reader.fields["general.architecture"].contents()
-    w = gguf.GGUFWriter(str(dst), arch)
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture" or key in change:
-            continue
-        kind = field.types[0]
-        w.add_key_value(
-            key, field.contents(), kind, sub_type=field.types[-1] if kind == VT.ARRAY else None
-        )
-    for key, (value, kind) in change.items():
-        if kind is not None:
-            sub = None
-            if kind == VT.ARRAY:
-                kind, sub = VT.ARRAY, VT.INT32 if isinstance(value[0], int) else VT.STRING
-            w.add_key_value(key, value, kind, sub_type=sub)
-    for t in reader.tensors:
-        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
 
 
 def patch_count(src: Path, dst: Path, key: str, count: int) -> Path:

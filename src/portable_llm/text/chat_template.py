@@ -218,7 +218,6 @@ def compile_chat_template(source: str, origin: str) -> Any:
 
 @lru_cache(maxsize=16)
 def _compile(source: str, origin: str) -> Any:
-    import jinja2
     from jinja2 import nodes
 
     env = _environment()
@@ -230,16 +229,8 @@ def _compile(source: str, origin: str) -> Any:
             loop.iter.set_lineno(loop.lineno)
             loop.iter.set_environment(env)
         return env.from_string(tree)
-    except jinja2.TemplateSyntaxError as exc:
-        raise TemplateError(
-            f"chat template in {origin}: syntax error on line {exc.lineno}: {exc.message}"
-        ) from None
-    except (jinja2.TemplateError, Refused) as exc:
-        raise TemplateError(f"chat template in {origin}: {exc}") from None
-    except RecursionError:
-        raise TemplateError(f"chat template in {origin}: nested too deeply to compile") from None
     except Exception as exc:  # a template is code: any failure of it is the file's fault
-        raise TemplateError(f"chat template in {origin}: {type(exc).__name__}: {exc}") from None
+        raise _failure(origin, exc) from None
     finally:
         reset_budget(token)
 
@@ -247,26 +238,34 @@ def _compile(source: str, origin: str) -> Any:
 def render_chat_template(template: Any, origin: str, variables: Mapping[str, Any]) -> str:
     """Render a compiled template with ``variables`` (made plain JSON data first, as
     transformers does); every failure is a ``ValueError`` naming ``origin``."""
-    import jinja2
 
     plain = {k: _plain(v) for k, v in variables.items()}
     token = set_budget(Budget(size_of(plain)))
     try:
         return str(template.render(**plain))
-    except jinja2.exceptions.SecurityError as exc:
-        raise TemplateError(f"chat template in {origin}: refused by the sandbox: {exc}") from None
-    except jinja2.exceptions.UndefinedError as exc:
-        raise TemplateError(f"chat template in {origin}: undefined: {exc}") from None
-    except OverflowError as exc:  # the sandbox's range bound
-        raise TemplateError(f"chat template in {origin}: {exc}") from None
-    except (Refused, jinja2.TemplateError) as exc:
-        raise TemplateError(f"chat template in {origin}: {exc}") from None
-    except RecursionError:
-        raise TemplateError(f"chat template in {origin}: recursion too deep") from None
     except Exception as exc:  # a template is code: any failure of it is the file's fault
-        raise TemplateError(f"chat template in {origin}: {type(exc).__name__}: {exc}") from None
+        raise _failure(origin, exc) from None
     finally:
         reset_budget(token)
+
+
+def _failure(origin: str, exc: Exception) -> TemplateError:
+    """The one message of a template's failure, compiling or rendering, naming ``origin``."""
+    import jinja2
+
+    if isinstance(exc, jinja2.TemplateSyntaxError):
+        what = f"syntax error on line {exc.lineno}: {exc.message}"
+    elif isinstance(exc, jinja2.exceptions.SecurityError):
+        what = f"refused by the sandbox: {exc}"
+    elif isinstance(exc, jinja2.exceptions.UndefinedError):
+        what = f"undefined: {exc}"
+    elif isinstance(exc, RecursionError):
+        what = "nested too deeply (Python's recursion limit)"
+    elif isinstance(exc, Refused | jinja2.TemplateError | OverflowError):  # range's bound
+        what = str(exc)
+    else:
+        what = f"{type(exc).__name__}: {exc}"
+    return TemplateError(f"chat template in {origin}: {what}")
 
 
 def _plain(value: Any) -> Any:
