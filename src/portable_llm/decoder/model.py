@@ -7,7 +7,7 @@ time (:class:`Block`); the forward pass resolves nothing per layer beyond what t
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,23 +55,41 @@ class Block:
             return layer_norm(h, w, b, eps=eps)
         return rms_norm(h, w, eps=eps)
 
-    def __call__(self, h: Any, *, cache: Any, left_padding: Any, eps: float) -> Any:
+    def __call__(
+        self,
+        h: Any,
+        *,
+        cache: Any,
+        left_padding: Any,
+        eps: float,
+        reduce: Callable[[Any], Any] | None = None,
+    ) -> Any:
+        """The layer on hidden states ``h`` ``(B, L, E)``. ``reduce``: on a tensor-parallel
+        rank (:mod:`portable_llm.partition`), the all-reduce that completes its partial
+        sums, applied to the attention's and the feed-forward's outputs before their biases
+        and norms; ``None`` on one device."""
         r = self.norm(h, self.input_norm, self.input_bias, eps)
         a = attention(r, **self.attn, cache=cache, left_padding=left_padding)
+        if reduce is not None:
+            a = reduce(a)
         if self.o_bias is not None:  # HF's o_proj bias (Llama/Qwen3 attention_bias)
             a = a + self.o_bias
         if self.parallel:  # HF PhiDecoderLayer: attn_outputs + feed_forward + residual
-            return (a + self._feed_forward(r)) + h
+            return (a + self._feed_forward(r, reduce)) + h
         if self.attn_norm is not None:  # Gemma's sandwich: the output normed before the sum
             a = self.norm(a, self.attn_norm, None, eps)
         h = h + a
         r = self.norm(h, self.post_norm, self.post_bias, eps)
-        m = self._feed_forward(r)
+        m = self._feed_forward(r, reduce)
         if self.ff_norm is not None:
             m = self.norm(m, self.ff_norm, None, eps)
         return h + m
 
-    def _feed_forward(self, r: Any) -> Any:
+    def _feed_forward(self, r: Any, reduce: Callable[[Any], Any] | None = None) -> Any:
+        m = self._partial_feed_forward(r)
+        return m if reduce is None else reduce(m)
+
+    def _partial_feed_forward(self, r: Any) -> Any:
         if self.moe is not None:
             return moe(r, *self.moe["arrays"], **self.moe["options"])
         assert self.mlp is not None
@@ -271,6 +289,18 @@ class Model:
         if self.prepared is not None:
             return self._prepared(ids, cache, left_padding, last_only, check_ids=True)
         eps = self.config.rms_norm_eps
+        h = self.embed_ids(ids, cache=cache, left_padding=left_padding)  # (B, L, E)
+        for i, block in enumerate(self.blocks):
+            layer_cache = None if cache is None else cache[i]
+            h = block(h, cache=layer_cache, left_padding=left_padding, eps=eps)
+        return self.project(h, last_only=last_only)  # (B, L, V)
+
+    def embed_ids(self, ids: Any, /, *, cache: Any = None, left_padding: Any = None) -> Any:
+        """The hidden states ``(B, L, E)`` the first layer takes: the token embedding (times
+        ``sqrt(E)`` for Gemma), plus GPT-2's learned positions at the caches' offset. The
+        op-by-op forward's first step, and a pipeline's first stage
+        (:mod:`portable_llm.partition`); ``ids`` on the model's backend and device."""
+        bk = self.backend
         h = embedding(ids, self.embed)  # (B, L, E)
         if self.config.embed_scale:  # Gemma: h * sqrt(E), rounded to the dtype as HF's
             root = math.sqrt(self.config.hidden_size)
@@ -283,9 +313,13 @@ class Model:
                 start = start - asarray(pad, backend=bk.name, device=self.device)  # (B,)
             pos = position_ids(bk.xp, start, ids.shape[1], getattr(h, "device", None))
             h = h + embedding(pos, self.positions)
-        for i, block in enumerate(self.blocks):
-            layer_cache = None if cache is None else cache[i]
-            h = block(h, cache=layer_cache, left_padding=left_padding, eps=eps)
+        return h
+
+    def project(self, h: Any, /, *, last_only: bool = False) -> Any:
+        """Logits ``(B, L, V)`` (``(B, 1, V)`` with ``last_only``) of the last layer's hidden
+        states: the final norm, the LM head (tied or not) and Gemma 2's soft-capping. The
+        op-by-op forward's last step, and a pipeline's last stage."""
+        bk, eps = self.backend, self.config.rms_norm_eps
         if last_only:
             h = h[:, -1:, :]  # (B, 1, E)
         if self.config.norm == "layer":

@@ -3,12 +3,14 @@ engine's collectives between them.
 
 :class:`PartitionedModel` is a :class:`~portable_llm.decoder.model.Model` (``make_cache``,
 ``decode_step``, ``generate`` and the rest work unchanged) whose call runs this process's
-stages: stage 0 embeds, each stage runs its layers and hands the hidden states on, the last
-stage norms and projects, and every rank gets the logits. Within a layer, each rank's attention
-and MLP (or MoE) give a partial sum over its heads and intermediate slices, completed by one
-all-reduce each: ``h = h + all_reduce(attention(norm(h)))``, ``h = h + all_reduce(mlp(norm(h)))``.
-An ``o_proj`` bias is added once, after the sum; a ``down_proj`` bias is held by TP rank 0
-only (zeros elsewhere), so the sum counts it once.
+stages with the decoder's own pieces: stage 0 embeds (``Model.embed_ids``), each stage runs
+its layers (``Block``) and hands the hidden states on, the last stage norms and projects
+(``Model.project``), and every rank gets the logits. Within a layer, each rank's attention and
+MLP (or MoE) give a partial sum over its heads and intermediate slices, completed by one
+all-reduce each, the ``reduce`` the ``Block`` applies before any bias or norm:
+``h = h + all_reduce(attention(norm(h)))``, ``h = h + all_reduce(mlp(norm(h)))``. An ``o_proj``
+bias is added once, after the sum; a ``down_proj`` bias is held by TP rank 0 only (zeros
+elsewhere), so the sum counts it once.
 """
 
 from __future__ import annotations
@@ -16,17 +18,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from portable_llm.attn.block import attention
 from portable_llm.backends import Backend, backend_of
-from portable_llm.core.arrays import asarray, creation_device
+from portable_llm.core.arrays import asarray
 from portable_llm.decoder.config import DecoderConfig
-from portable_llm.decoder.model import Block, Model
-from portable_llm.decoder.prepared import position_ids
-from portable_llm.ops.activations import activation
-from portable_llm.ops.embedding import embedding
-from portable_llm.ops.linear import linear, mlp
-from portable_llm.ops.moe import moe
-from portable_llm.ops.norm import layer_norm, rms_norm
+from portable_llm.decoder.model import Model
 from portable_llm.partition.engine import Engine
 
 __all__ = ["PartitionedModel"]
@@ -108,73 +103,24 @@ class PartitionedModel(Model):
         B, L = ids.shape
         eps = self.config.rms_norm_eps
         last = e.pp_size - 1
+        # A TP rank of a process engine completes its partial sums; JAX's XLA does it itself.
+        reduce = e.all_reduce if e.tp_size > 1 and not e.single_controller else None
         h = None
         for stage, layers in self.stages.items():
             if stage == 0:
-                h = self._embed(ids, cache, left_padding)  # (B, L, E)
+                h = self.embed_ids(ids, cache=cache, left_padding=left_padding)  # (B, L, E)
             elif h is None:
                 h = e.recv(stage - 1, (B, L, self.config.hidden_size), self.norm)
             else:
                 h = e.move(h, stage)
             for i in layers:
                 c = None if cache is None else cache[i]
-                h = self._block(self.blocks[i], h, c, left_padding, eps)
+                h = self.blocks[i](h, cache=c, left_padding=left_padding, eps=eps, reduce=reduce)
             if stage != last and e.pp_rank is not None:
                 e.send(h, stage + 1)
                 h = None
         logits = None
         if h is not None and last in self.stages:
-            if last_only:
-                h = h[:, -1:, :]  # (B, 1, E)
-            if self.config.norm == "layer":
-                h = layer_norm(h, self.norm, self.norm_bias, eps=eps)
-            else:
-                h = rms_norm(h, self.norm, eps=eps)
-            head = self.embed if self.lm_head is None else self.lm_head
-            logits = linear(h, head, self.head_bias)  # (B, L, V)
+            logits = self.project(h, last_only=last_only)  # (B, L, V)
         shape = (B, 1 if last_only else L, self.full_config.vocab_size)
         return e.share_logits(logits, shape, self.norm)
-
-    def _embed(self, ids: Any, cache: Any, left_padding: Any) -> Any:
-        """The first stage's hidden states: the token embedding, plus GPT-2's learned
-        positions (as :class:`~portable_llm.decoder.model.Model` adds them)."""
-        h = embedding(ids, self.embed)  # (B, L, E)
-        if self.positions is None:
-            return h
-        bk = self.backend
-        start, pad = (0, left_padding) if cache is None else (
-            cache[0].offset, cache[0].left_padding
-        )  # fmt: skip
-        if pad is not None:
-            start = start - asarray(pad, backend=bk.name, device=self.device)  # (B,)
-        pos = position_ids(bk.xp, start, ids.shape[1], creation_device(h))
-        return h + embedding(pos, self.positions)
-
-    def _block(self, block: Block, h: Any, cache: Any, left_padding: Any, eps: float) -> Any:
-        """One layer: :class:`~portable_llm.decoder.model.Block`'s ops, each partial sum
-        (attention, feed-forward) completed by the engine's all-reduce."""
-        e = self.engine
-        r = block.norm(h, block.input_norm, block.input_bias, eps)
-        a = attention(r, **block.attn, cache=cache, left_padding=left_padding)
-        if block.parallel:  # Phi-2: one all-reduce of attention + feed-forward
-            a = e.all_reduce(a + _feed_forward(block, r))
-            return (a if block.o_bias is None else a + block.o_bias) + h
-        a = e.all_reduce(a)
-        if block.o_bias is not None:  # whole on every rank: added after the sum
-            a = a + block.o_bias
-        h = h + a
-        r = block.norm(h, block.post_norm, block.post_bias, eps)
-        return h + e.all_reduce(_feed_forward(block, r))
-
-
-def _feed_forward(block: Block, r: Any) -> Any:
-    """The rank's partial MLP or MoE (its ``down_proj`` bias is zeros on TP ranks but 0)."""
-    if block.moe is not None:
-        return moe(r, *block.moe["arrays"], **block.moe["options"])
-    assert block.mlp is not None
-    w_gate, w_up, w_down = block.mlp
-    opts = block.mlp_options
-    if w_gate is None:  # the plain MLP: down(act(up(r)))
-        up = linear(r, w_up, opts["b_up"])
-        return linear(activation(opts["act"])(up), w_down, opts["b_down"])
-    return mlp(r, *block.mlp, **opts)
