@@ -329,3 +329,30 @@ def test_cli_generate_under_torchrun(tmp_path: Path) -> None:
     assert split.returncode == 0, split.stderr[-2000:]
     tokens = one.stdout.splitlines()[0]
     assert split.stdout.splitlines().count(tokens) == 1, split.stdout
+
+
+@pytest.mark.oracle
+@pytest.mark.skipif(bool(skip_reason("mlx")), reason=str(skip_reason("mlx")))
+@pytest.mark.parametrize(
+    ("family", "mode"),
+    [("gemma2", "tp"), ("gpt2", "pp"), pytest.param("phi3", "tp", marks=pytest.mark.slow)],
+)
+def test_families_over_mlx_ranks(tmp_path: Path, family: str, mode: str) -> None:
+    """Families beyond Llama (Gemma 2's sandwich norms, scaled embedding and soft-capping;
+    GPT-2's learned positions and fused Conv1D weights; Phi-3's fused projections), saved by
+    transformers, over 2 MLX ranks."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from test_oracle_families import FAMILIES
+
+    name, extra = FAMILIES[family]
+    config = getattr(transformers, f"{name}Config")(
+        vocab_size=300, bos_token_id=1, eos_token_id=2, **extra
+    )
+    torch.manual_seed(0)
+    cls = "GPT2LMHeadModel" if name == "GPT2" else f"{name}ForCausalLM"
+    getattr(transformers, cls)(config).save_pretrained(tmp_path / "ckpt")
+    logits, tokens = _one_device(tmp_path / "ckpt", "mlx")
+    for got in launch("mlx", mode, tmp_path / "ckpt", tmp_path / "out"):
+        _equal_to_one_device(got, logits, tokens)
