@@ -139,6 +139,7 @@ def test_cached_decode_matches_transformers(hf_models: dict, family: str, backen
     assert_close(np.concatenate(parts, axis=1), _hf_logits(hf, IDS), backend="numpy")
 
 
+@pytest.mark.slow_on("jax", "array_api_strict")  # generate, batch and speculative: minutes there
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_tokens_match_transformers(hf_models: dict, family: str, backend: str) -> None:
     folder, hf = hf_models[family]
@@ -187,6 +188,7 @@ def test_gpt2_original_layout(hf_models: dict, tmp_path: Path) -> None:
     assert_close(model(IDS), _hf_logits(hf, IDS))
 
 
+@pytest.mark.slow_on("jax", "array_api_strict")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_left_padded_rows_equal_alone(hf_models: dict, family: str, backend: str) -> None:
     """A left-padded batch: each row's logits are those of the row alone (positions, learned

@@ -98,6 +98,7 @@ def test_logits_equal_transformers(gemma3: tuple[Path, Any, Any], backend: str) 
     assert_close(got, want, backend=backend, rtol=0.0, atol=LOGITS_ATOL)
 
 
+@pytest.mark.slow_on("mlx", "jax")  # 24 decode steps of a 270M model: minutes there
 def test_greedy_equals_transformers(gemma3: tuple[Path, Any, Any], backend: str) -> None:
     _skip_strict(backend)
     folder, hf, tok = gemma3
