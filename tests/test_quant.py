@@ -308,6 +308,30 @@ def test_quantized_folder_equals_its_dequantized_weights(backend, tmp_path, bits
     assert_close(model(pl.asarray(ids, backend=backend)), want, backend=backend, dtype="float32")
 
 
+@pytest.mark.parametrize("dt", ["float32", "bfloat16"])
+def test_quantized_folder_dequantize_auto(backend, tmp_path, dt):
+    """An mlx-lm folder loaded with ``dequantize="auto"``: each quantized module kept exactly
+    where keeps_codes says so, the others equal to dequantize of the kept-quantized load's."""
+    from portable_llm.checkpoint.build import LoadOptions
+    from portable_llm.checkpoint.folder import read_folder
+    from portable_llm.ops.quant import device_kind, keeps_codes
+
+    bk = get_backend(backend)
+    if dt not in bk.float_dtypes():
+        pytest.skip(f"{backend} has no {dt}")
+    qdir, _ = _quantized_folder(tmp_path, 4, 32, {})
+    kept = read_folder(qdir, LoadOptions(backend=backend, dtype=dt)).weights
+    auto = read_folder(qdir, LoadOptions(backend=backend, dtype=dt, dequantize="auto")).weights
+    assert any(isinstance(w, QuantizedWeight) for w in kept.values())
+    for name, w in kept.items():
+        if not isinstance(w, QuantizedWeight):
+            continue
+        keep = keeps_codes(backend, device=device_kind(bk, w), dtype=dt, bits=4, rows=w.shape[-2])
+        assert isinstance(auto[name], QuantizedWeight) is keep, name
+        if not keep:
+            np.testing.assert_array_equal(to64(auto[name], backend), to64(dequantize(w), backend))
+
+
 def test_quantized_folder_errors(tmp_path):
     from portable_llm.models import CheckpointError
 

@@ -39,7 +39,9 @@ def read_folder(path: str | Path, options: LoadOptions | None = None, /) -> Chec
         if quant is None:
             weights = read_weights(st, cfg, bk, target, dev)
         else:
-            weights = read_quantized_weights(st, cfg, bk, target, dev, quant)
+            weights = read_quantized_weights(
+                st, cfg, bk, target, dev, quant, dequantize=options.dequantize
+            )
     return CheckpointContents(cfg, weights, bk, tokenizer, generation_config)
 
 

@@ -62,8 +62,9 @@ def load(
     dequantize : bool or "auto"
         A ``.gguf`` file (:mod:`portable_llm.checkpoint.gguf`): every weight as floats in
         ``dtype`` (transformers' reading) rather than kept quantized where the block type is
-        exactly MLX's affine format. ``"auto"``: kept quantized only where the codes decode at
-        least as fast as the floats on this backend, device and dtype
+        exactly MLX's affine format. ``"auto"`` (a ``.gguf`` file or an mlx-lm quantized folder):
+        kept quantized only where the codes decode at least as fast as the floats on this
+        backend, device and dtype
         (:func:`~portable_llm.ops.quant.keeps_codes`, measured; docs/ops/quantization.md);
         ``False`` (default) keeps them everywhere, for the memory.
     revision, gguf_file : str, optional

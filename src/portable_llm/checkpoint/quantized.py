@@ -21,7 +21,7 @@ from portable_llm.checkpoint.files import CheckpointError, listed, read_json
 from portable_llm.checkpoint.shards import SAFETENSORS_FLOATS, SafetensorsFiles
 from portable_llm.checkpoint.weights import expected_shapes, to_backend
 from portable_llm.decoder.config import DecoderConfig
-from portable_llm.ops.quant import BITS, GROUP_SIZES, QuantizedWeight
+from portable_llm.ops.quant import BITS, GROUP_SIZES, QuantizedWeight, fastest_form
 
 __all__ = ["Quantization", "read_quantization", "read_quantized_weights", "stored_dtype"]
 
@@ -88,6 +88,8 @@ def read_quantized_weights(
     dtype: Any,
     device: Any,
     quant: Quantization,
+    *,
+    dequantize: bool | str = False,
 ) -> dict[str, Any]:
     """Check an mlx-lm quantized folder against ``cfg``, then read it into ``bk``'s arrays.
 
@@ -97,6 +99,9 @@ def read_quantized_weights(
     listing every missing, unexpected or misshapen tensor. MoE layers are read from mlx-lm's
     stacked experts (``switch_mlp.{gate,up,down}_proj``, ``(X, N, K * bits / 32)``) as the
     stacked ``mlp.experts.{gate,up,down}_proj`` that the float loader gives.
+    ``dequantize="auto"``: a quantized module is kept only where
+    :func:`~portable_llm.ops.quant.keeps_codes` says its codes decode at least as fast as its
+    floats (:func:`~portable_llm.ops.quant.fastest_form`), else given as ``dequantize``'s floats.
     """
     expected = expected_shapes(cfg)
     problems: list[str] = []
@@ -149,13 +154,14 @@ def read_quantized_weights(
             out[renamed[name]] = to_backend(name, st.read(name), bk, dtype, device)
             continue
         stem = name.removesuffix(".weight")
-        out[renamed[name]] = QuantizedWeight(
+        qw = QuantizedWeight(
             bk.from_numpy(st.read(name), device),
             to_backend(stem + ".scales", st.read(stem + ".scales"), bk, dtype, device),
             to_backend(stem + ".biases", st.read(stem + ".biases"), bk, dtype, device),
             bits=fmt[0],
             group_size=fmt[1],
         )
+        out[renamed[name]] = fastest_form(qw) if dequantize == "auto" else qw
     return out
 
 
