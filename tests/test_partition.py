@@ -223,9 +223,13 @@ def test_jax_mesh_equals_one_device(tmp_path: Path, model_type: str, cases: list
     write_checkpoint(tmp_path / "ckpt", tiny_config(model_type))
     results = launch_jax(tmp_path / "ckpt", tmp_path / "out", cases)
     one = results.pop("one")
+    H_kv = DecoderConfig.from_dict(tiny_config(model_type)).num_key_value_heads
     for case, got in results.items():
         assert_close(got["logits"], one["logits"], err_msg=case)
         np.testing.assert_array_equal(got["tokens"], one["tokens"], err_msg=case)
+        T = int(case.partition("tp")[2] or 1)
+        # the caches hold each device's KV heads (all of them where T > H_kv: replicated)
+        assert int(got["kv_heads"]) == (H_kv // T if H_kv >= T else H_kv), case
 
 
 @pytest.mark.skipif(bool(skip_reason("jax")), reason=str(skip_reason("jax")))

@@ -62,6 +62,7 @@ class BufferCache:
         self._dims: tuple[int, int, int] | None = None  # (B, H_kv, D)
         self._dtype: Any = None
         self._device: Any = None
+        self._buffer_device: Any = None
         self._offset = 0
         self._last: tuple[int, np.ndarray | None] | None = None  # (L, host key columns)
         #: How many times the buffers were (re)allocated: O(S / step) for S tokens.
@@ -138,6 +139,9 @@ class BufferCache:
                     )
             self._bk, self._dims, self._dtype = bk, dims, k.dtype
             self._device = bk.device_of(k)
+            # The buffers' own placement: k's (a JAX array split over heads on a mesh keeps
+            # its split, so each device holds only its heads); masks go to self._device.
+            self._buffer_device = getattr(k, "device", None)
             self._owner = threading.get_ident()
         elif bk is not self._bk:
             raise TypeError(f"{op}: the cache holds {self._bk.name} arrays, got {bk.name} arrays")
@@ -165,7 +169,7 @@ class BufferCache:
         B, H, D = self._dims
         bufs = []
         for old in (self._k, self._v):
-            buf = xp.zeros((B, H, new, D), dtype=self._dtype, device=self._device)
+            buf = xp.zeros((B, H, new, D), dtype=self._dtype, device=self._buffer_device)
             bufs.append(buf if old is None else bk.set_slice(buf, (0, 0, 0, 0), old))
         self._k, self._v = bufs
         self.reallocations += 1

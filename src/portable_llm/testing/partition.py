@@ -180,8 +180,9 @@ def _mesh(case: str) -> dict[str, Any]:
 
 def run_jax(folder: str, out: str, cases: list[str], dtype: str = "float32") -> None:
     """The JAX cases in this process (started with ``XLA_FLAGS`` asking for 8 host devices):
-    ``OUT/{case}.npz`` for each, and ``one`` for the model on one device. The ids arrive as
-    an ordinary JAX array on the first device."""
+    ``OUT/{case}.npz`` for each (logits, greedy tokens, and ``kv_heads``: the most KV heads
+    one device's cache holds), and ``one`` for the model on one device. The ids arrive as an
+    ordinary JAX array on the first device."""
     import jax
 
     from portable_llm.checkpoint.loader import load
@@ -194,7 +195,13 @@ def run_jax(folder: str, out: str, cases: list[str], dtype: str = "float32") -> 
         ids = jax.device_put(np.asarray([PROMPT]), jax.devices()[0])  # on the first device
         logits = to_numpy(model(ids)).astype(np.float32)
         tokens = [int(t) for t in generate(model, PROMPT, max_new_tokens=NEW_TOKENS, stop=())]
-        np.savez(Path(out) / f"{case}.npz", logits=logits, tokens=np.asarray(tokens))
+        cache = model.make_cache()
+        model(ids, cache=cache)
+        k = cache[-1].state[0]  # (B, H_kv, S, D): the heads each device holds
+        heads = max(int(s.data.shape[1]) for s in k.addressable_shards)
+        np.savez(
+            Path(out) / f"{case}.npz", logits=logits, tokens=np.asarray(tokens), kv_heads=heads
+        )
 
 
 def launch_jax(folder: str | Path, out: str | Path, cases: list[str], *, dtype: str = "float32",
