@@ -228,7 +228,10 @@ class PagePool:
             raise ValueError(f"{op}: v must have k's shape {shape}, got {tuple(v.shape)}")
         return k, v
 
-    def _check_pages(self, op: str, pages: Sequence[int], end: int) -> list[int]:
+    def check_pages(self, op: str, pages: Sequence[int], end: int, /) -> list[int]:
+        """``pages`` as ints, checked to cover positions ``0 .. end - 1`` with allocated pages
+        of this pool (a ``ValueError`` naming ``op`` otherwise): what :meth:`write_checked`
+        takes."""
         ids = [int(p) for p in pages]
         need = -(-end // self.page_size)
         if need > len(ids):
@@ -252,10 +255,12 @@ class PagePool:
         start = check_int(op, "start", start, low=0)
         k, v = self.check_chunk(op, k, v)
         L = int(k.shape[1])
-        self._write(self._check_pages(op, pages, start + L), start, k, v)
+        self.write_checked(self.check_pages(op, pages, start + L), start, k, v)
 
-    def _write(self, ids: list[int], start: int, k: Any, v: Any) -> None:
-        """Write checked ``k, v`` ``(H_kv, L, D)``: one ``set_slice`` per page touched."""
+    def write_checked(self, ids: list[int], start: int, k: Any, v: Any, /) -> None:
+        """Write ``k, v`` ``(H_kv, L, D)`` (checked by :meth:`check_chunk`) at positions
+        ``start ..`` of the pages ``ids`` (checked by :meth:`check_pages`): one ``set_slice``
+        per page touched. The unchecked half of :meth:`write`, for a cache that checked once."""
         bk, P, L = self.backend, self.page_size, int(k.shape[1])
         t = start
         while t < start + L:
@@ -273,7 +278,7 @@ class PagePool:
         ``(H_kv, length, D)``."""
         op = "PagePool.gather"
         length = check_int(op, "length", length, low=0)
-        ids = self._check_pages(op, pages, length)
+        ids = self.check_pages(op, pages, length)
         need = -(-length // self.page_size)
         bk, xp = self.backend, self.backend.xp
         H, D = self.num_kv_heads, self.head_dim

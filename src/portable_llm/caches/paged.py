@@ -89,7 +89,7 @@ class PagedKVCache:
         if self.block_table or self._offset:
             raise ValueError(f"{op}: the cache already holds {self._offset} tokens")
         P = self.pool.page_size
-        ids = self.pool._check_pages(op, pages, length)[: -(-length // P)]
+        ids = self.pool.check_pages(op, pages, length)[: -(-length // P)]
         full = ids[: length // P]
         self.pool.share(full)
         if length % P:
@@ -122,7 +122,7 @@ class PagedKVCache:
         self._own_pages(start, start + L)
         new = pool.allocate(self._pages_for(start + L))  # raises before any change
         try:
-            pool._write(self.block_table + new, start, k[0, ...], v[0, ...])
+            pool.write_checked(self.block_table + new, start, k[0, ...], v[0, ...])
         except BaseException:
             pool.free(new)
             raise
