@@ -38,6 +38,8 @@ from portable_llm.checkpoint.gguf_blocks import (
 from portable_llm.checkpoint.gguf_layout import check_gguf_layout
 from portable_llm.checkpoint.gguf_meta import (
     GGUF_ARCHITECTURES,
+    MODEL_TYPES,
+    NORM_PLUS_ONE,
     PERMUTED,
     GGUFMetadata,
     gguf_config,
@@ -72,18 +74,29 @@ _LAYER = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+#: Gemma's names (sandwich norms): ``ffn_norm`` is the norm before the MLP there, and
+#: ``post_attention_norm``/``post_ffw_norm`` norm the outputs of attention and the MLP.
+_SANDWICH = {
+    **_LAYER,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_PLUS_ONE_TYPES = tuple(MODEL_TYPES.get(a, a) for a in NORM_PLUS_ONE)
 _BLK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-def hf_name(name: str) -> str | None:
+def hf_name(name: str, *, sandwich: bool = False) -> str | None:
     """HF's name of a GGUF tensor (``blk.0.attn_q.weight`` -> ``model.layers.0.self_attn.
-    q_proj.weight``), or ``None`` for a name outside the decoder's vocabulary."""
+    q_proj.weight``), or ``None`` for a name outside the decoder's vocabulary. ``sandwich``:
+    Gemma's names of the norms (``ffn_norm`` is ``pre_feedforward_layernorm``)."""
     stem, _, suffix = name.rpartition(".")
     if stem in _GLOBAL and suffix == "weight":
         return f"{_GLOBAL[stem]}.weight"
     m = _BLK.match(name)
-    if m and m[2] in _LAYER:
-        return f"model.layers.{m[1]}.{_LAYER[m[2]]}.{m[3]}"
+    layer = _SANDWICH if sandwich else _LAYER
+    if m and m[2] in layer:
+        return f"model.layers.{m[1]}.{layer[m[2]]}.{m[3]}"
     return None
 
 
@@ -188,7 +201,9 @@ class GGUFSlices:
         index = tuple(index) + (slice(None),) * (len(shape) - len(index))
         if len(shape) != 2:
             self.touched += blocks.nbytes
-            return dequantize_blocks(kind, blocks).reshape(shape)[index]
+            return _unstored(name, self.config, dequantize_blocks(kind, blocks).reshape(shape))[
+                index
+            ]
         (N, K), per = shape, BLOCK_SIZES[kind][0]
         rows = np.arange(N)[index[0]]
         order = _row_order(name, self.config)
@@ -217,13 +232,13 @@ def _check(file: Path, cfg: DecoderConfig, tensors: dict[str, Any]) -> dict[str,
     names: dict[str, str] = {}
     unexpected = []
     for g in tensors:
-        h = hf_name(g)
+        h = hf_name(g, sandwich=cfg.sandwich_norms)
         if h is None or h not in expected:
             unexpected.append(g)
         else:
             names[h] = g
     problems = []
-    missing = [_gguf_name(h) for h in expected if h not in names]
+    missing = [_gguf_name(h, cfg.sandwich_norms) for h in expected if h not in names]
     if missing:
         problems.append(f"missing tensors ({len(missing)}): {listed(missing)}")
     if unexpected:
@@ -240,14 +255,14 @@ def _check(file: Path, cfg: DecoderConfig, tensors: dict[str, Any]) -> dict[str,
     return {h: names[h] for h in expected}
 
 
-def _gguf_name(h: str) -> str:
+def _gguf_name(h: str, sandwich: bool) -> str:
     """The GGUF name of an HF tensor name (for messages)."""
     for g, stem in _GLOBAL.items():
         if h == f"{stem}.weight":
             return f"{g}.weight"
     m = re.match(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$", h)
     if m:
-        for g, stem in _LAYER.items():
+        for g, stem in (_SANDWICH if sandwich else _LAYER).items():
             if stem == m[2]:
                 return f"blk.{m[1]}.{g}.{m[3]}"
     return h
@@ -276,6 +291,14 @@ def _floats(host: np.ndarray, bk: Backend, dtype: Any, device: Any) -> Any:
     """Float32 host values as ``bk``'s array of ``dtype`` on ``device`` (cast there)."""
     arr = bk.from_numpy(np.ascontiguousarray(host, dtype=np.float32), device)
     return arr if arr.dtype == dtype else bk.astype(arr, dtype)
+
+
+def _unstored(name: str, cfg: DecoderConfig, host: np.ndarray) -> np.ndarray:
+    """A float tensor as HF holds it: llama.cpp stores Gemma's norm weights as ``1 + w``
+    (transformers' ``Gemma2TensorProcessor`` subtracts the 1; the decoder adds it back)."""
+    if cfg.model_type in _PLUS_ONE_TYPES and name.endswith("norm.weight"):
+        return host - np.float32(1.0)
+    return host
 
 
 def _row_order(name: str, cfg: DecoderConfig) -> np.ndarray | None:
@@ -308,7 +331,7 @@ def _tensor(
         fmt = {"bits": AFFINE_BITS[kind], "rows": shape[0]}
         dequantize = not keeps_codes(bk, device=where, dtype=bk.dtype_name(dtype), **fmt)
     if dequantize or kind not in AFFINE_BITS or len(shape) != 2:
-        host = dequantize_blocks(kind, blocks).reshape(shape)
+        host = _unstored(name, cfg, dequantize_blocks(kind, blocks).reshape(shape))
         if rows is not None:
             host = host[rows]
         return _floats(host, bk, dtype, device)

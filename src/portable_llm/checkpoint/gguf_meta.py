@@ -18,13 +18,27 @@ from portable_llm.checkpoint.config import check_held
 from portable_llm.checkpoint.files import CheckpointError, brief
 from portable_llm.decoder.config import DecoderConfig
 
-__all__ = ["GGUF_ARCHITECTURES", "PERMUTED", "GGUFMetadata", "eos_ids", "gguf_config"]
+__all__ = [
+    "GGUF_ARCHITECTURES",
+    "MODEL_TYPES",
+    "NORM_PLUS_ONE",
+    "PERMUTED",
+    "GGUFMetadata",
+    "eos_ids",
+    "gguf_config",
+]
 
 #: The ``general.architecture`` values :func:`gguf_config` reads. llama.cpp writes Mistral
 #: (7B, Nemo) models as ``llama``; there is no ``mistral`` architecture in GGUF.
-GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma3")
 #: llama.cpp's LlamaModel converter (its Mistral subclass too) permutes q/k rows; Qwen's do not.
 PERMUTED: tuple[str, ...] = ("llama",)
+#: HF's ``model_type`` of an architecture whose name differs (a Gemma 3 GGUF holds only the
+#: text model, as transformers reads it).
+MODEL_TYPES: dict[str, str] = {"gemma3": "gemma3_text"}
+#: The architectures whose norm weights llama.cpp stores as ``1 + w`` (Gemma's RMSNorm scale):
+#: the reader subtracts 1, as transformers' ``Gemma2TensorProcessor`` does.
+NORM_PLUS_ONE: tuple[str, ...] = ("gemma3",)
 _LAYER_OF = re.compile(r"^blk\.(\d+)\.")
 _SPECIAL_IDS = ("bos", "eos", "eot", "eom")
 
@@ -174,7 +188,7 @@ def gguf_config(meta: GGUFMetadata, tensors: dict[str, Any]) -> DecoderConfig:
         head_dim = meta.count_or_none(f"{arch}.rope.dimension_count")
     bos = meta.get("tokenizer.ggml.bos_token_id")
     d: dict[str, Any] = {
-        "model_type": arch,
+        "model_type": MODEL_TYPES.get(arch, arch),
         "vocab_size": vocab,
         "hidden_size": meta.count(f"{arch}.embedding_length"),
         "intermediate_size": meta.count(f"{arch}.feed_forward_length"),
@@ -183,12 +197,17 @@ def gguf_config(meta: GGUFMetadata, tensors: dict[str, Any]) -> DecoderConfig:
         "num_key_value_heads": meta.count_or_none(f"{arch}.attention.head_count_kv"),
         "head_dim": head_dim,
         "rms_norm_eps": meta.number(f"{arch}.attention.layer_norm_rms_epsilon"),
-        "rope_theta": meta.number(f"{arch}.rope.freq_base", 10000.0, low=1e-30),
+        "rope_theta": meta.number(
+            f"{arch}.rope.freq_base", 1e6 if arch == "gemma3" else 10000.0, low=1e-30
+        ),
         "max_position_embeddings": meta.count_or_none(f"{arch}.context_length"),
         "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": bos,
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
         "eos_token_id": eos_ids(meta),
     }
+    if arch in NORM_PLUS_ONE:  # Gemma: transformers reads the window (the pattern: its default)
+        d["sliding_window"] = meta.count_or_none(f"{arch}.attention.sliding_window")
     scaling = meta.text(f"{arch}.rope.scaling.type", "none")
     if scaling == "linear":
         d["rope_scaling"] = {
