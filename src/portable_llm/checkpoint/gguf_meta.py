@@ -30,7 +30,7 @@ __all__ = [
 
 #: The ``general.architecture`` values :func:`gguf_config` reads. llama.cpp writes Mistral
 #: (7B, Nemo) models as ``llama``; there is no ``mistral`` architecture in GGUF.
-GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma3")
+GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
 #: llama.cpp's LlamaModel converter (its Mistral subclass too) permutes q/k rows; Qwen's do not.
 PERMUTED: tuple[str, ...] = ("llama",)
 #: HF's ``model_type`` of an architecture whose name differs (a Gemma 3 GGUF holds only the
@@ -38,7 +38,7 @@ PERMUTED: tuple[str, ...] = ("llama",)
 MODEL_TYPES: dict[str, str] = {"gemma3": "gemma3_text"}
 #: The architectures whose norm weights llama.cpp stores as ``1 + w`` (Gemma's RMSNorm scale):
 #: the reader subtracts 1, as transformers' ``Gemma2TensorProcessor`` does.
-NORM_PLUS_ONE: tuple[str, ...] = ("gemma3",)
+NORM_PLUS_ONE: tuple[str, ...] = ("gemma2", "gemma3")
 _LAYER_OF = re.compile(r"^blk\.(\d+)\.")
 _SPECIAL_IDS = ("bos", "eos", "eot", "eom")
 
@@ -208,6 +208,9 @@ def gguf_config(meta: GGUFMetadata, tensors: dict[str, Any]) -> DecoderConfig:
     }
     if arch in NORM_PLUS_ONE:  # Gemma: transformers reads the window (the pattern: its default)
         d["sliding_window"] = meta.count_or_none(f"{arch}.attention.sliding_window")
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):  # as llama.cpp reads them
+        if arch == "gemma2" and meta.get(f"{arch}.{cap}") is not None:
+            d[cap] = meta.number(f"{arch}.{cap}", low=1e-30)
     scaling = meta.text(f"{arch}.rope.scaling.type", "none")
     if scaling == "linear":
         d["rope_scaling"] = {
