@@ -370,7 +370,7 @@ def test_kept_quantized_equals_dequantized(
     floats); the logits equal the dequantized model's (the conversion is exact)."""
     quant = _quantized_ops(backend)
     file, _ = llama_file
-    kept = pl.load(file, backend=backend)
+    kept = pl.load(file, backend=backend, dequantize=False)
     floats = pl.load(file, backend=backend, dequantize=True)
     b0, b1 = kept.blocks[0], kept.blocks[1]
     assert isinstance(kept.embed, quant.QuantizedWeight) and kept.embed.bits == 8

@@ -219,7 +219,7 @@ def test_kept_quantized_weights_equal_transformers(
     from portable_llm.checkpoint.build import LoadOptions
     from portable_llm.checkpoint.gguf import read_gguf
 
-    weights = read_gguf(gguf_file, LoadOptions(backend=backend)).weights
+    weights = read_gguf(gguf_file, LoadOptions(backend=backend, dequantize=False)).weights
     state = hf_model.state_dict()
     kept = {n: w for n, w in weights.items() if isinstance(w, quant.QuantizedWeight)}
     assert len(kept) == 211  # 210 Q4_1 + the Q8_0 embedding; the 61 F32 norms are floats
@@ -235,7 +235,7 @@ def _kept(gguf_file: Path, backend: str) -> Any:
     QuantizedWeight."""
     quant = pytest.importorskip("portable_llm.ops.quant", reason="ops.quant not there yet")
     try:
-        model = pl.load(gguf_file, backend=backend)
+        model = pl.load(gguf_file, backend=backend, dequantize=False)
         model([[1]])
     except (TypeError, AttributeError) as exc:
         pytest.skip(f"the model and its ops do not take a QuantizedWeight yet: {exc}")
@@ -268,7 +268,7 @@ def rss():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 before = rss()
-model = pl.load(sys.argv[1], backend={backend!r})
+model = pl.load(sys.argv[1], backend={backend!r}, dequantize=False)
 gc.collect()
 print(rss() - before)
 """
@@ -291,7 +291,7 @@ def test_kept_quantized_resident_memory(gguf_file: Path, name: str) -> None:
     from portable_llm.checkpoint.build import LoadOptions
     from portable_llm.checkpoint.gguf import read_gguf
 
-    weights = read_gguf(gguf_file, LoadOptions(backend=name)).weights.values()
+    weights = read_gguf(gguf_file, LoadOptions(backend=name, dequantize=False)).weights.values()
     held = sum(
         sum(pl.to_numpy(a).nbytes for a in (w.packed, w.scales, w.biases))
         if isinstance(w, quant.QuantizedWeight)

@@ -70,7 +70,7 @@ def test_folder_logits_match_mlx_lm(mlx_folders: dict, variant: str, backend: st
         assert config["quantization"][path]["bits"] == entry["bits"]
     ref, _ = mlx_lm_utils.load_model(folder)
     want = np.array(ref(mx.array(IDS)))
-    model = pl.load(folder, backend=backend)
+    model = pl.load(folder, backend=backend, dequantize=False)
     q = model.blocks[0].attn["wq"]  # kept quantized, as converted
     assert isinstance(q, QuantizedWeight) and (q.bits, q.group_size) == (bits, group)
     assert isinstance(model.embed, QuantizedWeight)
@@ -120,7 +120,7 @@ def test_moe_folder_logits_match_mlx_lm(mixtral_folder: Path, backend: str) -> N
     """Quantized MoE: mlx-lm's stacked experts load kept quantized, as (X, I, E) weights."""
     ref, _ = mlx_lm_utils.load_model(mixtral_folder)
     want = np.array(ref(mx.array(IDS)))
-    model = pl.load(mixtral_folder, backend=backend)
+    model = pl.load(mixtral_folder, backend=backend, dequantize=False)
     gate = model.blocks[0].moe["arrays"][1]  # the experts' gate projections, stacked
     assert isinstance(gate, QuantizedWeight) and gate.shape == (4, 128, 128)
     got = model(pl.asarray(IDS, backend=backend))

@@ -297,7 +297,7 @@ def _quantized_folder(tmp_path, bits=4, group=32, overrides=None, corrupt=None):
 )  # fmt: skip
 def test_quantized_folder_equals_its_dequantized_weights(backend, tmp_path, bits, group, overrides):
     qdir, fdir = _quantized_folder(tmp_path, bits, group, overrides)
-    model = pl.load(qdir, backend=backend)
+    model = pl.load(qdir, backend=backend, dequantize=False)
     assert isinstance(model.embed, QuantizedWeight) and model.embed.bits == bits
     wo = model.blocks[0].attn["wo"]
     assert isinstance(wo, QuantizedWeight) != (
@@ -320,7 +320,7 @@ def test_quantized_folder_dequantize_auto(backend, tmp_path, dt):
     if dt not in bk.float_dtypes():
         pytest.skip(f"{backend} has no {dt}")
     qdir, _ = _quantized_folder(tmp_path, 4, 32, {})
-    kept = read_folder(qdir, LoadOptions(backend=backend, dtype=dt)).weights
+    kept = read_folder(qdir, LoadOptions(backend=backend, dtype=dt, dequantize=False)).weights
     auto = read_folder(qdir, LoadOptions(backend=backend, dtype=dt, dequantize="auto")).weights
     assert any(isinstance(w, QuantizedWeight) for w in kept.values())
     for name, w in kept.items():
@@ -463,7 +463,7 @@ def test_load_dequantize_auto_follows_the_rule(backend, dt):
         pytest.skip(f"{backend} has no {dt}")
     path = _smollm2_gguf()
     auto = read_gguf(path, LoadOptions(backend=backend, dtype=dt, dequantize="auto")).weights
-    kept = read_gguf(path, LoadOptions(backend=backend, dtype=dt)).weights
+    kept = read_gguf(path, LoadOptions(backend=backend, dtype=dt, dequantize=False)).weights
     floats = read_gguf(path, LoadOptions(backend=backend, dtype=dt, dequantize=True)).weights
     n_kept = 0
     for name, w in kept.items():

@@ -32,7 +32,7 @@ class LoadOptions:
     backend: str = "numpy"
     dtype: Any = None
     device: Any = None
-    dequantize: bool | str = False
+    dequantize: bool | str = "auto"
     revision: str | None = None
     gguf_file: str | None = None
 

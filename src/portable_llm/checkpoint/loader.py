@@ -29,7 +29,7 @@ def load(
     backend: str = "numpy",
     dtype: Any = None,
     device: Any = None,
-    dequantize: bool | str = False,
+    dequantize: bool | str = "auto",
     revision: str | None = None,
     gguf_file: str | None = None,
     tensor_parallel: Any = None,
@@ -62,11 +62,12 @@ def load(
     dequantize : bool or "auto"
         A ``.gguf`` file (:mod:`portable_llm.checkpoint.gguf`): every weight as floats in
         ``dtype`` (transformers' reading) rather than kept quantized where the block type is
-        exactly MLX's affine format. ``"auto"`` (a ``.gguf`` file or an mlx-lm quantized folder):
-        kept quantized only where the codes decode at least as fast as the floats on this
-        backend, device and dtype
-        (:func:`~portable_llm.ops.quant.keeps_codes`, measured; docs/ops/quantization.md);
-        ``False`` (default) keeps them everywhere, for the memory.
+        exactly MLX's affine format. ``"auto"`` (the default; a ``.gguf`` file or an mlx-lm
+        quantized folder): kept quantized only where the codes decode at least as fast as the
+        floats on this backend, device and dtype
+        (:func:`~portable_llm.ops.quant.keeps_codes`, measured; docs/ops/quantization.md), so
+        a quantized file never decodes slower than its floats; ``False`` keeps the codes
+        everywhere, for the memory saving.
     revision, gguf_file : str, optional
         For a Hub repository id (``"org/name"``): the branch, tag or commit, and the ``.gguf``
         file of a GGUF repository.

@@ -8,9 +8,10 @@ shape, torch and MLX warm their allocators); the second is reported: prefill tok
 tokens over the time to the first new token) and decode tokens/s (the later tokens). Every
 engine runs on the same checkpoint, in the same process, one after the other.
 
-A ``.gguf`` file runs kept quantized on every backend (``pl.load(path)``) and dequantized at load
-(``dequantize=True``, the ``pl floats`` rows; then the memory of each choice and a warning line
-where the quantized weights decode slower than the dequantized ones), next to llama.cpp
+A ``.gguf`` file runs as ``pl.load(path)`` loads it (``dequantize="auto"``: codes kept where the
+measured rule says they decode faster) and dequantized at load (``dequantize=True``, the
+``pl floats`` rows; then the memory of each choice and a warning line where the chosen weights
+decode slower than the dequantized ones), next to llama.cpp
 (``llama-cpp-python``, when installed) on the same file with torch's thread count; the table
 ends with each backend's decode speed as a fraction of llama.cpp's.
 """
@@ -119,10 +120,12 @@ def _model_bytes(model: Any) -> int:
 
 
 #: (backend, dtype, dequantize) -> bytes of the weights of the last model loaded that way
-MEMORY: dict[tuple[str, str, bool], int] = {}
+MEMORY: dict[tuple[str, str, bool | str], int] = {}
 
 
-def _ours(folder: Path, backend: str, dtype: str, dequantize: bool = False) -> tuple[float, Runner]:
+def _ours(
+    folder: Path, backend: str, dtype: str, dequantize: bool | str = "auto"
+) -> tuple[float, Runner]:
     from portable_llm.checkpoint.loader import load
     from portable_llm.generation.generate import generate
 
@@ -398,22 +401,23 @@ DEQUANTIZED = "pl floats"
 
 
 def _choices(rows: list[list[str]], dtype: str) -> list[str]:
-    """Per backend: the weights' memory kept quantized and dequantized, and a warning line
-    where the quantized weights decode slower than the dequantized ones."""
+    """Per backend: the weights' memory as loaded by default (``dequantize="auto"``) and
+    dequantized, and a warning line where the default weights decode slower than the
+    dequantized ones."""
     rate = {(r[0], r[1]): float(r[5]) for r in rows if r[5] != "-"}
     lines = []
     for (engine, backend), codes in rate.items():
         floats = rate.get((DEQUANTIZED, backend))
         if engine != "portable_llm" or floats is None:
             continue
-        mb = [MEMORY.get((backend, dtype, d), 0) / 2**20 for d in (False, True)]
+        mb = [MEMORY.get((backend, dtype, d), 0) / 2**20 for d in ("auto", True)]
         lines.append(
-            f"{backend} {dtype}: weights kept quantized {mb[0]:.0f} MiB, {codes:.2f} tok/s; "
+            f"{backend} {dtype}: weights as loaded {mb[0]:.0f} MiB, {codes:.2f} tok/s; "
             f"dequantized {mb[1]:.0f} MiB, {floats:.2f} tok/s"
         )
         if codes < floats:
             lines.append(
-                f"warning: {backend} {dtype}: the quantized weights decode slower "
+                f"warning: {backend} {dtype}: the weights as loaded decode slower "
                 f"({codes:.2f} tok/s) than dequantized ({floats:.2f} tok/s); "
                 f"pl.load(..., dequantize=True) trades {mb[1] - mb[0]:.0f} MiB for the speed"
             )
