@@ -48,6 +48,16 @@ class Engine:
     pp_size: int = 1
     pp_rank: int | None = 0
 
+    def bind_groups(self, tp: Any, pp: Any) -> None:
+        """Hold the TP and PP groups (``None``: not split that way), each with ``size()`` and
+        ``rank()`` (a torch ``ProcessGroup``, an ``mx.distributed.Group``), and read their
+        sizes and this process's ranks."""
+        self.tp, self.pp = tp, pp
+        if tp is not None:
+            self.tp_size, self.tp_rank = tp.size(), tp.rank()
+        if pp is not None:
+            self.pp_size, self.pp_rank = pp.size(), pp.rank()
+
     @property
     def single_controller(self) -> bool:
         """Whether this one process drives every rank (JAX)."""

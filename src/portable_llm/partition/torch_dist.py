@@ -43,12 +43,8 @@ class TorchEngine(Engine):
         import torch.distributed as dist
 
         self.dist = dist
-        self.tp = _group(tensor_parallel, "tensor_parallel")
-        self.pp = _group(pipeline_parallel, "pipeline_parallel")
-        if self.tp is not None:
-            self.tp_size, self.tp_rank = self.tp.size(), self.tp.rank()
-        if self.pp is not None:
-            self.pp_size, self.pp_rank = self.pp.size(), self.pp.rank()
+        tp = _group(tensor_parallel, "tensor_parallel")
+        self.bind_groups(tp, _group(pipeline_parallel, "pipeline_parallel"))
 
     def all_reduce(self, x: Any) -> Any:
         if self.tp is None or self.tp_size == 1:
