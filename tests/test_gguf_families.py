@@ -1,4 +1,5 @@
-"""GGUF files of the families beyond Llama (``gemma2``, ``gemma3``), written here as llama.cpp's
+"""GGUF files of the families beyond Llama (``gemma2``, ``gemma3``, ``phi2``, ``phi3``, ``gpt2``),
+written here as llama.cpp's
 converter writes them (its tensor names, every Gemma norm weight stored as ``1 + w``, the
 metadata keys), give the config and the logits of the HF folder holding the same weights, on
 every backend. The real Gemma 3 270M file is checked against transformers in
@@ -118,3 +119,179 @@ def test_gemma_gguf_equals_the_folder(
         assert "full_attention" in model.config.layer_types
     ids = [[5, 17, 42, 99, 3, 250, 7, 11, 8, 60]]  # longer than the window
     assert_close(model(ids), ref(ids), backend=backend)
+
+
+#: llama.cpp's names of the Phi-2, Phi-3 and GPT-2 tensors (HF's -> GGUF's), q/k/v fused as
+#: ``attn_qkv`` (and Phi-3's gate/up as ``ffn_up``), the rows stacked in HF's order.
+_PLAIN = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.o_proj": "attn_output",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_PLAIN_TOP = {
+    **_TOP,
+    "lm_head.weight": "output.weight",
+    "lm_head.bias": "output.bias",
+    "model.norm.bias": "output_norm.bias",
+    "model.embed_positions.weight": "position_embd.weight",
+}
+_FUSED = {"attn_qkv": ("q_proj", "k_proj", "v_proj"), "ffn_up": ("gate_proj", "up_proj")}
+
+
+def plain_config(model_type: str) -> dict[str, Any]:
+    """A 2-layer ``config.json`` of Phi-2 (``phi``: partial rotary), Phi-3 or GPT-2."""
+    cfg: dict[str, Any] = {
+        "model_type": model_type, "vocab_size": 300, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "rms_norm_eps": EPS, "max_position_embeddings": 64, "bos_token_id": 2,
+        "eos_token_id": 1, "tie_word_embeddings": model_type == "gpt2",
+    }  # fmt: skip
+    if model_type == "phi":
+        cfg.update(partial_rotary_factor=0.5, rope_theta=1e4, hidden_act="gelu_new")
+    if model_type == "phi3":
+        cfg.update(num_key_value_heads=2, rope_theta=1e4, hidden_act="silu")
+    if model_type == "gpt2":
+        cfg.update(hidden_act="gelu_new")
+    return cfg
+
+
+def plain_tensors(cfg: dict[str, Any], tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """GGUF name -> tensor, as llama.cpp writes them (q/k/v fused; Phi-3's gate/up fused)."""
+    out = {}
+    for hf, value in tensors.items():
+        if hf in _PLAIN_TOP:
+            out[_PLAIN_TOP[hf]] = value
+            continue
+        _, _, i, rest = hf.split(".", 3)
+        stem, suffix = rest.rsplit(".", 1)
+        if stem in _PLAIN and not (cfg["model_type"] == "phi3" and stem == "mlp.up_proj"):
+            out[f"blk.{i}.{_PLAIN[stem]}.{suffix}"] = value
+    for g, pieces in _FUSED.items():
+        prefix = "self_attn" if g == "attn_qkv" else "mlp"
+        if g == "ffn_up" and cfg["model_type"] != "phi3":
+            continue
+        for i in range(cfg["num_hidden_layers"]):
+            for suffix in ("weight", "bias"):
+                rows = [tensors.get(f"model.layers.{i}.{prefix}.{p}.{suffix}") for p in pieces]
+                if all(r is not None for r in rows):
+                    out[f"blk.{i}.{g}.{suffix}"] = np.concatenate(rows)
+    return out
+
+
+def write_plain_gguf(
+    path: Path, arch: str, cfg: dict[str, Any], tensors: dict[str, Any], *, q8: bool = False
+) -> None:
+    """``tensors`` as llama.cpp writes them: float32, or the matrices in Q8_0 (``q8``)."""
+    w = gguf.GGUFWriter(str(path), arch)
+    E, H = cfg["hidden_size"], cfg["num_attention_heads"]
+    counts = {
+        "block_count": cfg["num_hidden_layers"],
+        "context_length": cfg["max_position_embeddings"],
+        "embedding_length": E,
+        "feed_forward_length": cfg["intermediate_size"],
+        "attention.head_count": H,
+        "attention.head_count_kv": cfg["num_key_value_heads"],
+    }
+    if arch != "gpt2":
+        counts["rope.dimension_count"] = int(E // H * cfg.get("partial_rotary_factor", 1.0))
+        w.add_float32(f"{arch}.rope.freq_base", cfg["rope_theta"])
+    for key, value in counts.items():
+        w.add_uint32(f"{arch}.{key}", value)
+    eps = "layer_norm_rms_epsilon" if arch == "phi3" else "layer_norm_epsilon"
+    w.add_float32(f"{arch}.attention.{eps}", cfg["rms_norm_eps"])
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    for name, value in plain_tensors(cfg, tensors).items():
+        if q8 and value.ndim == 2:
+            kind = gguf.GGMLQuantizationType.Q8_0
+            w.add_tensor(name, gguf.quants.quantize(value, kind), raw_dtype=kind)
+        else:
+            w.add_tensor(name, value.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def gpt2_layout(cfg: dict[str, Any], weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """HF's GPT-2 checkpoint (``transformer.h.{i}``: Conv1D weights as (in, out), q/k/v fused
+    as ``c_attn``) of the same weights."""
+    out = {
+        "transformer.wte.weight": weights["model.embed_tokens.weight"],
+        "transformer.wpe.weight": weights["model.embed_positions.weight"],
+        "transformer.ln_f.weight": weights["model.norm.weight"],
+        "transformer.ln_f.bias": weights["model.norm.bias"],
+    }
+    for i in range(cfg["num_hidden_layers"]):
+        p, h = f"model.layers.{i}.", f"transformer.h.{i}."
+        for kind in ("weight", "bias"):
+            out[f"{h}ln_1.{kind}"] = weights[f"{p}input_layernorm.{kind}"]
+            out[f"{h}ln_2.{kind}"] = weights[f"{p}post_attention_layernorm.{kind}"]
+            qkv = [weights[f"{p}self_attn.{n}_proj.{kind}"] for n in "qkv"]
+            out[f"{h}attn.c_attn.{kind}"] = np.concatenate(qkv).T.copy()
+            for theirs, ours in (("attn.c_proj", "self_attn.o_proj"), ("mlp.c_fc", "mlp.up_proj"),
+                                 ("mlp.c_proj", "mlp.down_proj")):  # fmt: skip
+                out[f"{h}{theirs}.{kind}"] = weights[f"{p}{ours}.{kind}"].T.copy()
+    return out
+
+
+@pytest.mark.parametrize(
+    ("arch", "model_type"), [("phi2", "phi"), ("phi3", "phi3"), ("gpt2", "gpt2")]
+)
+def test_fused_gguf_equals_the_folder(
+    arch: str, model_type: str, backend: str, tmp_path: Path
+) -> None:
+    """Phi-2 (LayerNorm with biases, partial rotary, lm_head bias), Phi-3 (fused gate/up) and
+    GPT-2 (learned positions): the fused tensors split into HF's, on read and through
+    :class:`~portable_llm.checkpoint.gguf.GGUFSlices`."""
+    from portable_llm.checkpoint.gguf import GGUFSlices
+
+    cfg = plain_config(model_type)
+    weights = random_weights(cfg)
+    write_plain_gguf(tmp_path / "m.gguf", arch, cfg, weights)
+    model = pl.load(tmp_path / "m.gguf", backend=backend, dtype="float32")
+    ids = [[5, 17, 42, 99, 3, 250, 7, 11, 8, 60]]
+    if model_type == "gpt2":  # transformers' GPT-2 on the same weights (its Conv1D layout)
+        transformers = pytest.importorskip("transformers")
+        torch = pytest.importorskip("torch")
+        hf = transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(
+                vocab_size=300,
+                n_positions=64,
+                n_embd=32,
+                n_layer=2,
+                n_head=4,
+                n_inner=64,
+                layer_norm_epsilon=EPS,
+                activation_function="gelu_new",
+            )
+        ).eval()
+        state = {k: torch.from_numpy(v) for k, v in gpt2_layout(cfg, weights).items()}
+        hf.load_state_dict(state, strict=False)
+        with torch.no_grad():
+            want = hf(torch.tensor(ids)).logits.numpy()
+        assert_close(model(ids), want, backend=backend)
+    else:
+        write_checkpoint(tmp_path / "hf", cfg, tensors=weights)
+        ref = pl.load(tmp_path / "hf", backend=backend, dtype="float32")
+        assert model.config == ref.config
+        assert_close(model(ids), ref(ids), backend=backend)
+    slices = GGUFSlices(tmp_path / "m.gguf")
+    assert set(slices.shapes) == set(weights)
+    for name, value in weights.items():
+        np.testing.assert_array_equal(slices.read(name), value, err_msg=name)
+        if value.ndim == 2 and value.shape[1] % 32 == 0:
+            np.testing.assert_array_equal(slices.read(name, (slice(1, 5),)), value[1:5])
+
+
+def test_fused_quantized_rows_split(backend: str, tmp_path: Path) -> None:
+    """Kept quantized, the row blocks of Phi-3's fused Q8_0 ``attn_qkv`` and ``ffn_up`` are
+    those of the dequantized tensor."""
+    cfg = plain_config("phi3")
+    write_plain_gguf(tmp_path / "m.gguf", "phi3", cfg, random_weights(cfg), q8=True)
+    kept = pl.load(tmp_path / "m.gguf", backend=backend, dtype="float32", dequantize=False)
+    floats = pl.load(tmp_path / "m.gguf", backend=backend, dtype="float32", dequantize=True)
+    ids = [[5, 17, 42, 99, 3, 250, 7]]
+    assert_close(kept(ids), floats(ids), backend=backend)

@@ -60,6 +60,7 @@ _GLOBAL = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
+    "position_embd": "model.embed_positions",  # GPT-2
 }
 _LAYER = {
     "attn_norm": "input_layernorm",
@@ -82,6 +83,11 @@ _SANDWICH = {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+#: Tensors that llama.cpp writes fused, rows stacked in this order: split on read.
+_FUSED = {
+    "attn_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "ffn_up": ("mlp.gate_proj", "mlp.up_proj"),  # Phi-3's gate_up_proj (its only ffn_up)
+}
 _PLUS_ONE_TYPES = tuple(MODEL_TYPES.get(a, a) for a in NORM_PLUS_ONE)
 _BLK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
@@ -91,13 +97,25 @@ def hf_name(name: str, *, sandwich: bool = False) -> str | None:
     q_proj.weight``), or ``None`` for a name outside the decoder's vocabulary. ``sandwich``:
     Gemma's names of the norms (``ffn_norm`` is ``pre_feedforward_layernorm``)."""
     stem, _, suffix = name.rpartition(".")
-    if stem in _GLOBAL and suffix == "weight":
-        return f"{_GLOBAL[stem]}.weight"
+    if stem in _GLOBAL and suffix in ("weight", "bias"):  # LayerNorm, Phi-2's lm_head: a bias
+        return f"{_GLOBAL[stem]}.{suffix}"
     m = _BLK.match(name)
     layer = _SANDWICH if sandwich else _LAYER
     if m and m[2] in layer:
         return f"model.layers.{m[1]}.{layer[m[2]]}.{m[3]}"
     return None
+
+
+def hf_parts(name: str, cfg: DecoderConfig) -> tuple[str, ...]:
+    """HF's names of the row blocks of a GGUF tensor: one name, several for a fused tensor
+    (``attn_qkv`` -> q, k, v; Phi-3's ``ffn_up`` -> gate, up), none outside the decoder's
+    vocabulary."""
+    m = _BLK.match(name)
+    fused = _FUSED.get(m[2]) if m else None
+    if m and fused and (m[2] == "attn_qkv" or cfg.model_type == "phi3"):
+        return tuple(f"model.layers.{m[1]}.{stem}.{m[3]}" for stem in fused)
+    h = hf_name(name, sandwich=cfg.sandwich_norms)
+    return () if h is None else (h,)
 
 
 def read_gguf(path: str | Path, options: LoadOptions | None = None, /) -> CheckpointContents:
@@ -124,10 +142,12 @@ def read_gguf(path: str | Path, options: LoadOptions | None = None, /) -> Checkp
     file = Path(path)
     meta, tensors, cfg = _open(file)
     bk, target, dev = options.placement("float32")
-    names = _check(file, cfg, tensors)
+    names, parts = _check(file, cfg, tensors)
     with np.errstate(all="ignore"):  # non-finite scales decode to inf/NaN, as in llama.cpp
         weights = {
-            name: _tensor(file, tensors[g], name, cfg, bk, target, dev, options.dequantize)
+            name: _tensor(
+                file, tensors[g], name, cfg, bk, target, dev, options.dequantize, parts.get(name)
+            )
             for name, g in names.items()
         }
     tokenizer, generation = _extras(file, meta, cfg)
@@ -179,8 +199,8 @@ class GGUFSlices:
     def __init__(self, path: str | Path, /) -> None:
         self.file = Path(path)
         meta, self.tensors, self.config = _open(self.file)
-        self.names = _check(self.file, self.config, self.tensors)
-        self.shapes = {h: _shape(self.tensors[g]) for h, g in self.names.items()}
+        self.names, self.parts = _check(self.file, self.config, self.tensors)
+        self.shapes = expected_shapes(self.config)
         self.tokenizer, self.generation_config = _extras(self.file, meta, self.config)
         self.touched = 0
         self.size = self.file.stat().st_size
@@ -197,15 +217,14 @@ class GGUFSlices:
         """Tensor ``name`` (HF name), or its slice ``index``, as float32."""
         t = self.tensors[self.names[name]]
         kind, blocks = _blocks(self.file, t)  # a view of the memory-mapped file
-        shape = _shape(t)
+        shape, part = _shape(t), self.parts.get(name, slice(None))
         index = tuple(index) + (slice(None),) * (len(shape) - len(index))
         if len(shape) != 2:
             self.touched += blocks.nbytes
-            return _unstored(name, self.config, dequantize_blocks(kind, blocks).reshape(shape))[
-                index
-            ]
+            host = dequantize_blocks(kind, blocks).reshape(shape)[part]
+            return _unstored(name, self.config, host)[index]
         (N, K), per = shape, BLOCK_SIZES[kind][0]
-        rows = np.arange(N)[index[0]]
+        rows = np.arange(N)[part][index[0]]
         order = _row_order(name, self.config)
         if order is not None:
             rows = order[rows]
@@ -215,9 +234,9 @@ class GGUFSlices:
                 f"load: {self.names[name]} ({kind}) split at columns {c0}:{c1}, not along its "
                 f"blocks of {per}"
             )
-        part = blocks.reshape(N, K // per, -1)[rows, c0 // per : c1 // per]  # reads these only
-        self.touched += part.nbytes
-        host = dequantize_blocks(kind, part.reshape(-1, part.shape[-1]))
+        held = blocks.reshape(N, K // per, -1)[rows, c0 // per : c1 // per]  # reads these only
+        self.touched += held.nbytes
+        host = dequantize_blocks(kind, held.reshape(-1, held.shape[-1]))
         return host.reshape(len(rows), c1 - c0)
 
 
@@ -225,41 +244,53 @@ def _shape(t: Any) -> tuple[int, ...]:
     return tuple(int(n) for n in reversed(t.shape))  # ggml's ne is innermost first
 
 
-def _check(file: Path, cfg: DecoderConfig, tensors: dict[str, Any]) -> dict[str, str]:
-    """HF name -> GGUF name of every expected tensor; :class:`CheckpointError` listing the
-    missing, unexpected and misshapen ones."""
+def _check(
+    file: Path, cfg: DecoderConfig, tensors: dict[str, Any]
+) -> tuple[dict[str, str], dict[str, slice]]:
+    """``(HF name -> GGUF name of every expected tensor, HF name -> its rows in a fused GGUF
+    tensor)``; :class:`CheckpointError` listing the missing, unexpected and misshapen ones."""
     expected = expected_shapes(cfg)
     names: dict[str, str] = {}
+    parts: dict[str, slice] = {}
+    fused: dict[str, tuple[int, ...]] = {}  # GGUF name -> the shape its parts imply
     unexpected = []
     for g in tensors:
-        h = hf_name(g, sandwich=cfg.sandwich_norms)
-        if h is None or h not in expected:
+        hs = hf_parts(g, cfg)
+        if not hs or any(h not in expected for h in hs):
             unexpected.append(g)
-        else:
-            names[h] = g
+            continue
+        names.update(dict.fromkeys(hs, g))
+        if len(hs) > 1:
+            start = 0
+            for h in hs:
+                parts[h] = slice(start, start + expected[h][0])
+                start += expected[h][0]
+            fused[g] = (start, *expected[hs[0]][1:])
     problems = []
     missing = [_gguf_name(h, cfg.sandwich_norms) for h in expected if h not in names]
     if missing:
         problems.append(f"missing tensors ({len(missing)}): {listed(missing)}")
     if unexpected:
         problems.append(f"unexpected tensors ({len(unexpected)}): {listed(unexpected)}")
+    implied = {g: fused.get(g, expected[h]) for h, g in names.items()}
     bad = [
-        f"{g} {_shape(tensors[g])} (metadata implies {expected[h]})"
-        for h, g in names.items()
-        if _shape(tensors[g]) != expected[h]
+        f"{g} {_shape(tensors[g])} (metadata implies {want})"
+        for g, want in implied.items()
+        if _shape(tensors[g]) != want
     ]
     if bad:
         problems.append(f"tensors whose shape disagrees with the metadata: {listed(bad)}")
     if problems:
         raise CheckpointError(f"load: {str(file)!r}: " + "; ".join(problems))
-    return {h: names[h] for h in expected}
+    return {h: names[h] for h in expected}, parts
 
 
 def _gguf_name(h: str, sandwich: bool) -> str:
     """The GGUF name of an HF tensor name (for messages)."""
     for g, stem in _GLOBAL.items():
-        if h == f"{stem}.weight":
-            return f"{g}.weight"
+        for suffix in ("weight", "bias"):
+            if h == f"{stem}.{suffix}":
+                return f"{g}.{suffix}"
     m = re.match(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$", h)
     if m:
         for g, stem in (_SANDWICH if sandwich else _LAYER).items():
@@ -319,10 +350,14 @@ def _tensor(
     dtype: Any,
     device: Any,
     dequantize: bool | str,
+    part: slice | None = None,
 ) -> Any:
     kind, blocks = _blocks(file, t)
     shape = _shape(t)
     rows = _row_order(name, cfg)
+    if part is not None:  # a block of a fused tensor's rows (none is permuted)
+        rows = np.arange(shape[0])[part]
+        shape = (len(rows), *shape[1:])
     if dequantize == "auto" and kind in AFFINE_BITS and len(shape) == 2:
         # ops.quant's measured rule: keep the codes only where they decode at least as fast
         from portable_llm.ops.quant import device_kind, keeps_codes
@@ -331,12 +366,12 @@ def _tensor(
         fmt = {"bits": AFFINE_BITS[kind], "rows": shape[0]}
         dequantize = not keeps_codes(bk, device=where, dtype=bk.dtype_name(dtype), **fmt)
     if dequantize or kind not in AFFINE_BITS or len(shape) != 2:
-        host = _unstored(name, cfg, dequantize_blocks(kind, blocks).reshape(shape))
+        host = _unstored(name, cfg, dequantize_blocks(kind, blocks).reshape(_shape(t)))
         if rows is not None:
             host = host[rows]
         return _floats(host, bk, dtype, device)
     q, scales, biases = affine_parts(kind, blocks)
-    N, K = shape
+    N, K = _shape(t)
     q, scales, biases = q.reshape(N, K), scales.reshape(N, K // 32), biases.reshape(N, K // 32)
     if rows is not None:
         q, scales, biases = q[rows], scales[rows], biases[rows]

@@ -20,8 +20,10 @@ from portable_llm.decoder.config import DecoderConfig
 
 __all__ = [
     "GGUF_ARCHITECTURES",
+    "LAYER_NORM",
     "MODEL_TYPES",
     "NORM_PLUS_ONE",
+    "PARTIAL_ROPE",
     "PERMUTED",
     "GGUFMetadata",
     "eos_ids",
@@ -30,12 +32,26 @@ __all__ = [
 
 #: The ``general.architecture`` values :func:`gguf_config` reads. llama.cpp writes Mistral
 #: (7B, Nemo) models as ``llama``; there is no ``mistral`` architecture in GGUF.
-GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+GGUF_ARCHITECTURES: tuple[str, ...] = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3",
+    "phi2",
+    "phi3",
+    "gpt2",
+)
 #: llama.cpp's LlamaModel converter (its Mistral subclass too) permutes q/k rows; Qwen's do not.
 PERMUTED: tuple[str, ...] = ("llama",)
 #: HF's ``model_type`` of an architecture whose name differs (a Gemma 3 GGUF holds only the
 #: text model, as transformers reads it).
-MODEL_TYPES: dict[str, str] = {"gemma3": "gemma3_text"}
+MODEL_TYPES: dict[str, str] = {"gemma3": "gemma3_text", "phi2": "phi"}
+#: The architectures with LayerNorm (``{arch}.attention.layer_norm_epsilon``), not RMSNorm.
+LAYER_NORM: tuple[str, ...] = ("phi2", "gpt2")
+#: The architectures whose head size is ``embedding_length / head_count`` (no ``key_length``),
+#: RoPE on the first ``rope.dimension_count`` of each head's dimensions (Phi's partial rotary).
+PARTIAL_ROPE: tuple[str, ...] = ("phi2", "phi3")
 #: The architectures whose norm weights llama.cpp stores as ``1 + w`` (Gemma's RMSNorm scale):
 #: the reader subtracts 1, as transformers' ``Gemma2TensorProcessor`` does.
 NORM_PLUS_ONE: tuple[str, ...] = ("gemma2", "gemma3")
@@ -196,7 +212,9 @@ def gguf_config(meta: GGUFMetadata, tensors: dict[str, Any]) -> DecoderConfig:
         "num_attention_heads": meta.count(f"{arch}.attention.head_count"),
         "num_key_value_heads": meta.count_or_none(f"{arch}.attention.head_count_kv"),
         "head_dim": head_dim,
-        "rms_norm_eps": meta.number(f"{arch}.attention.layer_norm_rms_epsilon"),
+        "rms_norm_eps": meta.number(
+            f"{arch}.attention.layer_norm_{'epsilon' if arch in LAYER_NORM else 'rms_epsilon'}"
+        ),
         "rope_theta": meta.number(
             f"{arch}.rope.freq_base", 1e6 if arch == "gemma3" else 10000.0, low=1e-30
         ),
@@ -206,6 +224,20 @@ def gguf_config(meta: GGUFMetadata, tensors: dict[str, Any]) -> DecoderConfig:
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
         "eos_token_id": eos_ids(meta),
     }
+    if arch in PARTIAL_ROPE:
+        heads = d["num_attention_heads"]
+        if d["hidden_size"] % heads:
+            raise meta.fail(
+                f"{arch}.attention.head_count",
+                f"{heads} does not divide embedding_length {d['hidden_size']}",
+            )
+        rope_dim = meta.count_or_none(f"{arch}.rope.dimension_count")
+        if rope_dim is not None and rope_dim != d["hidden_size"] // heads:
+            d["partial_rotary_factor"] = rope_dim / (d["hidden_size"] // heads)
+    if arch in LAYER_NORM:  # Phi-2, GPT-2: llama.cpp's GELU is the tanh form (HF's gelu_new)
+        d["hidden_act"] = "gelu_new"
+    if arch == "gpt2":  # learned positions, no RoPE
+        del d["rope_theta"]
     if arch in NORM_PLUS_ONE:  # Gemma: transformers reads the window (the pattern: its default)
         d["sliding_window"] = meta.count_or_none(f"{arch}.attention.sliding_window")
     for cap in ("attn_logit_softcapping", "final_logit_softcapping"):  # as llama.cpp reads them
