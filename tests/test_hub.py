@@ -184,3 +184,24 @@ def test_hostile_cache_layouts_are_contained(cache: Path, folders: dict[str, Pat
 
 def _blob(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def test_cli_generate_takes_a_repo_id(
+    cache: Path, folders: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``portable-llm generate org/name``: the id reaches ``pl.load`` (not refused as a missing
+    path) and prints what the folder prints; an id not in the cache is one error, exit 1."""
+    from portable_llm.cli.cli import main
+
+    _cache_repo(cache, "org/tiny", MAIN, _files(folders["main"]))
+    _set_ref(cache, "org/tiny", "main", MAIN)
+    args = ["--ids", "5,9,200", "--max-new-tokens", "3", "--backend", "numpy"]
+    assert main(["generate", str(folders["main"]), *args]) == 0
+    want = capsys.readouterr().out.splitlines()[0]
+    assert main(["generate", "org/tiny", *args]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == want
+    assert main(["generate", "org/absent", *args]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    one_line = " ".join(err.split())  # the CLI wraps its message at 100 columns
+    assert "'org/absent' is neither a local path nor a Hub repository in the cache" in one_line

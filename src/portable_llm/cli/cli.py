@@ -78,7 +78,8 @@ def parser() -> Parser:
         metavar="PATH",
         help="instead of the ops: a whole model, its load time and prefill/decode tokens/s next "
         "to transformers, mlx-lm and llama.cpp (for a .gguf, when llama-cpp-python is "
-        "installed). PATH: a checkpoint folder or a .gguf file (kept quantized); default a "
+        "installed). PATH: a checkpoint folder or a .gguf file (as pl.load reads it, and "
+        "dequantized); default a "
         "Qwen2-0.5B-shaped random checkpoint",
     )
     bench.add_argument(

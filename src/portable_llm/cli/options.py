@@ -180,7 +180,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     ``--threads``."""
     p.add_argument(
         "path",
-        help="a checkpoint: a folder (config.json, *.safetensors, tokenizer.json) or a .gguf file",
+        help="a checkpoint: a folder (config.json, *.safetensors, tokenizer.json), a .gguf file, "
+        "or a Hub id (org/name) in the local Hugging Face cache",
     )
     p.add_argument(
         "--backend",

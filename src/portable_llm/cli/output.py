@@ -10,6 +10,8 @@ import textwrap
 from collections.abc import Iterable, Sequence
 from typing import TextIO
 
+from portable_llm.checkpoint.hub import is_repo_id
+
 __all__ = [
     "WIDTH",
     "Progress",
@@ -67,9 +69,14 @@ def check_usage(usage: argparse.ArgumentParser | None, checks: Iterable[tuple[bo
 
 
 def path_errors(paths: Sequence[tuple[str, str | None]]) -> list[tuple[bool, str]]:
-    """For :func:`check_usage`: each ``(argument, path)`` whose path is given but missing."""
+    """For :func:`check_usage`: each ``(argument, path)`` whose path is given but missing and
+    is not shaped like a Hub repository id (``org/name``, which ``pl.load`` looks up in the
+    local Hugging Face cache and answers itself)."""
     return [
-        (path is not None and not os.path.exists(path), f"{name}: no such file or folder: {path}")
+        (
+            path is not None and not os.path.exists(path) and not is_repo_id(path),
+            f"{name}: no such file or folder: {path}",
+        )
         for name, path in paths
     ]
 
