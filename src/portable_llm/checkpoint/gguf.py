@@ -8,6 +8,8 @@ decoded at a time):
 - the tensors (``blk.{i}.attn_q.weight``, ...) get HF's names (``model.layers.{i}.self_attn.
   q_proj.weight``); for the ``llama`` architecture, the rows of ``attn_q``/``attn_k`` that
   llama.cpp's converter permuted for its rotary layout are put back (as transformers does);
+  fused tensors (``attn_qkv``; Phi-3's ``ffn_up``) are split into HF's row blocks, and Gemma's
+  norm weights, stored as ``1 + w``, lose the 1;
 - quantized tensors stay quantized (:class:`~portable_llm.ops.quant.QuantizedWeight`, MLX's
   affine layout) where the block type is exactly affine per group of 32
   (:data:`~portable_llm.checkpoint.gguf_blocks.AFFINE_BITS`), and are dequantized otherwise, or
