@@ -3,10 +3,13 @@
 
 transformers' model comes from ``tests/test_oracle_gemma3.py``'s cached fixture (its float32
 weights saved once under the temporary directory); its logits and greedy continuations are
-computed once per module. ``pl.load(file.gguf)`` is called once per backend, keeping the Q4_K,
-Q5_0 and Q8_0 matrices quantized (the default) and dequantizing the Q6_K ones: its config
-equals transformers', its logits agree within the real-model GGUF bound, and its greedy
-continuations are identical. array-api-strict is skipped (minutes for a 270M model).
+computed once per module. ``pl.load(file.gguf)`` (``dequantize="auto"``, the default, which
+dequantizes every matrix of this file on a CPU) is called once per backend: its config equals
+transformers', its logits agree within the real-model GGUF bound, and its greedy continuations
+are identical. Once, on NumPy, the file is read again with ``dequantize=False``, keeping the
+Q4_K, Q5_0 and Q8_0 matrices quantized (exact affine codes; a kept-quantized decode on torch's
+CPU takes minutes for the 262k-row output matrix): its logits agree too. array-api-strict is
+skipped (minutes for a 270M model).
 """
 
 from __future__ import annotations
@@ -82,3 +85,19 @@ def test_greedy_equals_transformers(hf_answers: dict[str, Any], backend: str) ->
     for ids, want in zip(hf_answers["ids"], hf_answers["greedy"], strict=True):
         got = list(pl.generate(model, np.asarray(ids), max_new_tokens=STEPS, stop=()))
         assert got == want
+
+
+def test_kept_quantized_logits_equal_transformers(hf_answers: dict[str, Any], backend: str) -> None:
+    if backend != "numpy":
+        pytest.skip("once, on NumPy (the codes' decoding is checked per backend elsewhere)")
+    from portable_llm.checkpoint.build import LoadOptions, build_model
+    from portable_llm.checkpoint.gguf import read_gguf
+    from portable_llm.ops.quant import QuantizedWeight
+
+    options = LoadOptions(backend=backend, dtype="float32", dequantize=False)
+    contents = read_gguf(_gguf_file(), options)
+    kept = sum(isinstance(w, QuantizedWeight) for w in contents.weights.values())
+    assert kept == 118  # the Q4_K, Q5_0 and Q8_0 matrices; the Q6_K ones are floats
+    ids = hf_answers["ids"][0]
+    got = build_model(contents)(pl.asarray(ids[None], backend=backend))
+    assert_close(got, hf_answers["logits"], backend=backend, rtol=0.0, atol=LOGITS_ATOL)
