@@ -188,6 +188,32 @@ def test_gpt2_original_layout(hf_models: dict, tmp_path: Path) -> None:
     assert_close(model(IDS), _hf_logits(hf, IDS))
 
 
+def test_gpt2_layer_count_checked_in_either_spelling(hf_models: dict, tmp_path: Path) -> None:
+    """GPT-2's ``n_layer`` (and HF's ``num_hidden_layers``) is checked against the layers the
+    tensors hold (``transformer.h.{i}.`` or the prefix-less ``h.{i}.``) before anything is
+    built; a config spelled either way loads the same model."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    folder, hf = hf_models["gpt2"]
+    config = json.loads((folder / "config.json").read_text())
+    held = config.get("n_layer", config.get("num_hidden_layers"))
+    tensors = load_file(str(folder / "model.safetensors"))
+    for prefix in ("transformer.", ""):
+        out = tmp_path / (prefix or "bare")
+        out.mkdir()
+        save_file({k.removeprefix("transformer.") if not prefix else k: v
+                   for k, v in tensors.items()}, str(out / "model.safetensors"))  # fmt: skip
+        for key in ("n_layer", "num_hidden_layers"):
+            spelled = {k: v for k, v in config.items() if k not in ("n_layer", "num_hidden_layers")}
+            (out / "config.json").write_text(json.dumps({**spelled, key: held}))
+            assert_close(pl.load(out, backend="numpy", dtype="float32")(IDS), _hf_logits(hf, IDS))
+            (out / "config.json").write_text(json.dumps({**spelled, key: 10**6}))
+            with pytest.raises(pl.CheckpointError, match=f"the weights hold {held} layers"):
+                pl.load(out, backend="numpy")
+
+
 @pytest.mark.slow_on("jax", "array_api_strict")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_left_padded_rows_equal_alone(hf_models: dict, family: str, backend: str) -> None:

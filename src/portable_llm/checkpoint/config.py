@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from portable_llm.checkpoint.files import CheckpointError, checkpoint_file, read_json
-from portable_llm.decoder.config import DecoderConfig, check_model_type
+from portable_llm.decoder.config import DecoderConfig, check_model_type, hf_spelling
 
 __all__ = ["check_held", "config_path", "read_config"]
 
@@ -56,6 +56,7 @@ def read_config(
         raise CheckpointError(
             f"load: {str(file)!r}: {str(exc).removeprefix('config.json: ')}"
         ) from None
+    d = hf_spelling(d)  # GPT-2's n_layer is checked as num_hidden_layers
     counts = {"num_hidden_layers": layers}
     if d.get("model_type") in ("mixtral", "qwen2_moe"):
         counts["num_local_experts" if d.get("model_type") == "mixtral" else "num_experts"] = experts

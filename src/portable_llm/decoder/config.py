@@ -17,7 +17,13 @@ from portable_llm.core.checks import check_int, check_real
 from portable_llm.ops.activations import ACTIVATIONS
 from portable_llm.rotary.scaling import ROPE_TYPES, rope_spec
 
-__all__ = ["READ_MODEL_TYPES", "SUPPORTED_MODEL_TYPES", "DecoderConfig", "check_model_type"]
+__all__ = [
+    "READ_MODEL_TYPES",
+    "SUPPORTED_MODEL_TYPES",
+    "DecoderConfig",
+    "check_model_type",
+    "hf_spelling",
+]
 
 #: The ``model_type`` values :func:`portable_llm.load` reads and runs.
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = (
@@ -58,6 +64,14 @@ _ALIASES: dict[str, dict[str, str]] = {
     "gemma3_text": {"hidden_activation": "hidden_act"},
 }
 _GEMMA = ("gemma2", "gemma3_text")
+
+
+def hf_spelling(d: Mapping[str, Any]) -> dict[str, Any]:
+    """``config.json``'s dict with a family's own spellings (GPT-2's ``n_layer``, ``n_embd``,
+    ...; LayerNorm eps names; Gemma's activation) also under HF's usual names, where those are
+    absent: what :meth:`DecoderConfig.from_dict` and the checkpoint's count checks read."""
+    aliases = _ALIASES.get(d.get("model_type"), {})  # type: ignore[arg-type]
+    return {**{new: d[old] for old, new in aliases.items() if old in d}, **d}
 
 
 def check_model_type(d: Mapping[str, Any]) -> str:
@@ -169,7 +183,7 @@ class DecoderConfig:
         mt = d.get("model_type")
         if mt not in READ_MODEL_TYPES:
             mt = check_model_type(d)  # the families it reads: READ_MODEL_TYPES too
-        d = {**{new: d[old] for old, new in _ALIASES.get(mt, {}).items() if old in d}, **d}
+        d = hf_spelling(d)
         if mt == "gpt2" and d.get("intermediate_size") is None:
             d["intermediate_size"] = 4 * d.get("hidden_size", 0)  # GPT-2's n_inner=None
         for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
