@@ -173,7 +173,7 @@ def test_property_pages_anywhere(seed: int, lens: list[int], page: int, L: int) 
     for b, n in enumerate(lens):
         if n % page:
             junk = np.full((2, page - n % page, D), 1e4, dtype=np.float32)
-            s.pool._write([int(tables[b, n // page])], n % page, junk, junk)
+            s.pool.write_checked([int(tables[b, n // page])], n % page, junk, junk)
     q, q64 = random_array(seed % 1000, (len(lens), 2, L, D), "float32")
     out = paged_attention(q, s.pool, s.tables, s.lens)
     assert_close(out, s.expected(q64), dtype="float32")
