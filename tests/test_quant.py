@@ -173,6 +173,48 @@ def test_native_by_rows(backend, bits, group, rows, n):
     assert_close(qlinear(x, qw), want, backend=backend, dtype="float32")
 
 
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("rows", [1, 70])
+def test_native_every_width_half(backend, dtype, bits, rows):
+    """Native kernels at every code width in float16/bfloat16 (torch bfloat16: the int4 kernel,
+    5 to 8 bits as two nibble planes) against the float64 product of the dequantized weight,
+    for a decode step and a prompt, every group size the kernel takes."""
+    if dtype not in ("float16", "bfloat16"):
+        pytest.skip("half dtypes only (float32/float64: test_native_by_rows)")
+    bk = get_backend(backend)
+    nat = pl.core.dispatch.dispatcher(bk).native.get("quantized_linear")
+    for group in GROUP_SIZES:
+        w, _ = random_array(5, (48, 2 * group), dtype, backend=backend, low=-0.2, high=0.2)
+        x, _ = random_array(6, (rows, 2 * group), dtype, backend=backend, low=-1, high=1)
+        qw = quantize(w, bits=bits, group_size=group)
+        want = to64(x, backend) @ to64(dequantize(qw), backend).T
+        assert_close(qlinear(x, qw), want, backend=backend, dtype=dtype, err_msg=f"g{group}")
+        if nat is not None and nat.applies(x, *qw.arrays, None, bits=bits, group_size=group):
+            out = qlinear(x, qw, impl="native")
+            assert_close(out, want, backend=backend, dtype=dtype, err_msg=f"native g{group}")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 8, 9])
+def test_native_kernel_by_dtype_and_block(backend, dtype, bits, rows):
+    """The native kernels in x's dtype (half dtypes too) against the float64 product, with a
+    bias, on both sides of the few-rows rule (NumPy: grouped sums up to group_size / 4 rows,
+    dequantized blocks above) and over an output size that ends in a partial block (NumPy
+    multiplies 4096 rows of this weight per block)."""
+    bk = get_backend(backend)
+    nat = pl.core.dispatch.dispatcher(bk).native.get("quantized_linear")
+    w, _ = random_array(5, (4100, 64), dtype, backend=backend, low=-0.2, high=0.2)
+    x, xr = random_array(6, (rows, 64), dtype, backend=backend, low=-1, high=1)
+    b, br = random_array(7, (4100,), dtype, backend=backend)
+    qw = quantize(w, bits=bits, group_size=32)
+    if nat is None or not nat.applies(x, *qw.arrays, b, bits=bits, group_size=32):
+        pytest.skip(f"no native quantized_linear on {backend} for {dtype}")
+    want = xr @ np_dequantize(qw)[0].T + br
+    out = qlinear(x, qw, b, impl="native")
+    assert out.dtype == x.dtype
+    assert_close(out, want, backend=backend, dtype=dtype)
+
+
 def test_embedding_dequantizes_rows(backend, dtype):
     bk = get_backend(backend)
     table, _ = random_array(3, (10, 64), dtype, backend=backend)

@@ -200,8 +200,9 @@ def _keep_nan(q: Any, k: Any, out: Any) -> Any:
 # -- quantized weights (portable_llm.ops.quant): torch's int4 and int8 CPU kernels, bytes -------
 # 4-bit: MLX's affine format, w = s * q + b, is torch's int4 format w = s * (q - 8) + z with
 # z = b + 8 * s; the weight is repacked once (_convert_weight_to_int4pack_for_cpu) and cached
-# with the tensor it came from. 8-bit: _weight_int8pack_mm once per group (below). float32 with
-# 4 bits: the codes read as bytes (_bytes_grouped).
+# with the tensor it came from. 5- to 8-bit codes go through the same kernel as two nibble
+# planes, q = lo + 16 * hi, side by side along K (_int4_pack). float32 with 4 or 8 bits: the
+# codes read as bytes (_bytes_grouped), or _weight_int8pack_mm once per group (below).
 import sys  # noqa: E402
 import weakref  # noqa: E402
 
@@ -239,8 +240,11 @@ def _repacked(
 def _int4_applies(
     x: Any, packed: Any, scales: Any, biases: Any, bias: Any, *, bits: int, group_size: int
 ) -> bool:
+    # Other widths than 4 only in bfloat16, where the kernel is vectorized (AVX512/AVX2; float32
+    # and float16 run its scalar loop on x86: 10-100x slower, measured).
     return (
-        bits == 4
+        (bits == 4 or x.dtype == torch.bfloat16)
+        and group_size in _INT4_GROUPS
         and packed.ndim == 2
         and packed.shape[0] % 16 == 0  # the int4 packing takes N in multiples of 16
         and x.device.type == "cpu"
@@ -250,17 +254,65 @@ def _int4_applies(
     )
 
 
-def _int4_pack(packed: Any, scales: Any, biases: Any, dtype: Any) -> tuple[Any, ...]:
+#: The group sizes _weight_int4pack_mm_for_cpu takes (it refuses 16).
+_INT4_GROUPS = (32, 64, 128, 256)
+
+
+def _codes(packed: Any, bits: int) -> Any:
+    """``(N, W)`` uint32 words -> ``(N, W * 32 / bits)`` int32 codes: each row one little-endian
+    bit stream (ops.quant's layout), code ``k`` at bits ``bits*k ..``; a code that straddles two
+    words reads both (the pair as one int64)."""
+    n, words = packed.shape
+    k = words * 32 // bits
+    start = torch.arange(k, device=packed.device) * bits
+    word, shift = start // 32, start % 32
+    out = torch.empty((n, k), dtype=torch.int32, device=packed.device)
+    for r in range(0, n, 4096):  # (4096, K) int64 temporaries at most
+        w64 = packed[r : r + 4096].view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # (R, W)
+        w64 = torch.nn.functional.pad(w64, (0, 1))  # a zero word past the last
+        pair = w64[:, word] | (w64[:, word + 1] << 32)  # (R, K)
+        out[r : r + 4096] = (pair >> shift) & ((1 << bits) - 1)
+    return out
+
+
+def _int4_pack(
+    packed: Any, scales: Any, biases: Any, dtype: Any, bits: int
+) -> tuple[Any, ...]:  # fmt: skip
+    """The int4 kernel's weight and scales-and-zeros ``(K' / group, N, 2)`` in ``dtype``.
+
+    The kernel computes ``w = s (c - 8) + z`` for stored codes ``c`` in 0..15. With
+    ``h = 2**(bits - 1)``, the middle code: up to 4 bits, K' = K, ``c = q + 8 - h`` and
+    ``z = b + h s``, the group's middle value (not ``b + 8 s``, which for 2 bits lies three
+    ranges away: its rounding to bfloat16 showed beyond the tolerance). 5 to 8 bits: the codes
+    split into nibble planes ``q = lo + 16 hi`` laid side by side, K' = 2K (x is repeated to
+    match): low-plane groups ``c = lo`` with ``(s, b + h s)``, high-plane groups
+    ``c = hi + 8 - h / 16`` with ``(16 s, 8 s)``; their sum is ``s q + b`` (16 s and 8 s exact).
+    """
+
     def build() -> tuple[Any, Any]:
-        n, words = packed.shape
-        shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
-        codes = ((packed.view(torch.int32)[..., None] >> shifts) & 15).reshape(n, words * 8)
-        int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
+        codes = _codes(packed, bits)  # (N, K)
         s32, b32 = scales.float(), biases.float()
-        sz = torch.stack([s32, b32 + 8 * s32], dim=-1).transpose(0, 1)  # (K/group, N, 2)
-        return int4, sz.contiguous().to(dtype)
+        h = 1 << (bits - 1)
+        sz = torch.stack([s32, b32 + h * s32], dim=-1)  # (N, K/group, 2)
+        if bits <= 4:
+            codes = codes + (8 - h)
+        else:
+            codes = torch.cat([codes & 15, (codes >> 4) + (8 - h // 16)], dim=1)  # (N, 2K)
+            high = torch.stack([16 * s32, 8 * s32], dim=-1)
+            sz = torch.cat([sz, high], dim=1)  # (N, 2K/group, 2)
+        int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
+        return int4, sz.transpose(0, 1).contiguous().to(dtype)  # (K'/group, N, 2)
 
     return _repacked("int4", packed, scales, biases, dtype, build)
+
+
+def _int4_mm(x: Any, packed: Any, scales: Any, biases: Any, *, bits: int, group_size: int) -> Any:
+    int4, sz = _int4_pack(packed, scales, biases, x.dtype, bits)
+    flat = x.reshape(-1, x.shape[-1])  # (M, K)
+    if bits > 4:
+        flat = torch.cat([flat, flat], dim=-1)  # (M, 2K): the two nibble planes
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, int4, group_size, sz)  # (M, N)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 # 8-bit: torch's int8 kernel takes one scale per output channel, so it runs once per group g
@@ -356,8 +408,10 @@ def _quantized_prefer(
     "quantized_linear",
     kernel="torch.ops.aten._weight_int4pack_mm_for_cpu | _weight_int8pack_mm | torch.bmm",
     applies=_quantized_applies,
-    # bfloat16 is the int4 kernel's fast path (2-core CPU, min of 15 runs, one token, 1536x576:
-    # 39 us against the portable path's 1.5 ms and a dense bfloat16 linear's 69 us); in float32
+    # bfloat16 is the int4 kernel's fast path for every width (2-core CPU, min of 15 runs, one
+    # token, 4-bit 1536x576: 39 us against the portable path's 1.5 ms and a dense bfloat16
+    # linear's 69 us; 5-8 bits as two nibble planes: 2x the 4-bit time, SmolLM2 Q8_0's whole
+    # decode 1.6x its dequantized bfloat16 floats, benchmarks/README.md issue 21); in float32
     # and float16 it ran 10-100x slower, and float32 activations rounded to bfloat16 for it miss
     # float32's tolerance (rtol 1e-5) by far, so float32 takes the byte path (exact to float32
     # accumulation). Rounding of the int4 kernel: 5e-3 of the largest output in bfloat16 (about
@@ -370,6 +424,9 @@ def quantized_linear(
     group_size: int,
 ) -> Any:  # fmt: skip
     fmt = {"bits": bits, "group_size": group_size}
+    if x.dtype == torch.bfloat16 and _int4_applies(x, packed, scales, biases, bias, **fmt):
+        y = _int4_mm(x, packed, scales, biases, **fmt)
+        return y if bias is None else y + bias
     if _int8_applies(x, packed, scales, biases, bias, **fmt) and (
         x.dtype == torch.bfloat16
         or packed.shape[0] >= _INT8_MIN_N
@@ -383,10 +440,7 @@ def quantized_linear(
     ):
         y = _bytes_grouped(x, packed, scales, biases, bits=bits, group_size=group_size)
         return y if bias is None else y + bias
-    int4, sz = _int4_pack(packed, scales, biases, x.dtype)
-    flat = x.reshape(-1, x.shape[-1])  # (M, K)
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, int4, group_size, sz)  # (M, N)
-    y = y.reshape(*x.shape[:-1], y.shape[-1])
+    y = _int4_mm(x, packed, scales, biases, **fmt)
     return y if bias is None else y + bias
 
 
