@@ -53,6 +53,7 @@ _NATIVE: dict[str, dict[str, Native]] = {}
 # backend name -> op -> Native registered by users (register_kernel); these win over _NATIVE.
 _USER_NATIVE: dict[str, dict[str, Native]] = {}
 _NATIVE_MODULES = {
+    "numpy": "portable_llm.native.numpy",
     "torch": "portable_llm.native.torch",
     "mlx": "portable_llm.native.mlx",
     "jax": "portable_llm.native.jax",
