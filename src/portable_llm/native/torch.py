@@ -424,6 +424,11 @@ def quantized_linear(
     group_size: int,
 ) -> Any:  # fmt: skip
     fmt = {"bits": bits, "group_size": group_size}
+    rows = x.numel() // x.shape[-1]
+    if bits == 8 and x.dtype == torch.bfloat16 and rows > _PLANE_ROWS and sys.byteorder == "little":
+        # a prompt: the two-plane kernel re-decodes the codes per 4 rows (128 rows of SmolLM2's
+        # 1536x576: 18 ms against 2.5-6 ms for the bytes dequantized once and a dense product)
+        return F.linear(x, _bytes_weight(packed, scales, biases, group_size=group_size), bias)
     if x.dtype == torch.bfloat16 and _int4_applies(x, packed, scales, biases, bias, **fmt):
         y = _int4_mm(x, packed, scales, biases, **fmt)
         return y if bias is None else y + bias
@@ -442,6 +447,19 @@ def quantized_linear(
         return y if bias is None else y + bias
     y = _int4_mm(x, packed, scales, biases, **fmt)
     return y if bias is None else y + bias
+
+
+#: From more rows than this, 8-bit bfloat16 products dequantize (_bytes_weight) first.
+_PLANE_ROWS = 16
+
+
+def _bytes_weight(packed: Any, scales: Any, biases: Any, *, group_size: int) -> Any:
+    """The dequantized 8-bit weight ``(N, K)`` in scales' dtype, as ops.quant.dequantize rounds
+    it (the codes cast, times the scale, plus the bias, each step in that dtype): the words
+    read as their bytes (little-endian: byte j is code j)."""
+    n = packed.shape[0]
+    q = packed.view(torch.uint8).reshape(n, -1, group_size).to(scales.dtype)  # (N, G, gs)
+    return (q * scales[..., None] + biases[..., None]).reshape(n, -1)
 
 
 def _bytes_grouped(
