@@ -49,6 +49,7 @@ from portable_llm.checkpoint.gguf_meta import (
 from portable_llm.checkpoint.gguf_tokenizer import gguf_tokenizer
 from portable_llm.checkpoint.weights import expected_shapes
 from portable_llm.decoder.config import DecoderConfig
+from portable_llm.partition.engine import QuantizedSlice
 
 __all__ = [
     "GGUF_ARCHITECTURES",
@@ -190,7 +191,10 @@ def _extras(file: Path, meta: GGUFMetadata, cfg: DecoderConfig) -> tuple[Any, di
 
 class GGUFSlices:
     """A ``.gguf`` file read one tensor, or one slice of it, at a time (a rank of a
-    partitioned model reads only what it holds), as float32 (every block type dequantized).
+    partitioned model reads only what it holds): as float32, or with ``keep=True`` a matrix
+    whose block type is affine per group of 32 (:data:`~portable_llm.checkpoint.gguf_blocks.
+    AFFINE_BITS`) as a :class:`~portable_llm.partition.engine.QuantizedSlice` of its codes
+    (what :func:`read_gguf` keeps quantized), the others dequantized.
 
     ``config``, ``tokenizer`` and ``generation_config`` are :func:`read_gguf`'s; ``shapes``
     maps each HF name to its full shape (checked as :func:`read_gguf` checks them);
@@ -198,8 +202,8 @@ class GGUFSlices:
     A slice of a matrix's columns must hold whole blocks (32 values, 256 for K-quants).
     """
 
-    def __init__(self, path: str | Path, /) -> None:
-        self.file = Path(path)
+    def __init__(self, path: str | Path, /, *, keep: bool = False) -> None:
+        self.file, self.keep = Path(path), keep
         meta, self.tensors, self.config = _open(self.file)
         self.names, self.parts = _check(self.file, self.config, self.tensors)
         self.shapes = expected_shapes(self.config)
@@ -215,8 +219,16 @@ class GGUFSlices:
             and self.tensors[g].tensor_type.name in BLOCK_SIZES
         )
 
-    def read(self, name: str, index: tuple[slice, ...] = ()) -> np.ndarray:
-        """Tensor ``name`` (HF name), or its slice ``index``, as float32."""
+    def quantized(self, name: str) -> tuple[int, int] | None:
+        """``(bits, group_size)`` of tensor ``name`` where it is read kept quantized."""
+        t = self.tensors[self.names[name]]
+        kind = t.tensor_type.name
+        if self.keep and kind in AFFINE_BITS and len(_shape(t)) == 2:
+            return AFFINE_BITS[kind], 32
+        return None
+
+    def read(self, name: str, index: tuple[slice, ...] = ()) -> np.ndarray | QuantizedSlice:
+        """Tensor ``name`` (HF name), or its slice ``index``, as float32 (or kept quantized)."""
         t = self.tensors[self.names[name]]
         kind, blocks = _blocks(self.file, t)  # a view of the memory-mapped file
         shape, part = _shape(t), self.parts.get(name, slice(None))
@@ -238,6 +250,11 @@ class GGUFSlices:
             )
         held = blocks.reshape(N, K // per, -1)[rows, c0 // per : c1 // per]  # reads these only
         self.touched += held.nbytes
+        fmt = self.quantized(name)
+        if fmt is not None:  # kept quantized: the codes of whole groups of 32
+            q, scales, biases = affine_parts(kind, held.reshape(-1, held.shape[-1]))
+            q, scales, biases = (a.reshape(len(rows), -1) for a in (q, scales, biases))
+            return QuantizedSlice(pack_codes(q, fmt[0]), scales, biases, *fmt)
         host = dequantize_blocks(kind, held.reshape(-1, held.shape[-1]))
         return host.reshape(len(rows), c1 - c0)
 

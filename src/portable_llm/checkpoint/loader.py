@@ -76,8 +76,8 @@ def load(
         with one axis or ``(mesh, axis_name)`` (both at once: one 2-D mesh with axes ``"pp"``
         and ``"tp"`` passed to both); on torch a ``torch.distributed`` process group or 1-D
         ``DeviceMesh``; on MLX an ``mx.distributed.Group``. Each rank reads only the tensors
-        and slices it holds (a ``.gguf`` file's dequantized to ``dtype``; not yet an mlx-lm
-        quantized folder).
+        and slices it holds; quantized weights (an mlx-lm folder's, a ``.gguf`` file's) stay
+        quantized as ``dequantize`` says, each rank holding whole groups.
 
     Returns
     -------

@@ -23,7 +23,13 @@ from portable_llm.checkpoint.weights import expected_shapes, to_backend
 from portable_llm.decoder.config import DecoderConfig
 from portable_llm.ops.quant import BITS, GROUP_SIZES, QuantizedWeight, fastest_form
 
-__all__ = ["Quantization", "read_quantization", "read_quantized_weights", "stored_dtype"]
+__all__ = [
+    "Quantization",
+    "check_quantized",
+    "read_quantization",
+    "read_quantized_weights",
+    "stored_dtype",
+]
 
 
 class Quantization:
@@ -103,13 +109,39 @@ def read_quantized_weights(
     :func:`~portable_llm.ops.quant.keeps_codes` says its codes decode at least as fast as its
     floats (:func:`~portable_llm.ops.quant.fastest_form`), else given as ``dequantize``'s floats.
     """
+    out: dict[str, Any] = {}
+    for name, (out_name, _, fmt) in check_quantized(st, cfg, quant).items():
+        if fmt is None:
+            out[out_name] = to_backend(name, st.read(name), bk, dtype, device)
+            continue
+        stem = name.removesuffix(".weight")
+        qw = QuantizedWeight(
+            bk.from_numpy(st.read(name), device),
+            to_backend(stem + ".scales", st.read(stem + ".scales"), bk, dtype, device),
+            to_backend(stem + ".biases", st.read(stem + ".biases"), bk, dtype, device),
+            bits=fmt[0],
+            group_size=fmt[1],
+        )
+        out[out_name] = fastest_form(qw) if dequantize == "auto" else qw
+    return out
+
+
+def check_quantized(
+    st: SafetensorsFiles, cfg: DecoderConfig, quant: Quantization
+) -> dict[str, tuple[str, tuple[int, ...], tuple[int, int] | None]]:
+    """Check an mlx-lm quantized folder against ``cfg`` (:class:`CheckpointError` listing every
+    missing, unexpected or misshapen tensor), reading headers only. Returns, for each stored
+    weight (``p.weight`` of a quantized module, whose ``p.scales`` and ``p.biases`` come with
+    it), the model's name (mlx-lm's stacked experts: see :func:`read_quantized_weights`), its
+    dequantized shape and its ``(bits, group_size)`` (``None``: a float tensor)."""
     expected = expected_shapes(cfg)
     problems: list[str] = []
     plan: dict[str, tuple[int, int] | None] = {}  # stored name -> (bits, group) or None (float)
     renamed: dict[str, str] = {}  # stored name -> the model's name
+    shapes: dict[str, tuple[int, ...]] = {}  # stored name -> the dequantized shape
     used: set[str] = set()
     for out_name, name, shape in _stored_names(st, expected):
-        renamed[name] = out_name
+        renamed[name], shapes[name] = out_name, shape
         stem = name.removesuffix(".weight")
         fmt = quant.of(stem) if name.endswith(".weight") else None
         if name.endswith(".weight") and stem + ".scales" in st.files and fmt is not None:
@@ -148,21 +180,7 @@ def read_quantized_weights(
         raise CheckpointError(
             f"load: quantized checkpoint {str(st.folder)!r}: {listed(problems, sep='; ')}"
         )
-    out: dict[str, Any] = {}
-    for name, fmt in plan.items():
-        if fmt is None:
-            out[renamed[name]] = to_backend(name, st.read(name), bk, dtype, device)
-            continue
-        stem = name.removesuffix(".weight")
-        qw = QuantizedWeight(
-            bk.from_numpy(st.read(name), device),
-            to_backend(stem + ".scales", st.read(stem + ".scales"), bk, dtype, device),
-            to_backend(stem + ".biases", st.read(stem + ".biases"), bk, dtype, device),
-            bits=fmt[0],
-            group_size=fmt[1],
-        )
-        out[renamed[name]] = fastest_form(qw) if dequantize == "auto" else qw
-    return out
+    return {name: (renamed[name], shapes[name], fmt) for name, fmt in plan.items()}
 
 
 def _stored_names(

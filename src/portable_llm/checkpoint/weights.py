@@ -37,6 +37,7 @@ __all__ = [
     "expected_shapes",
     "family_name",
     "read_weights",
+    "read_span",
     "to_backend",
 ]
 
@@ -379,12 +380,26 @@ class SliceReader:
         pieces = self.src.pieces[stem]
         return np.stack([self._read(pieces[e, kind], index[1:]) for e in experts])
 
+    def quantized(self, name: str) -> None:
+        """A float folder's tensors are never quantized (:class:`~portable_llm.checkpoint.
+        quantized_slices.QuantizedSlices` reads the quantized ones)."""
+        return None
+
     def _read(self, file_name: str, index: tuple[slice, ...]) -> np.ndarray:
-        shape = self.st.shapes[file_name]
-        out = self.st.read(file_name, index)
-        if out.size:
-            first = [range(n)[s][0] for n, s in zip(shape, index, strict=True)]
-            last = [range(n)[s][-1] for n, s in zip(shape, index, strict=True)]
-            span = np.ravel_multi_index(last, shape) - np.ravel_multi_index(first, shape) + 1
-            self.touched += int(span) * out.itemsize
+        out, self.touched = read_span(self.st, file_name, index, self.touched)
         return out
+
+
+def read_span(
+    st: SafetensorsFiles, name: str, index: tuple[slice, ...], touched: int = 0
+) -> tuple[np.ndarray, int]:
+    """Slice ``index`` (one ``slice`` per dimension) of tensor ``name`` of the open files, and
+    ``touched`` plus the bytes of the file span it covers (its first to last byte)."""
+    shape = st.shapes[name]
+    out = st.read(name, index)
+    if out.size:
+        first = [range(n)[s][0] for n, s in zip(shape, index, strict=True)]
+        last = [range(n)[s][-1] for n, s in zip(shape, index, strict=True)]
+        span = np.ravel_multi_index(last, shape) - np.ravel_multi_index(first, shape) + 1
+        touched += int(span) * out.itemsize
+    return out, touched

@@ -21,6 +21,7 @@ import math
 from typing import Any
 
 from portable_llm.backends import Backend, backend_of, get_backend, resolve
+from portable_llm.core.arrays import creation_device
 from portable_llm.core.checks import check_float, check_int, check_ndim, float_compute_dtype
 from portable_llm.core.dispatch import auto_portable, pick, portable
 from portable_llm.ops.affine import affine
@@ -144,6 +145,12 @@ class QuantizedWeight:
         return self.scales.devices()
 
     @property
+    def sharding(self) -> Any:
+        """``scales.sharding``: how a JAX weight over several devices (a partitioned model's)
+        is placed, which ``Backend.device_of`` reads as it reads ``devices()``."""
+        return self.scales.sharding
+
+    @property
     def ndim(self) -> int:
         return len(self.shape)
 
@@ -208,7 +215,7 @@ def _unpack(xp: Any, packed: Any, *, bits: int) -> Any:
     if 32 % bits == 0:  # whole codes per word: code i of a word sits at bits*i
         # One broadcast shift (measured 2-4x faster on torch than a stack of 32/bits shifts,
         # whose last-axis stack writes with a stride).
-        device = getattr(packed, "device", None)  # MLX arrays have none (unified memory)
+        device = creation_device(packed)  # MLX: None; a JAX weight over a mesh: its mesh
         shifts = xp.arange(0, 32, bits, dtype=xp.int32, device=device)  # (32/bits,)
         codes = (words[..., None] >> shifts) & mask  # (.., W, 32/bits)
         return xp.reshape(codes, (*lead, w * 32 // bits))

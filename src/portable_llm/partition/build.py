@@ -9,7 +9,8 @@ import numpy as np
 from portable_llm.backends import Backend
 from portable_llm.decoder.config import DecoderConfig
 from portable_llm.decoder.model import Model
-from portable_llm.partition.engine import Engine, Reader
+from portable_llm.ops.quant import QuantizedWeight, dequantized, fastest_form
+from portable_llm.partition.engine import Engine, QuantizedSlice, Reader
 from portable_llm.partition.model import PartitionedModel
 from portable_llm.partition.plan import PartitionPlan
 
@@ -28,14 +29,20 @@ def build_partitioned(
     device: Any = None,
     *,
     group_size: int | None = None,
+    dequantize: bool | str = False,
     tokenizer: Any = None,
     generation_config: dict[str, Any] | None = None,
 ) -> Model:
     """The model of ``engine``'s groups over the checkpoint that ``read`` reads.
 
     ``shapes``: every tensor's name (HF's, experts stacked) and full shape; ``read(name,
-    index)``: that slice, as a NumPy array of ``dtype``. The plans are checked before anything
-    is read (``ValueError`` naming the heads or sizes that do not split). A group of size one
+    index)``: that slice, as a NumPy array of ``dtype`` or, for a weight kept quantized, a
+    :class:`~portable_llm.partition.engine.QuantizedSlice` of whole groups (``group_size``: the
+    largest group of the weights split along their input). ``dequantize``: what
+    :func:`portable_llm.load`'s option does with each rank's quantized weights (``"auto"``:
+    :func:`~portable_llm.ops.quant.fastest_form` of the rank's slice; ``False`` keeps them).
+    The plans are checked before anything is read (``ValueError`` naming the heads or sizes
+    that do not split, or a split that would cut a quantization group). A group of size one
     on both keywords gives the plain :class:`~portable_llm.decoder.model.Model`; so does tensor
     parallelism alone on JAX (the weights sharded over the mesh, the forward unchanged: XLA
     inserts the collectives).
@@ -43,13 +50,18 @@ def build_partitioned(
     plans = engine.plans(config, group_size)
     opts = {"tokenizer": tokenizer, "generation_config": generation_config}
 
+    def arr(x: np.ndarray) -> Any:
+        return backend.from_numpy(np.ascontiguousarray(x), device)
+
     def host(name: str, plan: PartitionPlan) -> Any:
         x = engine.place(name, shapes[name], plan, read)
         if isinstance(x, np.ndarray) and plan.zeroed(name):
             x = np.zeros_like(x)
-        return (
-            backend.from_numpy(np.ascontiguousarray(x), device) if isinstance(x, np.ndarray) else x
-        )
+        if isinstance(x, QuantizedSlice):  # kept quantized: the rank's whole groups
+            x = QuantizedWeight(*map(arr, x[:3]), bits=x.bits, group_size=x.group_size)
+        if isinstance(x, QuantizedWeight) and dequantize:
+            return fastest_form(x) if dequantize == "auto" else dequantized(x)
+        return arr(x) if isinstance(x, np.ndarray) else x
 
     if engine.single_controller:
         weights: dict[str, Any] = {}

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from importlib import import_module
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from portable_llm.decoder.config import DecoderConfig
 from portable_llm.partition.plan import PartitionPlan, plan_partition
 
-__all__ = ["ENGINES", "Engine", "engine_for", "launch_groups"]
+__all__ = ["ENGINES", "Engine", "QuantizedSlice", "Reader", "engine_for", "launch_groups"]
 
 #: The backends that partition a model, and the module of each one's engine.
 ENGINES = {
@@ -31,8 +31,27 @@ ENGINES = {
     "mlx": "portable_llm.partition.mlx_dist",
 }
 
-#: ``read(name, index)``: tensor ``name``'s slice ``index`` as a NumPy array of the load dtype.
-Reader = Callable[[str, tuple[slice, ...]], np.ndarray]
+
+class QuantizedSlice(NamedTuple):
+    """A slice of a quantized weight as a reader gives it: host arrays in MLX's affine layout
+    (:class:`~portable_llm.ops.quant.QuantizedWeight`'s), cut along whole groups
+    (:func:`~portable_llm.partition.plan.quantized_index`)."""
+
+    packed: np.ndarray  # (.., N, K * bits / 32), uint32
+    scales: np.ndarray  # (.., N, K / group_size), the load dtype
+    biases: np.ndarray  # (.., N, K / group_size)
+    bits: int
+    group_size: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales.nbytes + self.biases.nbytes
+
+
+#: ``read(name, index)``: tensor ``name``'s slice ``index`` (in the coordinates of its
+#: dequantized shape) as a NumPy array of the load dtype, or a :class:`QuantizedSlice` for a
+#: weight kept quantized.
+Reader = Callable[[str, tuple[slice, ...]], np.ndarray | QuantizedSlice]
 
 
 class Engine:

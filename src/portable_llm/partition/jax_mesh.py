@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from portable_llm.partition.engine import Engine, Reader
+from portable_llm.partition.engine import Engine, QuantizedSlice, Reader
 from portable_llm.partition.plan import PartitionPlan
 
 __all__ = ["JaxEngine", "launch_groups", "make_engine"]
@@ -88,16 +88,41 @@ class JaxEngine(Engine):
 
         axis = plan.split_axis(name, len(shape))
         spec = tuple(self.axis if d == axis else None for d in range(len(shape)))
-        seen: dict[Any, np.ndarray] = {}
+        seen: dict[Any, Any] = {}  # an array, or a QuantizedSlice
 
-        def shard(index: tuple[slice, ...] | None) -> np.ndarray:
+        def shard(index: tuple[slice, ...] | None) -> Any:
             index = index or ()
             key = tuple((s.start, s.stop) for s in index)
             if key not in seen:  # a replicated tensor is read once, not once per device
                 seen[key] = read(name, index)
             return seen[key]
 
-        return jax.make_array_from_callback(shape, self.sharding(plan.pp_rank, spec), shard)
+        sharding = self.sharding(plan.pp_rank, spec)
+        first = shard(next(iter(sharding.devices_indices_map(shape).values())))
+        if isinstance(first, QuantizedSlice):  # three arrays, split along the same axis
+            return self._place_quantized(shape, sharding, shard, first)
+        return jax.make_array_from_callback(shape, sharding, shard)
+
+    @staticmethod
+    def _place_quantized(shape: tuple[int, ...], sharding: Any, shard: Any, q: Any) -> Any:
+        """A quantized weight of (dequantized) ``shape`` placed with ``sharding``: each
+        device's codes, scales and biases are those of its slice of the weight (whole
+        groups), so the three arrays are split along the weight's axis."""
+        import jax
+
+        from portable_llm.ops.quant import QuantizedWeight
+
+        pieces: list[list[Any]] = [[], [], []]
+        for device, index in sharding.addressable_devices_indices_map(shape).items():
+            for part, host in zip(pieces, shard(index)[:3], strict=True):
+                part.append(jax.device_put(host, device))
+        lead, K = shape[:-1], shape[-1]
+        shapes = [(*lead, K * q.bits // 32), *[(*lead, K // q.group_size)] * 2]
+        arrays = [
+            jax.make_array_from_single_device_arrays(s, sharding, part)
+            for s, part in zip(shapes, pieces, strict=True)
+        ]
+        return QuantizedWeight(*arrays, bits=q.bits, group_size=q.group_size)
 
     def move(self, h: Any, stage: int) -> Any:
         import jax

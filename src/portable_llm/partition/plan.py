@@ -29,13 +29,49 @@ from dataclasses import dataclass, replace
 
 from portable_llm.decoder.config import DecoderConfig
 
-__all__ = ["PartitionPlan", "plan_partition", "stage_layers"]
+__all__ = ["PartitionPlan", "plan_partition", "quantized_index", "stage_layers"]
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 #: Tensors split by rows (dimension -2 of a (…, out, in) weight, or the only one of a bias).
 _ROWS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 #: Tensors split by columns (their input, dimension -1).
 _COLS = ("o_proj.weight", "down_proj.weight")
+
+
+#: The weights whose input dimension (of the size named) a tensor-parallel split cuts.
+_ROW_SPLIT_INPUTS = {
+    "num_attention_heads * head_dim": "o_proj",
+    "intermediate_size": "down_proj",
+    "moe_intermediate_size": "each expert's down_proj",
+    "shared_expert_intermediate_size": "shared_expert.down_proj",
+}
+
+
+def quantized_index(
+    name: str, shape: tuple[int, ...], index: tuple[slice, ...], bits: int, group_size: int
+) -> tuple[tuple[slice, ...], tuple[slice, ...]]:
+    """The slices of a quantized weight's packed codes ``(.., N, K * bits / 32)`` and of its
+    scales and biases ``(.., N, K / group_size)`` that hold the slice ``index`` of the weight
+    ``name`` of (dequantized) shape ``shape`` ``(.., N, K)``: rows and leading axes as they
+    are, the input dimension along whole groups.
+
+    Raises
+    ------
+    ValueError
+        A slice of the input dimension that would cut a group (naming the weight, its shape,
+        the columns and the group size).
+    """
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    *lead, cols = index
+    c0, c1, step = cols.indices(shape[-1])
+    if step != 1 or c0 % group_size or c1 % group_size:
+        raise ValueError(
+            f"partition: {name} of shape {shape}, quantized in groups of {group_size}, split at "
+            f"columns {c0}:{c1}: the split would cut a group (each rank's columns must be a "
+            f"whole number of groups of {group_size})"
+        )
+    codes = slice(c0 * bits // 32, c1 * bits // 32)  # a group of >= 32 codes: whole words
+    return (*lead, codes), (*lead, slice(c0 // group_size, c1 // group_size))
 
 
 def stage_layers(num_layers: int, stages: int, stage: int) -> range:
@@ -178,9 +214,11 @@ def plan_partition(
         if n % T:
             raise ValueError(f"partition: {key}={n} is not divisible by tensor_parallel={T}")
         if group_size and T > 1 and (n // T) % group_size:
+            E, weight = c.hidden_size, _ROW_SPLIT_INPUTS[key]
             raise ValueError(
-                f"partition: {key}={n} / tensor_parallel={T} = {n // T} is not a whole number "
-                f"of quantization groups of {group_size}"
+                f"partition: {weight} of shape (E, {key}) = ({E}, {n}) split along its input "
+                f"over tensor_parallel={T} gives {n // T} columns per rank, not a whole number "
+                f"of quantization groups of {group_size}: the split would cut a group"
             )
     if c.num_hidden_layers < P:
         raise ValueError(

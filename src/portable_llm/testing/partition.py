@@ -1,6 +1,7 @@
 """Run a partitioned model in local processes, one per rank, as the tests do (and as a user can,
 to check a setup): ``python -m portable_llm.testing.partition ENGINE MODE RANK WORLD ADDRESS
-FOLDER OUT DTYPE``.
+FOLDER OUT DTYPE DEQUANTIZE MORE`` (``DEQUANTIZE``: ``auto``, ``True`` or ``False``;
+``MORE``: ``True`` to run ``batch_generate`` and ``speculative_generate`` too).
 
 ``ENGINE``: ``torch`` (gloo over ``tcp://ADDRESS``) or ``mlx`` (the ring backend: ``ADDRESS`` is
 the hostfile, a JSON list of one ``["127.0.0.1:port"]`` list per rank, as ``mlx.launch`` writes
@@ -10,7 +11,7 @@ it); ``MODE``: ``tp`` or ``pp`` (the whole world as one group). Each rank writes
 bytes it held and touched (``LoadReport``). :func:`launch` starts the processes and waits for
 them. JAX drives every device from one process: :func:`launch_jax` runs :func:`run_jax`'s cases
 (``tp2``, ``pp2``, ``pp2tp2``, ...) in a process with 8 host devices (``python -m
-portable_llm.testing.partition jax FOLDER OUT DTYPE CASES...``).
+portable_llm.testing.partition jax FOLDER OUT DTYPE DEQUANTIZE CASES...``).
 """
 
 from __future__ import annotations
@@ -59,9 +60,12 @@ def run_rank(
     folder: str,
     out: str,
     dtype: str = "float32",
+    dequantize: bool | str = "auto",
+    more: bool = True,
 ) -> None:
-    """One rank: join the group, load its share of ``folder`` in ``dtype``, write its results
-    (logits as float32) to ``out``."""
+    """One rank: join the group, load its share of ``folder`` in ``dtype`` (``dequantize``:
+    :func:`~portable_llm.load`'s), write its results (logits as float32) to ``out``; ``more``:
+    the tokens of :func:`more_tokens` too."""
     from portable_llm.checkpoint.build import LoadOptions
     from portable_llm.checkpoint.partitioned import read_partitioned
     from portable_llm.core.arrays import to_numpy
@@ -82,11 +86,13 @@ def run_rank(
         assert group.rank() == rank and group.size() == world
     kw = {"tensor_parallel" if mode == "tp" else "pipeline_parallel": group}
     eng = engine_for(engine, kw.get("tensor_parallel"), kw.get("pipeline_parallel"))
-    model, report = read_partitioned(folder, LoadOptions(backend=engine, dtype=dtype), eng)
+    options = LoadOptions(backend=engine, dtype=dtype, dequantize=dequantize)
+    model, report = read_partitioned(folder, options, eng)
     logits = to_numpy(model([PROMPT])).astype(np.float32)
     tokens = [int(t) for t in generate(model, PROMPT, max_new_tokens=NEW_TOKENS, stop=())]
     results: dict[str, Any] = {"logits": logits, "tokens": np.asarray(tokens)}
-    results.update(more_tokens(model))
+    if more:
+        results.update(more_tokens(model))
     results.update(held=report.held, touched=report.touched, total=report.total)
     np.savez(Path(out) / f"rank{rank}.npz", file_bytes=report.file, **results)
     if engine == "torch":
@@ -110,8 +116,10 @@ def more_tokens(model: Any) -> dict[str, np.ndarray]:
 
 
 def launch(engine: str, mode: str, folder: str | Path, out: str | Path, *, world: int = 2,
-           dtype: str = "float32", timeout: float = 120.0) -> list[dict[str, Any]]:  # fmt: skip
-    """Start ``world`` local ranks of ``engine`` in ``mode`` and return each one's results."""
+           dtype: str = "float32", dequantize: bool | str = "auto", more: bool = True,
+           timeout: float = 120.0) -> list[dict[str, Any]]:  # fmt: skip
+    """Start ``world`` local ranks of ``engine`` in ``mode`` and return each one's results
+    (``dtype``, ``dequantize``, ``more``: :func:`run_rank`'s)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if engine == "torch":
@@ -135,6 +143,8 @@ def launch(engine: str, mode: str, folder: str | Path, out: str | Path, *, world
                 str(folder),
                 str(out),
                 dtype,
+                str(dequantize),
+                str(more),
             ],
             env=env,
             stdout=subprocess.PIPE,
@@ -178,7 +188,9 @@ def _mesh(case: str) -> dict[str, Any]:
     return {"tensor_parallel": (Mesh(devices, ("model",)), "model")}
 
 
-def run_jax(folder: str, out: str, cases: list[str], dtype: str = "float32") -> None:
+def run_jax(
+    folder: str, out: str, cases: list[str], dtype: str = "float32", dequantize: bool | str = "auto"
+) -> None:
     """The JAX cases in this process (started with ``XLA_FLAGS`` asking for 8 host devices):
     ``OUT/{case}.npz`` for each (logits, greedy tokens, and ``kv_heads``: the most KV heads
     one device's cache holds), and ``one`` for the model on one device. The ids arrive as an
@@ -191,7 +203,7 @@ def run_jax(folder: str, out: str, cases: list[str], dtype: str = "float32") -> 
 
     for case in ["one", *cases]:
         kw = {} if case == "one" else _mesh(case)
-        model = load(folder, backend="jax", dtype=dtype, **kw)
+        model = load(folder, backend="jax", dtype=dtype, dequantize=dequantize, **kw)
         ids = jax.device_put(np.asarray([PROMPT]), jax.devices()[0])  # on the first device
         logits = to_numpy(model(ids)).astype(np.float32)
         tokens = [int(t) for t in generate(model, PROMPT, max_new_tokens=NEW_TOKENS, stop=())]
@@ -205,12 +217,13 @@ def run_jax(folder: str, out: str, cases: list[str], dtype: str = "float32") -> 
 
 
 def launch_jax(folder: str | Path, out: str | Path, cases: list[str], *, dtype: str = "float32",
+               dequantize: bool | str = "auto",
                timeout: float = 300.0) -> dict[str, dict[str, Any]]:  # fmt: skip
     """:func:`run_jax` in a fresh process with 8 host devices; each case's results."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    args = ["jax", str(folder), str(out), dtype, *cases]
+    args = ["jax", str(folder), str(out), dtype, str(dequantize), *cases]
     done = subprocess.run(
         [sys.executable, "-m", "portable_llm.testing.partition", *args],
         env=env, capture_output=True, text=True, timeout=timeout,
@@ -221,8 +234,10 @@ def launch_jax(folder: str | Path, out: str | Path, cases: list[str], *, dtype: 
 
 
 if __name__ == "__main__":
+    flags: dict[str, bool | str] = {"True": True, "False": False}
     if sys.argv[1] == "jax":
-        run_jax(sys.argv[2], sys.argv[3], sys.argv[5:], sys.argv[4])
+        deq = flags.get(sys.argv[5], sys.argv[5])
+        run_jax(sys.argv[2], sys.argv[3], sys.argv[6:], sys.argv[4], deq)
     else:
-        e, m, r, w, a, f, o, d = sys.argv[1:9]
-        run_rank(e, m, int(r), int(w), a, f, o, d)
+        e, m, r, w, a, f, o, d, q, more = sys.argv[1:11]
+        run_rank(e, m, int(r), int(w), a, f, o, d, flags.get(q, q), more == "True")

@@ -1,0 +1,74 @@
+"""An mlx-lm quantized folder read by one rank of a partitioned model, kept quantized.
+
+:class:`QuantizedSlices` reads each tensor a rank holds, or only its slice, from the
+memory-mapped safetensors files (as :class:`~portable_llm.checkpoint.weights.SliceReader` does
+for a float folder): a quantized module's codes, scales and biases are cut along whole groups
+(:func:`~portable_llm.partition.plan.quantized_index`: output rows as they are, the input
+dimension only at group boundaries), so each rank holds its share still quantized.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from portable_llm.checkpoint.quantized import Quantization, check_quantized
+from portable_llm.checkpoint.shards import SafetensorsFiles
+from portable_llm.checkpoint.weights import read_span
+from portable_llm.decoder.config import DecoderConfig
+from portable_llm.partition.engine import QuantizedSlice
+from portable_llm.partition.plan import quantized_index
+
+__all__ = ["QuantizedSlices"]
+
+#: The weights a tensor-parallel split cuts along their input dimension.
+_INPUT_SPLIT = ("o_proj.weight", "down_proj.weight", "experts.down_proj")
+
+
+class QuantizedSlices:
+    """Any tensor of an mlx-lm quantized folder, or one slice of it, read alone.
+
+    ``st``: the files, open; ``cfg`` and ``quant``: the config and the ``"quantization"`` they
+    are checked against at once (:func:`~portable_llm.checkpoint.quantized.check_quantized`).
+    ``shapes`` maps the model's names to their dequantized shapes; ``touched`` counts the
+    bytes of the file spans read; ``group_size`` is the largest group of the weights a
+    tensor-parallel split cuts along their input (``None`` when none is quantized).
+    """
+
+    def __init__(self, st: SafetensorsFiles, cfg: DecoderConfig, quant: Quantization) -> None:
+        self.st = st
+        self.entries = check_quantized(st, cfg, quant)  # stored -> (name, shape, format)
+        self.stored = {name: stored for stored, (name, _, _) in self.entries.items()}
+        self.shapes = {name: shape for name, shape, _ in self.entries.values()}
+        groups = [
+            fmt[1] for name, _, fmt in self.entries.values()
+            if fmt is not None and name.endswith(_INPUT_SPLIT)
+        ]  # fmt: skip
+        self.group_size = max(groups, default=None)
+        self.touched = 0
+
+    def read(self, name: str, index: tuple[slice, ...] = ()) -> np.ndarray | QuantizedSlice:
+        """Tensor ``name`` (a key of :attr:`shapes`), or its slice ``index`` in the coordinates
+        of its dequantized shape: a float array, or a quantized module's whole groups."""
+        stored = self.stored[name]
+        _, shape, fmt = self.entries[stored]
+        index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+        if fmt is None:
+            return self._read(stored, index)
+        bits, group = fmt
+        codes, groups = quantized_index(name, shape, index, bits, group)
+        stem = stored.removesuffix(".weight")
+        return QuantizedSlice(
+            self._read(stored, codes),
+            self._read(stem + ".scales", groups),
+            self._read(stem + ".biases", groups),
+            bits,
+            group,
+        )
+
+    def quantized(self, name: str) -> tuple[int, int] | None:
+        """``(bits, group_size)`` of tensor ``name`` (``None``: read as floats)."""
+        return self.entries[self.stored[name]][2]
+
+    def _read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        out, self.touched = read_span(self.st, name, index, self.touched)
+        return out
