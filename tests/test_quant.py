@@ -462,9 +462,10 @@ def test_fastest_form_follows_the_rule(backend, dtype, bits, rows):
     else:
         assert not isinstance(got, QuantizedWeight) and got.dtype == qw.dtype
         np.testing.assert_array_equal(to64(got, backend), to64(dequantize(qw), backend))
-    # bits the fast kernels do not take are always dequantized
+    # other widths follow the same rule (torch bfloat16 keeps every width; 3 bits elsewhere none)
     q3 = quantize(w, bits=3, group_size=32)
-    assert not isinstance(fastest_form(q3), QuantizedWeight)
+    kept3 = keeps_codes(backend, device=device_kind(bk, q3), dtype=dtype, bits=3, rows=rows)
+    assert isinstance(fastest_form(q3), QuantizedWeight) == kept3
 
 
 def test_keeps_codes_table():
@@ -474,8 +475,11 @@ def test_keeps_codes_table():
     assert not any(k[0] in ("numpy", "array_api_strict") for k in KEEP_CODES_FROM)
     assert keeps_codes("torch", device="cpu", dtype="bfloat16", bits=4, rows=1)
     assert not keeps_codes("torch", device="cpu", dtype="float32", bits=4, rows=49152)
-    assert not keeps_codes("torch", device="cpu", dtype="bfloat16", bits=8, rows=576)
-    assert keeps_codes("torch", device="cpu", dtype="bfloat16", bits=8, rows=49152)
+    # bfloat16: the int4 kernel at every width (5 to 8 bits as two nibble planes)
+    for bits in (2, 3, 4, 5, 6, 8):
+        assert keeps_codes("torch", device="cpu", dtype="bfloat16", bits=bits, rows=192)
+    assert not keeps_codes("torch", device="cpu", dtype="float32", bits=8, rows=49152)
+    assert not keeps_codes("torch", device="cpu", dtype="float16", bits=4, rows=576)
     with pytest.raises(ValueError, match="device must be"):
         keeps_codes("torch", device="cuda", dtype="float32", bits=4, rows=1)
 

@@ -586,10 +586,19 @@ def project(bk: Backend, impl: str, x: Any, w: Any, b: Any) -> Any:
 #: figures and the load are in ``benchmarks/README.md``) at SmolLM2-135M's shapes, group 32.
 KEEP_CODES_FROM: dict[tuple[str, str, str, int], int] = {
     # torch's CPU int4 kernel (_weight_int4pack_mm_for_cpu): 1.1-1.7x the dense bfloat16 GEMV,
-    # 8.4x on the 49152-row LM head
+    # 8.4x on the 49152-row LM head; 2 and 3 bits run it as 4
+    ("torch", "cpu", "bfloat16", 2): 0,
+    ("torch", "cpu", "bfloat16", 3): 0,
     ("torch", "cpu", "bfloat16", 4): 0,
-    # _weight_int8pack_mm once per group: 0.15-0.47x below 4096 rows, 1.8x on the LM head
-    ("torch", "cpu", "bfloat16", 8): 4096,
+    # 5 to 8 bits: the same kernel on two nibble planes. One projection with its weight in
+    # cache: 0.73-1.0x the dense GEMV, 1.8-1.9x on the LM head; SmolLM2 Q8_0's whole decode
+    # (weights streamed from memory, as in every real model) kept quantized: 1.6x its floats
+    ("torch", "cpu", "bfloat16", 5): 0,
+    ("torch", "cpu", "bfloat16", 6): 0,
+    ("torch", "cpu", "bfloat16", 8): 0,
+    # torch float32: none. No torch CPU kernel multiplies group-wise codes by float32
+    # activations at the dense GEMV's speed (the int4/int8 kernels' float32 loops are scalar on
+    # x86: 2-5x slower than the dense floats; benchmarks/README.md, issue 21).
     # JAX: none. Under jax.jit XLA fuses the dequantize into the product: 0.4-0.8x on the
     # small projections, 2.3-2.8x on the LM head alone; but SmolLM2's whole compiled decode
     # with only the head kept (Q8_0) ran 0.75x and 0.91x of the all-floats model in two runs,
