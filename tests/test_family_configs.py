@@ -167,7 +167,7 @@ def test_unsupported_family_is_named_before_any_other_check(tmp_path: Path) -> N
          "must give full_attention and sliding_attention"),
         ("llama4_text", {"no_rope_layers": [1, 0]}, "no_rope_layers must list 4 flags"),
         ("gemma2", {"query_pre_attn_scalar": 0}, "query_pre_attn_scalar must be"),
-        ("phi3", {"rope_parameters": {"rope_type": "longrope"}}, "unknown rope type 'longrope'"),
+        ("phi3", {"rope_parameters": {"rope_type": "longrope"}}, "needs the field 'short_factor'"),
     ],
 )  # fmt: skip
 def test_bad_family_configs(family: str, change: dict[str, Any], message: str) -> None:

@@ -89,7 +89,7 @@ def test_qwen2_moe_sparse_layers() -> None:
 
 BAD_CONFIGS = [
     ({"model_type": "bert"}, "unsupported model_type 'bert'; supported: "),
-    ({"rope_scaling": {"rope_type": "longrope"}}, "unknown rope type 'longrope'; supported: "),
+    ({"rope_scaling": {"rope_type": "mrope"}}, "unknown rope type 'mrope'; supported: "),
     ({"hidden_act": "tanh"}, "unknown hidden_act 'tanh'"),
     ({"num_key_value_heads": 3}, "num_attention_heads=4 is not a multiple of num_key_value_h"),
     ({"hidden_size": None}, "hidden_size is missing"),

@@ -19,6 +19,11 @@ B, H, H_KV, L, D = 2, 4, 2, 6, 32
 OFFSETS = np.array([0, 9])  # per-sequence starts: positions up to 14
 THETA = 10000.0
 
+LONGROPE = {
+    "rope_type": "longrope",
+    "short_factor": np.linspace(1.0, 1.5, D // 2).tolist(),
+    "long_factor": np.linspace(1.0, 9.0, D // 2).tolist(),
+}
 # name -> (HF config class, rope_parameters, max_position_embeddings)
 HF_CASES = {
     "default": ("Qwen2Config", {"rope_type": "default"}, 512),
@@ -66,6 +71,15 @@ HF_CASES = {
             "truncate": False,
         },
         128,
+    ),
+    # Phi-3's longrope: per-pair factors, short up to the original length (positions reach 14
+    # here: 15 <= 16), long beyond it (15 > 8); attention factor sqrt(1 + ln(mpe/L0) / ln(L0))
+    "longrope": ("Qwen2Config", {**LONGROPE, "original_max_position_embeddings": 16}, 64),
+    "longrope_long": ("Qwen2Config", {**LONGROPE, "original_max_position_embeddings": 8}, 64),
+    "longrope_explicit": (
+        "Qwen2Config",
+        {**LONGROPE, "original_max_position_embeddings": 8, "attention_factor": 1.5},
+        64,
     ),
 }
 DTYPES = ["float32", "float64", "bfloat16"]
@@ -133,9 +147,9 @@ def test_rope_table_matches_hf_inv_freq(name):
 
     spec = rope_spec("rope", {**params, "rope_theta": THETA}, max_position_embeddings=mpe)
     seq_len = int(OFFSETS.max()) + L
-    if name == "dynamic_grown":
+    if name in ("dynamic_grown", "longrope_long", "longrope_explicit"):
         torch = pytest.importorskip("torch")
-        emb(torch.zeros(1), torch.arange(seq_len)[None])  # HF grows its table on first use
+        emb(torch.zeros(1), torch.arange(seq_len)[None])  # HF changes its table on first use
     assert spec.attention_factor == emb.attention_scaling
     assert_close(inv_freq_table(spec, D, "float32", seq_len), emb.inv_freq.numpy())
 
@@ -186,8 +200,9 @@ def test_rope_matches_mx_fast_rope(traditional, dtype):
             assert_close(got, want, err_msg=f"dims={dims}, {theirs}")
 
 
-@pytest.mark.parametrize("name", ["llama3", "yarn", "yarn_deepseek"])
+@pytest.mark.parametrize("name", ["llama3", "yarn", "yarn_deepseek", "longrope_long"])
 def test_rope_matches_mlx_lm(name):
+    # mlx-lm's longrope (SuScaledRoPE) always takes the long factors: compared beyond L0 = 8
     mx = pytest.importorskip("mlx.core")
     rope_utils = pytest.importorskip("mlx_lm.models.rope_utils")
     _, params, mpe = HF_CASES[name]

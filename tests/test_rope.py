@@ -229,6 +229,40 @@ def test_rope_partial_dims_leave_the_tail_untouched(backend, dtype, traditional,
     assert_close(out[..., :dims], head)
 
 
+def _longrope(pairs: int, **extra) -> dict:
+    """Phi-3's longrope: a factor per pair, short up to the original length 16, long beyond."""
+    return {
+        "rope_type": "longrope",
+        "short_factor": np.linspace(1.0, 1.5, pairs).tolist(),
+        "long_factor": np.linspace(1.0, 9.0, pairs).tolist(),
+        "original_max_position_embeddings": 16,
+        **extra,
+    }
+
+
+@pytest.mark.parametrize("attention", [None, 1.0])  # None: sqrt(1 + ln(48/16) / ln(16))
+@pytest.mark.parametrize("offset", [0, 11, 21])  # positions up to 4 (short), 15 (long), 25
+def test_longrope_matches_reference(backend, dtype, offset, attention):
+    x, xr = _x(3, (2, 3, 5, 16), dtype, backend)
+    scaling = _longrope(8, **({} if attention is None else {"attention_factor": attention}))
+    out = pl.rope(x, offset=offset, scaling=scaling, max_position_embeddings=48)
+    want = reference.rope(xr, np.arange(offset, offset + 5), scaling=scaling,
+                          max_position_embeddings=48)  # fmt: skip
+    assert_close(out, want, backend=backend, dtype=dtype)
+    # per-sequence offsets: the largest position decides for the whole batch, as in HF
+    offsets = np.array([0, offset])
+    out = pl.rope(x[:, :, :4, ...], offset=pl.asarray(offsets, backend=backend), scaling=scaling,
+                  max_position_embeddings=48)  # fmt: skip
+    want = reference.rope(xr[:, :, :4], offsets[:, None] + np.arange(4), scaling=scaling,
+                          max_position_embeddings=48)  # fmt: skip
+    assert_close(out, want, backend=backend, dtype=dtype)
+    cos, _ = pl.rope_cos_sin(pl.asarray(np.arange(offset, offset + 5), backend=backend), 16,
+                             scaling=scaling, max_position_embeddings=48)  # fmt: skip
+    theta, att = reference.rope_frequencies(16, 10000.0, scaling, 48, offset + 5)
+    angle = np.arange(offset, offset + 5)[:, None] * np.concatenate([theta, theta])
+    assert_close(cos, att * np.cos(angle), backend=backend, dtype="float32")
+
+
 # -- native kernels --------------------------------------------------------------------------
 
 
@@ -332,9 +366,9 @@ X = np.zeros((2, 3, 4, 8))
         ),
         (
             X,
-            {"scaling": {"rope_type": "longrope"}},
-            r"rope: unknown scaling type 'longrope'; "
-            r"known types: default, linear, dynamic, llama3, yarn",
+            {"scaling": {"rope_type": "mrope"}},
+            r"rope: unknown scaling type 'mrope'; "
+            r"known types: default, linear, dynamic, llama3, yarn, longrope",
         ),
         (
             X,
@@ -408,6 +442,26 @@ X = np.zeros((2, 3, 4, 8))
             np.zeros(8),
             {},
             r"rope: x must have at least 2 dimension\(s\) \(..., L, D\), got shape \(8,\)",
+        ),
+        (
+            X,
+            {"scaling": {**_longrope(4), "long_factor": None}},
+            r"rope: scaling 'longrope': long_factor must be a non-empty list of numbers",
+        ),
+        (
+            X,
+            {"scaling": {**_longrope(4), "short_factor": [1.0, 0.0, 1.0, 1.0]}},
+            r"rope: scaling 'longrope': short_factor\[1\] must be > 0",
+        ),
+        (
+            X,
+            {"scaling": _longrope(3), "max_position_embeddings": 64},
+            r"short_factor has 3 entries but the rotated width dims=8 has 4 pairs",
+        ),
+        (
+            X,
+            {"scaling": _longrope(4)},
+            r"'longrope' without 'factor' or 'attention_factor' needs max_position_embeddings",
         ),
     ],
 )

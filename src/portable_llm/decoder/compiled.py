@@ -14,9 +14,10 @@ activations (``auto`` then dequantizes, which XLA fuses into the products) and k
 the kernels the eager forward chose on concrete ones.
 
 The step applies to a decode step (``L = 1``) on plain :class:`~portable_llm.KVCache` caches
-that already hold the prompt, on a model of dense layers without ``"dynamic"`` RoPE (whose
-table depends on the position); anything else runs the eager prepared forward. The caches keep
-their meaning: after a compiled step they hold what an eager step would have left in them.
+that already hold the prompt, on a model of dense layers without ``"dynamic"`` or
+``"longrope"`` RoPE (whose table depends on the position); anything else runs the eager
+prepared forward. The caches keep their meaning: after a compiled step they hold what an eager
+step would have left in them.
 Token ids go in unchecked: an id outside ``[0, V)`` gives a row of NaN (the embedding's
 ``"masked"`` implementation), so its logits have no distribution and the decode loop stops with
 its error.
@@ -40,6 +41,7 @@ from portable_llm.decoder.prepared import Layer, Prepared, QLinear, Step
 from portable_llm.ops.embedding import embedding
 from portable_llm.ops.quant import QuantizedWeight
 from portable_llm.rotary.args import dispatch_args as rope_dispatch_args
+from portable_llm.rotary.scaling import RopeSpec, uses_length
 
 __all__ = ["CompiledStep", "compiled_step"]
 
@@ -95,7 +97,7 @@ def compiled_step(prepared: Prepared) -> CompiledStep | None:
         return None
     rope = prepared.rope or {}
     kind = (rope.get("scaling") or {}).get("rope_type", "default")
-    if kind == "dynamic":  # its table depends on the position: one per step
+    if uses_length(RopeSpec(kind=kind)):  # dynamic, longrope: the table depends on the position
         return None
     jit, update = compilers
     return CompiledStep(prepared, jit(prepared.bk), update(prepared.bk))

@@ -341,6 +341,8 @@ def _rope(mt: str, d: Mapping[str, Any]) -> dict[str, Any]:
         )
     scaling = dict(params)
     kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if mt == "phi3" and kind in ("su", "yarn"):  # HF's Phi3Config: the earlier names of longrope
+        kind = "longrope"
     if kind not in ROPE_TYPES:
         raise ValueError(
             f"config.json: unknown rope type {kind!r}; supported: {', '.join(ROPE_TYPES)}"
@@ -352,10 +354,14 @@ def _rope(mt: str, d: Mapping[str, Any]) -> dict[str, Any]:
     if prf is not None:
         scaling.setdefault("partial_rotary_factor", prf)
     mpe = d.get("max_position_embeddings")
-    if kind in ("llama3", "yarn") and mpe is not None:
-        scaling.setdefault("original_max_position_embeddings", mpe)
+    if kind in ("llama3", "yarn", "longrope"):  # HF: the config's own field comes first
+        ompe = d.get("original_max_position_embeddings", 4096 if mt == "phi3" else None)
+        if ompe is not None:
+            scaling["original_max_position_embeddings"] = ompe
+        elif mpe is not None:
+            scaling.setdefault("original_max_position_embeddings", mpe)
     out: dict[str, Any] = {"base": theta, "scaling": MappingProxyType(scaling)}
-    if kind == "dynamic":
+    if kind in ("dynamic", "longrope"):  # longrope: its default factor, mpe / ompe
         out["max_position_embeddings"] = mpe
     rope_spec(
         "config.json",

@@ -21,6 +21,7 @@ from portable_llm.rotary.scaling import (
     check_dims,
     inv_freq_table,
     rope_spec,
+    uses_length,
 )
 
 __all__ = [
@@ -127,10 +128,11 @@ def _is_array(a: object) -> bool:
         return False
 
 
-def max_position(op: str, bk: Backend, a: Array) -> int:
-    """``max(a)`` read on the host: the one sync dynamic scaling needs."""
+def max_position(op: str, bk: Backend, a: Array, kind: str = "dynamic") -> int:
+    """``max(a)`` read on the host: the one sync the ``dynamic`` and ``longrope`` scalings
+    need (``kind`` names the scaling in the error for a traced ``a``)."""
     if bk.is_traced(a):
-        raise ValueError(f"{op}: scaling 'dynamic' needs concrete positions, got a traced array")
+        raise ValueError(f"{op}: scaling {kind!r} needs concrete positions, got a traced array")
     return int(bk.xp.max(a))
 
 
@@ -186,8 +188,8 @@ def dispatch_args(
             )
         offset = 0
     seq_len = None
-    if spec.kind == "dynamic":  # HF: max(position_ids) + 1
-        seq_len = (offset if offsets is None else max_position(OP, bk, offsets)) + L
+    if uses_length(spec):  # HF: max(position_ids) + 1
+        seq_len = (offset if offsets is None else max_position(OP, bk, offsets, spec.kind)) + L
     dtype = "float64" if x.dtype == bk.xp.float64 else "float32"
     traced = bk.is_traced(x) or (offsets is not None and bk.is_traced(offsets))
     inv = device_table(bk, bk.device_of(x), spec, dims, dtype, seq_len, traced=traced)

@@ -26,7 +26,7 @@ from portable_llm.rotary.args import (
     dispatch_args,
     max_position,
 )
-from portable_llm.rotary.scaling import DEFAULT_BASE, check_dims, rope_spec
+from portable_llm.rotary.scaling import DEFAULT_BASE, check_dims, rope_spec, uses_length
 
 __all__ = ["apply_rope", "rope", "rope_cos_sin", "rope_tables", "rotate"]
 
@@ -37,7 +37,7 @@ def _angles(
     """cos and sin of ``positions * theta``, ``(.., L, dims/2)`` in the table's dtype."""
     theta = xp.expand_dims(xp.astype(positions, inv_freq.dtype), axis=-1) * inv_freq
     cos, sin = xp.cos(theta), xp.sin(theta)
-    if attention != 1.0:  # yarn: HF multiplies its attention factor into cos and sin
+    if attention != 1.0:  # yarn, longrope: HF multiplies the attention factor into cos, sin
         cos, sin = cos * attention, sin * attention
     return cos, sin
 
@@ -138,19 +138,20 @@ def rope(
     scaling : dict, optional
         An HF config's ``rope_scaling`` / ``rope_parameters`` as it is: the kind under
         ``"rope_type"`` (or ``"type"``) -- ``"default"``, ``"linear"``, ``"dynamic"``,
-        ``"llama3"``, ``"yarn"`` -- with HF's field names and defaults. A
+        ``"llama3"``, ``"yarn"``, ``"longrope"`` -- with HF's field names and defaults. A
         ``partial_rotary_factor`` in it sets ``dims = int(D * factor)``.
     dims : int, optional
         Rotate only the first ``dims`` features (even, ``<= D``; partial rotary as in Phi-2,
         GPT-NeoX); the rest pass through. Default: D (which must then be even).
     max_position_embeddings : int, optional
         The model config's field, which HF reads outside the scaling dict: needed by
-        ``"dynamic"``, and the default of ``original_max_position_embeddings`` for ``"llama3"``
-        and ``"yarn"``. May also be given in the dict.
+        ``"dynamic"``, the default of ``original_max_position_embeddings`` for ``"llama3"``,
+        ``"yarn"`` and ``"longrope"``, and longrope's default ``factor`` (over the original
+        length, for its attention factor). May also be given in the dict.
     impl : {"auto", "portable", "native"}
         ``auto`` uses ``mx.fast.rope`` on MLX (given this table through ``freqs``, so every
-        scaling but yarn's attention factor applies) except for float64 input (the kernel's
-        angles are float32); the portable path elsewhere.
+        scaling but an attention factor (yarn's, longrope's) applies) except for float64
+        input (the kernel's angles are float32); the portable path elsewhere.
     backend : str, optional
 
     Returns
@@ -164,7 +165,10 @@ def rope(
     ``"dynamic"`` scaling grows its base once ``max(position) + 1`` exceeds
     ``max_position_embeddings``: that maximum is read on the host. HF additionally keeps the
     largest length it has seen; here each call uses its own positions (the same for a fresh
-    model or a growing sequence).
+    model or a growing sequence). ``"longrope"`` divides by ``long_factor`` instead of
+    ``short_factor`` once ``max(position) + 1`` exceeds ``original_max_position_embeddings``,
+    decided per call as HF decides it per forward (keys cached before the switch keep the
+    short factors, in HF too).
     """
     bk, arrays, options = dispatch_args(
         x, offset, base, traditional, scaling, dims, max_position_embeddings, backend
@@ -204,9 +208,9 @@ def rope_cos_sin(
     -------
     (cos, sin) : arrays, shape ``(.., L, dims)``
         HF's layout: entries ``i`` and ``i + dims/2`` both hold pair i's value (``cat(freqs,
-        freqs)``), times yarn's attention factor. For ``x`` of shape ``(B, H, L, D)`` and
-        positions ``(B, L)``, pass ``cos[:, None]`` to :func:`apply_rope` (HF's
-        ``unsqueeze_dim=1``).
+        freqs)``), times the attention factor (yarn, longrope). For ``x`` of shape
+        ``(B, H, L, D)`` and positions ``(B, L)``, pass ``cos[:, None]`` to :func:`apply_rope`
+        (HF's ``unsqueeze_dim=1``).
     """
     op = "rope_cos_sin"
     bk, (positions,) = resolve(op, backend, positions)
@@ -220,8 +224,8 @@ def rope_cos_sin(
         raise ValueError(f"{op}: dtype must be a float dtype, got {name}")
     compute = "float64" if name == "float64" else "float32"
     seq_len = None
-    if spec.kind == "dynamic" and positions.size:
-        seq_len = max_position(op, bk, positions) + 1
+    if uses_length(spec) and positions.size:
+        seq_len = max_position(op, bk, positions, spec.kind) + 1
     device, traced = bk.device_of(positions), bk.is_traced(positions)
     inv = device_table(bk, device, spec, dims, compute, seq_len, traced=traced)
     xp = bk.xp

@@ -19,10 +19,10 @@ import numpy as np
 
 from portable_llm.core.checks import check_int, check_real
 
-__all__ = ["ROPE_TYPES", "RopeSpec", "check_dims", "inv_freq_table", "rope_spec"]
+__all__ = ["ROPE_TYPES", "RopeSpec", "check_dims", "inv_freq_table", "rope_spec", "uses_length"]
 
 #: The scaling kinds ``scaling["rope_type"]`` (or ``scaling["type"]``) may name.
-ROPE_TYPES: tuple[str, ...] = ("default", "linear", "dynamic", "llama3", "yarn")
+ROPE_TYPES: tuple[str, ...] = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 DEFAULT_BASE = 10000.0
 
 
@@ -34,13 +34,15 @@ class RopeSpec:
     base: float = DEFAULT_BASE
     factor: float = 1.0
     max_position_embeddings: int | None = None  # dynamic: the length beyond which base grows
-    original_max_position_embeddings: int | None = None  # llama3, yarn
+    original_max_position_embeddings: int | None = None  # llama3, yarn, longrope
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
-    attention_factor: float = 1.0  # yarn: multiplies cos and sin
+    attention_factor: float = 1.0  # yarn, longrope: multiplies cos and sin
     beta_fast: float = 32.0  # yarn
     beta_slow: float = 1.0  # yarn
     truncate: bool = True  # yarn
+    short_factor: tuple[float, ...] = ()  # longrope: divides theta_i up to the original length
+    long_factor: tuple[float, ...] = ()  # longrope: divides theta_i beyond it
     partial_rotary_factor: float | None = None  # rope(): dims = int(D * factor) when dims=None
 
 
@@ -81,7 +83,8 @@ def rope_spec(
     reads from the model config rather than the dict come from the keyword arguments, or from
     the dict under the config's name: ``rope_theta`` (the base; a ``base`` other than the default
     that disagrees is an error), ``max_position_embeddings`` (dynamic; the default of
-    ``original_max_position_embeddings`` for llama3 and yarn, as HF's config standardisation does).
+    ``original_max_position_embeddings`` for llama3, yarn and longrope, as HF's config
+    standardisation does; longrope's default ``factor``, over the original length).
     """
     if not check_real(op, "base", base, finite=False) > 1.0:
         raise ValueError(f"{op}: base must be a number > 1, got {base!r}")
@@ -134,6 +137,8 @@ def rope_spec(
     ompe = _length(op, kind, "original_max_position_embeddings", ompe)
     if kind == "llama3":
         return _llama3_spec(op, spec, scaling, ompe)
+    if kind == "longrope":
+        return _longrope(op, spec, scaling, mpe, ompe)
     return _yarn(op, spec, scaling, mpe, ompe)
 
 
@@ -180,24 +185,88 @@ def _yarn(op: str, spec: RopeSpec, d: Mapping[str, Any], mpe: int | None, ompe: 
     )
 
 
+def _longrope(
+    op: str, spec: RopeSpec, d: Mapping[str, Any], mpe: int | None, ompe: int
+) -> RopeSpec:
+    """HF's ``_compute_longrope_parameters``: per-pair factors, and ``attention_factor`` by
+    default ``sqrt(1 + ln(factor) / ln(ompe))`` (1 for ``factor <= 1``), where ``factor`` is
+    by default ``max_position_embeddings / original_max_position_embeddings`` (Phi-3)."""
+    factors: dict[str, tuple[float, ...]] = {}
+    for key in ("short_factor", "long_factor"):
+        value = _required(op, "longrope", d, key)
+        if not isinstance(value, list | tuple) or not value:
+            raise ValueError(
+                f"{op}: scaling 'longrope': {key} must be a non-empty list of numbers, "
+                f"got {value!r}"
+            )
+        factors[key] = tuple(_number(op, "longrope", f"{key}[{i}]", v) for i, v in enumerate(value))
+    attention = d.get("attention_factor")
+    factor = d.get("factor")
+    if attention is None:
+        if factor is None:
+            if mpe is None:
+                raise ValueError(
+                    f"{op}: scaling 'longrope' without 'factor' or 'attention_factor' needs "
+                    "max_position_embeddings (HF's factor: max_position_embeddings / "
+                    "original_max_position_embeddings)"
+                )
+            factor = mpe / ompe
+        factor = _number(op, "longrope", "factor", factor)
+        if factor > 1.0 and ompe < 2:  # its default attention factor divides by ln(ompe)
+            raise ValueError(
+                f"{op}: scaling 'longrope': original_max_position_embeddings must be >= 2 for "
+                f"the default attention_factor, got {ompe}"
+            )
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(ompe))
+    return replace(
+        spec,
+        original_max_position_embeddings=ompe,
+        attention_factor=_number(op, "longrope", "attention_factor", attention, positive=False),
+        short_factor=factors["short_factor"],
+        long_factor=factors["long_factor"],
+    )
+
+
 def check_dims(op: str, spec: RopeSpec, dims: int) -> None:
-    """The table's formula is defined for ``dims`` (dynamic divides by ``dims - 2``)."""
+    """The table's formula is defined for ``dims`` (dynamic divides by ``dims - 2``; longrope
+    has one factor per pair)."""
     if spec.kind == "dynamic" and dims <= 2:
         raise ValueError(
             f"{op}: scaling 'dynamic' needs dims > 2 (its exponent is dims / (dims - 2))"
         )
+    if spec.kind == "longrope":
+        for key in ("short_factor", "long_factor"):
+            n = len(getattr(spec, key))
+            if n != dims // 2:
+                raise ValueError(
+                    f"{op}: scaling 'longrope': {key} has {n} entries but the rotated width "
+                    f"dims={dims} has {dims // 2} pairs"
+                )
+
+
+def uses_length(spec: RopeSpec) -> bool:
+    """Whether the table depends on the sequence length ``max(position) + 1``: ``dynamic``
+    (its base grows beyond ``max_position_embeddings``) and ``longrope`` (its long factors
+    beyond ``original_max_position_embeddings``), as HF's ``dynamic_rope_update``."""
+    return spec.kind in ("dynamic", "longrope")
 
 
 def inv_freq_table(spec: RopeSpec, dims: int, dtype: str, seq_len: int | None = None) -> np.ndarray:
     """``theta_i`` for ``i < dims / 2`` as a read-only NumPy array of ``dtype`` (float32/float64).
 
-    ``seq_len`` (``max(position) + 1``) matters only for ``dynamic``; HF's dynamic table stays
-    the initial one up to ``max_position_embeddings`` and is recomputed beyond it.
+    ``seq_len`` (``max(position) + 1``) matters only for ``dynamic`` and ``longrope``; HF's
+    dynamic table stays the initial one up to ``max_position_embeddings`` and is recomputed
+    beyond it; longrope's divides by ``short_factor`` up to ``original_max_position_embeddings``
+    and by ``long_factor`` beyond it (HF decides per forward, by that forward's positions).
     """
     if spec.kind == "dynamic":
         assert spec.max_position_embeddings is not None
         grown = seq_len is not None and seq_len > spec.max_position_embeddings
         seq_len = seq_len if grown else None
+    elif spec.kind == "longrope":  # one table per side of the original length
+        ompe = spec.original_max_position_embeddings
+        assert ompe is not None
+        seq_len = ompe + 1 if seq_len is not None and seq_len > ompe else None
     else:
         seq_len = None
     return _table(spec, dims, dtype, seq_len)
@@ -212,6 +281,9 @@ def _table(spec: RopeSpec, dims: int, dtype: str, seq_len: int | None) -> np.nda
         out = _dynamic(spec, dims, dt, exponent, seq_len)
     elif kind == "yarn":
         out = _yarn_table(spec, dims, dt, exponent)
+    elif kind == "longrope":  # HF: 1.0 / (ext_factors * base**inv_freq_shape), float32 factors
+        factors = spec.short_factor if seq_len is None else spec.long_factor
+        out = 1.0 / (np.asarray(factors, dtype=dt) * _pow(base, exponent))
     else:
         out = 1.0 / _pow(base, exponent)
         if kind == "linear":

@@ -339,7 +339,9 @@ def rope_frequencies(
     factor, keeps the fast ones (below ``L0 / high_freq_factor``) and blends in between; yarn
     blends theta (pairs that turn more than ``beta_fast`` times over ``L0`` positions) into
     ``theta / factor`` (fewer than ``beta_slow`` turns) along a linear ramp of the pair index,
-    and scales cos/sin by ``0.1 * mscale * ln(factor) + 1`` (over the same for mscale_all_dim).
+    and scales cos/sin by ``0.1 * mscale * ln(factor) + 1`` (over the same for mscale_all_dim);
+    longrope divides theta by ``short_factor`` (``long_factor`` once ``seq_len > L0``) and
+    scales cos/sin by ``sqrt(1 + ln(factor) / ln(L0))``, factor ``mpe / L0`` by default.
     """
     s = dict(scaling or {})
     kind = s.get("rope_type", s.get("type", "default"))
@@ -389,6 +391,13 @@ def rope_frequencies(
             m(s["mscale"]) / m(s["mscale_all_dim"])
             if s.get("mscale") and s.get("mscale_all_dim")
             else m(1.0)
+        )
+    elif kind == "longrope":
+        long = seq_len is not None and seq_len > L0  # the long factors beyond L0
+        theta = theta / np.asarray(s["long_factor" if long else "short_factor"], np.float64)
+        f = s.get("factor") or mpe / L0
+        attention = s.get("attention_factor") or (
+            math.sqrt(1 + math.log(f) / math.log(L0)) if f > 1 else 1.0
         )
     return theta, float(attention)
 
