@@ -388,6 +388,18 @@ class Model:
         """The config's ``max_position_embeddings`` (``None`` when it has none)."""
         return self.config.max_position_embeddings
 
+    @property
+    def recompute_after(self) -> int | None:
+        """``original_max_position_embeddings`` of a ``longrope`` RoPE (Phi-3), else ``None``:
+        when a generated sequence first grows past it, :func:`~portable_llm.generate` runs
+        every token again with the long factors, as transformers' Phi-3 generation does
+        (:class:`~portable_llm.generation.protocol.RecomputingModel`)."""
+        rope = self.config.rope if self.config.position_embedding == "rope" else None
+        scaling = (rope or {}).get("scaling") or {}
+        if scaling.get("rope_type") != "longrope":
+            return None
+        return int(scaling["original_max_position_embeddings"])
+
     def make_page_pools(self, num_pages: int, page_size: int) -> list[PagePool]:
         """One empty :class:`~portable_llm.PagePool` per layer: ``num_pages`` pages of
         ``page_size`` tokens, ``(H_kv, D)`` heads, the model's dtype, backend and device."""

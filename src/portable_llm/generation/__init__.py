@@ -3,7 +3,12 @@
 from portable_llm.generation.batch import BatchGenerator, Request, batch_generate
 from portable_llm.generation.generate import Generation, GenerationStats, generate
 from portable_llm.generation.prompt import prompt_ids, sampling_options, stop_ids
-from portable_llm.generation.protocol import DecodeStepModel, LanguageModel, PagedLanguageModel
+from portable_llm.generation.protocol import (
+    DecodeStepModel,
+    LanguageModel,
+    PagedLanguageModel,
+    RecomputingModel,
+)
 from portable_llm.generation.sampler import make_logits_processors, make_sampler
 from portable_llm.generation.speculative import SpeculativeStats, speculative_generate
 from portable_llm.generation.steps import generate_step
@@ -13,6 +18,7 @@ __all__ = [
     "DecodeStepModel",
     "LanguageModel",
     "PagedLanguageModel",
+    "RecomputingModel",
     # the decode loop and its fronts
     "BatchGenerator",
     "Generation",

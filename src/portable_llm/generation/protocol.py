@@ -25,10 +25,12 @@ __all__ = [
     "DecodeStepModel",
     "LanguageModel",
     "PagedLanguageModel",
+    "RecomputingModel",
     "check_model",
     "check_paged_model",
     "decode_step",
     "num_layers",
+    "recompute_after",
 ]
 
 
@@ -78,6 +80,20 @@ class DecodeStepModel(Protocol):
     def decode_step(self, ids: Any, /, *, cache: Sequence[Any]) -> Any:
         """Logits ``(B, 1, V)`` of one token per row, ``ids`` ``(B, 1)`` as the sampler drew
         them (on the device): the model may skip its checks of the ids and any host read."""
+        ...
+
+
+@runtime_checkable
+class RecomputingModel(Protocol):
+    """A model whose cached keys go stale when the sequence first grows past a length (Phi-3's
+    ``longrope``: its long factors replace the short ones there). :func:`~portable_llm.generate`
+    then runs every token again into fresh caches, as transformers'
+    ``Phi3ForCausalLM.prepare_inputs_for_generation`` does."""
+
+    @property
+    def recompute_after(self) -> int | None:
+        """The length ``L0``: the step that makes the sequence ``L0 + 1`` tokens long runs all
+        of them again, into fresh caches; ``None``: never."""
         ...
 
 
@@ -144,6 +160,11 @@ def decode_step(model: LanguageModel) -> Callable[..., Any]:
     if isinstance(model, DecodeStepModel):
         return model.decode_step
     return partial(model, last_only=True)
+
+
+def recompute_after(model: LanguageModel) -> int | None:
+    """:attr:`RecomputingModel.recompute_after` of ``model``, ``None`` for other models."""
+    return model.recompute_after if isinstance(model, RecomputingModel) else None
 
 
 def num_layers(model: LanguageModel) -> int:

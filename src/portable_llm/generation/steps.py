@@ -19,7 +19,12 @@ from portable_llm.core.arrays import to_numpy
 from portable_llm.core.checks import check_optional_int
 from portable_llm.core.dispatch import pick
 from portable_llm.core.types import Array
-from portable_llm.generation.protocol import LanguageModel, check_model, decode_step
+from portable_llm.generation.protocol import (
+    LanguageModel,
+    check_model,
+    decode_step,
+    recompute_after,
+)
 from portable_llm.generation.sampler import LogitsProcessor, Sampler
 from portable_llm.ops.sampling import greedy
 
@@ -117,6 +122,7 @@ def decode(
     :func:`~portable_llm.generate` uses: it drops them, and they cost a pass over ``(B, V)``).
     ``max_tokens``: no step is queued for a token past this many."""
     model = check_model("generate_step", model)
+    fresh = cache is None  # made here: generation may make it again (RecomputingModel)
     host = np.asarray(to_numpy(ids) if backend_of(ids) is not None else ids, dtype=np.int64)
     single = host.ndim == 1
     if single:
@@ -149,7 +155,8 @@ def decode(
     return Decode(
         model, host, cache, single=single, sampler=sampler, processors=list(logits_processors),
         tokens=tokens, logprobs=logprobs, prefill_step_size=prefill_step_size,
-        max_tokens=max_tokens,
+        max_tokens=max_tokens, recompute=recompute_after(model) if fresh else None,
+        left_padding=left_padding,
     )  # fmt: skip
 
 
@@ -170,14 +177,26 @@ class Decode:
     pipelining); the caches then already hold token ``t`` when it is yielded.
 
     The backend and device are those of the prefill's logits (a model states neither).
+
+    ``recompute`` (:class:`~portable_llm.generation.protocol.RecomputingModel`, caches made
+    here): the step that makes the sequence ``recompute + 1`` tokens long runs every token
+    again into fresh caches (transformers' Phi-3 generation with ``longrope``), and a longer
+    prompt is prefilled in one forward, as transformers does.
     """
 
     def __init__(
         self, model: LanguageModel, host: np.ndarray, cache: Sequence[Any], *, single: bool,
         sampler: Sampler | None, processors: list[LogitsProcessor], tokens: list[list[int]],
         logprobs: bool, prefill_step_size: int | None, max_tokens: int | None,
+        recompute: int | None = None, left_padding: Any = None,
     ) -> None:  # fmt: skip
         self.model, self.host, self.cache, self.single = model, host, cache, single
+        self.recompute = recompute if recompute is not None and recompute >= host.shape[1] else None
+        if recompute is not None and recompute < host.shape[1]:
+            prefill_step_size = None  # the long prompt in one forward, as transformers
+        self.left_padding = left_padding
+        self.seen: list[np.ndarray] = [host]  # the ids fed, while a recompute may come
+        self.fed = host.shape[1]  # tokens in the caches once the prompt is in
         self.decode_step = decode_step(model)
         self.vocab = model.vocab_size
         self.sampler = sampler
@@ -222,6 +241,8 @@ class Decode:
         if self.processors:
             for row, t in zip(self.tokens, chosen, strict=True):
                 row.append(t)
+        if self.recompute is not None:
+            self.seen.append(np.asarray(chosen, dtype=np.int64)[:, None])  # (B, 1)
         self.step += 1
         if self.single:
             return chosen[0], None if lp is None else lp[0, ...]
@@ -239,7 +260,7 @@ class Decode:
             start = prefill(self.model, self.host, self.cache, self.chunk)
             self.model(self.host[:, start:], cache=self.cache, last_only=True)
         elif self._unfed is not None:
-            self.decode_step(self._unfed, cache=self.cache)
+            self._step_logits(self._unfed)
             self._unfed = None
 
     def _prefill(self) -> tuple[Any, Any, Any]:
@@ -259,8 +280,24 @@ class Decode:
 
     def _forward(self, ids: Any) -> tuple[Any, Any, Any]:
         """Logits of ``ids`` ``(B, 1)`` (the sampler's ids, on the device), sampled."""
-        logits = self.decode_step(ids, cache=self.cache)[:, -1, :]  # (B, V)
+        logits = self._step_logits(ids)[:, -1, :]  # (B, V)
         return self._sample(logits)
+
+    def _step_logits(self, ids: Any) -> Any:
+        """The decode step of ``ids`` ``(B, 1)``; at the recompute length, every token again
+        into fresh caches (one host read of ``ids``)."""
+        if self.recompute is None or self.fed < self.recompute:
+            if self.recompute is not None:
+                self.fed += 1
+            return self.decode_step(ids, cache=self.cache)
+        seen = np.concatenate(self.seen, axis=1)[:, : self.fed]  # (B, L0): what the caches hold
+        assert self.bk is not None
+        new = np.asarray(self.bk.to_numpy(ids), dtype=np.int64).reshape(-1, 1)  # (B, 1)
+        pad = {} if self.left_padding is None else {"left_padding": self.left_padding}
+        assert isinstance(self.cache, list)
+        self.cache[:] = self.model.make_cache(**pad)
+        self.recompute, self.seen = None, []
+        return self.model(np.concatenate([seen, new], axis=1), cache=self.cache, last_only=True)
 
     def _sample(self, logits: Any) -> tuple[Any, Any, Any]:
         """``(ids (B, 1), row maxima (B,) or None, logprobs (B, V) or None)``, on the device.
