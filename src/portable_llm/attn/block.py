@@ -20,9 +20,16 @@ from portable_llm.attn.padding import nonnegative, row_offsets
 from portable_llm.attn.sdpa import OP as SDPA
 from portable_llm.attn.sdpa import empty, sdpa_args
 from portable_llm.attn.sdpa_args import int_option
+from portable_llm.attn.temperature import temperature_body
 from portable_llm.backends import resolve
 from portable_llm.core.arrays import to_numpy
-from portable_llm.core.checks import check_float, check_int, check_same_dtype, match_weight
+from portable_llm.core.checks import (
+    check_float,
+    check_int,
+    check_real,
+    check_same_dtype,
+    match_weight,
+)
 from portable_llm.core.dispatch import IMPLS, pick
 from portable_llm.core.types import Array, Namespace
 from portable_llm.ops.kernels import Kernels
@@ -78,6 +85,9 @@ def attention(
     rope: Mapping[str, Any] | None = _DEFAULT_ROPE,
     mask: Any = "causal",
     window: int | None = None,
+    chunk: int | None = None,
+    qk_l2_norm: bool = False,
+    temperature: tuple[float, float] | None = None,
     softcap: float | None = None,
     scale: float | None = None,
     offset: Any = 0,
@@ -125,6 +135,16 @@ def attention(
     mask, window, softcap, scale, block_size
         As in :func:`scaled_dot_product_attention`; the default ``mask="causal"`` is a decoder's.
         An array mask broadcasts to ``(B, H, L, L)``.
+    chunk : int >= 1, optional
+        Llama 4's chunked attention (``attention_chunk_size``): each query sees the keys of its
+        own chunk of ``chunk`` positions (:func:`~portable_llm.attn.visibility.visible`), in
+        the cache's mask or the padding's; needs ``mask="causal"`` or an array.
+    qk_l2_norm : bool
+        Llama 4's ``use_qk_norm`` (``Llama4TextL2Norm``): a weightless RMS norm (``norm_eps``)
+        of each q and k head, *after* RoPE.
+    temperature : (floor_scale, scale), optional
+        Llama 4's attention temperature tuning of a layer without RoPE
+        (:func:`~portable_llm.attention_temperature`), at the queries' positions.
     offset : int >= 0 or integer array of shape ``(B,)``
         Position of the first token (per sequence for an array); only RoPE reads it. With a
         cache, positions start at ``cache.offset`` (leave ``offset`` at 0).
@@ -217,6 +237,17 @@ def attention(
                 )
     if not norm_eps >= 0:  # also rejects NaN
         raise ValueError(f"{OP}: norm_eps must be >= 0, got {norm_eps!r}")
+    chunk = int_option(OP, "chunk", chunk, low=1, optional=True)
+    if temperature is not None:
+        if not isinstance(temperature, tuple | list) or len(temperature) != 2:
+            raise ValueError(
+                f"{OP}: temperature must be a (floor_scale, scale) pair or None, got "
+                f"{temperature!r}"
+            )
+        temperature = (
+            check_real(OP, "temperature[0] (floor_scale)", temperature[0], low=0.0, low_open=True),
+            check_real(OP, "temperature[1] (scale)", temperature[1]),
+        )
     # One mixed-precision rule (docs/mixed-precision.md): float weights in x's dtype.
     # A QuantizedWeight keeps its own dtype: quantized_linear computes in x's and returns it.
     wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm = (
@@ -238,6 +269,7 @@ def attention(
     weights = AttnWeights(
         wq=wq, wk=wk, wv=wv, wo=wo, bq=bq, bk=bk, bv=bv, bo=None, q_norm=q_norm, k_norm=k_norm,
         window=window, num_heads=h, num_kv_heads=h_kv, head_dim=D, norm_eps=norm_eps,
+        rope=rope is not None, qk_l2_norm=bool(qk_l2_norm), temperature=temperature, chunk=chunk,
     )  # fmt: skip
     state = _CallState(be, impl, rope, offset, rows, cache, pad, mask, softcap, scale, block_size)
     kernels = Kernels(be, "portable" if impl == "tiled" else impl)
@@ -265,7 +297,11 @@ class AttnWeights:
     num_heads: int  # H
     num_kv_heads: int  # H_kv
     head_dim: int  # D
-    norm_eps: float  # of q_norm and k_norm
+    norm_eps: float  # of q_norm and k_norm (and of the weightless qk_l2_norm)
+    rope: bool = True  # False: the layer does not rotate q and k (Llama 4's no-RoPE layers)
+    qk_l2_norm: bool = False  # Llama 4: weightless RMS norm of q and k heads, after RoPE
+    temperature: tuple[float, float] | None = None  # Llama 4: (floor_scale, attn_scale)
+    chunk: int | None = None  # Llama 4: attention_chunk_size of a chunked_attention layer
 
 
 class AttentionState(Protocol):
@@ -277,9 +313,19 @@ class AttentionState(Protocol):
         """RoPE of ``q`` ``(B, H, L, D)`` and ``k`` ``(B, H_kv, L, D)`` (or both unchanged)."""
         ...
 
-    def attend(self, kn: Any, i: int, q: Array, k: Array, v: Array, window: int | None) -> Array:
+    def attend(
+        self, kn: Any, i: int, q: Array, k: Array, v: Array, window: int | None,
+        chunk: int | None = None,
+    ) -> Array:  # fmt: skip
         """Layer ``i``'s attention of ``q`` over the new keys and values ``(B, H_kv, L, D)``
-        (after RoPE) and what came before them: ``(B, H, L, D)``."""
+        (after RoPE) and what came before them: ``(B, H, L, D)``; ``chunk``: Llama 4's chunked
+        attention (the one visibility rule's ``chunk``)."""
+        ...
+
+    def positions(self) -> Any:
+        """The position of each row's first new token: an int (or traced 0-d array), or
+        ``(B,)`` (rows of other offsets; a left-padded row's first real token at 0, its pad
+        columns below 0)."""
         ...
 
 
@@ -306,8 +352,14 @@ def attention_body(
         q = kn.rms_norm(xp, q, w.q_norm, eps=w.norm_eps)
     if w.k_norm is not None:
         k = kn.rms_norm(xp, k, w.k_norm, eps=w.norm_eps)
-    q, k = state.rotate(kn, q, k)
-    o = state.attend(kn, i, q, k, v, w.window)  # (B, H, L, D)
+    if w.rope:
+        q, k = state.rotate(kn, q, k)
+    if w.qk_l2_norm:  # Llama 4 (Llama4TextL2Norm): weightless, after RoPE
+        q = kn.rms_norm(xp, q, None, eps=w.norm_eps)
+        k = kn.rms_norm(xp, k, None, eps=w.norm_eps)
+    if w.temperature is not None:  # Llama 4's no-RoPE layers: q scaled by its position
+        q = temperature_body(xp, q, state.positions(), *w.temperature)
+    o = state.attend(kn, i, q, k, v, w.window, w.chunk)  # (B, H, L, D)
     o = xp.reshape(xp.permute_dims(o, (0, 2, 1, 3)), (B, L, H * D))  # (B, L, H*D)
     o = kn.project(xp, o, w.wo, None)  # (B, L, E_out)
     return o if w.bo is None else o + w.bo
@@ -336,12 +388,18 @@ class _CallState:
         k = kn.choose("rope", k, offsets, inv, **ropts)(xp, k, offsets, inv, **ropts)
         return q, k
 
-    def attend(self, kn: Any, i: int, q: Array, k: Array, v: Array, window: int | None) -> Array:
+    def positions(self) -> Any:
+        return self.offset if self.rows is None else self.rows
+
+    def attend(
+        self, kn: Any, i: int, q: Array, k: Array, v: Array, window: int | None,
+        chunk: int | None = None,
+    ) -> Array:  # fmt: skip
         be, xp, mask = self.be, self.be.xp, self.mask
-        if self.cache is not None or self.pad is not None:
+        if self.cache is not None or self.pad is not None or chunk is not None:
             dev = be.device_of(q)
             k, v, mask, window = block_kv_mask(
-                OP, xp, self.cache, self.pad, k, v, mask, window, dev
+                OP, xp, self.cache, self.pad, k, v, mask, window, dev, chunk=chunk
             )
         args, opts = sdpa_args(
             OP, be, q, k, v, mask, scale=self.scale, window=window, softcap=self.softcap,

@@ -34,7 +34,9 @@ class AttentionCache(Protocol):
         """Store the chunk; return every key and value to attend."""
         ...
 
-    def make_mask(self, *, window: int | None = None) -> tuple[Any, int | None]:
+    def make_mask(
+        self, *, window: int | None = None, chunk: int | None = None
+    ) -> tuple[Any, int | None]:
         """``(mask, window)`` for the keys the last update returned."""
         ...
 
@@ -65,12 +67,14 @@ def block_offset(op: str, cache: Any, offset: Any, left_padding: Any) -> int:
 
 
 def block_kv_mask(
-    op: str, xp: Any, cache: Any, pad: Any, k: Any, v: Any, mask: Any, window: Any, device: Any
-) -> tuple[Any, Any, Any, int | None]:
+    op: str, xp: Any, cache: Any, pad: Any, k: Any, v: Any, mask: Any, window: Any, device: Any,
+    *, chunk: int | None = None,
+) -> tuple[Any, Any, Any, int | None]:  # fmt: skip
     """Store the chunk in ``cache`` (if any); the keys, values, ``mask`` and ``window`` to attend.
 
     Without a cache, ``pad`` (the left padding) masks the padded keys of ``k``. An array
     ``mask`` (over the ``S`` keys returned) is and-ed with the cache's or the padding's mask.
+    ``chunk``: Llama 4's chunked attention, in the cache's mask or the padding's.
     """
     if (isinstance(mask, str) and mask != "causal") or mask is None:
         raise ValueError(
@@ -79,9 +83,10 @@ def block_kv_mask(
     L = k.shape[2]
     if cache is not None:
         k, v = cache.update_and_fetch(k, v)
-        base, window = cache.make_mask(window=window)
+        base, window = cache.make_mask(window=window, chunk=chunk)
     else:
-        base, window = visible(xp, L, L, window=window, pad=pad, device=device), None
+        base = visible(xp, L, L, window=window, chunk=chunk, pad=pad, device=device)
+        window = None
     if isinstance(mask, str):
         return k, v, base, window
     S = k.shape[2]

@@ -165,6 +165,7 @@ def paged_attention(
     *,
     scale: float | None = None,
     window: int | None = None,
+    chunk: int | None = None,
     softcap: float | None = None,
     block_pages: int = 16,
     impl: str = "auto",
@@ -189,6 +190,9 @@ def paged_attention(
         Multiplies the scores; default ``1 / sqrt(D)``.
     window : int, >= 1, optional
         Sliding window: query at position ``p`` sees keys at ``p - window + 1 .. p``.
+    chunk : int, >= 1, optional
+        Llama 4's chunked attention: query at position ``p`` sees the keys of its own chunk,
+        ``p // chunk * chunk .. p``.
     softcap : float, > 0, optional
         Gemma-2's ``softcap * tanh(scores / softcap)``, before the mask.
     block_pages : int, >= 1
@@ -227,6 +231,7 @@ def paged_attention(
         *arrays,
         scale=scale,
         window=window,
+        chunk=chunk,
         softcap=softcap,
         block_pages=block_pages,
         impl=impl,

@@ -38,6 +38,8 @@ class PagedOptions:
         ``False``: :meth:`mask` holds the per-row causal rule).
     window : int >= 1 or None
         Sliding window.
+    chunk : int >= 1 or None
+        Llama 4's chunked attention (chunks of positions).
     block_pages : int >= 1
         Pages per block of the blocked path.
     """
@@ -45,6 +47,7 @@ class PagedOptions:
     sdpa: SdpaOptions
     window: int | None = None
     block_pages: int = 16
+    chunk: int | None = None
 
     # The native kernels (a lower layer than attn/) reach the gather and the one visibility
     # rule through the record they are given: these two methods.
@@ -65,12 +68,15 @@ class PagedOptions:
         """Boolean ``(B, 1, L, S)``: query ``i`` of row ``b`` (at position
         ``context_lens[b] - L + i``) may see gathered key ``j`` (at position ``first + j``).
 
-        Causal per row (bottom-right), within :attr:`window`: keys past a row's length are
-        after its last query, so they are hidden too.
+        Causal per row (bottom-right), within :attr:`window` and :attr:`chunk`: keys past a
+        row's length are after its last query, so they are hidden too.
         """
         B = context_lens.shape[0]
         q0 = xp.reshape(context_lens, (B, 1, 1)) - (L + first)  # per-row q_start: (B, 1, 1)
-        ok = visible(xp, L, S, q_start=q0, window=self.window, device=device)  # (B, L, S)
+        ok = visible(
+            xp, L, S, q_start=q0, window=self.window, chunk=self.chunk, origin=-first,
+            device=device,
+        )  # (B, L, S); positions are columns + first  # fmt: skip
         return xp.reshape(ok, (B, 1, L, S))
 
 
@@ -164,6 +170,7 @@ def paged_args(
     softcap: Any,
     block_pages: Any,
     impl: str,
+    chunk: Any = None,
 ) -> tuple[tuple[Any, ...], dict[str, PagedOptions]]:
     """Validate a paged-attention call before any compute; the arrays and options to run.
 
@@ -206,6 +213,7 @@ def paged_args(
             f"batch size B={B} (q {_shape(q)})"
         )
     window = check_window(op, window)
+    chunk = int_option(op, "chunk", chunk, low=1, optional=True)
     if softcap is not None:
         softcap = real_option(op, "softcap", softcap, "a positive finite number or None", low=0.0)
     if scale is None:
@@ -228,6 +236,7 @@ def paged_args(
                 )
             page_map = None if host is None else bk.from_numpy(host, bk.device_of(q))
     opts = PagedOptions(
-        sdpa=SdpaOptions(scale=scale, softcap=softcap), window=window, block_pages=block_pages
-    )
+        sdpa=SdpaOptions(scale=scale, softcap=softcap), window=window, block_pages=block_pages,
+        chunk=chunk,
+    )  # fmt: skip
     return (q, k_pages, v_pages, tables, lens, page_map), {"opts": opts}

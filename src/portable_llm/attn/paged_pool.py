@@ -61,7 +61,11 @@ def _paged_pool(
     # Page n's slots sit at positions first[n] + 0 .. P - 1; its row's queries at
     # lens[owner[n]] - L + i. Pages no row uses have first = UNUSED: after every query.
     q0 = xp.reshape(xp.take(lens, owner, axis=0) - L - first, (N, 1, 1))  # (N, 1, 1)
-    ok = xp.reshape(visible(xp, L, P, q_start=q0, window=opts.window, device=dev), (N, 1, 1, L, P))
+    ok = visible(
+        xp, L, P, q_start=q0, window=opts.window, chunk=opts.chunk,
+        origin=-xp.reshape(first, (N, 1, 1)), device=dev,
+    )  # (N, L, P); page n's slot j at position first[n] + j  # fmt: skip
+    ok = xp.reshape(ok, (N, 1, 1, L, P))
     k = xp.astype(k_pages, qo.dtype, copy=False)
     # K @ q^T, then transposed: the pool's pages as the left operand is ~4x faster on torch's
     # CPU than q @ K^T (a batch of N * H_kv small products; measured), the same on NumPy.

@@ -11,20 +11,39 @@ from portable_llm.core.checks import check_float, check_int, check_ndim, check_r
 from portable_llm.core.dispatch import pick, portable
 from portable_llm.core.types import Array, Namespace
 
-__all__ = ["attention_temperature"]
+__all__ = ["attention_temperature", "temperature_body"]
 
 
 @portable("attention_temperature", pure=True)
 def _attention_temperature(
     xp: Namespace, q: Array, *, offset: int, floor_scale: float, scale: float
 ) -> Array:
+    return temperature_body(xp, q, offset, floor_scale, scale)
+
+
+def temperature_body(
+    xp: Namespace, q: Array, start: Any, floor_scale: float, scale: float
+) -> Array:
+    """The temperature tuning of checked arguments: the body of :func:`attention_temperature`
+    and of the attention block's no-RoPE layers.
+
+    ``q`` ``(N.., L, D)``; ``start``: the position of row 0, an int or 0-d integer array (a
+    traced offset), or ``(B,)`` per row for ``q`` ``(B, H, L, D)`` (rows of other offsets; a
+    left-padded row starts below 0, and its pad columns are taken at position 0).
+    """
     ct = xp.float64 if q.dtype == xp.float64 else xp.float32
     L = q.shape[-2]
     device = getattr(q, "device", None)  # MLX arrays have none (unified memory)
-    positions = xp.astype(xp.arange(offset, offset + L, device=device), ct)  # (L,)
+    steps = xp.arange(L, device=device)  # (L,)
+    if getattr(start, "ndim", 0) == 1:  # (B,) row starts: (B, 1, L, 1)
+        pos = xp.reshape(start, (start.shape[0], 1, 1, 1))  # (B, 1, 1, 1)
+        pos = pos + xp.reshape(steps, (1, 1, L, 1))  # (B, 1, L, 1)
+        pos = xp.where(pos < 0, xp.zeros_like(pos), pos)  # pad columns (masked anyway)
+    else:
+        pos = xp.reshape(steps + start, (L, 1))  # (L, 1): one factor per query row
+    positions = xp.astype(pos, ct)
     # HF Llama4TextAttention: log1p(floor((position + 1) / floor_scale)) * attn_scale + 1
     factor = xp.log1p(xp.floor((positions + 1.0) / floor_scale)) * scale + 1.0
-    factor = xp.reshape(factor, (L, 1))  # (L, 1): one factor per query row
     return xp.astype(xp.astype(q, ct) * factor, q.dtype)  # one rounding, as HF's .to(dtype)
 
 

@@ -10,7 +10,8 @@ visible to query ``i`` iff, with ``q = q_start + i`` and ``k = k_pos[j]``:
 ``k <= q``                  causal (always)
 ``k > q - window``          a sliding window of ``window`` positions, the query's own included
 ``k // chunk == q // chunk``  chunked attention (Llama 4): the query's own chunk of ``chunk``
-                            columns, chunks starting at column 0
+                            positions, chunks starting at position 0 (column ``origin``, and
+                            ``origin + pad[b]`` in a left-padded row ``b``, as HF's mask)
 ``k < keep or k > q - ring``  a rotating cache's layout: the first ``keep`` columns (attention
                             sinks) and the last ``ring``
 ``k >= pad[b]``             left padding: row ``b``'s first ``pad[b]`` columns are pad tokens
@@ -45,6 +46,7 @@ def visible(
     ring: int | None = None,
     keep: int = 0,
     pad: Array | None = None,
+    origin: Any = 0,
     device: Any = None,
 ) -> Array:
     """Boolean mask: may query ``i`` attend key ``j`` (``True``: yes).
@@ -63,18 +65,24 @@ def visible(
     window : int >= 1, optional
         Sliding window: ``k > q - window``.
     chunk : int >= 1, optional
-        Chunked attention (HF Llama 4's ``attention_chunk_size``): ``k // chunk == q // chunk``.
+        Chunked attention (HF Llama 4's ``attention_chunk_size``): ``(k - o) // chunk == (q - o)
+        // chunk`` with ``o = origin`` (``origin + pad[b]`` with left padding): chunks of
+        positions, whatever the columns' offset.
     ring, keep : int, optional
         A rotating cache keeps the first ``keep`` columns and the last ``ring``:
         ``k < keep or k > q - ring``.
     pad : integer array, shape ``(B,)``, optional
         Left padding per row: ``k >= pad[b]``.
+    origin : int or integer array broadcastable to ``(.., L, S)``, optional
+        The column of position 0 (only the chunk rule reads it: the others are relative).
+        A paged block whose keys start at position ``first`` passes ``-first``.
     device : optional
         Device of the index arrays (the backend's device object).
 
     Returns
     -------
-    array of bool, shape ``(L, S)``, or ``(B, 1, L, S)`` with ``pad``
+    array of bool, shape ``(L, S)`` (``(N, L, S)`` for a ``(N, 1, 1)`` ``q_start`` or
+    ``origin``), or ``(B, 1, L, S)`` with ``pad``
     """
     start = S - L if q_start is None else q_start
     q = xp.reshape(xp.arange(L, device=device), (L, 1)) + start  # query columns (L, 1)
@@ -82,15 +90,20 @@ def visible(
     ok = k <= q  # (L, S)
     if window is not None:
         ok = xp.logical_and(ok, k > q - window)
-    if chunk is not None:
-        ok = xp.logical_and(ok, k // chunk == q // chunk)
     if ring is not None:
         ok = xp.logical_and(ok, xp.logical_or(k > q - ring, k < keep))
     if pad is None:
+        if chunk is not None:
+            ok = xp.logical_and(ok, (k - origin) // chunk == (q - origin) // chunk)
         return ok
     B = pad.shape[0]
     real = k >= xp.reshape(pad, (B, 1))  # (B, S): not a pad column
-    return xp.logical_and(xp.reshape(ok, (1, 1, L, S)), xp.reshape(real, (B, 1, 1, S)))
+    ok = xp.logical_and(xp.reshape(ok, (1, 1, L, S)), xp.reshape(real, (B, 1, 1, S)))
+    if chunk is not None:  # each row's chunks start at its first real column (HF's rule)
+        o = xp.reshape(pad, (B, 1, 1, 1)) + origin  # (B, 1, 1, 1)
+        q4, k4 = xp.reshape(q, (1, 1, L, 1)), xp.reshape(k, (1, 1, 1, S))
+        ok = xp.logical_and(ok, (k4 - o) // chunk == (q4 - o) // chunk)  # (B, 1, L, S)
+    return ok
 
 
 def sees_any(xp: Any, mask: Array) -> Array:

@@ -206,13 +206,19 @@ class BufferCache:
         guard of :meth:`make_mask` is satisfied, as if it had been called."""
         self._unmasked = False
 
-    def make_mask(self, *, window: int | None = None) -> tuple[Any, int | None]:
+    def make_mask(
+        self, *, window: int | None = None, chunk: int | None = None
+    ) -> tuple[Any, int | None]:
         """The attention mask of the last update's queries over the keys it returned.
 
         Parameters
         ----------
         window : int, optional
             The layer's sliding window (query at column ``p`` sees columns ``> p - window``).
+        chunk : int, optional
+            Llama 4's chunked attention (``attention_chunk_size``): a query sees the keys of its
+            own chunk of positions (:func:`~portable_llm.attn.visibility.visible`'s rule; a
+            left-padded row's chunks start at its first real token). Always an array mask.
 
         Returns
         -------
@@ -225,9 +231,10 @@ class BufferCache:
         name = f"{type(self).__name__}.make_mask"
         self._check_thread(name)
         window = check_optional_int(name, "window", window, low=1)
+        chunk = check_optional_int(name, "chunk", chunk, low=1)
         if self._last is None:
             raise ValueError(f"{name}: no update since the cache was made or trimmed")
-        out = self._mask(*self._last, window)
+        out = self._mask(*self._last, window, chunk)
         self._unmasked = False
         return out
 
@@ -240,17 +247,21 @@ class BufferCache:
         """Whether plain bottom-right ``mask="causal"`` (no window) is this update's mask."""
         return self._pad is None and cols is None
 
-    def _mask(self, L: int, cols: np.ndarray | None, window: int | None) -> tuple[Any, int | None]:
+    def _mask(
+        self, L: int, cols: np.ndarray | None, window: int | None, chunk: int | None = None
+    ) -> tuple[Any, int | None]:
         """``cols``: the host columns of the returned keys; ``None``: ``0 .. offset - 1``.
 
         Here (a :class:`KVCache`) the columns are always ``0 .. S - 1``; ``S > offset`` in a
         fixed-size view, whose slots past the offset the causal rule hides.
         """
-        if self._pad is None and cols is None:
+        if self._pad is None and cols is None and chunk is None:
             return "causal", window
         assert self._bk is not None
         xp, dev = self._bk.xp, self._device
         S = self._offset if cols is None else cols.shape[0]
         q0 = self._offset - L  # column of the first query; keys at columns 0 .. S - 1
-        mask = visible(xp, L, S, q_start=q0, window=window, pad=self._pad, device=dev)
+        mask = visible(
+            xp, L, S, q_start=q0, window=window, chunk=chunk, pad=self._pad, device=dev
+        )  # fmt: skip
         return (mask if self._pad is not None else xp.reshape(mask, (1, 1, L, S))), None

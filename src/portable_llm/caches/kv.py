@@ -254,7 +254,9 @@ class RotatingKVCache(BufferCache):
         # One query sees every key held (its window is what the cache keeps).
         return self._pad is None and (cols is None or L == 1)
 
-    def _mask(self, L: int, cols: np.ndarray | None, window: int | None) -> tuple[Any, int | None]:
+    def _mask(
+        self, L: int, cols: np.ndarray | None, window: int | None, chunk: int | None = None
+    ) -> tuple[Any, int | None]:
         R, keep, start = self._ring, self.keep, self._offset - L
         if window is not None and window > R:
             raise ValueError(
@@ -262,8 +264,8 @@ class RotatingKVCache(BufferCache):
                 f"cache keeps (max_size {self.max_size} - keep {keep})"
             )
         if cols is None:  # columns 0 .. offset - 1: nothing evicted yet
-            return super()._mask(L, None, window)
-        if self._pad is None:
+            return super()._mask(L, None, window, chunk)
+        if self._pad is None and chunk is None:
             if keep == 0 and cols[0] == self._offset - cols.shape[0] and _consecutive(cols):
                 return "causal", R if window is None else window
             if L == 1 and (window is None or int(cols.min()) > start - window):
@@ -273,7 +275,7 @@ class RotatingKVCache(BufferCache):
         xp, dev = self._bk.xp, self._device
         S = cols.shape[0]
         mask = visible(
-            xp, L, S, q_start=start, k_pos=k_pos, window=window, ring=R, keep=keep,
+            xp, L, S, q_start=start, k_pos=k_pos, window=window, chunk=chunk, ring=R, keep=keep,
             pad=self._pad, device=dev,
         )  # fmt: skip
         return (mask if self._pad is not None else xp.reshape(mask, (1, 1, L, S))), None

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from portable_llm.attn.visibility import visible
 from portable_llm.caches.page_pool import PagePool, PagePoolExhausted
 from portable_llm.core.checks import check_int, check_optional_int
 
@@ -181,16 +182,24 @@ class PagedKVCache:
         self._offset = 0
         self._last = None
 
-    def make_mask(self, *, window: int | None = None) -> tuple[Any, int | None]:
+    def make_mask(
+        self, *, window: int | None = None, chunk: int | None = None
+    ) -> tuple[Any, int | None]:
         """``("causal", window)``: the keys :meth:`update_and_fetch` returns are positions
         ``0 .. offset - 1`` in order, so the last update's queries attend bottom-right causal
         (within ``window`` when given), as with :meth:`KVCache.make_mask
-        <portable_llm.KVCache.make_mask>`."""
+        <portable_llm.KVCache.make_mask>`; with Llama 4's ``chunk``, the boolean ``(1, 1, L,
+        S)`` mask of :func:`~portable_llm.attn.visibility.visible`."""
         name = "PagedKVCache.make_mask"
         window = check_optional_int(name, "window", window, low=1)
+        chunk = check_optional_int(name, "chunk", chunk, low=1)
         if self._last is None:
             raise ValueError(f"{name}: no update since the cache was made or trimmed")
-        return "causal", window
+        if chunk is None:
+            return "causal", window
+        L, S, bk = self._last, self._offset, self.pool.backend
+        mask = visible(bk.xp, L, S, window=window, chunk=chunk, device=self.pool.device)
+        return bk.xp.reshape(mask, (1, 1, L, S)), None
 
     def reuse_mask(self) -> None:
         """As :meth:`KVCache.reuse_mask <portable_llm.KVCache.reuse_mask>`: the last update's

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["GPT2_IGNORED", "Derived", "gpt2_sources", "phi3_sources"]
+__all__ = ["GPT2_IGNORED", "Derived", "gpt2_sources", "llama4_sources", "phi3_sources"]
 
 #: A tensor read from one file tensor: ``(file name, its shape, host transform)``.
 Derived = tuple[str, tuple[int, ...], Callable[[np.ndarray], np.ndarray]]
@@ -87,4 +87,30 @@ def phi3_sources(cfg: Any, files: dict[str, Any]) -> dict[str, Derived]:
         fused = (f"{p}mlp.gate_up_proj.weight", (2 * I, E))
         out[f"{p}mlp.gate_proj.weight"] = (*fused, _part(0, I))
         out[f"{p}mlp.up_proj.weight"] = (*fused, _part(I, 2 * I))
+    return out
+
+
+def _experts(start: int, stop: int) -> Callable[[np.ndarray], np.ndarray]:
+    """Columns ``start:stop`` of stacked ``(X, in, out)`` experts, as ``(X, out, in)``."""
+    return lambda a: np.ascontiguousarray(np.swapaxes(a[:, :, start:stop], 1, 2))
+
+
+def llama4_sources(cfg: Any, files: dict[str, Any]) -> dict[str, Derived]:
+    """Llama 4's fused experts (HF ``Llama4TextExperts``, stored ``(X, in, out)`` for
+    ``torch.bmm``) cut into the decoder's stacked layout: ``feed_forward.experts.gate_up_proj``
+    ``(X, E, 2 I)`` into ``mlp.experts.gate_proj`` and ``up_proj`` ``(X, I, E)`` (the first and
+    second halves of the last axis, HF's ``chunk(2, dim=-1)``), ``feed_forward.experts.
+    down_proj`` ``(X, I, E)`` into ``mlp.experts.down_proj`` ``(X, E, I)``. The other tensors
+    keep their names (``feed_forward.`` read as ``mlp.``, the router as ``mlp.gate``)."""
+    E, I, X = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts  # noqa: E741
+    out: dict[str, Derived] = {}
+    for i in range(cfg.num_hidden_layers):
+        if not cfg.moe_layers[i]:
+            continue
+        p = f"model.layers.{i}."
+        fused = (f"{p}feed_forward.experts.gate_up_proj", (X, E, 2 * I))
+        out[f"{p}mlp.experts.gate_proj"] = (*fused, _experts(0, I))
+        out[f"{p}mlp.experts.up_proj"] = (*fused, _experts(I, 2 * I))
+        down = (f"{p}feed_forward.experts.down_proj", (X, I, E))
+        out[f"{p}mlp.experts.down_proj"] = (*down, _experts(0, E))
     return out

@@ -26,7 +26,13 @@ import numpy as np
 
 from portable_llm.backends import FLOAT_DTYPES, Backend, numpy_bfloat16
 from portable_llm.checkpoint.files import CheckpointError, listed
-from portable_llm.checkpoint.gpt2_layout import GPT2_IGNORED, Derived, gpt2_sources, phi3_sources
+from portable_llm.checkpoint.gpt2_layout import (
+    GPT2_IGNORED,
+    Derived,
+    gpt2_sources,
+    llama4_sources,
+    phi3_sources,
+)
 from portable_llm.checkpoint.shards import INDEX, SAFETENSORS_FLOATS, SafetensorsFiles
 from portable_llm.decoder.config import DecoderConfig
 
@@ -78,7 +84,13 @@ def expected_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
         if cfg.qk_norm:
             out[p + "self_attn.q_norm.weight"] = (D,)
             out[p + "self_attn.k_norm.weight"] = (D,)
-        if cfg.moe_layers[i]:
+        if cfg.moe_layers[i] and cfg.model_type == "llama4_text":  # experts cut (llama4_sources)
+            X, I_m = cfg.num_experts, cfg.moe_intermediate_size
+            out[p + "mlp.gate.weight"] = (X, E)  # HF feed_forward.router
+            out[p + "mlp.experts.gate_proj"] = out[p + "mlp.experts.up_proj"] = (X, I_m, E)
+            out[p + "mlp.experts.down_proj"] = (X, E, I_m)
+            _mlp(out, p + "mlp.shared_expert.", E, cfg.shared_expert_intermediate_size, False)
+        elif cfg.moe_layers[i]:
             X, I_m = cfg.num_experts, cfg.moe_intermediate_size
             out[p + "mlp.gate.weight"] = (X, E)
             out[p + "mlp.experts.gate_up_proj"] = (X, 2 * I_m, E)
@@ -120,6 +132,10 @@ FAMILY_NAMES: dict[str, tuple[tuple[str, str], ...]] = {
         (".mlp.fc1.", ".mlp.up_proj."),
         (".mlp.fc2.", ".mlp.down_proj."),
         ("model.final_layernorm.", "model.norm."),
+    ),
+    "llama4_text": (
+        (".feed_forward.router.", ".mlp.gate."),
+        (".feed_forward.", ".mlp."),
     ),
 }
 
@@ -164,8 +180,8 @@ class _Sources:
                 and not (f == "lm_head.weight" and cfg.tie_word_embeddings)
             ]  # fmt: skip
             files = {}
-        elif cfg.model_type == "phi3":  # the fused tensors cut; the others by name below
-            table = phi3_sources(cfg, files)
+        elif cfg.model_type in ("phi3", "llama4_text"):  # the fused tensors cut; others below
+            table = (phi3_sources if cfg.model_type == "phi3" else llama4_sources)(cfg, files)
             self.derived = {k: v for k, v in table.items() if v[0] in files}
             used = {v[0] for v in table.values()}
             files = {f: path for f, path in files.items() if f not in used}

@@ -170,15 +170,19 @@ class TracedStep(Step):
             self.rope = (fn, offsets, inv, ropts)
         return self.rope
 
-    def kv(self, i: int, k: Any, v: Any, window: int | None) -> tuple[Any, Any, Any, Any]:
+    def kv(
+        self, i: int, k: Any, v: Any, window: int | None, chunk: int | None = None
+    ) -> tuple[Any, Any, Any, Any]:
         self.ks[i] = self.update(self.ks[i], k, self.offset)  # (B, H_kv, capacity, D)
         self.vs[i] = self.update(self.vs[i], v, self.offset)
         S = self.S
-        key = ("view", window)
+        key = ("view", window, chunk)
         mask = self.masks.get(key)
         if mask is None:  # the cache's make_mask, with the offset traced
             xp = self.p.xp
-            mask = visible(xp, 1, S, q_start=self.offset, window=window, pad=self.pad)
+            mask = visible(
+                xp, 1, S, q_start=self.offset, window=window, chunk=chunk, pad=self.pad
+            )  # fmt: skip
             if self.pad is None:
                 mask = xp.reshape(mask, (1, 1, 1, S))  # as the cache's: (1, 1, L, S)
             self.masks[key] = mask

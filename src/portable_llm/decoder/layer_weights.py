@@ -53,6 +53,7 @@ class Layer:
     parallel: bool = False
     attn_norm: Any = None  # (E,): Gemma's norm of the attention output
     ff_norm: Any = None  # (E,): Gemma's norm of the MLP output
+    o_bias: Any = None  # (E,): o_proj's bias after a tensor-parallel all-reduce (else attn.bo)
 
 
 def _arrays(block: Any) -> list[Any]:
@@ -110,7 +111,8 @@ def bind_layer(block: Any, bind: Callable[[Any], Any]) -> Layer:
         wq=wq, wk=wk, wv=wv, wo=wo, bq=a["bq"], bk=a["bk"], bv=a["bv"],
         bo=block.o_bias, q_norm=a["q_norm"], k_norm=a["k_norm"], window=a["window"],
         num_heads=a["num_heads"], num_kv_heads=a["num_kv_heads"], head_dim=a["head_dim"],
-        norm_eps=a["norm_eps"],
+        norm_eps=a["norm_eps"], rope=a["rope"] is not None, qk_l2_norm=a["qk_l2_norm"],
+        temperature=a["temperature"], chunk=a["chunk"],
     )  # fmt: skip
     dense = None
     if block.mlp is not None:

@@ -122,6 +122,7 @@ def _block(cfg: DecoderConfig, w: dict[str, Any], i: int) -> Block:
         "window": cfg.window(i),
         "scale": cfg.attn_scale,  # Gemma: query_pre_attn_scalar ** -0.5
         "softcap": cfg.attn_softcap,
+        **_llama4_attention(cfg, i),
     }
     m = p + "mlp."
     dense = moe_args = None
@@ -130,11 +131,13 @@ def _block(cfg: DecoderConfig, w: dict[str, Any], i: int) -> Block:
         options: dict[str, Any] = {
             "top_k": cfg.num_experts_per_tok,
             "norm_topk_prob": cfg.norm_topk_prob,
+            "router": cfg.router,  # Llama 4: "sigmoid", the scores scale the experts' inputs
             "act": cfg.hidden_act,
         }
-        if m + "shared_expert_gate.weight" in w:  # Qwen2-MoE
-            s = m + "shared_expert."
+        s = m + "shared_expert."
+        if s + "gate_proj.weight" in w:  # Qwen2-MoE (gated by shared_expert_gate), Llama 4
             options["shared"] = tuple(w[f"{s}{k}_proj.weight"] for k in ("gate", "up", "down"))
+        if m + "shared_expert_gate.weight" in w:  # Qwen2-MoE
             options["shared_gate"] = w[m + "shared_expert_gate.weight"]
         arrays = (
             w[m + "gate.weight"],
@@ -448,10 +451,24 @@ class Model:
         return caches
 
 
+def _llama4_attention(cfg: DecoderConfig, i: int) -> dict[str, Any]:
+    """Layer ``i``'s options of Llama 4's attention (HF ``Llama4TextAttention``): the chunk of a
+    ``chunked_attention`` layer; the weightless q/k norm on RoPE layers (``use_qk_norm``); the
+    temperature tuning on the no-RoPE ones (``attn_temperature_tuning``)."""
+    chunked = cfg.layer_types[i] == "chunked_attention" and cfg.attention_chunk_size
+    no_rope = bool(cfg.no_rope_layers) and cfg.no_rope_layers[i]
+    tuned = no_rope and cfg.attn_temperature_tuning
+    return {
+        "chunk": cfg.attention_chunk_size if chunked else None,
+        "qk_l2_norm": cfg.qk_l2_norm and not no_rope,
+        "temperature": (cfg.floor_scale, cfg.attn_temperature_scale) if tuned else None,
+    }
+
+
 def _layer_rope(cfg: DecoderConfig, i: int) -> Any:
-    """Layer ``i``'s RoPE options: none (learned positions), Gemma 3's ``rope_local`` on its
-    sliding layers, else the model's."""
-    if cfg.position_embedding != "rope":
+    """Layer ``i``'s RoPE options: none (learned positions, Llama 4's no-RoPE layers), Gemma
+    3's ``rope_local`` on its sliding layers, else the model's."""
+    if cfg.position_embedding != "rope" or (cfg.no_rope_layers and cfg.no_rope_layers[i]):
         return None
     if cfg.rope_local is not None and cfg.layer_types[i] == "sliding_attention":
         return cfg.rope_local

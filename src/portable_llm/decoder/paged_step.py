@@ -52,7 +52,10 @@ class PagedStep(Step):
         self.paged_seqs = caches
         self.paged_tables: tuple[Any, Any] | None = None  # (B, max_pages), (B,): every layer's
 
-    def attend(self, kn: Any, i: int, q: Any, k: Any, v: Any, window: int | None) -> Any:
+    def attend(
+        self, kn: Any, i: int, q: Any, k: Any, v: Any, window: int | None,
+        chunk: int | None = None,
+    ) -> Any:  # fmt: skip
         """Append the rows' keys and values ``(B, H_kv, L, D)`` to their caches of layer ``i``;
         the paged attention of ``q`` ``(B, H, L, D)`` over them."""
         layer = [seq[i] for seq in self.paged_seqs]
@@ -66,8 +69,9 @@ class PagedStep(Step):
         tables, lengths = self.paged_tables
         pool, scale = layer[0].pool, self.p.scale
         return paged_attention(
-            q, pool, tables, lengths, scale=scale, window=window, softcap=self.p.softcap
-        )
+            q, pool, tables, lengths, scale=scale, window=window, chunk=chunk,
+            softcap=self.p.softcap,
+        )  # fmt: skip
 
 
 def forward(

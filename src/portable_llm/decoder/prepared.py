@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from portable_llm.attn.block import AttnWeights, attention_body
@@ -86,6 +87,11 @@ class Prepared:
     positions : array ``(P, E)``, optional
         Learned absolute position embeddings (GPT-2's ``wpe``), added to the token embeddings
         before the first layer.
+    reduce : callable, optional
+        On a tensor-parallel rank (:mod:`portable_llm.partition`), the all-reduce that
+        completes its partial sums: applied to each layer's attention and feed-forward outputs
+        before their biases and norms (``o_proj``'s bias is then added after it); ``None`` on
+        one device.
     """
 
     def __init__(
@@ -101,6 +107,7 @@ class Prepared:
         norm_bias: Any = None,
         head_bias: Any = None,
         positions: Any = None,
+        reduce: Callable[[Any], Any] | None = None,
     ) -> None:
         self.config = config
         self.norm_bias, self.head_bias, self.positions = norm_bias, head_bias, positions
@@ -112,6 +119,14 @@ class Prepared:
         self.head = embed if lm_head is None else lm_head  # (V, E)
         d = self.dispatch = dispatcher(bk)
         self.layers = [bind_layer(b, lambda w: bind_weight(d, w)) for b in blocks]
+        #: A tensor-parallel rank's all-reduce (``None``: one device); o_proj's bias moves
+        #: after it, so the sum counts it once.
+        self.reduce = reduce
+        if reduce is not None:
+            self.layers = [
+                replace(layer, attn=replace(layer.attn, bo=None), o_bias=layer.attn.bo)
+                for layer in self.layers
+            ]
         self._head = bind_weight(d, self.head)  # QLinear (quantized) or Packed where packed
         projections = [w for layer in self.layers for w in layer_projections(layer)]
         #: Whether a weight is quantized (a compiled step takes them on JAX only).
@@ -150,10 +165,11 @@ class Prepared:
         self.kernels = BoundKernels.choose_for(bk, x, norm, eps=self.eps, act=act, bound=bound)
         #: Every layer is RMSNorm, attention, RMSNorm, a dense MLP (Llama, Qwen, Mistral):
         #: :meth:`run_layers` then writes the two-line layer out, with no helper calls.
-        self.plain = not self.layer_norm and all(
+        dense = all(
             not layer.parallel and layer.mlp is not None and layer.attn_norm is None
             for layer in self.layers
         )
+        self.plain = reduce is None and not self.layer_norm and dense
 
     @property
     def bound_head(self) -> Any:
@@ -177,7 +193,15 @@ class Prepared:
         not read the ids back (a decode loop's own ids; out of range: NaN rows)."""
         embed, norm, head = top or (self.embed, self.norm, self.head)
         h = embedding(ids, embed, check=check_ids)  # (B, L, E): the public op
-        L = ids.shape[1]
+        step = self.step(cache, pad, ids.shape[1])
+        h = self.run_layers(h, step, self.layers)
+        if last_only:
+            h = h[:, -1:, :]  # (B, 1, E)
+        return self.head_logits(h, norm, head, step.kn)
+
+    def step(self, cache: Sequence[Any] | None, pad: Any, L: int) -> Step:
+        """The :class:`Step` of a forward of ``L`` new tokens per row over ``cache`` (or, with
+        none, rows left-padded by ``pad``, checked by the model)."""
         offset = 0
         if cache is not None:
             offset = cache[0].offset
@@ -185,21 +209,20 @@ class Prepared:
             if pad is not None and backend_of(pad) is not self.bk:
                 _, (pad,) = resolve("model", self.bk, pad)
         rows = None if pad is None else offset - pad  # (B,) RoPE offsets of a padded batch
-        step = Step(self, cache, pad, rows, offset, L)
-        h = self.run_layers(h, step, self.layers)
-        if last_only:
-            h = h[:, -1:, :]  # (B, 1, E)
-        return self.head_logits(h, norm, head, step.kn)
+        return Step(self, cache, pad, rows, offset, L)
 
-    def run_layers(self, h: Any, step: Step, layers: Sequence[Layer]) -> Any:
+    def run_layers(
+        self, h: Any, step: Step, layers: Sequence[Layer], *, embedded: bool = False
+    ) -> Any:
         """The decoder layers over ``h`` ``(B, L, E)``; ``step`` holds what they share (and,
-        with learned positions, where the rows start: their embeddings are added first)."""
+        with learned positions, where the rows start: their embeddings are added first, and
+        Gemma's scale applied, unless ``embedded``: a later pipeline stage's hidden states)."""
         xp, kn = self.xp, step.kn
-        if self.positions is not None:  # GPT-2: h = wte[ids] + wpe[positions]
+        if self.positions is not None and not embedded:  # GPT-2: h = wte[ids] + wpe[positions]
             start = step.offset if step.rows is None else step.rows
             pos = position_ids(xp, start, step.L, getattr(h, "device", None))
             h = h + self.dispatch.pick("embedding", "masked")(xp, pos, self.positions)
-        if self.embed_scale is not None:  # Gemma: h * sqrt(E), in the model's dtype
+        if self.embed_scale is not None and not embedded:  # Gemma: h * sqrt(E), model's dtype
             h = h * self.embed_scale
         local = step.local() if self.local_layers else step
         if not self.plain:
@@ -207,6 +230,8 @@ class Prepared:
                 r = self.normed(kn, h, layer.input_norm, layer.input_bias)
                 state = local if i in self.local_layers else step
                 a = attention_body(xp, kn, r, layer.attn, state, i)
+                if self.reduce is not None:  # a tensor-parallel rank: the partial sums added
+                    a = self.reduce(a) if layer.o_bias is None else self.reduce(a) + layer.o_bias
                 if layer.parallel:  # Phi-2: HF's attn_outputs + feed_forward + residual
                     h = (a + self.feed_forward(kn, r, layer)) + h
                     continue
@@ -236,11 +261,14 @@ class Prepared:
         return kn.rms_norm(self.xp, h, w, eps=self.eps)
 
     def feed_forward(self, kn: Any, r: Any, layer: Layer) -> Any:
-        """The layer's dense MLP or mixture of experts."""
+        """The layer's dense MLP or mixture of experts (a tensor-parallel rank's completed by
+        the all-reduce)."""
         if layer.mlp is not None:
-            return mlp_body(self.xp, kn, r, layer.mlp)
-        assert layer.moe is not None
-        return moe(r, *layer.moe["arrays"], **layer.moe["options"])
+            m = mlp_body(self.xp, kn, r, layer.mlp)
+        else:
+            assert layer.moe is not None
+            m = moe(r, *layer.moe["arrays"], **layer.moe["options"])
+        return m if self.reduce is None else self.reduce(m)
 
     def head_logits(self, h: Any, norm: Any, head: Any, kn: Any = None) -> Any:
         """The final norm and the LM head: ``(B, L, E)`` -> ``(B, L, V)``; ``kn``: the
@@ -354,39 +382,49 @@ class Step:
             rotate(xp, k, cos, sin, cos, sin, dims, traditional),
         )
 
-    def kv(self, i: int, k: Any, v: Any, window: int | None) -> tuple[Any, Any, Any, Any]:
+    def positions(self) -> Any:
+        """Each row's first position: the offset, or ``(B,)`` (a padded batch's rows, whose
+        first real token is at 0, pad columns below; paged rows of other lengths)."""
+        return self.offset if self.rows is None else self.rows
+
+    def kv(
+        self, i: int, k: Any, v: Any, window: int | None, chunk: int | None = None
+    ) -> tuple[Any, Any, Any, Any]:
         """Layer ``i``'s keys and values to attend (its cache updated) and ``(mask, window)``,
-        the mask built once per kind of layer."""
+        the mask built once per kind of layer (``chunk``: Llama 4's chunked layers)."""
         c = None if self.cache is None else self.cache[i]
         if c is None:
-            if self.pad is None:
+            if self.pad is None and chunk is None:
                 return k, v, "causal", window
-            key: tuple[Any, ...] = (None, window)
+            key: tuple[Any, ...] = (None, window, chunk)
             got = self.masks.get(key)
             if got is None:
                 xp, L = self.p.xp, self.L
                 dev = self.p.bk.device_of(k)
                 got = self.masks[key] = (
-                    visible(xp, L, L, window=window, pad=self.pad, device=dev),
+                    visible(xp, L, L, window=window, chunk=chunk, pad=self.pad, device=dev),
                     None,
                 )
             return k, v, *got
         k, v = c.update_and_fetch(k, v)
         # Caches of one kind and window saw the same updates: their masks are equal.
-        key = (type(c), window, getattr(c, "max_size", None), getattr(c, "keep", None))
+        key = (type(c), window, chunk, getattr(c, "max_size", None), getattr(c, "keep", None))
         got = self.masks.get(key)
         if got is None:
-            got = self.masks[key] = c.make_mask(window=window)
+            got = self.masks[key] = c.make_mask(window=window, chunk=chunk)
         else:  # the same mask, already built for an earlier layer of this kind
             c.reuse_mask()
         return k, v, *got
 
-    def attend(self, kn: Any, i: int, q: Any, k: Any, v: Any, window: int | None) -> Any:
+    def attend(
+        self, kn: Any, i: int, q: Any, k: Any, v: Any, window: int | None,
+        chunk: int | None = None,
+    ) -> Any:  # fmt: skip
         """Layer ``i``'s attention of ``q`` ``(B, H, L, D)`` over its cache and the new keys
         and values ``(B, H_kv, L, D)`` (after RoPE): the output ``(B, H, L, D)``. A forward
         over another kind of cache (paged) overrides this."""
         p = self.p
-        k, v, mask, window = self.kv(i, k, v, window)
+        k, v, mask, window = self.kv(i, k, v, window, chunk)
         causal = isinstance(mask, str) or window is not None
         mask = None if isinstance(mask, str) else mask
         opts = SdpaOptions(scale=p.scale, causal=causal, window=window, softcap=p.softcap)

@@ -1,4 +1,8 @@
-"""Mixture of Experts: the top-k router and the sparse MoE block (Mixtral, Qwen2-MoE).
+"""Mixture of Experts: the top-k routers and the sparse MoE block (Mixtral, Qwen2-MoE, Llama 4).
+
+Two routers: ``"softmax"`` (Mixtral, Qwen2-MoE: softmax over all experts, the top k weight the
+experts' outputs) and ``"sigmoid"`` (Llama 4: the top k logits, their sigmoid scales each
+expert's *input*).
 
 Experts are stacked as HF stores them: ``experts_gate``/``experts_up`` ``(X, I, E)`` (HF's fused
 ``experts.gate_up_proj`` of shape ``(X, 2I, E)`` split into its halves ``[:, :I]`` and
@@ -24,7 +28,10 @@ from portable_llm.ops.kernels import BoundKernels
 from portable_llm.ops.linear import MlpWeights, mlp, mlp_body
 from portable_llm.ops.quant import dequantized, is_quantized
 
-__all__ = ["moe", "route"]
+__all__ = ["ROUTERS", "moe", "route"]
+
+#: The routers of :func:`route` and :func:`moe`.
+ROUTERS: tuple[str, ...] = ("softmax", "sigmoid")
 
 
 @portable("top_k", pure=True)
@@ -93,10 +100,15 @@ def _moe_dense(
 
 
 def _route(
-    bk: Backend, x: Array, w_router: Array, top_k: int, norm_topk_prob: bool, impl: str
-) -> tuple[Array, Array]:
+    bk: Backend, x: Array, w_router: Array, top_k: int, norm_topk_prob: bool, impl: str,
+    router: str = "softmax",
+) -> tuple[Array, Array]:  # fmt: skip
     xp = bk.xp
     logits = pick(bk, "linear", impl, x, w_router)(xp, x, w_router)  # (N.., X), x's dtype
+    if router == "sigmoid":  # HF Llama4Router: top-k of the logits, then their sigmoid
+        top, ids = pick(bk, "top_k", impl, logits, k=top_k)(xp, logits, k=top_k)  # (N.., k)
+        scores = logistic(xp, xp.astype(top, float_compute_dtype(xp, x.dtype)))
+        return scores, xp.astype(ids, xp.asarray(0).dtype)
     probs = xp.astype(logits, float_compute_dtype(xp, x.dtype))
     probs = xp.exp(probs - xp.max(probs, axis=-1, keepdims=True))
     probs = probs / xp.sum(probs, axis=-1, keepdims=True)  # softmax over all experts
@@ -104,6 +116,14 @@ def _route(
     if norm_topk_prob:
         weights = weights / xp.sum(weights, axis=-1, keepdims=True)
     return weights, xp.astype(ids, xp.asarray(0).dtype)
+
+
+def _check_router(op: str, router: Any, norm_topk_prob: Any) -> str:
+    if router not in ROUTERS:
+        raise ValueError(f"{op}: router must be one of {ROUTERS}, got {router!r}")
+    if router == "sigmoid" and norm_topk_prob:
+        raise ValueError(f"{op}: router='sigmoid' scores are not renormalised; norm_topk_prob=True")
+    return str(router)
 
 
 def _check_route(op: str, bk: Backend, x: Array, w_router: Array, top_k: Any) -> tuple[Array, int]:
@@ -131,16 +151,22 @@ def route(
     /,
     *,
     top_k: int,
-    norm_topk_prob: bool,
+    norm_topk_prob: bool = False,
+    router: str = "softmax",
     impl: str = "auto",
     backend: str | None = None,
 ) -> tuple[Array, Array]:
-    """The MoE router: softmax over all experts, then the ``top_k`` most probable.
+    """The MoE router: the ``top_k`` experts of each token and their weights.
 
-    ``logits = x @ w_router.T`` (in x's dtype, as HF's router ``F.linear``); the softmax runs in
-    float32 (float64 for float64 x); the top-k ranks by probability, ties broken by the lower
-    expert id. ``norm_topk_prob=True`` rescales the k weights to sum to 1: Mixtral always does,
-    Qwen2-MoE when its config's ``norm_topk_prob`` is set.
+    ``logits = x @ w_router.T`` (in x's dtype, as HF's router ``F.linear``).
+
+    - ``router="softmax"`` (Mixtral, Qwen2-MoE): softmax over all experts in float32 (float64
+      for float64 x); the top-k ranks by probability, ties broken by the lower expert id.
+      ``norm_topk_prob=True`` rescales the k weights to sum to 1: Mixtral always does,
+      Qwen2-MoE when its config's ``norm_topk_prob`` is set.
+    - ``router="sigmoid"`` (Llama 4, HF ``Llama4Router``): the top-k of the logits, and the
+      sigmoid of each chosen logit (float32) as its score, which :func:`moe` multiplies into
+      the expert's *input*. The scores are independent (no normalisation).
 
     Parameters
     ----------
@@ -151,6 +177,7 @@ def route(
     top_k : int in ``[1, X]``
         HF ``num_experts_per_tok``.
     norm_topk_prob : bool
+    router : {"softmax", "sigmoid"}
     impl : {"auto", "portable", "native"}
         For the router projection and the top-k (``jax.lax.top_k`` on JAX; the portable
         top-k is a stable descending ``argsort``).
@@ -164,9 +191,10 @@ def route(
         The experts chosen, in ``[0, X)``. They carry no gradient (on MLX they are cut from
         the graph, so ``mx.grad`` flows to x and w_router through the weights).
     """
+    router = _check_router("route", router, norm_topk_prob)
     bk, (x, w_router) = resolve("route", backend, x, w_router)
     w_router, top_k = _check_route("route", bk, x, w_router, top_k)
-    return _route(bk, x, w_router, top_k, bool(norm_topk_prob), impl)
+    return _route(bk, x, w_router, top_k, bool(norm_topk_prob), impl, router)
 
 
 def _check_experts(
@@ -208,7 +236,8 @@ def moe(
     /,
     *,
     top_k: int,
-    norm_topk_prob: bool,
+    norm_topk_prob: bool = False,
+    router: str = "softmax",
     shared: tuple[Array, Array, Array] | None = None,
     shared_gate: Array = None,
     act: str = "silu",
@@ -217,10 +246,13 @@ def moe(
 ) -> Array:
     """Sparse MoE block: each token through its ``top_k`` experts, weighted by the router.
 
-    ``out = sum_j weights_j * mlp_{ids_j}(x) [+ sigmoid(x @ shared_gate.T) * mlp_shared(x)]``
-    with ``(weights, ids) = route(x, w_router, ...)`` and each expert a gated MLP
-    (:func:`~portable_llm.mlp`). Only the routed tokens are gathered for each expert, so the
-    cost grows with ``top_k``, not with the number of experts X.
+    ``router="softmax"``: ``out = sum_j weights_j * mlp_{ids_j}(x) [+ shared]``;
+    ``router="sigmoid"`` (Llama 4's ``Llama4TextMoe``): ``out = sum_j mlp_{ids_j}(x *
+    scores_j) [+ shared]``, each score rounded to x's dtype and multiplied into the expert's
+    input; with ``(weights | scores, ids) = route(x, w_router, ..., router=router)``, each
+    expert a gated MLP (:func:`~portable_llm.mlp`), and ``shared`` ``= [sigmoid(x @
+    shared_gate.T) *] mlp_shared(x)``. Only the routed tokens are gathered for each expert, so
+    the cost grows with ``top_k``, not with the number of experts X.
 
     Parameters
     ----------
@@ -233,7 +265,10 @@ def moe(
         HF ``experts.down_proj``.
     top_k : int in ``[1, X]``
     norm_topk_prob : bool
-        Renormalise the k routing weights to sum to 1 (Mixtral: always ``True``).
+        Renormalise the k routing weights to sum to 1 (Mixtral: always ``True``; not with
+        ``router="sigmoid"``).
+    router : {"softmax", "sigmoid"}
+        See :func:`route`; ``"sigmoid"`` scales the experts' inputs (Llama 4).
     shared : (w_gate, w_up, w_down), optional
         A shared expert run on every token, in :func:`~portable_llm.mlp`'s layout
         (``(I_s, E)``, ``(I_s, E)``, ``(E, I_s)``; HF ``shared_expert.{gate,up,down}_proj``).
@@ -260,6 +295,7 @@ def moe(
         Each expert's output is rounded to x's dtype (as HF's projections), then weighted and
         summed over the k experts in float32 (float64 for float64 x) and rounded once.
     """
+    router = _check_router("moe", router, norm_topk_prob)
     act_name = activation_op(act, "moe")
     if shared is not None and (not isinstance(shared, tuple | list) or len(shared) != 3):
         raise ValueError("moe: shared must be a tuple (w_gate, w_up, w_down) or None")
@@ -271,7 +307,7 @@ def moe(
         # Quantized experts are dequantized for the call (correct, not memory-light).
         return moe(
             x, *map(dequantized, (w_router, experts_gate, experts_up, experts_down)),
-            top_k=top_k, norm_topk_prob=norm_topk_prob,
+            top_k=top_k, norm_topk_prob=norm_topk_prob, router=router,
             shared=None if shared is None else tuple(map(dequantized, shared)),
             shared_gate=dequantized(shared_gate), act=act, impl=impl, backend=backend,
         )  # fmt: skip
@@ -292,7 +328,13 @@ def moe(
         return xp.zeros_like(x)
     sub = "portable" if impl == "portable" else "auto"
     xf = xp.reshape(x, (-1, e))  # (N, E)
-    weights, ids = _route(bk, xf, w_router, top_k, bool(norm_topk_prob), sub)  # (N, k)
+    weights, ids = _route(bk, xf, w_router, top_k, bool(norm_topk_prob), sub, router)  # (N, k)
+    n = xf.shape[0]
+    if router == "sigmoid":  # each (token, slot) its own row: x * score, weight 1
+        scaled = xp.expand_dims(xf, axis=1) * xp.expand_dims(xp.astype(weights, x.dtype), axis=2)
+        xf = xp.reshape(scaled, (n * top_k, e))  # (N * k, E), token-major
+        ids = xp.reshape(ids, (n * top_k, 1))  # (N * k, 1)
+        weights = xp.ones_like(xp.reshape(weights, (n * top_k, 1)))  # (N * k, 1)
     experts = pick(bk, "moe_experts", impl, xf, weights, ids, gate, up, down)
     if experts is _moe_gather and bk.is_traced(xf):
         raise ValueError(
@@ -304,6 +346,10 @@ def moe(
         act=pick(bk, act_name, sub, xf), linear=pick(bk, "linear", sub, xf, w_router),
         to_host=bk.to_numpy,
     )  # fmt: skip
+    if router == "sigmoid":  # the k slots of each token summed in float32, rounded once
+        ys = xp.reshape(xp.astype(out, weights.dtype), (n, top_k, e))  # (N, k, E)
+        out = xp.astype(xp.sum(ys, axis=1), x.dtype)  # (N, E)
+        xf = xp.reshape(x, (-1, e))  # (N, E): the shared expert's input
     if shared is not None:
         s = mlp(xf, s_gate, s_up, s_down, act=act, impl=sub)  # (N, E)
         if shared_gate is not None:
