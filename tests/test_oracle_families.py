@@ -11,7 +11,11 @@ parallel from one norm, biases everywhere, ``fc1 -> gelu_new -> fc2``, partial r
 scale, ``(1 + w)`` norms, sandwich norms, GeGLU, ``query_pre_attn_scalar``, attention and
 final-logit soft-capping, sliding and full layers) and ``gemma3_text`` (as Gemma 2 without
 soft-capping, q/k norms, RoPE parameters per layer type), and ``phi3`` (fused ``qkv_proj`` and
-``gate_up_proj`` cut at load, a sliding window on every layer).
+``gate_up_proj`` cut at load, a sliding window on every layer), and ``llama4_text`` (dense and
+MoE layers interleaved, the sigmoid router scaling the experts' inputs, a shared expert, fused
+``(X, in, out)`` experts, chunked attention on the RoPE layers with chunks of 4 positions, shorter
+than the sequences, no-RoPE layers with temperature tuning from position 3 on, the q/k L2 norm,
+interleaved RoPE).
 """
 
 from __future__ import annotations
@@ -63,21 +67,30 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         },
         "tie_word_embeddings": False,
     }),
+    "llama4_text": ("Llama4Text", {
+        "hidden_size": 64, "intermediate_size": 48, "intermediate_size_mlp": 96,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "max_position_embeddings": 256, "num_local_experts": 4,
+        "num_experts_per_tok": 2, "moe_layers": [1, 2], "no_rope_layers": [1, 0, 1, 0],
+        "attention_chunk_size": 4, "floor_scale": 4, "attn_scale": 0.5,
+        "tie_word_embeddings": False,
+    }),
 }  # fmt: skip
 IDS = np.random.default_rng(0).integers(3, V, size=(2, 12))
 STEPS = 16
 
 
-def _build(family: str, folder: Path, seed: int) -> Any:
+def _build(family: str, folder: Path, seed: int, **override: Any) -> Any:
     name, extra = FAMILIES[family]
+    extra = {**extra, **override}
     config = getattr(transformers, f"{name}Config")(
         vocab_size=V, bos_token_id=1, eos_token_id=2, **extra
     )
     config._attn_implementation = "eager"  # Gemma 2's soft-capping: HF's eager attention
     torch.manual_seed(seed)
-    cls = {"GPT2": "GPT2LMHeadModel", "Gemma3Text": "Gemma3ForCausalLM"}.get(
-        name, f"{name}ForCausalLM"
-    )
+    classes = {"GPT2": "GPT2LMHeadModel", "Gemma3Text": "Gemma3ForCausalLM",
+               "Llama4Text": "Llama4ForCausalLM"}  # fmt: skip
+    cls = classes.get(name, f"{name}ForCausalLM")
     model = getattr(transformers, cls)(config).eval()
     with torch.no_grad():  # wider than the default init: varied greedy tokens
         for name, p in model.named_parameters():
@@ -159,10 +172,16 @@ def test_greedy_tokens_match_transformers(hf_models: dict, family: str, backend:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_bfloat16_matches_transformers(hf_models: dict, family: str, backend: str) -> None:
+def test_bfloat16_matches_transformers(
+    hf_models: dict, family: str, backend: str, tmp_path: Path
+) -> None:
     if "bfloat16" not in pl.get_backend(backend).float_dtypes():
         pytest.skip(f"{backend} has no bfloat16")
     folder, hf = hf_models[family]
+    experts = FAMILIES[family][1].get("num_local_experts")
+    if experts:  # every expert routed: no top-k choice that bfloat16's rounding could flip
+        folder = tmp_path
+        hf = _build(family, folder, seed=7, num_experts_per_tok=experts)
     hf16 = type(hf).from_pretrained(folder, dtype=torch.bfloat16).eval()
     model = pl.load(folder, backend=backend, dtype="bfloat16")
     tol = MODEL_TOLERANCES["bfloat16"]

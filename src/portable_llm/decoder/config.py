@@ -38,10 +38,12 @@ SUPPORTED_MODEL_TYPES: tuple[str, ...] = (
     "gemma2",
     "gemma3_text",
     "phi3",
+    "llama4_text",
 )
 #: Families whose ``config.json`` :meth:`DecoderConfig.from_dict` reads (their fields resolved
 #: below) but whose forward the decoder does not run yet: ``pl.load`` refuses them by name.
-READ_MODEL_TYPES: tuple[str, ...] = ("llama4_text",)
+#: None today (``llama4_text`` was one until its forward came).
+READ_MODEL_TYPES: tuple[str, ...] = ()
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 # HF's class defaults where config.json may leave a field out (per family where they differ).
 _DEFAULT_THETA = {"mixtral": 1e6, "gemma3_text": 1e6, "llama4_text": 5e5}
@@ -361,6 +363,8 @@ def _rope(mt: str, d: Mapping[str, Any]) -> dict[str, Any]:
         elif mpe is not None:
             scaling.setdefault("original_max_position_embeddings", mpe)
     out: dict[str, Any] = {"base": theta, "scaling": MappingProxyType(scaling)}
+    if mt == "llama4_text":  # HF apply_rotary_emb: complex pairs (2i, 2i + 1), interleaved
+        out["traditional"] = True
     if kind in ("dynamic", "longrope"):  # longrope: its default factor, mpe / ompe
         out["max_position_embeddings"] = mpe
     rope_spec(
