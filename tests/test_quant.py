@@ -207,12 +207,34 @@ def test_native_kernel_by_dtype_and_block(backend, dtype, bits, rows):
     x, xr = random_array(6, (rows, 64), dtype, backend=backend, low=-1, high=1)
     b, br = random_array(7, (4100,), dtype, backend=backend)
     qw = quantize(w, bits=bits, group_size=32)
-    if nat is None or not nat.applies(x, *qw.arrays, b, bits=bits, group_size=32):
-        pytest.skip(f"no native quantized_linear on {backend} for {dtype}")
+    if nat is None or not nat.auto(x, *qw.arrays, b, bits=bits, group_size=32):
+        pytest.skip(f"auto takes no native quantized_linear on {backend} for {dtype}")
     want = xr @ np_dequantize(qw)[0].T + br
     out = qlinear(x, qw, b, impl="native")
     assert out.dtype == x.dtype
     assert_close(out, want, backend=backend, dtype=dtype)
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("group", GROUP_SIZES)
+def test_native_kernel_every_format(backend, bits, group):
+    """Every code width and group size a native kernel takes (MLX: mx.quantized_matmul, all of
+    them), float32, one row and five: the float64 product of the float64 decoder's weight
+    (w = scales * q + biases, the convention of ops.quant), and auto runs it where it prefers."""
+    bk = get_backend(backend)
+    nat = pl.core.dispatch.dispatcher(bk).native.get("quantized_linear")
+    w, _ = random_array(8, (16, 2 * group), "float32", backend=backend, low=-0.2, high=0.2)
+    qw = quantize(w, bits=bits, group_size=group)
+    for rows in (1, 5):
+        x, xr = random_array(9, (rows, 2 * group), "float32", backend=backend, low=-1, high=1)
+        if nat is None or not nat.applies(x, *qw.arrays, None, bits=bits, group_size=group):
+            pytest.skip(f"no native quantized_linear on {backend} for {bits} bits")
+        want = xr @ np_dequantize(qw)[0].T
+        assert_close(qlinear(x, qw, impl="native"), want, backend=backend, dtype="float32")
+        with pl.trace() as tr:
+            qlinear(x, qw)
+        took = nat.auto(x, *qw.arrays, None, bits=bits, group_size=group)
+        assert (tr[0].impl == "native") is took, tr
 
 
 def test_embedding_dequantizes_rows(backend, dtype):
