@@ -248,6 +248,7 @@ def _int4_applies(
         and packed.ndim == 2
         and packed.shape[0] % 16 == 0  # the int4 packing takes N in multiples of 16
         and x.device.type == "cpu"
+        and sys.byteorder == "little"  # the codes are read as bytes (_codes)
         and scales.dtype == x.dtype
         and x.dtype != torch.float64
         and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
@@ -259,20 +260,15 @@ _INT4_GROUPS = (32, 64, 128, 256)
 
 
 def _codes(packed: Any, bits: int) -> Any:
-    """``(N, W)`` uint32 words -> ``(N, W * 32 / bits)`` int32 codes: each row one little-endian
-    bit stream (ops.quant's layout), code ``k`` at bits ``bits*k ..``; a code that straddles two
-    words reads both (the pair as one int64)."""
-    n, words = packed.shape
-    k = words * 32 // bits
-    start = torch.arange(k, device=packed.device) * bits
-    word, shift = start // 32, start % 32
-    out = torch.empty((n, k), dtype=torch.int32, device=packed.device)
-    for r in range(0, n, 4096):  # (4096, K) int64 temporaries at most
-        w64 = packed[r : r + 4096].view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # (R, W)
-        w64 = torch.nn.functional.pad(w64, (0, 1))  # a zero word past the last
-        pair = w64[:, word] | (w64[:, word + 1] << 32)  # (R, K)
-        out[r : r + 4096] = (pair >> shift) & ((1 << bits) - 1)
-    return out
+    """``(N, W)`` uint32 words -> ``(N, W * 32 / bits)`` int64 codes (ops.quant's layout: each
+    row one little-endian bit stream, code ``k`` at bits ``bits*k ..``). Every 8 codes fill
+    ``bits`` whole bytes, read as one little-endian int64: code ``j`` of them at bit
+    ``bits * j``."""
+    n = packed.shape[0]
+    by = packed.view(torch.uint8).reshape(n, -1, bits)  # (N, K/8, bits)
+    shifts = torch.arange(0, 8 * bits, bits, device=packed.device)  # (8,)
+    word = torch.nn.functional.pad(by, (0, 8 - bits)).view(torch.int64)  # (N, K/8, 1)
+    return ((word >> shifts) & ((1 << bits) - 1)).reshape(n, -1)  # (N, K)
 
 
 def _int4_pack(
@@ -290,7 +286,7 @@ def _int4_pack(
     """
 
     def build() -> tuple[Any, Any]:
-        codes = _codes(packed, bits)  # (N, K)
+        codes = _codes(packed, bits).to(torch.int32)  # (N, K)
         s32, b32 = scales.float(), biases.float()
         h = 1 << (bits - 1)
         sz = torch.stack([s32, b32 + h * s32], dim=-1)  # (N, K/group, 2)
@@ -424,12 +420,13 @@ def quantized_linear(
     group_size: int,
 ) -> Any:  # fmt: skip
     fmt = {"bits": bits, "group_size": group_size}
-    rows = x.numel() // x.shape[-1]
-    if bits == 8 and x.dtype == torch.bfloat16 and rows > _PLANE_ROWS and sys.byteorder == "little":
+    planes = x.dtype == torch.bfloat16 and _int4_applies(x, packed, scales, biases, bias, **fmt)
+    if planes and bits == 8 and x.numel() // x.shape[-1] > _PLANE_ROWS:
         # a prompt: the two-plane kernel re-decodes the codes per 4 rows (128 rows of SmolLM2's
-        # 1536x576: 18 ms against 2.5-6 ms for the bytes dequantized once and a dense product)
-        return F.linear(x, _bytes_weight(packed, scales, biases, group_size=group_size), bias)
-    if x.dtype == torch.bfloat16 and _int4_applies(x, packed, scales, biases, bias, **fmt):
+        # 1536x576: 18 ms against 2.5-6 ms for the bytes dequantized once, then a dense
+        # product). 5 and 6 bits: unpacking their codes (_codes) cost as much as the kernel.
+        return F.linear(x, _dense_weight(packed, scales, biases, group_size=group_size), bias)
+    if planes:
         y = _int4_mm(x, packed, scales, biases, **fmt)
         return y if bias is None else y + bias
     if _int8_applies(x, packed, scales, biases, bias, **fmt) and (
@@ -449,14 +446,14 @@ def quantized_linear(
     return y if bias is None else y + bias
 
 
-#: From more rows than this, 8-bit bfloat16 products dequantize (_bytes_weight) first.
+#: From more rows than this, 8-bit bfloat16 products dequantize (_dense_weight) first.
 _PLANE_ROWS = 16
 
 
-def _bytes_weight(packed: Any, scales: Any, biases: Any, *, group_size: int) -> Any:
-    """The dequantized 8-bit weight ``(N, K)`` in scales' dtype, as ops.quant.dequantize rounds
-    it (the codes cast, times the scale, plus the bias, each step in that dtype): the words
-    read as their bytes (little-endian: byte j is code j)."""
+def _dense_weight(packed: Any, scales: Any, biases: Any, *, group_size: int) -> Any:
+    """The dequantized 8-bit weight ``(N, K)`` in scales' dtype, rounded as
+    ops.quant.dequantize rounds it (the codes cast, times the scale, plus the bias, each step
+    in that dtype): the words read as their bytes (little-endian: byte j is code j)."""
     n = packed.shape[0]
     q = packed.view(torch.uint8).reshape(n, -1, group_size).to(scales.dtype)  # (N, G, gs)
     return (q * scales[..., None] + biases[..., None]).reshape(n, -1)
