@@ -271,6 +271,7 @@ def test_two_local_ranks_equal_one_device(
     logits, tokens = _one_device(tmp_path / "ckpt", engine)
     for got in launch(engine, mode, tmp_path / "ckpt", tmp_path / "out"):
         _equal_to_one_device(got, logits, tokens)
+        assert got["prepared"]  # the rank's layers ran as the prepared forward
 
 
 @pytest.mark.skipif(bool(skip_reason("mlx")), reason=str(skip_reason("mlx")))

@@ -7,10 +7,15 @@ stages with the decoder's own pieces: stage 0 embeds (``Model.embed_ids``), each
 its layers (``Block``) and hands the hidden states on, the last stage norms and projects
 (``Model.project``), and every rank gets the logits. Within a layer, each rank's attention and
 MLP (or MoE) give a partial sum over its heads and intermediate slices, completed by one
-all-reduce each, the ``reduce`` the ``Block`` applies before any bias or norm:
+all-reduce each, the ``reduce`` the layer applies before any bias or norm:
 ``h = h + all_reduce(attention(norm(h)))``, ``h = h + all_reduce(mlp(norm(h)))``. An ``o_proj``
 bias is added once, after the sum; a ``down_proj`` bias is held by TP rank 0 only (zeros
 elsewhere), so the sum counts it once.
+
+A process that runs its own rank (torch, MLX) runs its layers as the prepared forward
+(:class:`~portable_llm.decoder.prepared.Prepared`, with the all-reduce bound in as its
+``reduce``: kernels chosen once, masks and RoPE tables built once per forward), as one device
+does; where one process drives every stage (JAX's pipeline) the blocks run op by op.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from portable_llm.backends import Backend, backend_of
 from portable_llm.core.arrays import asarray
 from portable_llm.decoder.config import DecoderConfig
 from portable_llm.decoder.model import Model
+from portable_llm.decoder.prepared import Prepared, preparable
 from portable_llm.partition.engine import Engine
 
 __all__ = ["PartitionedModel"]
@@ -33,7 +39,9 @@ class PartitionedModel(Model):
     ``config``: the config of the blocks this process holds (local heads, sizes and layers;
     the full config where one process drives every stage: JAX); ``stages``: the layers of each
     stage this process runs, counted in :attr:`blocks`; ``engine``: the collectives.
-    ``full_config`` is the model's own config. Build one with :func:`portable_llm.load`.
+    ``full_config`` is the model's own config. ``prepared`` (default ``True``): run this
+    rank's layers as the prepared forward (:attr:`local`) where its weights allow; ``False``
+    composes the public ops layer by layer. Build one with :func:`portable_llm.load`.
     """
 
     def __init__(
@@ -47,6 +55,7 @@ class PartitionedModel(Model):
         full_config: DecoderConfig,
         tokenizer: Any = None,
         generation_config: dict[str, Any] | None = None,
+        prepared: bool = True,
     ) -> None:
         super().__init__(
             config,
@@ -60,6 +69,23 @@ class PartitionedModel(Model):
         self.engine = engine
         self.stages = dict(stages)
         self.full_config = full_config
+        #: This rank's layers as the prepared forward, the tensor-parallel all-reduce bound in;
+        #: ``None`` where one process runs every stage (JAX) or a weight is not preparable
+        #: (:attr:`Model.prepared <portable_llm.decoder.model.Model.prepared>` stays ``None``:
+        #: the one-device forwards that it drives know nothing of the stages).
+        self.local: Prepared | None = self._local_forward() if prepared else None
+
+    def _local_forward(self) -> Prepared | None:
+        e, bk = self.engine, self.backend
+        if e.single_controller or not preparable(bk, self.dtype, self._top_arrays(), self.blocks):
+            return None
+        last = e.pp_size - 1 in self.stages
+        norm = self.norm if last else self.blocks[0].input_norm  # (E,): the kernels' choice
+        return Prepared(
+            self.config, bk, self.dtype, self.embed, norm, self.lm_head, self.blocks,
+            norm_bias=self.norm_bias, head_bias=self.head_bias, positions=self.positions,
+            reduce=e.all_reduce if e.tp_size > 1 else None,
+        )  # fmt: skip
 
     def __repr__(self) -> str:
         c, e = self.full_config, self.engine
@@ -105,6 +131,8 @@ class PartitionedModel(Model):
         last = e.pp_size - 1
         # A TP rank of a process engine completes its partial sums; JAX's XLA does it itself.
         reduce = e.all_reduce if e.tp_size > 1 and not e.single_controller else None
+        p = self.local
+        step = None if p is None else p.step(cache, left_padding, L)
         h = None
         for stage, layers in self.stages.items():
             if stage == 0:
@@ -113,14 +141,24 @@ class PartitionedModel(Model):
                 h = e.recv(stage - 1, (B, L, self.config.hidden_size), self.norm)
             else:
                 h = e.move(h, stage)
-            for i in layers:
-                c = None if cache is None else cache[i]
-                h = self.blocks[i](h, cache=c, left_padding=left_padding, eps=eps, reduce=reduce)
+            if p is not None and step is not None:  # this rank's layers: all of p.layers
+                h = p.run_layers(h, step, p.layers, embedded=True)
+            else:
+                for i in layers:
+                    c = None if cache is None else cache[i]
+                    h = self.blocks[i](
+                        h, cache=c, left_padding=left_padding, eps=eps, reduce=reduce
+                    )
             if stage != last and e.pp_rank is not None:
                 e.send(h, stage + 1)
                 h = None
         logits = None
         if h is not None and last in self.stages:
-            logits = self.project(h, last_only=last_only)  # (B, L, V)
+            if p is None or step is None:
+                logits = self.project(h, last_only=last_only)  # (B, L, V)
+            else:
+                h = h[:, -1:, :] if last_only else h  # (B, 1, E)
+                head = self.embed if self.lm_head is None else self.lm_head
+                logits = p.head_logits(h, self.norm, head, step.kn)  # (B, L, V)
         shape = (B, 1 if last_only else L, self.full_config.vocab_size)
         return e.share_logits(logits, shape, self.norm)

@@ -71,6 +71,7 @@ def run_rank(
     from portable_llm.core.arrays import to_numpy
     from portable_llm.generation.generate import generate
     from portable_llm.partition.engine import engine_for
+    from portable_llm.partition.model import PartitionedModel
 
     group: Any
     if engine == "torch":
@@ -91,6 +92,8 @@ def run_rank(
     logits = to_numpy(model([PROMPT])).astype(np.float32)
     tokens = [int(t) for t in generate(model, PROMPT, max_new_tokens=NEW_TOKENS, stop=())]
     results: dict[str, Any] = {"logits": logits, "tokens": np.asarray(tokens)}
+    # whether the rank ran the prepared forward (decoder.prepared), its all-reduce bound in
+    results["prepared"] = isinstance(model, PartitionedModel) and model.local is not None
     if more:
         results.update(more_tokens(model))
     results.update(held=report.held, touched=report.touched, total=report.total)
