@@ -13,23 +13,46 @@ in floats). Each quantized module ``p`` stores ``p.weight`` (uint32 codes, ``(N,
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
+
+import numpy as np
 
 from portable_llm.backends import Backend
 from portable_llm.checkpoint.config import config_path
 from portable_llm.checkpoint.files import CheckpointError, listed, read_json
+from portable_llm.checkpoint.mlx_layout import Stored, stored_tensors
 from portable_llm.checkpoint.shards import SAFETENSORS_FLOATS, SafetensorsFiles
 from portable_llm.checkpoint.weights import expected_shapes, to_backend
 from portable_llm.decoder.config import DecoderConfig
 from portable_llm.ops.quant import BITS, GROUP_SIZES, QuantizedWeight, fastest_form
+from portable_llm.ops.quant import dequantize as dequantize_weight
 
 __all__ = [
+    "FLOAT_ONLY",
+    "Entry",
     "Quantization",
     "check_quantized",
     "read_quantization",
     "read_quantized_weights",
     "stored_dtype",
 ]
+
+
+#: Tensors mlx-lm may quantize that the model takes as floats, dequantized at load: GPT-2's
+#: position table (``model.wpe``, ``(P, E)``: small, added to every row of a forward).
+FLOAT_ONLY: frozenset[str] = frozenset({"model.embed_positions.weight"})
+
+
+class Entry(NamedTuple):
+    """One of the model's tensors in a quantized folder: the stored tensor (``p.weight`` of a
+    quantized module ``p``, whose ``p.scales`` and ``p.biases`` come with it, or a float
+    tensor), the model tensor's (dequantized) shape, its ``(bits, group_size)`` (``None``: a
+    float tensor), and the stored rows it takes (``None``: all; a fused module's part)."""
+
+    stored: str
+    shape: tuple[int, ...]
+    fmt: tuple[int, int] | None
+    rows: tuple[int, int] | None = None
 
 
 class Quantization:
@@ -105,44 +128,55 @@ def read_quantized_weights(
     listing every missing, unexpected or misshapen tensor. MoE layers are read from mlx-lm's
     stacked experts (``switch_mlp.{gate,up,down}_proj``, ``(X, N, K * bits / 32)``) as the
     stacked ``mlp.experts.{gate,up,down}_proj`` that the float loader gives.
+    The names of :data:`FLOAT_ONLY` are dequantized whatever ``dequantize``.
     ``dequantize="auto"``: a quantized module is kept only where
     :func:`~portable_llm.ops.quant.keeps_codes` says its codes decode at least as fast as its
     floats (:func:`~portable_llm.ops.quant.fastest_form`), else given as ``dequantize``'s floats.
     """
     out: dict[str, Any] = {}
-    for name, (out_name, _, fmt) in check_quantized(st, cfg, quant).items():
+    last: tuple[str, np.ndarray] | None = None  # a fused module's parts follow each other
+
+    def read(name: str, rows: tuple[int, int] | None) -> np.ndarray:
+        nonlocal last
+        if last is None or last[0] != name:
+            last = (name, st.read(name))
+        return last[1] if rows is None else np.ascontiguousarray(last[1][rows[0] : rows[1]])
+
+    for out_name, (name, _, fmt, rows) in check_quantized(st, cfg, quant).items():
         if fmt is None:
-            out[out_name] = to_backend(name, st.read(name), bk, dtype, device)
+            out[out_name] = to_backend(name, read(name, rows), bk, dtype, device)
             continue
         stem = name.removesuffix(".weight")
+        codes = read(name, rows)
+        scales = to_backend(stem + ".scales", read(stem + ".scales", rows), bk, dtype, device)
+        biases = to_backend(stem + ".biases", read(stem + ".biases", rows), bk, dtype, device)
         qw = QuantizedWeight(
-            bk.from_numpy(st.read(name), device),
-            to_backend(stem + ".scales", st.read(stem + ".scales"), bk, dtype, device),
-            to_backend(stem + ".biases", st.read(stem + ".biases"), bk, dtype, device),
-            bits=fmt[0],
-            group_size=fmt[1],
+            bk.from_numpy(codes, device), scales, biases, bits=fmt[0], group_size=fmt[1]
         )
-        out[out_name] = fastest_form(qw) if dequantize == "auto" else qw
+        if out_name in FLOAT_ONLY:
+            out[out_name] = dequantize_weight(qw)
+        else:
+            out[out_name] = fastest_form(qw) if dequantize == "auto" else qw
     return out
 
 
 def check_quantized(
     st: SafetensorsFiles, cfg: DecoderConfig, quant: Quantization
-) -> dict[str, tuple[str, tuple[int, ...], tuple[int, int] | None]]:
+) -> dict[str, Entry]:
     """Check an mlx-lm quantized folder against ``cfg`` (:class:`CheckpointError` listing every
-    missing, unexpected or misshapen tensor), reading headers only. Returns, for each stored
-    weight (``p.weight`` of a quantized module, whose ``p.scales`` and ``p.biases`` come with
-    it), the model's name (mlx-lm's stacked experts: see :func:`read_quantized_weights`), its
-    dequantized shape and its ``(bits, group_size)`` (``None``: a float tensor)."""
-    expected = expected_shapes(cfg)
+    missing, unexpected or misshapen tensor), reading headers only. Returns an :class:`Entry`
+    for each of the model's tensors, by the model's name (mlx-lm's stacked experts: see
+    :func:`read_quantized_weights`; the families' own names and fused modules:
+    :mod:`~portable_llm.checkpoint.mlx_layout`)."""
     problems: list[str] = []
-    plan: dict[str, tuple[int, int] | None] = {}  # stored name -> (bits, group) or None (float)
-    renamed: dict[str, str] = {}  # stored name -> the model's name
-    shapes: dict[str, tuple[int, ...]] = {}  # stored name -> the dequantized shape
+    entries: dict[str, Entry] = {}
+    checked: dict[str, tuple[int, int] | None] = {}  # stored name -> its format, checked once
     used: set[str] = set()
-    for out_name, name, shape in _stored_names(st, expected):
-        renamed[name], shapes[name] = out_name, shape
+    for out_name, (name, shape, rows) in _stored_names(st, cfg).items():
         stem = name.removesuffix(".weight")
+        if name in checked:
+            entries[out_name] = Entry(name, _cut(shape, rows), checked[name], rows)
+            continue
         fmt = quant.of(stem) if name.endswith(".weight") else None
         if name.endswith(".weight") and stem + ".scales" in st.files and fmt is not None:
             bits, group = fmt
@@ -162,14 +196,18 @@ def check_quantized(
                         f"{part} {st.shapes[part]} {st.dtypes[part]} (a {shape} weight at "
                         f"bits={bits}, group_size={group} implies {pshape} {'/'.join(kinds)})"
                     )
-            plan[name] = fmt
         elif name in st.shapes:
+            fmt = None
             used.add(name)
             if st.shapes[name] != shape or st.dtypes[name] not in SAFETENSORS_FLOATS:
                 problems.append(f"{name} {st.shapes[name]} {st.dtypes[name]} (expected {shape})")
-            plan[name] = None
-        elif not (name == "lm_head.weight" and cfg.tie_word_embeddings):
+        elif not (out_name == "lm_head.weight" and cfg.tie_word_embeddings):
             problems.append(f"missing {name}")
+            continue
+        else:
+            continue
+        checked[name] = fmt
+        entries[out_name] = Entry(name, _cut(shape, rows), fmt, rows)
     unexpected = [
         n for n in st.files if n not in used and not n.endswith(".rotary_emb.inv_freq")
         and not (n.startswith("lm_head.") and cfg.tie_word_embeddings)
@@ -180,13 +218,16 @@ def check_quantized(
         raise CheckpointError(
             f"load: quantized checkpoint {str(st.folder)!r}: {listed(problems, sep='; ')}"
         )
-    return {name: (renamed[name], shapes[name], fmt) for name, fmt in plan.items()}
+    return entries
 
 
-def _stored_names(
-    st: SafetensorsFiles, expected: dict[str, tuple[int, ...]]
-) -> list[tuple[str, str, tuple[int, ...]]]:
-    """``(model's name, stored name, shape)`` of each expected tensor.
+def _cut(shape: tuple[int, ...], rows: tuple[int, int] | None) -> tuple[int, ...]:
+    return shape if rows is None else (rows[1] - rows[0], *shape[1:])
+
+
+def _stored_names(st: SafetensorsFiles, cfg: DecoderConfig) -> dict[str, Stored]:
+    """Where each of the model's tensors lies (:func:`~portable_llm.checkpoint.mlx_layout.
+    stored_tensors`), by the model's name.
 
     mlx-lm stores a MoE layer's experts stacked per projection, ``switch_mlp.gate_proj`` and
     ``switch_mlp.up_proj`` ``(X, I, E)`` and ``switch_mlp.down_proj`` ``(X, E, I)``, under the
@@ -195,22 +236,23 @@ def _stored_names(
     ``mlp.experts.up_proj`` and ``mlp.experts.down_proj`` (the float loader's split of HF's
     ``gate_up_proj``).
     """
-    out: list[tuple[str, str, tuple[int, ...]]] = []
-    for name, shape in expected.items():
+    out: dict[str, Stored] = {}
+    for name, where in stored_tensors(cfg, expected_shapes(cfg), st.files).items():
+        shape = where.shape
         base, _, leaf = name.rpartition(".mlp.")
         module = base + ".mlp."
         if leaf in ("experts.gate_up_proj", "experts.down_proj", "gate.weight"):
             moe = base + ".block_sparse_moe."
             stored = moe if moe + "gate.weight" in st.files else module  # Mixtral's module name
             if leaf == "gate.weight":
-                out.append((name, stored + "gate.weight", shape))
+                out[name] = Stored(stored + "gate.weight", shape)
             elif leaf == "experts.down_proj":
-                out.append((name, stored + "switch_mlp.down_proj.weight", shape))
+                out[name] = Stored(stored + "switch_mlp.down_proj.weight", shape)
             else:
                 x, two_i, e = shape
                 for proj in ("gate", "up"):
                     stacked = stored + f"switch_mlp.{proj}_proj.weight"
-                    out.append((module + f"experts.{proj}_proj", stacked, (x, two_i // 2, e)))
+                    out[module + f"experts.{proj}_proj"] = Stored(stacked, (x, two_i // 2, e))
             continue
-        out.append((name, name, shape))
+        out[name] = where
     return out

@@ -36,12 +36,11 @@ class QuantizedSlices:
 
     def __init__(self, st: SafetensorsFiles, cfg: DecoderConfig, quant: Quantization) -> None:
         self.st = st
-        self.entries = check_quantized(st, cfg, quant)  # stored -> (name, shape, format)
-        self.stored = {name: stored for stored, (name, _, _) in self.entries.items()}
-        self.shapes = {name: shape for name, shape, _ in self.entries.values()}
+        self.entries = check_quantized(st, cfg, quant)  # name -> (stored, shape, format, rows)
+        self.shapes = {name: e.shape for name, e in self.entries.items()}
         groups = [
-            fmt[1] for name, _, fmt in self.entries.values()
-            if fmt is not None and name.endswith(_INPUT_SPLIT)
+            e.fmt[1] for name, e in self.entries.items()
+            if e.fmt is not None and name.endswith(_INPUT_SPLIT)
         ]  # fmt: skip
         self.group_size = max(groups, default=None)
         self.touched = 0
@@ -49,26 +48,35 @@ class QuantizedSlices:
     def read(self, name: str, index: tuple[slice, ...] = ()) -> np.ndarray | QuantizedSlice:
         """Tensor ``name`` (a key of :attr:`shapes`), or its slice ``index`` in the coordinates
         of its dequantized shape: a float array, or a quantized module's whole groups."""
-        stored = self.stored[name]
-        _, shape, fmt = self.entries[stored]
+        stored, shape, fmt, rows = self.entries[name]
         index = tuple(index) + (slice(None),) * (len(shape) - len(index))
         if fmt is None:
-            return self._read(stored, index)
+            return self._read(stored, _rows(index, shape, rows))
         bits, group = fmt
         codes, groups = quantized_index(name, shape, index, bits, group)
         stem = stored.removesuffix(".weight")
         return QuantizedSlice(
-            self._read(stored, codes),
-            self._read(stem + ".scales", groups),
-            self._read(stem + ".biases", groups),
+            self._read(stored, _rows(codes, shape, rows)),
+            self._read(stem + ".scales", _rows(groups, shape, rows)),
+            self._read(stem + ".biases", _rows(groups, shape, rows)),
             bits,
             group,
         )
 
     def quantized(self, name: str) -> tuple[int, int] | None:
         """``(bits, group_size)`` of tensor ``name`` (``None``: read as floats)."""
-        return self.entries[self.stored[name]][2]
+        return self.entries[name].fmt
 
     def _read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         out, self.touched = read_span(self.st, name, index, self.touched)
         return out
+
+
+def _rows(
+    index: tuple[slice, ...], shape: tuple[int, ...], rows: tuple[int, int] | None
+) -> tuple[slice, ...]:
+    """``index`` (in a fused module's part, ``shape``) in the stored module's rows."""
+    if rows is None:
+        return index
+    start, stop, step = index[0].indices(shape[0])
+    return (slice(rows[0] + start, rows[0] + stop, step), *index[1:])

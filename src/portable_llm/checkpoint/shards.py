@@ -27,8 +27,8 @@ SINGLE = "model.safetensors"
 #: safetensors dtype codes of the float dtypes a checkpoint may store.
 SAFETENSORS_FLOATS = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
 # A decoder layer's tensors: ``model.layers.{i}.`` (Llama-like, Phi) or ``[transformer.]h.{i}.``
-# (GPT-2 with or without GPT2LMHeadModel's prefix).
-_LAYER = re.compile(r"^(?:model\.layers|(?:transformer\.)?h)\.(\d+)\.")
+# (GPT-2 with or without GPT2LMHeadModel's prefix; mlx-lm's GPT-2: ``model.h.{i}.``).
+_LAYER = re.compile(r"^(?:model\.layers|(?:transformer\.|model\.)?h)\.(\d+)\.")
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 #: Stacked experts (leading dimension X): HF v5's, and mlx-lm's (its quantized folders).
 _STACKED = (".experts.gate_up_proj", ".experts.down_proj", ".switch_mlp.down_proj.weight")
@@ -101,7 +101,7 @@ class SafetensorsFiles:
     @property
     def layers(self) -> int:
         """How many decoder layers the files hold tensors of (``model.layers.{i}.``, GPT-2's
-        ``transformer.h.{i}.``)."""
+        ``transformer.h.{i}.``, ``h.{i}.`` and mlx-lm's ``model.h.{i}.``)."""
         found = [int(m[1]) for name in self.files if (m := _LAYER.match(name))]
         return max(found) + 1 if found else 0
 

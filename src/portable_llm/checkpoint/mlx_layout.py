@@ -1,0 +1,93 @@
+"""Where each tensor the decoder needs lies in an mlx-lm quantized folder, family by family.
+
+mlx-lm converts a checkpoint into its own model's names, then quantizes every ``Linear`` and
+``Embedding`` whose input width the group size divides. Most families keep HF's names; these
+do not:
+
+- ``phi`` (Phi-2): ``self_attn.dense``, ``mlp.fc1``/``fc2``, ``model.final_layernorm`` (HF's
+  names, renamed by :func:`~portable_llm.checkpoint.weights.family_name` as for a float folder);
+- ``phi3``: the fused ``self_attn.qkv_proj`` and ``mlp.gate_up_proj``, quantized whole: q, k and
+  v (gate and up) are row ranges of one stored module;
+- ``gpt2``: mlx-lm's ``model.wte``, ``model.wpe``, ``model.h.{i}.attn.c_attn`` (q, k, v as row
+  ranges, weight and bias), ``attn.c_proj``, ``mlp.c_fc``, ``mlp.c_proj``, ``ln_1``, ``ln_2``,
+  ``model.ln_f``, its Conv1D weights already transposed to ``Linear``'s ``(out, in)`` at
+  conversion, and ``model.wpe`` quantized as an embedding.
+
+A quantized module's rows are output rows of its codes, scales and biases alike, so a row range
+of a fused module is a quantized weight of its own, cut without dequantizing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import NamedTuple
+
+from portable_llm.checkpoint.weights import family_name
+from portable_llm.decoder.config import DecoderConfig
+
+__all__ = ["Stored", "stored_tensors"]
+
+
+class Stored(NamedTuple):
+    """Where one of the decoder's tensors lies: the stored tensor's name (``p.weight`` of a
+    quantized module ``p``, or a float tensor) and shape (dequantized), and the row range the
+    tensor takes of it (``None``: all of it)."""
+
+    name: str
+    shape: tuple[int, ...]
+    rows: tuple[int, int] | None = None
+
+
+def stored_tensors(
+    cfg: DecoderConfig, expected: dict[str, tuple[int, ...]], files: Collection[str]
+) -> dict[str, Stored]:
+    """For each of ``expected``'s names (the decoder's, with their shapes), where it lies in the
+    folder's tensors ``files`` (mlx-lm's names; the stacked experts are read by the caller)."""
+    if cfg.model_type == "gpt2":
+        return _gpt2(cfg, expected, files)
+    out = {name: Stored(name, shape) for name, shape in expected.items()}
+    if cfg.model_type == "phi":
+        renamed = {family_name("phi", f): f for f in files}
+        return {n: s._replace(name=renamed.get(n, n)) for n, s in out.items()}
+    if cfg.model_type == "phi3":
+        E, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim  # noqa: E741
+        q, kv = cfg.num_attention_heads * D, cfg.num_key_value_heads * D
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            qkv = (f"{p}self_attn.qkv_proj.weight", (q + 2 * kv, E))
+            for n, rows in (("q", (0, q)), ("k", (q, q + kv)), ("v", (q + kv, q + 2 * kv))):
+                out[f"{p}self_attn.{n}_proj.weight"] = Stored(*qkv, rows)
+            fused = (f"{p}mlp.gate_up_proj.weight", (2 * I, E))  # HF Phi3MLP: chunk(2)
+            out[f"{p}mlp.gate_proj.weight"] = Stored(*fused, (0, I))
+            out[f"{p}mlp.up_proj.weight"] = Stored(*fused, (I, 2 * I))
+    return out
+
+
+def _gpt2(
+    cfg: DecoderConfig, expected: dict[str, tuple[int, ...]], files: Collection[str]
+) -> dict[str, Stored]:
+    pre = next((p for p in ("model.", "transformer.") if p + "wte.weight" in files), "")
+    out = {
+        "model.embed_tokens.weight": f"{pre}wte.weight",
+        "model.embed_positions.weight": f"{pre}wpe.weight",
+        "model.norm.weight": f"{pre}ln_f.weight",
+        "model.norm.bias": f"{pre}ln_f.bias",
+        "lm_head.weight": "lm_head.weight",
+    }
+    E = cfg.hidden_size
+    for i in range(cfg.num_hidden_layers):
+        h, p = f"{pre}h.{i}.", f"model.layers.{i}."
+        for kind in ("weight", "bias"):
+            out[f"{p}input_layernorm.{kind}"] = f"{h}ln_1.{kind}"
+            out[f"{p}post_attention_layernorm.{kind}"] = f"{h}ln_2.{kind}"
+            for ours, theirs in (("self_attn.o", "attn.c_proj"), ("mlp.up", "mlp.c_fc"),
+                                 ("mlp.down", "mlp.c_proj")):  # fmt: skip
+                out[f"{p}{ours}_proj.{kind}"] = f"{h}{theirs}.{kind}"
+    table = {name: Stored(out[name], shape) for name, shape in expected.items() if name in out}
+    for i in range(cfg.num_hidden_layers):  # q, k, v: rows of c_attn, weight and bias
+        p, c_attn = f"model.layers.{i}.self_attn.", f"{pre}h.{i}.attn.c_attn."
+        for j, n in enumerate("qkv"):
+            rows = (j * E, (j + 1) * E)
+            table[f"{p}{n}_proj.weight"] = Stored(c_attn + "weight", (3 * E, E), rows)
+            table[f"{p}{n}_proj.bias"] = Stored(c_attn + "bias", (3 * E,), rows)
+    return table

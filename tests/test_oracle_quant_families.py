@@ -1,0 +1,120 @@
+"""mlx-lm quantized folders of the families beyond Llama (``phi``, ``phi3``, ``gemma2``,
+``gemma3_text``, ``gpt2``): a random-initialised transformers model saved offline with
+``save_pretrained``, converted by ``mlx_lm.convert(quantize=True)`` (4 bits, groups of 64),
+loaded by ``pl.load`` kept quantized on every backend, against mlx-lm's own model on the same
+folder (float32 logits within the float32 tolerance: the same dequantized weights, summed in
+another order).
+
+What each family's folder holds beyond a Llama's (``checkpoint/mlx_layout.py``): Phi-2's own
+names (``dense``, ``fc1``, ``fc2``, ``final_layernorm``); Phi-3's fused ``qkv_proj`` and
+``gate_up_proj`` quantized whole (q, k, v and gate, up are row ranges of them); GPT-2 in
+mlx-lm's names (``model.h.{i}``, ``model.wte``, ``model.wpe`` quantized too) with its Conv1D
+weights transposed at conversion.
+
+Where mlx-lm 0.32.2 reads a transformers-5 config differently from transformers, the test model
+avoids the difference rather than hiding it: Phi-2's ``partial_rotary_factor`` is 0.4 (mlx-lm
+reads only a top-level one, transformers 5 writes it into ``rope_parameters``; 0.4 is Phi-2's
+own and mlx-lm's default); Gemma 2's window is longer than the prompt (mlx-lm's Gemma 2 has no
+sliding window); Gemma 3 gets ``sliding_window_pattern: 2`` (mlx-lm ignores ``layer_types``) and
+``E = 64`` (mlx-lm rounds ``sqrt(E)`` to bfloat16; 8 is exact); both Gemmas tie their head
+(mlx-lm's have no ``lm_head``); GPT-2 is saved in the original
+``gpt2`` layout (no ``transformer.`` prefix, mlx-lm's convert expects none) with ``n_ctx``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import portable_llm as pl
+from portable_llm.ops.quant import QuantizedWeight
+from portable_llm.testing import assert_close
+from portable_llm.testing.checkpoints import save_hf_tokenizer
+
+pytestmark = pytest.mark.oracle
+
+mx = pytest.importorskip("mlx.core")
+mlx_lm = pytest.importorskip("mlx_lm")
+mlx_lm_utils = pytest.importorskip("mlx_lm.utils")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+V = 300
+IDS = np.random.default_rng(0).integers(3, V, size=(2, 7))
+_GEMMA = {"intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "head_dim": 32, "query_pre_attn_scalar": 24}  # fmt: skip
+# family -> (config class, model class, config keywords, config.json additions for mlx-lm)
+FAMILIES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
+    "phi": ("PhiConfig", "PhiForCausalLM", {
+        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "partial_rotary_factor": 0.4,
+    }, {}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {
+        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "pad_token_id": 0,
+    }, {}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {
+        **_GEMMA, "hidden_size": 128, "sliding_window": 8, "attn_logit_softcapping": 20.0,
+        "final_logit_softcapping": 10.0,
+    }, {}),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        **_GEMMA, "hidden_size": 64, "sliding_window": 4,
+        "layer_types": ["sliding_attention", "full_attention"],
+    }, {"sliding_window_pattern": 2}),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"n_embd": 128, "n_layer": 2, "n_head": 4,
+                                               "n_positions": 64}, {"n_ctx": 64}),
+}  # fmt: skip
+
+
+def _hf_folder(family: str, folder: Path) -> Path:
+    config_cls, model_cls, extra, additions = FAMILIES[family]
+    config = getattr(transformers, config_cls)(
+        vocab_size=V, bos_token_id=1, eos_token_id=2, **extra
+    )
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():  # wider than the default init; Gemma's norms: offsets from 1
+        for p in model.parameters():
+            low = -0.2 if family.startswith("gemma") else 0.8
+            p.copy_(torch.rand_like(p) * 0.4 + low if p.ndim == 1 else torch.randn_like(p) * 0.15)
+    model.save_pretrained(folder)
+    save_hf_tokenizer(folder, vocab_size=V)
+    config_json = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config_json, **additions}))
+    if family == "gpt2":  # the original gpt2 layout: no transformer. prefix
+        from safetensors.numpy import load_file, save_file
+
+        file = str(folder / "model.safetensors")
+        tensors = {k.removeprefix("transformer."): v for k, v in load_file(file).items()}
+        save_file(tensors, file, metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture(scope="session")
+def mlx_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("mlx_families")
+    out = {}
+    for family in FAMILIES:
+        hf = _hf_folder(family, root / f"{family}_hf")
+        out[family] = root / family
+        mlx_lm.convert(hf_path=str(hf), mlx_path=str(out[family]), quantize=True, q_bits=4,
+                       q_group_size=64)  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_folder_logits_match_mlx_lm(mlx_folders: dict, family: str, backend: str) -> None:
+    folder = mlx_folders[family]
+    ref, _ = mlx_lm_utils.load_model(folder)
+    want = np.array(ref(mx.array(IDS)).astype(mx.float32))
+    model = pl.load(folder, backend=backend, dequantize=False)
+    assert model.config.model_type == family
+    q = model.blocks[0].attn["wq"]  # kept quantized, a fused module's rows for phi3 and gpt2
+    assert isinstance(q, QuantizedWeight) and (q.bits, q.group_size) == (4, 64)
+    assert isinstance(model.embed, QuantizedWeight)
+    got = model(pl.asarray(IDS, backend=backend))
+    assert_close(got, want, backend=backend, dtype="float32")
