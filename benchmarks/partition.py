@@ -1,6 +1,7 @@
 """Partitioned decode on this machine: one process against 2 local ranks (TP 2, PP 2).
 
-``python benchmarks/partition.py [--engine mlx|torch] [--tokens 32] [--layers 8] [--hidden 512]``
+``python benchmarks/partition.py [--engine mlx|torch] [--tokens 32] [--layers 8] [--hidden 512]
+[--forward both|prepared|ops]``
 
 A random Llama checkpoint (``--layers`` layers, ``E = --hidden``, ``H = 8``, ``H_kv = 4``,
 ``I = 3 E``, ``V = 4096``, float32) is decoded greedily for ``--tokens`` tokens: once by one
@@ -10,6 +11,8 @@ its decode tokens/s, the seconds per token spent in the engine's collectives (al
 send/recv, the logits shared), the weight bytes it holds against one process's, and its peak
 resident memory (``ru_maxrss``). On a 2-core machine two ranks share the cores that one process
 has to itself, so a loss is expected: what this measures is the overhead, not a speed-up.
+``--forward``: the ranks run their layers as the prepared forward (``PartitionedModel.local``,
+the default of a partitioned model), op by op (``local`` set to ``None``), or both in turn.
 """
 
 from __future__ import annotations
@@ -48,10 +51,12 @@ def _decode(model: Any, tokens: int) -> float:
     return gen.stats.decode_tokens_per_second
 
 
-def _rank(engine: str, mode: str, rank: int, address: str, folder: str, tokens: int) -> None:
+def _rank(
+    engine: str, mode: str, rank: int, address: str, folder: str, tokens: int, forward: str
+) -> None:
     from portable_llm.checkpoint.build import LoadOptions
     from portable_llm.checkpoint.partitioned import read_partitioned
-    from portable_llm.partition import engine_for
+    from portable_llm.partition import PartitionedModel, engine_for
 
     if engine == "torch":
         import torch.distributed as dist
@@ -66,6 +71,9 @@ def _rank(engine: str, mode: str, rank: int, address: str, folder: str, tokens: 
     kw = {"tensor_parallel": group} if mode == "tp" else {"pipeline_parallel": group}
     eng = engine_for(engine, kw.get("tensor_parallel"), kw.get("pipeline_parallel"))
     model, report = read_partitioned(folder, LoadOptions(backend=engine), eng)
+    assert isinstance(model, PartitionedModel)
+    if forward == "ops":
+        model.local = None  # the blocks, op by op
     spent = dict.fromkeys(COLLECTIVES, 0.0)
     for name in COLLECTIVES:
         fn = getattr(eng, name)
@@ -81,13 +89,15 @@ def _rank(engine: str, mode: str, rank: int, address: str, folder: str, tokens: 
             return out
 
         setattr(eng, name, timed)
+    if model.local is not None and model.local.reduce is not None:  # bound at load
+        model.local.reduce = eng.all_reduce  # the timed one
     _decode(model, 4)  # warm-up
     spent.update(dict.fromkeys(COLLECTIVES, 0.0))
     tps = _decode(model, tokens)
     per_token = sum(spent.values()) / (tokens + len(PROMPT))
     print(json.dumps({
-        "mode": mode, "rank": rank, "tokens_per_s": tps, "collective_ms_per_token":
-        1e3 * per_token, "held": report.held / report.total,
+        "mode": mode, "forward": forward, "rank": rank, "tokens_per_s": tps,
+        "collective_ms_per_token": 1e3 * per_token, "held": report.held / report.total,
         "maxrss_mb": _peak_mb(),
     }))  # fmt: skip
 
@@ -98,6 +108,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--forward", default="both", choices=["both", "prepared", "ops"])
     args = ap.parse_args()
     E = args.hidden
     cfg = tiny_config(
@@ -112,7 +123,8 @@ def main() -> None:
     one = _decode(model, args.tokens)
     rss = _peak_mb()
     print(f"{args.engine}: one process {one:.1f} tok/s, peak RSS {rss:.0f} MB")
-    for mode in ("tp", "pp"):
+    forwards = ["prepared", "ops"] if args.forward == "both" else [args.forward]
+    for mode, forward in [(m, f) for m in ("tp", "pp") for f in forwards]:
         if args.engine == "torch":
             address = f"127.0.0.1:{free_port()}"
         else:
@@ -122,7 +134,7 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--rank"]
         procs = [
             subprocess.Popen(
-                [*cmd, args.engine, mode, str(r), address, folder, str(args.tokens)],
+                [*cmd, args.engine, mode, str(r), address, folder, str(args.tokens), forward],
                 stdout=subprocess.PIPE,
                 text=True,
             )
@@ -131,7 +143,7 @@ def main() -> None:
         for p in procs:
             r = json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1])
             print(
-                f"  {mode} 2 rank {r['rank']}: {r['tokens_per_s']:.1f} tok/s "
+                f"  {mode} 2 ({forward}) rank {r['rank']}: {r['tokens_per_s']:.1f} tok/s "
                 f"({r['tokens_per_s'] / one:.2f}x), collectives "
                 f"{r['collective_ms_per_token']:.2f} ms/token, weights held {r['held']:.2f}x, "
                 f"peak RSS {r['maxrss_mb']:.0f} MB"
@@ -140,7 +152,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--rank"]:
-        e, m, r, a, f, n = sys.argv[2:8]
-        _rank(e, m, int(r), a, f, int(n))
+        e, m, r, a, f, n, fw = sys.argv[2:9]
+        _rank(e, m, int(r), a, f, int(n), fw)
     else:
         main()
