@@ -201,11 +201,16 @@ def attention(
     mask: str | np.ndarray | None = "causal",
     offset: int | np.ndarray = 0,
     window: int | None = None,
+    chunk: int | None = None,
+    qk_l2_norm: bool = False,
+    temperature: tuple[float, float] | None = None,
 ) -> np.ndarray:
     """The attention block: project, split heads, q/k RMSNorm, RoPE, attention, merge, project.
 
     ``rope_options``: the keyword options of :func:`rope` (``None``: no rotary embedding);
-    positions are ``offset + l``, ``offset`` an int or one per sequence ``(B,)``.
+    positions are ``offset + l``, ``offset`` an int or one per sequence ``(B,)``. Llama 4:
+    ``chunk`` (chunked causal mask, ``mask="causal"`` and an int offset of 0), ``qk_l2_norm``
+    (weightless RMS norm after RoPE), ``temperature`` ``(floor_scale, scale)`` (int offset).
     """
     b, L, E = np.shape(x)
     d = head_dim or E // num_heads
@@ -224,6 +229,12 @@ def attention(
         off = np.asarray(offset)
         positions = (off[:, None] if off.ndim else off) + np.arange(L)  # (L,) or (B, L)
         q, k = rope(q, positions, **rope_options), rope(k, positions, **rope_options)
+    if qk_l2_norm:
+        q, k = rms_norm(q, None, norm_eps), rms_norm(k, None, norm_eps)
+    if temperature is not None:
+        q = attention_temperature(q, int(offset) + np.arange(L), *temperature)
+    if chunk is not None:
+        mask = causal_mask(L, L, window, chunk)
     o = scaled_dot_product_attention(q, k, v, mask=mask, window=window)  # (B, H, L, d)
     return linear(o.transpose(0, 2, 1, 3).reshape(b, L, num_heads * d), wo)
 
@@ -278,12 +289,18 @@ def sampling_probs(
 
 
 def route(
-    x: np.ndarray, w_router: np.ndarray, *, top_k: int, norm_topk_prob: bool
-) -> tuple[np.ndarray, np.ndarray]:
-    """(weights, ids), each ``(N.., top_k)``: softmax over experts, the k largest.
+    x: np.ndarray, w_router: np.ndarray, *, top_k: int, norm_topk_prob: bool = False,
+    router: str = "softmax",
+) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """(weights, ids), each ``(N.., top_k)``: softmax over experts, the k largest; ``router=
+    "sigmoid"`` (Llama 4): the k largest logits and their sigmoid.
 
     Ties: the lower expert id first.
     """
+    if router == "sigmoid":
+        logits = linear(x, w_router)
+        ids = np.argsort(-logits, axis=-1, kind="stable")[..., :top_k]
+        return 1.0 / (1.0 + np.exp(-np.take_along_axis(logits, ids, axis=-1))), ids
     probs = softmax(linear(x, w_router))
     ids = np.argsort(-probs, axis=-1, kind="stable")[..., :top_k]
     weights = np.take_along_axis(probs, ids, axis=-1)
@@ -300,18 +317,24 @@ def moe(
     experts_down: np.ndarray,
     *,
     top_k: int,
-    norm_topk_prob: bool,
+    norm_topk_prob: bool = False,
     shared: tuple[np.ndarray, ...] | None = None,
     shared_gate: np.ndarray | None = None,
     act: str = "silu",
+    router: str = "softmax",
 ) -> np.ndarray:
-    """Token by token: the weighted sum of its top-k experts' MLPs, plus the gated shared MLP."""
+    """Token by token: the weighted sum of its top-k experts' MLPs (``router="sigmoid"``: the
+    sum of the experts' MLPs of the input times its score), plus the gated shared MLP."""
     x = _f64(x)
-    weights, ids = route(x, w_router, top_k=top_k, norm_topk_prob=norm_topk_prob)
+    weights, ids = route(x, w_router, top_k=top_k, norm_topk_prob=norm_topk_prob, router=router)
     out = np.zeros_like(x)
     for pos in np.ndindex(*x.shape[:-1]):
         for w, e in zip(weights[pos], ids[pos], strict=True):
-            out[pos] += w * mlp(x[pos], experts_gate[e], experts_up[e], experts_down[e], act)
+            g, u, d = experts_gate[e], experts_up[e], experts_down[e]
+            if router == "sigmoid":  # Llama 4: the score scales the expert's input
+                out[pos] += mlp(x[pos] * w, g, u, d, act)
+            else:
+                out[pos] += w * mlp(x[pos], g, u, d, act)
     if shared is not None:
         s_gate, s_up, s_down = shared
         s = mlp(x, s_gate, s_up, s_down, act)
