@@ -159,6 +159,24 @@ def test_unsupported_family_is_named_before_any_other_check(tmp_path: Path) -> N
     assert message.endswith(", ".join(SUPPORTED_MODEL_TYPES))
 
 
+@pytest.mark.parametrize("case", ["no weights", "bad quantization", "partitioned"])
+def test_unsupported_family_is_named_before_the_folder_is_read(tmp_path: Path, case: str) -> None:
+    """The model type comes before the weights files, an mlx-lm ``quantization`` entry and a
+    partitioned load's reading."""
+    cfg: dict[str, Any] = {"model_type": "bert", "num_hidden_layers": 2}
+    if case == "bad quantization":
+        cfg["quantization"] = {"bits": 7, "group_size": 5}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="unsupported model_type 'bert'; supported: "):
+        if case == "partitioned":
+            from portable_llm.checkpoint.build import LoadOptions
+            from portable_llm.checkpoint.partitioned import read_partitioned
+
+            read_partitioned(tmp_path, LoadOptions(), None)
+        else:
+            pl.load(tmp_path)
+
+
 @pytest.mark.parametrize(
     ("family", "change", "message"),
     [

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from portable_llm.checkpoint.files import CheckpointError, checkpoint_file, read_json
 from portable_llm.decoder.config import DecoderConfig, check_model_type, hf_spelling
 
-__all__ = ["check_held", "config_path", "read_config"]
+__all__ = ["check_held", "config_path", "read_config", "read_model_type"]
 
 
 def config_path(path: str | Path) -> Path:
@@ -19,6 +20,31 @@ def config_path(path: str | Path) -> Path:
             "config.json next to model.safetensors)"
         )
     return file
+
+
+def read_model_type(path: str | Path) -> str:
+    """``model_type`` of a folder's ``config.json``, when ``pl.load`` runs it: the first check of
+    every folder reader, before the weights, a quantization entry or any other field is looked
+    at, so a folder of another family (a BERT) is answered with its model type and the
+    supported list.
+
+    Raises ``FileNotFoundError`` (no ``config.json``), or :class:`CheckpointError` naming the
+    file: not a JSON object, or a ``model_type`` missing or not supported (listing those that
+    are).
+    """
+    file = config_path(path)
+    d = read_json(file)
+    _check_type(file, d)
+    return str(d["model_type"])
+
+
+def _check_type(file: Path, d: dict[str, Any]) -> None:
+    try:
+        check_model_type(d)
+    except ValueError as exc:
+        raise CheckpointError(
+            f"load: {str(file)!r}: {str(exc).removeprefix('config.json: ')}"
+        ) from None
 
 
 def check_held(file: str | Path, key: str, value: int, held: int, what: str) -> None:
@@ -50,12 +76,7 @@ def read_config(
     """
     file = config_path(path)
     d = read_json(file)
-    try:  # first: a folder of another family is answered with its model type
-        check_model_type(d)
-    except ValueError as exc:
-        raise CheckpointError(
-            f"load: {str(file)!r}: {str(exc).removeprefix('config.json: ')}"
-        ) from None
+    _check_type(file, d)  # first: a folder of another family is answered with its model type
     d = hf_spelling(d)  # GPT-2's n_layer is checked as num_hidden_layers
     counts = {"num_hidden_layers": layers}
     if d.get("model_type") in ("mixtral", "qwen2_moe"):

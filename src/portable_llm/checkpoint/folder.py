@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from portable_llm.checkpoint.build import CheckpointContents, LoadOptions
-from portable_llm.checkpoint.config import config_path, read_config
+from portable_llm.checkpoint.config import read_config, read_model_type
 from portable_llm.checkpoint.files import CheckpointError, checkpoint_file, read_json
 from portable_llm.checkpoint.quantized import (
     read_quantization,
@@ -29,7 +29,7 @@ def read_folder(path: str | Path, options: LoadOptions | None = None, /) -> Chec
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"load: {str(path)!r} is not a folder")
-    config_path(folder)  # a folder without config.json says so before anything else
+    read_model_type(folder)  # no config.json, or another family: said before anything else
     quant = read_quantization(folder)  # mlx-lm's quantized folders (None: floats)
     with SafetensorsFiles(folder) as st:  # headers only: names, shapes, dtypes
         cfg = read_config(folder, layers=st.layers, experts=st.experts)

@@ -19,7 +19,7 @@ import numpy as np
 
 from portable_llm.backends import Backend, numpy_bfloat16
 from portable_llm.checkpoint.build import LoadOptions
-from portable_llm.checkpoint.config import config_path, read_config
+from portable_llm.checkpoint.config import read_config, read_model_type
 from portable_llm.checkpoint.folder import read_generation_config
 from portable_llm.checkpoint.gguf import GGUFSlices
 from portable_llm.checkpoint.quantized import read_quantization, stored_dtype
@@ -64,7 +64,7 @@ def read_partitioned(
         return _build(engine, gguf, gguf, bk, target, dev, gguf.size, gguf.column_block, deq)
     if not source.is_dir():
         raise FileNotFoundError(f"load: {str(path)!r} is not a folder")
-    config_path(source)
+    read_model_type(source)  # no config.json, or another family: said before anything else
     quant = read_quantization(source)  # mlx-lm's quantized folders (None: floats)
     with SafetensorsFiles(source) as st:
         cfg = read_config(source, layers=st.layers, experts=st.experts)
