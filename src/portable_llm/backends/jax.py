@@ -115,7 +115,17 @@ class JaxBackend(Backend):
         return self.xp.from_dlpack(x)
 
     def to_device(self, x: Any, device: Any) -> Any:
-        return self.jax.device_put(x, self.device(device))
+        target = self.device(device)
+        if not getattr(target, "is_fully_addressable", True):
+            # A mesh over several processes (jax.distributed): JAX's CPU and GPU runtimes move
+            # no array to another process's devices, so each process places its own copy of
+            # the value from the host (the same ids on every process, as the replicated logits
+            # give them).
+            if x.is_fully_addressable:
+                x = np.asarray(x)
+            elif x.sharding.is_fully_replicated and x.sharding.device_set != target.device_set:
+                x = np.asarray(x.addressable_data(0))
+        return self.jax.device_put(x, target)
 
     def rng(self, key: Any, like: Any = None) -> Any:
         # JAX has no global random state: a draw needs a key (typed or a legacy uint32 PRNGKey).

@@ -127,7 +127,17 @@ class JaxEngine(Engine):
     def move(self, h: Any, stage: int) -> Any:
         import jax
 
-        return jax.device_put(h, self.sharding(stage))
+        target = self.sharding(stage)
+        if h.is_fully_addressable or not h.sharding.is_fully_replicated:
+            return jax.device_put(h, target)
+        # Over several processes (jax.distributed), JAX's CPU and GPU runtimes reshard only
+        # within one set of devices: each process copies its own replica of ``h`` onto its
+        # devices of the next stage (a process that holds a device of stage s + 1 holds one
+        # of stage s too: ``launch_groups``' and the tests' meshes).
+        local = h.addressable_data(0)
+        devices = target.addressable_devices_indices_map(h.shape)
+        pieces = [jax.device_put(local, d) for d in devices]
+        return jax.make_array_from_single_device_arrays(h.shape, target, pieces)
 
 
 def make_engine(tensor_parallel: Any, pipeline_parallel: Any) -> JaxEngine:
