@@ -40,6 +40,7 @@ from portable_llm.checkpoint.gguf_blocks import (
 from portable_llm.checkpoint.gguf_layout import check_gguf_layout
 from portable_llm.checkpoint.gguf_meta import (
     GGUF_ARCHITECTURES,
+    LONGROPE_TENSORS,
     MODEL_TYPES,
     NORM_PLUS_ONE,
     PERMUTED,
@@ -274,6 +275,8 @@ def _check(
     fused: dict[str, tuple[int, ...]] = {}  # GGUF name -> the shape its parts imply
     unexpected = []
     for g in tensors:
+        if g in LONGROPE_TENSORS and cfg.model_type == "phi3":  # read into the config
+            continue
         hs = hf_parts(g, cfg)
         if not hs or any(h not in expected for h in hs):
             unexpected.append(g)

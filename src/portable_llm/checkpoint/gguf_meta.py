@@ -14,11 +14,14 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from portable_llm.checkpoint.config import check_held
 from portable_llm.checkpoint.files import CheckpointError, brief
 from portable_llm.decoder.config import DecoderConfig
 
 __all__ = [
+    "LONGROPE_TENSORS",
     "GGUF_ARCHITECTURES",
     "LAYER_NORM",
     "MODEL_TYPES",
@@ -244,7 +247,9 @@ def gguf_config(meta: GGUFMetadata, tensors: dict[str, Any]) -> DecoderConfig:
         if arch == "gemma2" and meta.get(f"{arch}.{cap}") is not None:
             d[cap] = meta.number(f"{arch}.{cap}", low=1e-30)
     scaling = meta.text(f"{arch}.rope.scaling.type", "none")
-    if scaling == "linear":
+    if arch == "phi3" and any(t in tensors for t in LONGROPE_TENSORS):  # llama.cpp's longrope:
+        d.update(_longrope(meta, tensors))  # the factors as tensors, L0 as metadata
+    elif scaling == "linear":
         d["rope_scaling"] = {
             "rope_type": "linear",
             "factor": meta.number(f"{arch}.rope.scaling.factor", low=1e-30),
@@ -258,6 +263,33 @@ def gguf_config(meta: GGUFMetadata, tensors: dict[str, Any]) -> DecoderConfig:
         return DecoderConfig.from_dict(d)
     except ValueError as exc:
         raise CheckpointError(f"load: {str(meta.file)!r}: GGUF metadata: {exc}") from None
+
+
+#: llama.cpp's ``longrope`` factors of a ``phi3`` file (float32, one per rotated pair): read
+#: into the config's ``rope_scaling``, not weights.
+LONGROPE_TENSORS: tuple[str, str] = ("rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def _longrope(meta: GGUFMetadata, tensors: dict[str, Any]) -> dict[str, Any]:
+    """The config fields of llama.cpp's Phi-3 ``longrope`` (its ``convert_hf_to_gguf``:
+    ``rope_factors_long``/``_short`` tensors, ``phi3.rope.scaling.original_context_length`` and
+    ``.attn_factor``) as transformers' ``rope_scaling``."""
+    factors = {}
+    for name, key in zip(LONGROPE_TENSORS, ("long_factor", "short_factor"), strict=True):
+        t = tensors.get(name)
+        if t is None or t.tensor_type.name != "F32" or len(t.shape) != 1:
+            raise CheckpointError(
+                f"load: {str(meta.file)!r}: a longrope file needs both "
+                f"{' and '.join(LONGROPE_TENSORS)} as float32 vectors; {name} is "
+                f"{'missing' if t is None else t.tensor_type.name}"
+            )
+        factors[key] = [float(v) for v in np.asarray(t.data, dtype=np.float32).reshape(-1)]
+    ompe = meta.count("phi3.rope.scaling.original_context_length")
+    scaling: dict[str, Any] = {"rope_type": "longrope", **factors}
+    attn = meta.get("phi3.rope.scaling.attn_factor")
+    if attn is not None:
+        scaling["attention_factor"] = meta.number("phi3.rope.scaling.attn_factor", low=1e-30)
+    return {"rope_scaling": scaling, "original_max_position_embeddings": ompe}
 
 
 def eos_ids(meta: GGUFMetadata) -> list[int]:
