@@ -20,8 +20,9 @@ _SELECTED = [
 # cores), which makes an example there ~50x dearer than on the other backends. Its CI run (tox
 # selects JAX alone) draws fewer examples: the portable code it runs is the same code that
 # numpy, torch, mlx and array-api-strict check with the full count, so the JAX run's job is the
-# adapter, tracing and dtype handling, which every example exercises alike.
-_CI_EXAMPLES = 6 if _SELECTED == ["jax"] else 20
+# adapter, tracing and dtype handling, which every example exercises alike (4 examples: the
+# drawn shapes still cover 1, odd and power-of-two sides across the tests).
+_CI_EXAMPLES = 4 if _SELECTED == ["jax"] else 20
 settings.register_profile(
     "ci",
     derandomize=True,
@@ -69,18 +70,29 @@ def _setup(name: str) -> str:
     return name
 
 
+#: Dtypes whose per-dtype runs of a backend are ``slow`` (the opt-in ``tox -e slow`` runs them).
+#: JAX compiles every op anew per dtype, so each dtype of the ``dtype`` fixture costs about a
+#: quarter of the JAX env (measured: 1.6-1.9 min of its 10 on an idle 2-core machine). JAX's
+#: float16 takes the same adapter path as its bfloat16 (a 2-byte float that the ops accumulate in
+#: float32, the same casts and native kernels), which the default run keeps, and every other
+#: backend's env runs float16 in full.
+SLOW_DTYPES: dict[str, tuple[str, ...]] = {"jax": ("float16",)}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """``@pytest.mark.slow_on("jax", ...)``: on those backends the test is a long-running sweep
     (JAX compiles every new shape); it gets the ``slow`` marker there, which the default tox
-    envs deselect and the opt-in ``tox -e slow`` runs. On the other backends it runs as usual."""
+    envs deselect and the opt-in ``tox -e slow`` runs. On the other backends it runs as usual.
+    Likewise a test parametrized over :data:`SLOW_DTYPES`' dtype on that backend."""
     for item in items:
-        mark = item.get_closest_marker("slow_on")
         callspec = getattr(item, "callspec", None)
-        if (
-            mark is not None
-            and callspec is not None
-            and callspec.params.get("backend") in mark.args
-        ):
+        if callspec is None:
+            continue
+        name = callspec.params.get("backend")
+        mark = item.get_closest_marker("slow_on")
+        if (mark is not None and name in mark.args) or callspec.params.get(
+            "dtype"
+        ) in SLOW_DTYPES.get(name, ()):
             item.add_marker(pytest.mark.slow)
 
 

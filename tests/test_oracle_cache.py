@@ -22,7 +22,7 @@ E, H, H_KV, D = 16, 4, 2, 4
 THETA = 10000.0
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def hf_layer():
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.oracle
 HALF_AND_FULL = ["float16", "bfloat16", "float32", "float64"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def qwen2():
     pytest.importorskip("transformers")
     from transformers.models.qwen2 import modeling_qwen2

@@ -104,7 +104,7 @@ def _build(family: str, folder: Path, seed: int, **override: Any) -> Any:
     return model
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:
     return {
         family: (folder := tmp_path_factory.mktemp(family), _build(family, folder, seed=i))

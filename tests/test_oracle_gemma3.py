@@ -51,7 +51,7 @@ def _gguf_file() -> Path:
     return Path(assemble(Path(tempfile.gettempdir()) / "portable_llm_gemma3" / MODEL_NAME))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def gemma3() -> tuple[Path, Any, Any]:
     """(folder of float32 weights, transformers' model, transformers' tokenizer)."""
     file = _gguf_file()

@@ -61,12 +61,12 @@ def _package_folder() -> Path:
     return folder
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def gguf_file() -> Path:
     return _package_folder() / NAME
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def hf_model(gguf_file: Path) -> Any:
     """transformers' float32 model of the file; its weights cached as an HF folder."""
     cache = Path(tempfile.gettempdir()) / "portable_llm_oracle" / "smollm2-135m-q4_1-hf"
@@ -96,7 +96,7 @@ def _save(model: Any, cache: Path) -> None:
         tmp.rename(cache)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def hf_tokenizer(gguf_file: Path) -> Any:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -105,12 +105,12 @@ def hf_tokenizer(gguf_file: Path) -> Any:
         )
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tokenizer(gguf_file: Path) -> Any:
     return pl.load(gguf_file, dequantize=True).tokenizer
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def hf_greedy(hf_model: Any, hf_tokenizer: Any) -> list[list[int]]:
     """transformers' greedy continuation of each chat prompt (``STEPS`` tokens or to EOS)."""
     out = []

@@ -34,7 +34,7 @@ from test_oracle_gemma3 import PROMPTS, STEPS, _gguf_file, gemma3  # noqa: E402,
 from test_oracle_gguf import LOGITS_ATOL  # noqa: E402
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def hf_answers(gemma3: tuple[Path, Any, Any]) -> dict[str, Any]:  # noqa: F811
     """transformers' config folder, prompt ids, logits of ``PROMPTS[0]`` and greedy
     continuations of ``PROMPTS[:2]``, computed once."""

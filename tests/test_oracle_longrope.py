@@ -53,7 +53,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:
     out = {}
     for seed, (name, extra) in enumerate(CONFIGS.items()):
