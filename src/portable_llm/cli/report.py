@@ -269,6 +269,28 @@ def _moe_reference(x: Any, w: Any, g: Any, u: Any, d: Any, sg: Any, su: Any, sd:
                          shared=(sg, su, sd), shared_gate=sgate)  # fmt: skip
 
 
+# Llama 4: the sigmoid router (its top-k logits' sigmoid scales each expert's input), a shared
+# expert without a gate; the weightless RMS norm of its q and k heads (Llama4TextL2Norm).
+def _route_sigmoid_case(seed: int, dtype: str, backend: str) -> Inputs:
+    return _inputs(*_router(seed, dtype, backend), top_k=_TOP_K, router="sigmoid")
+
+
+def _moe_sigmoid_call(x: Any, w: Any, g: Any, u: Any, d: Any, sg: Any, su: Any, sd: Any,
+                      sgate: Any, **options: Any) -> Any:  # fmt: skip
+    return moe(x, w, g, u, d, shared=(sg, su, sd), router="sigmoid", **options)
+
+
+def _moe_sigmoid_reference(
+    x: Any, w: Any, g: Any, u: Any, d: Any, sg: Any, su: Any, sd: Any, sgate: Any, *, top_k: int,
+    norm_topk_prob: bool,
+) -> np.ndarray:  # fmt: skip
+    return reference.moe(x, w, g, u, d, top_k=top_k, shared=(sg, su, sd), router="sigmoid")
+
+
+def _l2_norm_case(seed: int, dtype: str, backend: str) -> Inputs:
+    return _inputs(random_array(seed, (2, 4, 5, 64), dtype, backend=backend), eps=1e-5)
+
+
 CASES.extend([
     Case("embedding", "embedding", _embedding, lambda ids, table, *, impl: embedding(ids, table),
          reference.embedding, seed=80),
@@ -276,6 +298,11 @@ CASES.extend([
     Case("route", "route", _route_case, _route_weights,
          lambda x, w, **o: reference.route(x, w, **o)[0], seed=100),
     Case("moe", "moe", _moe_case, _moe_call, _moe_reference, seed=110),
+    Case("route(sigmoid)", "route", _route_sigmoid_case, _route_weights,
+         lambda x, w, **o: reference.route(x, w, **o)[0], seed=115),
+    Case("moe(sigmoid)", "moe", _moe_case, _moe_sigmoid_call, _moe_sigmoid_reference, seed=120),
+    Case("rms_norm(no weight)", "rms_norm", _l2_norm_case, rms_norm, reference.rms_norm,
+         seed=125),
 ])  # fmt: skip
 
 
@@ -358,6 +385,25 @@ def _attention_reference(x: Any, wq: Any, wk: Any, wv: Any, wo: Any, bq: Any, bk
                                offset=offset)  # fmt: skip
 
 
+# Llama 4's RoPE layers: interleaved RoPE, the weightless q/k norm after it, chunks of 2.
+_LLAMA4: dict[str, Any] = {"chunk": 2, "qk_l2_norm": True}
+_LLAMA4_ROPE = {"base": 5e5, "traditional": True}
+
+
+def _llama4_attention_call(x: Any, wq: Any, wk: Any, wv: Any, wo: Any, bq: Any, bk: Any, bv: Any,
+                           qn: Any, kn: Any, *, impl: str, offset: int = 0) -> Any:  # fmt: skip
+    return attention(x, wq=wq, wk=wk, wv=wv, wo=wo, num_heads=_BLOCK[3], num_kv_heads=_BLOCK[4],
+                     rope=_LLAMA4_ROPE, norm_eps=1e-5, impl=impl, **_LLAMA4)  # fmt: skip
+
+
+def _llama4_attention_reference(
+    x: Any, wq: Any, wk: Any, wv: Any, wo: Any, bq: Any, bk: Any, bv: Any, qn: Any, kn: Any, *,
+    offset: int,
+) -> np.ndarray:  # fmt: skip
+    return reference.attention(x, wq, wk, wv, wo, _BLOCK[3], _BLOCK[4], norm_eps=1e-5,
+                               rope_options=_LLAMA4_ROPE, **_LLAMA4)  # fmt: skip
+
+
 # Decoding through a KVCache: a prefill chunk of _PREFILL tokens, then one token at a time.
 _PREFILL = 3
 
@@ -392,6 +438,8 @@ CASES.extend([
     Case("attention", "attention", _attention_case, _attention_call, _attention_reference,
          seed=160),
     Case("attention+cache", "attention", _decode_case, _decode_call, _decode_reference, seed=190),
+    Case("attention(llama4)", "attention", _attention_case, _llama4_attention_call,
+         _llama4_attention_reference, seed=195),
 ])  # fmt: skip
 
 

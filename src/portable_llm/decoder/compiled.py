@@ -14,10 +14,10 @@ activations (``auto`` then dequantizes, which XLA fuses into the products) and k
 the kernels the eager forward chose on concrete ones.
 
 The step applies to a decode step (``L = 1``) on plain :class:`~portable_llm.KVCache` caches
-that already hold the prompt, on a model of dense layers without ``"dynamic"`` or
-``"longrope"`` RoPE (whose table depends on the position); anything else runs the eager
-prepared forward. The caches keep their meaning: after a compiled step they hold what an eager
-step would have left in them.
+that already hold the prompt, on a model of dense layers without ``"dynamic"`` RoPE (whose
+table depends on the position; ``"longrope"`` compiles one program per side of its original
+length, where its table switches); anything else runs the eager prepared forward. The caches
+keep their meaning: after a compiled step they hold what an eager step would have left in them.
 Token ids go in unchecked: an id outside ``[0, V)`` gives a row of NaN (the embedding's
 ``"masked"`` implementation), so its logits have no distribution and the decode loop stops with
 its error.
@@ -85,22 +85,37 @@ _COMPILERS: dict[str, tuple[Callable[[Backend], Any], Callable[[Backend], Any]]]
 #: model runs its eager prepared forward there.
 _TAKES_QUANTIZED = frozenset({"jax"})
 
+#: The backends whose compiled step also runs MoE layers: ``moe``'s experts traced with static
+#: shapes (``jax.lax.ragged_dot``, which ``impl="auto"`` takes under ``jax.jit``). MLX's
+#: experts read the per-expert counts back (MLX does not mark traced arrays): eager there.
+_TRACES_MOE = frozenset({"jax"})
+
 
 def compiled_step(prepared: Prepared) -> CompiledStep | None:
     """The compiled decode step of ``prepared`` where its backend compiles one, else ``None``."""
     compilers = _COMPILERS.get(prepared.bk.name)
     if compilers is None:
         return None
-    if any(layer.mlp is None for layer in prepared.layers):  # MoE: eager (host-side routing)
-        return None
+    if any(layer.mlp is None for layer in prepared.layers) and prepared.bk.name not in _TRACES_MOE:
+        return None  # MoE: eager (the portable experts read their token counts on the host)
     if prepared.quantized and prepared.bk.name not in _TAKES_QUANTIZED:
         return None
-    rope = prepared.rope or {}
-    kind = (rope.get("scaling") or {}).get("rope_type", "default")
-    if uses_length(RopeSpec(kind=kind)):  # dynamic, longrope: the table depends on the position
+    kinds = [
+        (rope.get("scaling") or {}).get("rope_type", "default")
+        for rope in (prepared.rope or {}, prepared.rope_local or {})
+    ]
+    if "dynamic" in kinds or kinds[1] == "longrope":  # a table per position
         return None
     jit, update = compilers
     return CompiledStep(prepared, jit(prepared.bk), update(prepared.bk))
+
+
+def _switch(prepared: Prepared) -> int | None:
+    """``L0`` of a ``longrope`` RoPE (its long factors from position ``L0`` on), else None."""
+    scaling = (prepared.rope or {}).get("scaling") or {}
+    if not uses_length(RopeSpec(kind=scaling.get("rope_type", "default"))):
+        return None
+    return int(scaling["original_max_position_embeddings"])
 
 
 Rebuild = Callable[[Sequence[Any]], list[Layer]]
@@ -157,14 +172,19 @@ class TracedStep(Step):
         rows = None if pad is None else offset - pad  # (B,)
         super().__init__(p, None, pad, rows, offset, 1)
         self.update, self.ks, self.vs = update, ks, vs
+        #: The position RoPE's table is chosen for (``longrope``: ``L0`` past the switch, else 0).
+        self.table_position = 0
         self.S = int(ks[0].shape[2]) - 1  # the fixed-size view: capacity - 1 keys
 
     def rope_args(self, q: Any) -> tuple[Any, Any, Any, dict[str, Any]]:
-        """RoPE at the traced offset: the options parsed as for position 0 (nothing read back
-        from the offset, which MLX cannot read in a trace), the positions the offset's."""
+        """RoPE at the traced offset: the options parsed as for position
+        :attr:`table_position` (nothing read back from the offset, which MLX cannot read in a
+        trace: ``longrope``'s side of ``L0`` is the program's), the positions the offset's."""
         if self.rope is None:
             p = self.p
-            _, (_, _, inv), ropts = rope_dispatch_args(q, 0, **self.rope_options, backend=p.bk)
+            at, opts = self.table_position, self.rope_options
+            _, (_, _, inv), ropts = rope_dispatch_args(q, at, **opts, backend=p.bk)
+            ropts = {**ropts, "offset": 0}  # the positions: the traced offset's alone
             offsets = self.offset if self.rows is None else self.rows  # () or (B,)
             fn = p.dispatch.pick("rope", "auto", q, offsets, inv, **ropts)
             self.rope = (fn, offsets, inv, ropts)
@@ -200,8 +220,10 @@ class CompiledStep:
         leaves, self._rebuild = _flatten(prepared.layers, prepared.bk)
         self._leaves = tuple(leaves)
         self._jit = jit
-        #: The compiled programs, one per layout of the top weights (see :func:`_split_top`).
+        #: The compiled programs, one per layout of the top weights (see :func:`_split_top`)
+        #: and, for ``longrope``, per side of its original length ``L0``.
         self._fns: dict[tuple[Any, ...], Callable[..., Any]] = {}
+        self._switch = _switch(prepared)
         #: The kernels each program runs, as :func:`~portable_llm.trace` recorded them while
         #: the program was traced; a trace open around a call of the program gets them.
         self.kernels: dict[tuple[Any, ...], list[TraceEntry]] = {}
@@ -227,6 +249,7 @@ class CompiledStep:
         offset = xp.asarray(off, dtype=xp.int32)
         pad = cache[0].left_padding
         arrays, layout = _split_top(top, self.p.head)
+        layout = (*layout, self._switch is not None and off + 1 > self._switch)  # longrope: long
         fn = self._fns.get(layout)
         if fn is None:
             fn = self._fns[layout] = self._jit(partial(self._step, layout=layout))
@@ -261,6 +284,9 @@ class CompiledStep:
         else:  # (B, 1, E); ids checked by the model
             h = pick(p.bk, "embedding", "masked")(p.xp, ids, embed)
         step = TracedStep(p, self.update, list(ks), list(vs), pad, offset)
+        if layout[4]:  # longrope past L0: the table of a position beyond it
+            assert self._switch is not None
+            step.table_position = self._switch
         h = p.run_layers(h, step, self._rebuild(leaves))
         if layout[3] and type(p.bound_head) is QLinear:  # the head bound at load: its kernels
             packed, scales, biases = top[2]
