@@ -249,3 +249,27 @@ def test_left_padded_rows_equal_alone(hf_models: dict, family: str, backend: str
         got = pl.to_numpy(m(pl.asarray(batch, backend=backend), left_padding=pad))
         alone = pl.to_numpy(m(pl.asarray(short[None], backend=backend)))
         assert_close(got[1:, 3:], alone, backend="numpy")
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_llama4_compiled_decode(hf_models: dict, backend: str, tmp_path: Path, moe: bool) -> None:
+    """Llama 4's decode through the compiled step where a backend has one (JAX: the MoE layers
+    too, their experts by ``jax.lax.ragged_dot`` under ``jax.jit``; MLX: dense layers only):
+    the chunk mask and the temperature at the traced offset, across the chunk boundaries at
+    positions 4 and 8, equal transformers' logits."""
+    if moe:
+        folder, hf = hf_models["llama4_text"]
+    else:
+        folder, hf = tmp_path, _build("llama4_text", tmp_path, seed=11, moe_layers=[])
+    model = pl.load(folder, backend=backend, dtype="float32")
+    compiles = backend == "jax" or (backend == "mlx" and not moe)
+    assert (model.compiled is not None) == compiles
+    cache = model.make_cache()
+    parts = [pl.to_numpy(model(pl.asarray(IDS[:, :3], backend=backend), cache=cache))]
+    for j in range(3, IDS.shape[1]):
+        parts.append(
+            pl.to_numpy(model(pl.asarray(IDS[:, j : j + 1], backend=backend), cache=cache))
+        )
+    if compiles:
+        assert model.compiled is not None and model.compiled.traces >= 1
+    assert_close(np.concatenate(parts, axis=1), _hf_logits(hf, IDS), backend="numpy")
