@@ -274,6 +274,23 @@ def test_two_local_ranks_equal_one_device(
         assert got["prepared"]  # the rank's layers ran as the prepared forward
 
 
+@pytest.mark.slow  # 4 processes: 13 s (MLX), 30 s (torch) on the shared 2-core machine
+@pytest.mark.parametrize("engine", ["mlx", "torch"])
+def test_tensor_and_pipeline_on_four_local_ranks(tmp_path: Path, engine: str) -> None:
+    """TP 2 x PP 2 on 4 ranks: torch's two groups (``new_group``); MLX's ring, which has no
+    ``Group.split`` and sends only to a rank's neighbours, over ``NeighborGroup`` s laid out so
+    that every link is between neighbours (stage 0: ranks 0, 1; stage 1: ranks 3, 2)."""
+    if skip_reason(engine):
+        pytest.skip(str(skip_reason(engine)))
+    write_checkpoint(tmp_path / "ckpt", tiny_config("llama"))
+    logits, tokens = _one_device(tmp_path / "ckpt", engine)
+    ranks = launch(engine, "pp2tp2", tmp_path / "ckpt", tmp_path / "out", world=4, timeout=300)
+    for got in ranks:
+        _equal_to_one_device(got, logits, tokens)
+        assert got["prepared"]
+        assert got["held"] <= 0.5 * got["total"]  # half the layers, half of each
+
+
 @pytest.mark.skipif(bool(skip_reason("mlx")), reason=str(skip_reason("mlx")))
 def test_gguf_tp3_on_three_mlx_ranks(tmp_path: Path) -> None:
     """SmolLM2's head ratio at TP 3 (one KV head per rank), each rank reading its blocks."""

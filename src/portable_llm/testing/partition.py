@@ -5,8 +5,8 @@ FOLDER OUT DTYPE DEQUANTIZE MORE`` (``DEQUANTIZE``: ``auto``, ``True`` or ``Fals
 
 ``ENGINE``: ``torch`` (gloo over ``tcp://ADDRESS``) or ``mlx`` (the ring backend: ``ADDRESS`` is
 the hostfile, a JSON list of one ``["127.0.0.1:port"]`` list per rank, as ``mlx.launch`` writes
-it); ``MODE``: ``tp`` or ``pp`` (the whole world as one group). Each rank writes
-``OUT/rank{RANK}.npz``: the logits of :data:`PROMPT` (float32), the greedy tokens of
+it); ``MODE``: ``tp`` or ``pp`` (the whole world as one group), or ``pp2tp2`` (4 ranks). Each
+rank writes ``OUT/rank{RANK}.npz``: the logits of :data:`PROMPT` (float32), the greedy tokens of
 :func:`~portable_llm.generate` (and of ``batch_generate`` and ``speculative_generate``), and the
 bytes it held and touched (``LoadReport``). :func:`launch` starts the processes and waits for
 them. JAX drives every device from one process: :func:`launch_jax` runs :func:`run_jax`'s cases
@@ -86,6 +86,15 @@ def run_rank(
         group = mx.distributed.init(strict=True, backend="ring")
         assert group.rank() == rank and group.size() == world
     kw = {"tensor_parallel" if mode == "tp" else "pipeline_parallel": group}
+    if mode == "pp2tp2":  # 4 ranks: two stages of a TP pair (see each engine's groups)
+        if engine == "torch":
+            from portable_llm.partition.torch_dist import launch_groups
+
+            kw = launch_groups(2, 2)[0]
+        else:
+            from portable_llm.partition.mlx_dist import ring_groups
+
+            kw = ring_groups(group, 2, 2)
     eng = engine_for(engine, kw.get("tensor_parallel"), kw.get("pipeline_parallel"))
     options = LoadOptions(backend=engine, dtype=dtype, dequantize=dequantize)
     model, report = read_partitioned(folder, options, eng)
