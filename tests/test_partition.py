@@ -357,12 +357,14 @@ def test_cli_generate_under_torchrun(tmp_path: Path) -> None:
 @pytest.mark.skipif(bool(skip_reason("mlx")), reason=str(skip_reason("mlx")))
 @pytest.mark.parametrize(
     ("family", "mode"),
-    [("gemma2", "tp"), ("gpt2", "pp"), pytest.param("phi3", "tp", marks=pytest.mark.slow)],
-)
+    [("gemma2", "tp"), ("gpt2", "pp"), pytest.param("phi3", "tp", marks=pytest.mark.slow),
+     ("llama4_text", "pp"), pytest.param("llama4_text", "tp", marks=pytest.mark.slow)],
+)  # fmt: skip
 def test_families_over_mlx_ranks(tmp_path: Path, family: str, mode: str) -> None:
     """Families beyond Llama (Gemma 2's sandwich norms, scaled embedding and soft-capping;
-    GPT-2's learned positions and fused Conv1D weights; Phi-3's fused projections), saved by
-    transformers, over 2 MLX ranks."""
+    GPT-2's learned positions and fused Conv1D weights; Phi-3's fused projections; Llama 4's
+    per-layer RoPE, chunks and temperature over pipeline stages, its sigmoid-routed experts
+    split over tensor ranks), saved by transformers, over 2 MLX ranks."""
     transformers = pytest.importorskip("transformers")
     import torch
 
@@ -373,7 +375,9 @@ def test_families_over_mlx_ranks(tmp_path: Path, family: str, mode: str) -> None
         vocab_size=300, bos_token_id=1, eos_token_id=2, **extra
     )
     torch.manual_seed(0)
-    cls = "GPT2LMHeadModel" if name == "GPT2" else f"{name}ForCausalLM"
+    cls = {"GPT2": "GPT2LMHeadModel", "Llama4Text": "Llama4ForCausalLM"}.get(
+        name, f"{name}ForCausalLM"
+    )
     getattr(transformers, cls)(config).save_pretrained(tmp_path / "ckpt")
     logits, tokens = _one_device(tmp_path / "ckpt", "mlx")
     for got in launch("mlx", mode, tmp_path / "ckpt", tmp_path / "out"):

@@ -235,5 +235,6 @@ def plan_partition(
         num_hidden_layers=len(layers),
         layer_types=c.layer_types[layers.start : layers.stop],
         moe_layers=c.moe_layers[layers.start : layers.stop],
+        no_rope_layers=c.no_rope_layers[layers.start : layers.stop],  # Llama 4
     )
     return PartitionPlan(c, T, tr, P, pr, layers, local)
