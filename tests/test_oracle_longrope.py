@@ -123,7 +123,8 @@ def test_bfloat16_matches_transformers(hf_models: dict, name: str, backend: str)
 @pytest.mark.parametrize("name", CONFIGS)
 def test_cached_decode_across_the_original_length(hf_models: dict, name: str, backend: str) -> None:
     """A prompt of 5, then one token at a time up to 12: each forward picks its factors, as
-    transformers' forwards with its cache do (not as one 12-token forward)."""
+    transformers' forwards with its cache do (not as one 12-token forward); the compiled step
+    (JAX, MLX) too, by its program for the short or the long side."""
     folder, hf = hf_models[name]
     model = pl.load(folder, backend=backend, dtype="float32")
     cache = model.make_cache()
@@ -139,6 +140,8 @@ def test_cached_decode_across_the_original_length(hf_models: dict, name: str, ba
             past = out.past_key_values
     want_all = np.concatenate(want, axis=1)
     assert_close(np.concatenate(got, axis=1), want_all, backend="numpy")
+    if model.compiled is not None:  # JAX, MLX: one program per side of L0
+        assert model.compiled.traces == 2
     # the short factors up to position 7: one forward of 12 differs (all long) from the steps
     assert not np.allclose(_hf_logits(hf, IDS)[:, 8:], want_all[:, 8:], atol=1e-3)
 
