@@ -273,3 +273,23 @@ def test_llama4_compiled_decode(hf_models: dict, backend: str, tmp_path: Path, m
     if compiles:
         assert model.compiled is not None and model.compiled.traces >= 1
     assert_close(np.concatenate(parts, axis=1), _hf_logits(hf, IDS), backend="numpy")
+
+
+def test_llama4_fused_experts_are_checked(hf_models: dict, tmp_path: Path) -> None:
+    """Llama 4's fused experts are checked in their stored layout ``(X, E, 2I)`` before any
+    read: a tensor stored the other way round (as HF v5's other MoE families store theirs) is
+    named with both shapes."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    folder, _ = hf_models["llama4_text"]
+    tensors = load_file(str(folder / "model.safetensors"))
+    name = "model.layers.1.feed_forward.experts.gate_up_proj"
+    tensors[name] = np.ascontiguousarray(np.swapaxes(tensors[name], 1, 2))  # (X, 2I, E)
+    shutil.copy(folder / "config.json", tmp_path / "config.json")
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(
+        pl.CheckpointError, match=r"gate_up_proj \(4, 96, 64\) \(config implies \(4, 64, 96\)\)"
+    ):
+        pl.load(tmp_path, backend="numpy")
