@@ -421,11 +421,12 @@ def quantized_linear(
 ) -> Any:  # fmt: skip
     fmt = {"bits": bits, "group_size": group_size}
     planes = x.dtype == torch.bfloat16 and _int4_applies(x, packed, scales, biases, bias, **fmt)
-    if planes and bits == 8 and x.numel() // x.shape[-1] > _PLANE_ROWS:
-        # a prompt: the two-plane kernel re-decodes the codes per 4 rows (128 rows of SmolLM2's
-        # 1536x576: 18 ms against 2.5-6 ms for the bytes dequantized once, then a dense
-        # product). 5 and 6 bits: unpacking their codes (_codes) cost as much as the kernel.
-        return F.linear(x, _dense_weight(packed, scales, biases, group_size=group_size), bias)
+    if planes and x.numel() // x.shape[-1] > _DENSE_FROM.get(bits, 1 << 62):
+        # a prompt: the kernel re-decodes the codes per few rows (128 rows of SmolLM2's
+        # 1536x576: 8-bit 18 ms, 4-bit 7 ms, against 2.5-6 ms for the bytes dequantized once,
+        # then a dense product). 5 and 6 bits: unpacking their codes (_codes) cost as much.
+        w = _dense_weight(packed, scales, biases, bits=bits, group_size=group_size)
+        return F.linear(x, w, bias)
     if planes:
         y = _int4_mm(x, packed, scales, biases, **fmt)
         return y if bias is None else y + bias
@@ -446,16 +447,21 @@ def quantized_linear(
     return y if bias is None else y + bias
 
 
-#: From more rows than this, 8-bit bfloat16 products dequantize (_dense_weight) first.
-_PLANE_ROWS = 16
+#: bits -> from more rows than this, bfloat16 products dequantize (_dense_weight) first
+#: (measured crossings, 2-core CPU at load 10: 4-bit near 64 rows, 8-bit below 16).
+_DENSE_FROM = {4: 64, 8: 16}
 
 
-def _dense_weight(packed: Any, scales: Any, biases: Any, *, group_size: int) -> Any:
-    """The dequantized 8-bit weight ``(N, K)`` in scales' dtype, rounded as
+def _dense_weight(packed: Any, scales: Any, biases: Any, *, bits: int, group_size: int) -> Any:
+    """The dequantized 4- or 8-bit weight ``(N, K)`` in scales' dtype, rounded as
     ops.quant.dequantize rounds it (the codes cast, times the scale, plus the bias, each step
-    in that dtype): the words read as their bytes (little-endian: byte j is code j)."""
+    in that dtype): the words read as their bytes (little-endian: byte j is code j at 8 bits,
+    codes 2j and 2j + 1 in its low and high nibble at 4 bits)."""
     n = packed.shape[0]
-    q = packed.view(torch.uint8).reshape(n, -1, group_size).to(scales.dtype)  # (N, G, gs)
+    by = packed.view(torch.uint8)
+    if bits == 4:
+        by = torch.stack([by & 15, by >> 4], dim=-1)  # (N, K/2, 2)
+    q = by.reshape(n, -1, group_size).to(scales.dtype)  # (N, G, gs)
     return (q * scales[..., None] + biases[..., None]).reshape(n, -1)
 
 
