@@ -179,3 +179,22 @@ def test_greedy_tokens_match_transformers(hf_models: dict, name: str, backend: s
     gen = pl.speculative_generate(model, model, long, num_draft_tokens=3, max_new_tokens=STEPS,
                                   stop=())  # fmt: skip
     assert list(gen) == want
+
+
+@pytest.mark.slow_on("jax", "array_api_strict")
+def test_left_padded_batch_matches_transformers(hf_models: dict, backend: str) -> None:
+    """Two prompts (5 and 3 tokens), left-padded: transformers' batched Phi-3 generation
+    recomputes when the padded length passes 8, and so does ``generate_step``."""
+    folder, hf = hf_models["longrope"]
+    a, b = IDS[0, :5], IDS[1, :3]
+    ids, pads = np.stack([a, np.concatenate([[0, 0], b])]), np.array([0, 2])
+    mask = (np.arange(5)[None] >= pads[:, None]).astype(np.int64)
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor(ids), attention_mask=torch.tensor(mask), do_sample=False,
+            max_new_tokens=10, min_new_tokens=10, eos_token_id=None, pad_token_id=0,
+        )  # fmt: skip
+    model = pl.load(folder, backend=backend, dtype="float32")
+    steps = pl.generate_step(model, ids, left_padding=pads)
+    got = np.stack([next(steps)[0] for _ in range(10)], axis=1)
+    np.testing.assert_array_equal(got, out[:, 5:].numpy())
