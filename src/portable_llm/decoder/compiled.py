@@ -14,10 +14,11 @@ activations (``auto`` then dequantizes, which XLA fuses into the products) and k
 the kernels the eager forward chose on concrete ones.
 
 The step applies to a decode step (``L = 1``) on plain :class:`~portable_llm.KVCache` caches
-that already hold the prompt, on a model of dense layers without ``"dynamic"`` RoPE (whose
-table depends on the position; ``"longrope"`` compiles one program per side of its original
-length, where its table switches); anything else runs the eager prepared forward. The caches
-keep their meaning: after a compiled step they hold what an eager step would have left in them.
+that already hold the prompt, on a model of dense layers (MoE layers too on JAX, their
+experts by ``jax.lax.ragged_dot``) without ``"dynamic"`` RoPE (whose table depends on the
+position; ``"longrope"`` compiles one program per side of its original length, where its table
+switches); anything else runs the eager prepared forward. The caches keep their meaning: after
+a compiled step they hold what an eager step would have left in them.
 Token ids go in unchecked: an id outside ``[0, V)`` gives a row of NaN (the embedding's
 ``"masked"`` implementation), so its logits have no distribution and the decode loop stops with
 its error.
