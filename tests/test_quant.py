@@ -174,11 +174,12 @@ def test_native_by_rows(backend, bits, group, rows, n):
 
 
 @pytest.mark.parametrize("bits", BITS)
-@pytest.mark.parametrize("rows", [1, 70])
+@pytest.mark.parametrize("rows", [1, 70, 100])
 def test_native_every_width_half(backend, dtype, bits, rows):
     """Native kernels at every code width in float16/bfloat16 (torch bfloat16: the int4 kernel,
-    5 to 8 bits as two nibble planes) against the float64 product of the dequantized weight,
-    for a decode step and a prompt, every group size the kernel takes."""
+    5 to 8 bits as two nibble planes; prompts from 16-96 rows by width: the weight dequantized
+    from its bytes, then one dense product) against the float64 product of the dequantized
+    weight, for a decode step and prompts, every group size the kernel takes."""
     if dtype not in ("float16", "bfloat16"):
         pytest.skip("half dtypes only (float32/float64: test_native_by_rows)")
     bk = get_backend(backend)
@@ -495,6 +496,9 @@ def test_keeps_codes_table():
 
     # NumPy has no quantized kernel faster than its BLAS GEMV: never kept
     assert not any(k[0] in ("numpy", "array_api_strict") for k in KEEP_CODES_FROM)
+    # JAX's jitted kernel: float32 codes kept (the whole compiled decode is faster), bfloat16 not
+    assert keeps_codes("jax", device="cpu", dtype="float32", bits=4, rows=576)
+    assert not keeps_codes("jax", device="cpu", dtype="bfloat16", bits=4, rows=576)
     assert keeps_codes("torch", device="cpu", dtype="bfloat16", bits=4, rows=1)
     assert not keeps_codes("torch", device="cpu", dtype="float32", bits=4, rows=49152)
     # bfloat16: the int4 kernel at every width (5 to 8 bits as two nibble planes)

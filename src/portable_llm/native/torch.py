@@ -260,15 +260,22 @@ _INT4_GROUPS = (32, 64, 128, 256)
 
 
 def _codes(packed: Any, bits: int) -> Any:
-    """``(N, W)`` uint32 words -> ``(N, W * 32 / bits)`` int64 codes (ops.quant's layout: each
+    """``(N, W)`` uint32 words -> ``(N, W * 32 / bits)`` uint8 codes (ops.quant's layout: each
     row one little-endian bit stream, code ``k`` at bits ``bits*k ..``). Every 8 codes fill
-    ``bits`` whole bytes, read as one little-endian int64: code ``j`` of them at bit
-    ``bits * j``."""
+    ``bits`` whole bytes: code ``j`` of them starts in byte ``bits*j // 8`` at bit
+    ``bits*j % 8`` and takes the low bits of the next byte where it straddles (uint8 shifts,
+    which drop the bits above 8: one byte a code, no wider temporaries)."""
     n = packed.shape[0]
     by = packed.view(torch.uint8).reshape(n, -1, bits)  # (N, K/8, bits)
-    shifts = torch.arange(0, 8 * bits, bits, device=packed.device)  # (8,)
-    word = torch.nn.functional.pad(by, (0, 8 - bits)).view(torch.int64)  # (N, K/8, 1)
-    return ((word >> shifts) & ((1 << bits) - 1)).reshape(n, -1)  # (N, K)
+    mask = (1 << bits) - 1
+    parts = []
+    for j in range(8):
+        byte, off = divmod(bits * j, 8)
+        c = by[..., byte] >> off
+        if off + bits > 8:
+            c = c | (by[..., byte + 1] << (8 - off))
+        parts.append(c & mask if bits < 8 else c)
+    return torch.stack(parts, dim=-1).reshape(n, -1)  # (N, K)
 
 
 def _int4_pack(
@@ -421,10 +428,10 @@ def quantized_linear(
 ) -> Any:  # fmt: skip
     fmt = {"bits": bits, "group_size": group_size}
     planes = x.dtype == torch.bfloat16 and _int4_applies(x, packed, scales, biases, bias, **fmt)
-    if planes and x.numel() // x.shape[-1] > _DENSE_FROM.get(bits, 1 << 62):
+    if planes and x.numel() // x.shape[-1] > _DENSE_FROM[bits]:
         # a prompt: the kernel re-decodes the codes per few rows (128 rows of SmolLM2's
         # 1536x576: 8-bit 18 ms, 4-bit 7 ms, against 2.5-6 ms for the bytes dequantized once,
-        # then a dense product). 5 and 6 bits: unpacking their codes (_codes) cost as much.
+        # then a dense product)
         w = _dense_weight(packed, scales, biases, bits=bits, group_size=group_size)
         return F.linear(x, w, bias)
     if planes:
@@ -448,19 +455,21 @@ def quantized_linear(
 
 
 #: bits -> from more rows than this, bfloat16 products dequantize (_dense_weight) first
-#: (measured crossings, 2-core CPU at load 10: 4-bit near 64 rows, 8-bit below 16).
-_DENSE_FROM = {4: 64, 8: 16}
+#: (measured crossings, 2-core CPU at load 10, 2048x640 and 1536x576: 8 bits (the codes are
+#: the bytes) below 16 rows; 4 bits near 64; 5 and 6 bits between 32 and 128 (128 rows: 13 ms
+#: against the kernel's 24-30); 3 bits near 128).
+_DENSE_FROM = {2: 96, 3: 96, 4: 64, 5: 64, 6: 64, 8: 16}
 
 
 def _dense_weight(packed: Any, scales: Any, biases: Any, *, bits: int, group_size: int) -> Any:
-    """The dequantized 4- or 8-bit weight ``(N, K)`` in scales' dtype, rounded as
-    ops.quant.dequantize rounds it (the codes cast, times the scale, plus the bias, each step
-    in that dtype): the words read as their bytes (little-endian: byte j is code j at 8 bits,
-    codes 2j and 2j + 1 in its low and high nibble at 4 bits)."""
+    """The dequantized weight ``(N, K)`` in scales' dtype, rounded as ops.quant.dequantize
+    rounds it (the codes cast, times the scale, plus the bias, each step in that dtype)."""
     n = packed.shape[0]
     by = packed.view(torch.uint8)
-    if bits == 4:
+    if bits == 4:  # byte j holds codes 2j and 2j + 1 (low, high nibble)
         by = torch.stack([by & 15, by >> 4], dim=-1)  # (N, K/2, 2)
+    elif bits != 8:
+        by = _codes(packed, bits)  # (N, K)
     q = by.reshape(n, -1, group_size).to(scales.dtype)  # (N, G, gs)
     return (q * scales[..., None] + biases[..., None]).reshape(n, -1)
 
