@@ -175,6 +175,7 @@ def test_native_by_rows(backend, bits, group, rows, n):
 
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("rows", [1, 70, 100])
+@pytest.mark.slow_on("jax")  # 54 shapes x 3 groups compiled anew: 1.5 min of the JAX env
 def test_native_every_width_half(backend, dtype, bits, rows):
     """Native kernels at every code width in float16/bfloat16 (torch bfloat16: the int4 kernel,
     5 to 8 bits as two nibble planes; prompts from 16-96 rows by width: the weight dequantized
