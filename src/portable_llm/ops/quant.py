@@ -581,9 +581,11 @@ def project(bk: Backend, impl: str, x: Any, w: Any, b: Any) -> Any:
 #: ``(backend, device kind, dtype, bits) -> N``: from ``N`` output rows on, a decode projection
 #: (one row of x, ``impl="auto"``) kept quantized is at least as fast as the dense matmul of its
 #: dequantized weight; a combination absent here never is (its quantized path is no faster than
-#: dequantize-then-matmul, e.g. NumPy, array-api-strict, JAX, torch float32 on a CPU, CUDA).
-#: Measured by ``benchmarks/quant_rule.py`` (one thread, interleaved rounds, medians; the
-#: figures and the load are in ``benchmarks/README.md``) at SmolLM2-135M's shapes, group 32.
+#: dequantize-then-matmul, e.g. NumPy (native/numpy.py's blocks: 0.4-0.8x per projection,
+#: 0.5-0.7x over SmolLM2's whole decode), array-api-strict, JAX bfloat16, torch float32 on a
+#: CPU, CUDA). Measured by ``benchmarks/quant_rule.py`` per projection and
+#: ``benchmarks/quant_decode.py`` over a whole decode (one thread, interleaved rounds, medians;
+#: the figures and the load are in ``benchmarks/README.md``) at SmolLM2-135M's shapes, group 32.
 KEEP_CODES_FROM: dict[tuple[str, str, str, int], int] = {
     # torch's CPU int4 kernel (_weight_int4pack_mm_for_cpu): 1.1-1.7x the dense bfloat16 GEMV,
     # 8.4x on the 49152-row LM head; 2 and 3 bits run it as 4
@@ -599,13 +601,17 @@ KEEP_CODES_FROM: dict[tuple[str, str, str, int], int] = {
     # torch float32: none. No torch CPU kernel multiplies group-wise codes by float32
     # activations at the dense GEMV's speed (the int4/int8 kernels' float32 loops are scalar on
     # x86: 2-5x slower than the dense floats; benchmarks/README.md, issue 21).
-    # JAX: none. Under jax.jit XLA fuses the dequantize into the product: 0.4-0.8x on the
-    # small projections, 2.3-2.8x on the LM head alone; but SmolLM2's whole compiled decode
-    # with only the head kept (Q8_0) ran 0.75x and 0.91x of the all-floats model in two runs,
-    # and all-codes 0.89x and 1.04x (noise of a shared machine): the floats are never slower.
-    # mx.quantized_matmul on a CPU: float32 4-bit 0.9-3.5x (noisy: MLX runs several threads);
-    # 8-bit and bfloat16 0.03-0.9x
-    ("mlx", "cpu", "float32", 4): 0,
+    # JAX float32: native/jax.py's jitted kernel (the codes unpacked and scaled in float32
+    # inside the product's XLA computation). SmolLM2 Q4_1 (4-bit layers, Q8_0 head), whole
+    # compiled decode with every matrix kept: 1.38x and 1.10x its floats in two runs (load 10);
+    # per projection the ratios do not compose (the first rule kept only the head: 0.75-0.91x).
+    # bfloat16: 0.19x (5.4 against 28.6 tok/s): none.
+    ("jax", "cpu", "float32", 4): 0,
+    ("jax", "cpu", "float32", 8): 0,
+    # mx.quantized_matmul on a CPU: none. float32 per projection 0.96-1.5x (4 and 8 bits, noisy:
+    # MLX runs several threads), but SmolLM2 Q4_1's whole decode kept ran 0.75x and 0.86x its
+    # floats in two runs (load 10-14; the 4-bit layers alone kept: 0.86x); bfloat16 0.04-0.16x
+    # (at float32 through native/mlx.py: 0.75-1.3x, with a weight not rounded as dequantize's)
     # mx.quantized_matmul on Metal: mlx-lm's own decode path (not measured on this machine)
     ("mlx", "gpu", "float32", 4): 0,
     ("mlx", "gpu", "float32", 8): 0,
