@@ -268,10 +268,15 @@ def test_two_local_ranks_equal_one_device(
     if skip_reason(engine):
         pytest.skip(str(skip_reason(engine)))
     write_checkpoint(tmp_path / "ckpt", tiny_config(model_type))
+    cfg = _cfg(model_type)
     logits, tokens = _one_device(tmp_path / "ckpt", engine)
-    for got in launch(engine, mode, tmp_path / "ckpt", tmp_path / "out"):
-        _equal_to_one_device(got, logits, tokens)
+    for rank, got in enumerate(launch(engine, mode, tmp_path / "ckpt", tmp_path / "out")):
+        _equal_to_one_device(got, logits, tokens)  # batch_generate: 3 rows, paged, batched
         assert got["prepared"]  # the rank's layers ran as the prepared forward
+        # the rank's page pools: its layers (PP) and its KV heads (TP) only
+        n, H_kv = cfg.num_hidden_layers, cfg.num_key_value_heads
+        want = [len(stage_layers(n, 2, rank)), H_kv] if mode == "pp" else [n, H_kv // 2]
+        np.testing.assert_array_equal(got["pools"], want)
 
 
 @pytest.mark.slow  # 4 processes: 13 s (MLX), 30 s (torch) on the shared 2-core machine

@@ -16,6 +16,11 @@ A process that runs its own rank (torch, MLX) runs its layers as the prepared fo
 (:class:`~portable_llm.decoder.prepared.Prepared`, with the all-reduce bound in as its
 ``reduce``: kernels chosen once, masks and RoPE tables built once per forward), as one device
 does; where one process drives every stage (JAX's pipeline) the blocks run op by op.
+
+Batching (:func:`~portable_llm.batch_generate`) runs the rows of a step in one forward over
+paged caches (:meth:`PartitionedModel.forward_paged`): each rank's pools
+(:meth:`~portable_llm.decoder.model.Model.make_page_pools`, from the rank's config) hold its
+KV heads of its layers only, and the stages hand on the rows' hidden states as in a call.
 """
 
 from __future__ import annotations
@@ -27,7 +32,10 @@ from portable_llm.backends import Backend, backend_of
 from portable_llm.core.arrays import asarray
 from portable_llm.decoder.config import DecoderConfig
 from portable_llm.decoder.model import Model
+from portable_llm.decoder.paged_step import PagedStep
+from portable_llm.decoder.paged_step import forward as paged_forward
 from portable_llm.decoder.prepared import Prepared, preparable
+from portable_llm.ops.embedding import embedding
 from portable_llm.partition.engine import Engine
 
 __all__ = ["PartitionedModel"]
@@ -162,3 +170,46 @@ class PartitionedModel(Model):
                 logits = p.head_logits(h, self.norm, head, step.kn)  # (B, L, V)
         shape = (B, 1 if last_only else L, self.full_config.vocab_size)
         return e.share_logits(logits, shape, self.norm)
+
+    def forward_paged(
+        self,
+        ids: Sequence[Sequence[int]],
+        /,
+        *,
+        caches: Sequence[Sequence[Any]],
+        logits: bool = True,
+    ) -> Any:
+        """Logits ``(B, V)`` on every rank of the last position of each row after its tokens
+        ``ids[b]`` (one length ``L``), over this rank's paged caches ``caches[b]`` (one
+        :class:`~portable_llm.PagedKVCache` per layer it holds, over :meth:`make_page_pools`'
+        pools: its KV heads only). The rows run as one batch through the rank's prepared
+        forward (:class:`~portable_llm.decoder.paged_step.PagedStep`, the all-reduce bound
+        in), stage to stage as in :meth:`__call__`; without one (JAX) each row runs alone.
+        ``logits=False``: only fill the caches (every rank alike); returns ``None``."""
+        p, e = self.local, self.engine
+        chunks = [list(row) for row in ids]
+        if p is None:
+            return paged_forward(self, caches, chunks, logits=logits)
+        bk = self.backend
+        B, L = len(chunks), len(chunks[0])
+        step = PagedStep(p, caches, [seq[0].offset for seq in caches], L)
+        last = e.pp_size - 1
+        h = None
+        for stage in self.stages:  # a process engine's rank runs one stage: all of p.layers
+            if stage == 0:
+                x = asarray(chunks, backend=bk.name, device=self.device)  # (B, L)
+                h = p.run_layers(embedding(x, self.embed), step, p.layers)  # (B, L, E)
+            else:
+                h = e.recv(stage - 1, (B, L, self.config.hidden_size), self.norm)
+                h = p.run_layers(h, step, p.layers, embedded=True)  # (B, L, E)
+            if stage != last:
+                e.send(h, stage + 1)
+                h = None
+        if not logits:
+            return None
+        out = None
+        if h is not None:  # the last stage: its rows' last positions
+            head = self.embed if self.lm_head is None else self.lm_head
+            out = p.head_logits(h[:, -1:, :], self.norm, head, step.kn)  # (B, 1, V)
+        shared = e.share_logits(out, (B, 1, self.full_config.vocab_size), self.norm)
+        return shared[:, -1, :]  # (B, V)

@@ -7,8 +7,9 @@ FOLDER OUT DTYPE DEQUANTIZE MORE`` (``DEQUANTIZE``: ``auto``, ``True`` or ``Fals
 the hostfile, a JSON list of one ``["127.0.0.1:port"]`` list per rank, as ``mlx.launch`` writes
 it); ``MODE``: ``tp`` or ``pp`` (the whole world as one group), or ``pp2tp2`` (4 ranks). Each
 rank writes ``OUT/rank{RANK}.npz``: the logits of :data:`PROMPT` (float32), the greedy tokens of
-:func:`~portable_llm.generate` (and of ``batch_generate`` and ``speculative_generate``), and the
-bytes it held and touched (``LoadReport``). :func:`launch` starts the processes and waits for
+:func:`~portable_llm.generate` (and of ``batch_generate`` and ``speculative_generate``), the
+layers and KV heads of its page pools (``pools``), and the bytes it held and touched
+(``LoadReport``). :func:`launch` starts the processes and waits for
 them. JAX drives every device from one process: :func:`launch_jax` runs :func:`run_jax`'s cases
 (``tp2``, ``pp2``, ``pp2tp2``, ...) in a process with 8 host devices (``python -m
 portable_llm.testing.partition jax FOLDER OUT DTYPE DEQUANTIZE CASES...``).
@@ -103,6 +104,8 @@ def run_rank(
     results: dict[str, Any] = {"logits": logits, "tokens": np.asarray(tokens)}
     # whether the rank ran the prepared forward (decoder.prepared), its all-reduce bound in
     results["prepared"] = isinstance(model, PartitionedModel) and model.local is not None
+    pools = model.make_page_pools(1, 4)  # the pools batch_generate makes: (layers, H_kv) here
+    results["pools"] = np.asarray([len(pools), pools[0].num_kv_heads])
     if more:
         results.update(more_tokens(model))
     results.update(held=report.held, touched=report.touched, total=report.total)
@@ -112,12 +115,15 @@ def run_rank(
 
 
 def more_tokens(model: Any) -> dict[str, np.ndarray]:
-    """Greedy tokens of :func:`~portable_llm.batch_generate` (two prompts of two lengths) and
-    of :func:`~portable_llm.speculative_generate` with the model as its own draft."""
+    """Greedy tokens of :func:`~portable_llm.batch_generate` (three prompts of three lengths,
+    one paged forward per step on a model with one) and of
+    :func:`~portable_llm.speculative_generate` with the model as its own draft."""
     from portable_llm.generation.batch import batch_generate
     from portable_llm.generation.speculative import speculative_generate
 
-    rows = batch_generate(model, [PROMPT, PROMPT[:5]], max_new_tokens=NEW_TOKENS, stop=())
+    rows = batch_generate(
+        model, [PROMPT, PROMPT[:5], PROMPT[:3]], max_new_tokens=NEW_TOKENS, stop=()
+    )
     spec = speculative_generate(
         model, model, PROMPT, max_new_tokens=NEW_TOKENS, stop=(), num_draft_tokens=2
     )
