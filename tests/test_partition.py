@@ -232,6 +232,18 @@ def test_jax_mesh_equals_one_device(tmp_path: Path, model_type: str, cases: list
         assert int(got["kv_heads"]) == (H_kv // T if H_kv >= T else H_kv), case
 
 
+@pytest.mark.slow  # about 25 s of batch_generate on the shared 2-core machine
+@pytest.mark.skipif(bool(skip_reason("jax")), reason=str(skip_reason("jax")))
+def test_jax_mesh_batch_generate(tmp_path: Path) -> None:
+    """``batch_generate`` of three prompts of three lengths over a mesh (TP 2 and PP 2 x TP 2)
+    gives the one-device tokens: each layer's page pools on its stage's devices."""
+    write_checkpoint(tmp_path / "ckpt", tiny_config("llama"))
+    results = launch_jax(tmp_path / "ckpt", tmp_path / "out", ["tp2", "pp2tp2"], batch=True)
+    one = results.pop("one")
+    for case, got in results.items():
+        np.testing.assert_array_equal(got["batch"], one["batch"], err_msg=case)
+
+
 @pytest.mark.skipif(bool(skip_reason("jax")), reason=str(skip_reason("jax")))
 def test_jax_mesh_without_the_axis(tmp_path: Path) -> None:
     import jax

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from portable_llm.backends import Backend, backend_of
+from portable_llm.caches.page_pool import PagePool
 from portable_llm.core.arrays import asarray
 from portable_llm.decoder.config import DecoderConfig
 from portable_llm.decoder.model import Model
@@ -170,6 +171,17 @@ class PartitionedModel(Model):
                 logits = p.head_logits(h, self.norm, head, step.kn)  # (B, L, V)
         shape = (B, 1 if last_only else L, self.full_config.vocab_size)
         return e.share_logits(logits, shape, self.norm)
+
+    def make_page_pools(self, num_pages: int, page_size: int) -> list[PagePool]:
+        """One empty :class:`~portable_llm.PagePool` per layer this process holds: ``num_pages``
+        pages of ``page_size`` tokens of the rank's ``(H_kv, D)`` heads (its config's), each
+        where its layer's weights are (a rank's device; on JAX, its stage's devices)."""
+        cfg, bk = self.config, self.backend
+        shape = (num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
+        return [
+            PagePool(*shape, self.dtype, backend=bk.name, device=bk.device_of(b.input_norm))
+            for b in self.blocks
+        ]
 
     def forward_paged(
         self,

@@ -12,7 +12,7 @@ layers and KV heads of its page pools (``pools``), and the bytes it held and tou
 (``LoadReport``). :func:`launch` starts the processes and waits for
 them. JAX drives every device from one process: :func:`launch_jax` runs :func:`run_jax`'s cases
 (``tp2``, ``pp2``, ``pp2tp2``, ...) in a process with 8 host devices (``python -m
-portable_llm.testing.partition jax FOLDER OUT DTYPE DEQUANTIZE CASES...``).
+portable_llm.testing.partition jax FOLDER OUT DTYPE DEQUANTIZE CASES... [--batch]``).
 """
 
 from __future__ import annotations
@@ -207,12 +207,18 @@ def _mesh(case: str) -> dict[str, Any]:
 
 
 def run_jax(
-    folder: str, out: str, cases: list[str], dtype: str = "float32", dequantize: bool | str = "auto"
+    folder: str,
+    out: str,
+    cases: list[str],
+    dtype: str = "float32",
+    dequantize: bool | str = "auto",
+    batch: bool = False,
 ) -> None:
     """The JAX cases in this process (started with ``XLA_FLAGS`` asking for 8 host devices):
     ``OUT/{case}.npz`` for each (logits, greedy tokens, and ``kv_heads``: the most KV heads
-    one device's cache holds), and ``one`` for the model on one device. The ids arrive as an
-    ordinary JAX array on the first device."""
+    one device's cache holds; ``batch``: the tokens of ``batch_generate`` too), and ``one``
+    for the model on one device. The ids arrive as an ordinary JAX array on the first
+    device."""
     import jax
 
     from portable_llm.checkpoint.loader import load
@@ -229,19 +235,34 @@ def run_jax(
         model(ids, cache=cache)
         k = cache[-1].state[0]  # (B, H_kv, S, D): the heads each device holds
         heads = max(int(s.data.shape[1]) for s in k.addressable_shards)
+        more: dict[str, Any] = {}
+        if batch:
+            from portable_llm.generation.batch import batch_generate
+
+            rows = [PROMPT, PROMPT[:5], PROMPT[:3]]
+            more["batch"] = np.asarray(
+                batch_generate(model, rows, max_new_tokens=NEW_TOKENS, stop=())
+            )
         np.savez(
-            Path(out) / f"{case}.npz", logits=logits, tokens=np.asarray(tokens), kv_heads=heads
+            Path(out) / f"{case}.npz",
+            logits=logits,
+            tokens=np.asarray(tokens),
+            kv_heads=heads,
+            **more,
         )
 
 
 def launch_jax(folder: str | Path, out: str | Path, cases: list[str], *, dtype: str = "float32",
-               dequantize: bool | str = "auto",
+               dequantize: bool | str = "auto", batch: bool = False,
                timeout: float = 300.0) -> dict[str, dict[str, Any]]:  # fmt: skip
-    """:func:`run_jax` in a fresh process with 8 host devices; each case's results."""
+    """:func:`run_jax` in a fresh process with 8 host devices; each case's results
+    (``batch``: :func:`run_jax`'s)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     args = ["jax", str(folder), str(out), dtype, str(dequantize), *cases]
+    if batch:
+        args.append("--batch")
     done = subprocess.run(
         [sys.executable, "-m", "portable_llm.testing.partition", *args],
         env=env, capture_output=True, text=True, timeout=timeout,
@@ -255,7 +276,8 @@ if __name__ == "__main__":
     flags: dict[str, bool | str] = {"True": True, "False": False}
     if sys.argv[1] == "jax":
         deq = flags.get(sys.argv[5], sys.argv[5])
-        run_jax(sys.argv[2], sys.argv[3], sys.argv[6:], sys.argv[4], deq)
+        cases = [c for c in sys.argv[6:] if c != "--batch"]
+        run_jax(sys.argv[2], sys.argv[3], cases, sys.argv[4], deq, "--batch" in sys.argv[6:])
     else:
         e, m, r, w, a, f, o, d, q, more = sys.argv[1:11]
         run_rank(e, m, int(r), int(w), a, f, o, d, flags.get(q, q), more == "True")
