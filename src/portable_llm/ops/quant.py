@@ -581,11 +581,12 @@ def project(bk: Backend, impl: str, x: Any, w: Any, b: Any) -> Any:
 #: ``(backend, device kind, dtype, bits) -> N``: from ``N`` output rows on, a decode projection
 #: (one row of x, ``impl="auto"``) kept quantized is at least as fast as the dense matmul of its
 #: dequantized weight; a combination absent here never is (its quantized path is no faster than
-#: dequantize-then-matmul, e.g. NumPy (native/numpy.py's blocks: 0.4-0.8x per projection,
-#: 0.5-0.7x over SmolLM2's whole decode), array-api-strict, JAX bfloat16, torch float32 on a
-#: CPU, CUDA). Measured by ``benchmarks/quant_rule.py`` per projection and
-#: ``benchmarks/quant_decode.py`` over a whole decode (one thread, interleaved rounds, medians;
-#: the figures and the load are in ``benchmarks/README.md``) at SmolLM2-135M's shapes, group 32.
+#: dequantize-then-matmul, e.g. NumPy (native/numpy.py's blocks: 0.5-0.8x per projection
+#: streamed from memory, 0.5-0.7x over SmolLM2's whole decode), array-api-strict, JAX
+#: bfloat16, torch float32 on a CPU, CUDA). Measured by ``benchmarks/quant_rule.py`` per
+#: projection and ``benchmarks/quant_decode.py`` over a whole decode (one thread, interleaved
+#: rounds, medians; the figures and the load are in ``benchmarks/README.md``) at SmolLM2-135M's
+#: shapes, group 32.
 KEEP_CODES_FROM: dict[tuple[str, str, str, int], int] = {
     # torch's CPU int4 kernel (_weight_int4pack_mm_for_cpu): 1.1-1.7x the dense bfloat16 GEMV,
     # 8.4x on the 49152-row LM head; 2 and 3 bits run it as 4
@@ -603,7 +604,8 @@ KEEP_CODES_FROM: dict[tuple[str, str, str, int], int] = {
     # x86: 2-5x slower than the dense floats; benchmarks/README.md, issue 21).
     # JAX float32: native/jax.py's jitted kernel (the codes unpacked and scaled in float32
     # inside the product's XLA computation). SmolLM2 Q4_1 (4-bit layers, Q8_0 head), whole
-    # compiled decode with every matrix kept: 1.38x and 1.10x its floats in two runs (load 10);
+    # compiled decode with every matrix kept: 1.38x, 1.10x, 1.04x its floats in three runs
+    # (load 5-11);
     # per projection the ratios do not compose (the first rule kept only the head: 0.75-0.91x).
     # bfloat16: 0.19x (5.4 against 28.6 tok/s): none.
     ("jax", "cpu", "float32", 4): 0,
