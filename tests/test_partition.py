@@ -228,8 +228,11 @@ def test_jax_mesh_equals_one_device(tmp_path: Path, model_type: str, cases: list
         assert_close(got["logits"], one["logits"], err_msg=case)
         np.testing.assert_array_equal(got["tokens"], one["tokens"], err_msg=case)
         T = int(case.partition("tp")[2] or 1)
-        # the caches hold each device's KV heads (all of them where T > H_kv: replicated)
+        # the caches and the page pools hold each device's KV heads (all of them where
+        # T > H_kv: replicated)
         assert int(got["kv_heads"]) == (H_kv // T if H_kv >= T else H_kv), case
+        assert int(got["pool_heads"]) == (H_kv // T if H_kv >= T else H_kv), case
+        assert_close(got["paged"], one["logits"][:, -1, :], err_msg=case)  # (B, V)
 
 
 @pytest.mark.slow  # about 25 s of batch_generate on the shared 2-core machine
@@ -242,6 +245,7 @@ def test_jax_mesh_batch_generate(tmp_path: Path) -> None:
     one = results.pop("one")
     for case, got in results.items():
         np.testing.assert_array_equal(got["batch"], one["batch"], err_msg=case)
+        assert int(got["pool_heads"]) == 1, case  # H_kv = 2 over TP 2: one head per device
 
 
 @pytest.mark.skipif(bool(skip_reason("jax")), reason=str(skip_reason("jax")))

@@ -149,6 +149,14 @@ class Backend:
         """The device an array lives on."""
         return "cpu"
 
+    def split_heads(self, device: Any, shape: tuple[int, ...], axis: int) -> Any:
+        """Where a new array of ``shape`` whose ``axis`` holds heads goes, given ``device``:
+        ``device`` itself, except on JAX, where a replicated ``NamedSharding`` over a 1-axis
+        mesh (a tensor-parallel model's :meth:`device_of`) whose size divides
+        ``shape[axis]`` becomes the same mesh split along ``axis``, so each device holds
+        only its heads (a page pool's, as the model's K/V projections split them)."""
+        return device
+
     # -- conversion -----------------------------------------------------------------------------
     def to_numpy(self, x: Any) -> np.ndarray:
         """Copy an array of this library to NumPy (bfloat16 as ml_dtypes' bfloat16)."""

@@ -104,6 +104,18 @@ class JaxBackend(Backend):
         mesh = getattr(x.sharding, "mesh", None)
         return x.sharding if mesh is None else NamedSharding(mesh, PartitionSpec())
 
+    def split_heads(self, device: Any, shape: tuple[int, ...], axis: int) -> Any:
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        if not isinstance(device, NamedSharding) or not device.is_fully_replicated:
+            return device
+        (name, *more) = device.mesh.axis_names
+        if more or shape[axis] % device.mesh.shape[name]:
+            return device  # fewer heads than devices: every device holds every head
+        spec = [None] * len(shape)
+        spec[axis] = name
+        return NamedSharding(device.mesh, PartitionSpec(*spec))  # (.., H_kv / T on each, ..)
+
     def to_numpy(self, x: Any) -> np.ndarray:
         return np.asarray(x)
 

@@ -64,6 +64,9 @@ class PagePool:
         (JAX's dtype objects are NumPy's: give ``backend="jax"``).
     device : optional
         The backend's device (``"cpu"``, ``"cuda:0"``, ...); default: the backend's default.
+        On JAX a replicated ``NamedSharding`` of a 1-axis mesh (a tensor-parallel model's
+        device) splits the pages along ``H_kv`` over the mesh where its size divides ``H_kv``
+        (:meth:`~portable_llm.backends.Backend.split_heads`): each device holds its heads.
 
     Attributes
     ----------
@@ -106,7 +109,9 @@ class PagePool:
 
     def _zeros(self, n: int) -> Any:
         shape = (n, self.num_kv_heads, self.page_size, self.head_dim)
-        return self.backend.xp.zeros(shape, dtype=self.dtype, device=self.device)
+        # On a JAX mesh (a tensor-parallel model's replicated device): split by heads.
+        where = self.backend.split_heads(self.device, shape, 1)
+        return self.backend.xp.zeros(shape, dtype=self.dtype, device=where)
 
     @property
     def num_pages(self) -> int:

@@ -175,7 +175,9 @@ class PartitionedModel(Model):
     def make_page_pools(self, num_pages: int, page_size: int) -> list[PagePool]:
         """One empty :class:`~portable_llm.PagePool` per layer this process holds: ``num_pages``
         pages of ``page_size`` tokens of the rank's ``(H_kv, D)`` heads (its config's), each
-        where its layer's weights are (a rank's device; on JAX, its stage's devices)."""
+        where its layer's weights are (a rank's device; on JAX, its stage's devices, the pages
+        split along the head axis over the TP axis: :meth:`Backend.split_heads
+        <portable_llm.backends.Backend.split_heads>`)."""
         cfg, bk = self.config, self.backend
         shape = (num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
         return [

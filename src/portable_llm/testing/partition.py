@@ -215,12 +215,14 @@ def run_jax(
     batch: bool = False,
 ) -> None:
     """The JAX cases in this process (started with ``XLA_FLAGS`` asking for 8 host devices):
-    ``OUT/{case}.npz`` for each (logits, greedy tokens, and ``kv_heads``: the most KV heads
-    one device's cache holds; ``batch``: the tokens of ``batch_generate`` too), and ``one``
-    for the model on one device. The ids arrive as an ordinary JAX array on the first
-    device."""
+    ``OUT/{case}.npz`` for each (logits, greedy tokens, ``kv_heads``: the most KV heads one
+    device's cache holds, ``pool_heads``: the same of the page pools after one paged forward
+    of the prompt, whose last logits are ``paged`` (meshes only); ``batch``: the tokens of
+    ``batch_generate`` too), and ``one`` for the model on one device. The ids arrive as an
+    ordinary JAX array on the first device."""
     import jax
 
+    from portable_llm.caches.paged import PagedKVCache
     from portable_llm.checkpoint.loader import load
     from portable_llm.core.arrays import to_numpy
     from portable_llm.generation.generate import generate
@@ -236,6 +238,15 @@ def run_jax(
         k = cache[-1].state[0]  # (B, H_kv, S, D): the heads each device holds
         heads = max(int(s.data.shape[1]) for s in k.addressable_shards)
         more: dict[str, Any] = {}
+        if case != "one":  # the page pools batch_generate makes, filled by one paged forward
+            # of the prompt: the most KV heads one device's pages hold, the last logits
+            pools = model.make_page_pools(-(-len(PROMPT) // 4), 4)
+            paged = model.forward_paged([PROMPT], caches=[[PagedKVCache(p) for p in pools]])
+            pages = [p.k_pages for p in pools] + [p.v_pages for p in pools]
+            more["pool_heads"] = max(
+                int(s.data.shape[1]) for a in pages for s in a.addressable_shards
+            )
+            more["paged"] = to_numpy(paged)  # (1, V)
         if batch:
             from portable_llm.generation.batch import batch_generate
 
