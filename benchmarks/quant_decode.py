@@ -5,6 +5,10 @@ round runs every variant once in turn (greedy, a 128-token prompt, ``--new`` tok
 gives the median prefill and decode tokens/s, the weights' memory, and the load average.
 
     OMP_NUM_THREADS=1 python benchmarks/quant_decode.py --backend torch --dtype float32 --rounds 3
+
+``--model`` may be given several times (each file's variants join the same rounds); ``--peer``
+adds llama.cpp (``llama-cpp-python``, when installed) on each file, with torch's thread count,
+as ``portable-llm bench --model`` runs it.
 """
 
 from __future__ import annotations
@@ -13,12 +17,14 @@ import argparse
 import importlib.util
 import os
 import statistics
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 import portable_llm as pl
-from portable_llm.cli.model_bench import weight_bytes
+from portable_llm.cli.model_bench import GGUF_PEERS, weight_bytes
 
 
 def smollm2_gguf() -> Path:
@@ -30,51 +36,79 @@ def smollm2_gguf() -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--model", type=Path, default=None, help="a .gguf file (default SmolLM2)")
+    ap.add_argument(
+        "--model",
+        type=Path,
+        action="append",
+        default=None,
+        help="a .gguf file (default SmolLM2); repeat for several",
+    )
+    ap.add_argument("--peer", action="store_true", help="also llama.cpp on each file")
     ap.add_argument("--backend", action="append", default=None)
     ap.add_argument("--dtype", action="append", default=None)
     ap.add_argument("--choice", action="append", default=None, help="False, True or auto")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--new", type=int, default=24)
     args = ap.parse_args()
-    path = args.model or smollm2_gguf()
+    paths = args.model or [smollm2_gguf()]
     if "torch" in (args.backend or []):
         import torch
 
         torch.set_num_threads(1)
     choices = {"False": False, "True": True, "auto": "auto"}
-    variants = {}
-    for backend in args.backend or ["torch"]:
-        for dtype in args.dtype or ["float32"]:
-            for c in args.choice or ["False", "True", "auto"]:
-                model = pl.load(path, backend=backend, dtype=dtype, dequantize=choices[c])
-                mem = sum(weight_bytes(p) for p in (model.embed, model.lm_head, model.blocks))
-                variants[backend, dtype, c] = (model, mem)
     ids = np.random.default_rng(0).integers(0, 1000, size=128)
+    variants: dict[tuple[str, str, str, str], tuple[Callable[[], tuple[float, float]], float]] = {}
+    for path in paths:
+        for backend in args.backend or ["torch"]:
+            for dtype in args.dtype or ["float32"]:
+                for c in args.choice or ["False", "True", "auto"]:
+                    model = pl.load(path, backend=backend, dtype=dtype, dequantize=choices[c])
+                    mem = sum(weight_bytes(p) for p in (model.embed, model.lm_head, model.blocks))
+                    variants[path.name, backend, dtype, c] = (
+                        partial(_once, model, ids, args.new),
+                        mem,
+                    )
+        if args.peer and importlib.util.find_spec("llama_cpp") is not None:
+            _, runner = GGUF_PEERS[0][2](path, "float32")
+            size = path.stat().st_size
+            variants[path.name, "llama.cpp", "-", "-"] = (
+                partial(_peer, runner, ids, args.new),
+                size,
+            )
 
-    def once(model: pl.Model) -> tuple[float, float]:
-        gen = pl.generate(model, ids, max_new_tokens=args.new, stop=())
-        for _ in gen:
-            pass
-        s = gen.stats
-        return 128 / s.prefill_seconds, (args.new - 1) / s.decode_seconds
-
-    for model, _ in variants.values():  # warm-up
-        once(model)
-    rates: dict[tuple[str, str, str], list[tuple[float, float]]] = {k: [] for k in variants}
+    for once, _ in variants.values():  # warm-up
+        once()
+    rates: dict[tuple[str, str, str, str], list[tuple[float, float]]] = {k: [] for k in variants}
     loads = []
     for _ in range(args.rounds):
-        for key, (model, _) in variants.items():
-            rates[key].append(once(model))
+        for key, (once, _) in variants.items():
+            rates[key].append(once())
         loads.append(os.getloadavg()[0])
     print(f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, {args.rounds} rounds, "
           f"{args.new} new tokens, load average {min(loads):.1f}-{max(loads):.1f}")  # fmt: skip
-    print("| backend | dtype | dequantize | weights MiB | prefill tok/s | decode tok/s |")
-    print("|---|---|---|---|---|---|")
-    for (backend, dtype, c), (_, mem) in variants.items():
-        pre = statistics.median(r[0] for r in rates[backend, dtype, c])
-        dec = statistics.median(r[1] for r in rates[backend, dtype, c])
-        print(f"| {backend} | {dtype} | {c} | {mem / 2**20:.0f} | {pre:.1f} | {dec:.2f} |")
+    print("| file | engine | dtype | dequantize | weights MiB | prefill tok/s | decode tok/s |")
+    print("|---|---|---|---|---|---|---|")
+    for (name, backend, dtype, c), (_, mem) in variants.items():
+        pre = statistics.median(r[0] for r in rates[name, backend, dtype, c])
+        dec = statistics.median(r[1] for r in rates[name, backend, dtype, c])
+        print(f"| {name} | {backend} | {dtype} | {c} | {mem / 2**20:.0f} | {pre:.1f} | {dec:.2f} |")
+
+
+def _once(model: pl.Model, ids: np.ndarray, new: int) -> tuple[float, float]:
+    """Prefill and decode tokens/s of one greedy generation."""
+    gen = pl.generate(model, ids, max_new_tokens=new, stop=())
+    for _ in gen:
+        pass
+    s = gen.stats
+    return len(ids) / s.prefill_seconds, (new - 1) / s.decode_seconds
+
+
+def _peer(
+    runner: Callable[..., tuple[float, float]], ids: np.ndarray, new: int
+) -> tuple[float, float]:
+    """The same for llama.cpp (model_bench's runner: prefill and decode seconds)."""
+    prefill, decode = runner(ids[None, :], new)
+    return len(ids) / prefill, (new - 1) / decode
 
 
 if __name__ == "__main__":
