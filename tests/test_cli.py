@@ -81,16 +81,27 @@ def test_report_is_the_default_command_and_covers_every_op_on_numpy(capsys):
     rows = {(r["op"], r["dtype"], r["impl"]): r for r in _tables(out)}
     assert code == 0, out
     dtypes = get_backend("numpy").float_dtypes()
-    assert {(c.name, d, "auto") for c in report.CASES for d in dtypes} == set(rows)
+    # NumPy's one native kernel: quantized_linear's float32 blocks of codes + BLAS, for every
+    # float dtype but float64 (there the portable path is the reference's own arithmetic). Where
+    # a kernel exists the report adds the portable row beside auto's.
+    native = {("quantized_linear", d) for d in dtypes if d != "float64"}
+    want = {(c.name, d, "auto") for c in report.CASES for d in dtypes}
+    assert want | {(*k, "portable") for k in native} == set(rows)
     _check_width(out)
-    for (name, dtype, _), row in rows.items():
-        assert row["result"] == "ok" and not _native_ran(row["path"]), row
+    for (name, dtype, impl), row in rows.items():
+        assert row["result"] == "ok", row
+        assert _native_ran(row["path"]) == ((name, dtype) in native and impl == "auto"), row
         assert 0 <= float(row["err/tol"]) <= 1, row
         # auto's portable choice: tiled for the long attention case (L * S = 2**20), else direct
-        assert row["path"] == ("tiled" if name == "sdpa long" else "portable")
+        if not _native_ran(row["path"]):
+            assert row["path"] == ("tiled" if name == "sdpa long" else "portable")
         if dtype == "float64":  # NumPy float64 is the reference's own arithmetic
             assert float(row["max abs err"]) < 1e-13
-    assert _kernels(out) == {}  # every path is portable_llm's own: nothing to list
+    # only the native kernel is listed (every other path is portable_llm's own)
+    assert _kernels(out) == {
+        "quantized_linear (float16, bfloat16, float32)": "float32 blocks of codes + BLAS",
+        "quantized_linear (float64)": "portable (float32 blocks of codes + BLAS not taken by auto)",
+    }
     # logprobs returns float32 for half inputs: its rows are checked at float32's tolerance.
     assert "   logprobs, logprobs+top_k (float16, bfloat16): 1e-05/1e-05, the tolerance" in out
     # Progress: a line when the backend starts and one when it ends, with its time.

@@ -23,10 +23,12 @@ class Counting:
 
     def __call__(self, xp, x, w, *, eps):
         self.calls += 1
-        # float32 accumulation, as the portable path; the input dtype out.
+        # float32 accumulation, as the portable path; the input dtype out. w is None for the
+        # weightless norm (Llama 4's q/k norm): an rms_norm kernel gets that call too.
         x32 = xp.astype(x, xp.float32) if x.dtype != xp.float64 else x
         ms = xp.mean(x32 * x32, axis=-1, keepdims=True)
-        out = xp.astype(x32 / xp.sqrt(ms + eps), x.dtype) * w
+        out = xp.astype(x32 / xp.sqrt(ms + eps), x.dtype)
+        out = out if w is None else out * w
         return out + 0.5 if self.wrong else out
 
 
@@ -109,6 +111,13 @@ def test_report_checks_a_registered_kernel_and_the_portable_path(registered, cap
         ("portable", "portable", "ok"),
     ]
     assert "my.rms_norm" in out
+    # --op rms_norm runs every case of the op, the weightless norm too (w=None to the kernel)
+    rows = report.check_case(pl.get_backend("numpy"), _case("rms_norm(no weight)"), "float32")
+    assert [(r.impl, r.path, r.result) for r in rows] == [
+        ("auto", "my.rms_norm", "ok"),
+        ("portable", "portable", "ok"),
+    ]
+    assert "rms_norm(no weight): my.rms_norm" in out
 
 
 def test_report_fails_a_wrong_registered_kernel(registered, capsys):
