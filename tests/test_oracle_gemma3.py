@@ -38,6 +38,7 @@ pytest.importorskip("gguf", reason="the gguf package is not installed (extra: gg
 #: many layers). Measured here, 18 layers, logits up to 22: 2.7e-5 (NumPy), 1.6e-5 (torch),
 #: 5.5e-5 (MLX), 4.5e-5 (JAX); the per-op float32 tolerance (1e-5) is for one op, not 18 layers.
 from test_oracle_gguf import LOGITS_ATOL  # noqa: E402
+from test_oracle_gguf_sentencepiece import gemma3_hf_tokenizer  # noqa: E402
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Water boils at"]
 STEPS = 8
@@ -58,7 +59,7 @@ def gemma3() -> tuple[Path, Any, Any]:
     folder = file.parent / "hf_float32"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        tok = transformers.AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+        tok = gemma3_hf_tokenizer(file)
         if not (folder / "config.json").is_file():
             hf = transformers.AutoModelForCausalLM.from_pretrained(
                 file.parent, gguf_file=file.name, dtype=torch.float32

@@ -8,6 +8,7 @@ gguf_file=...)``), token for token, and decoding alike:
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import tempfile
@@ -45,6 +46,13 @@ def hf_tokenizer(file: Path) -> Any:
         return transformers.AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
 
 
+@functools.lru_cache(maxsize=1)
+def gemma3_hf_tokenizer(file: Path) -> Any:
+    """transformers' tokenizer of the Gemma 3 file, converted once per session (about 30 s for
+    its 262k-token vocabulary): this test's and ``test_oracle_gemma3``'s fixture's."""
+    return hf_tokenizer(file)
+
+
 def assert_same(ours: Any, want: Any, texts: list[str]) -> None:
     for text in texts:
         ids = ours.encode(text)
@@ -70,7 +78,7 @@ def test_small_files_equal_transformers(tmp_path: Path, kind: str, flags: dict[s
     else:
         llama_file(file, arch=kind, **flags)
     ours = gguf_tokenizer(Meta(file))
-    assert_same(ours, hf_tokenizer(file), [*TEXTS, *MORE])
+    assert_same(ours, gemma3_hf_tokenizer(file), [*TEXTS, *MORE])
 
 
 def test_add_space_prefix_false_follows_the_file(tmp_path: Path) -> None:
@@ -100,5 +108,5 @@ def test_gemma3_tokenizer_equals_transformers() -> None:
     file = gemma3_file()
     ours = gguf_tokenizer(Meta(file))
     assert ours.vocab_size == 262_144
-    assert_same(ours, hf_tokenizer(file), [*TEXTS, *MORE])
+    assert_same(ours, gemma3_hf_tokenizer(file), [*TEXTS, *MORE])
     assert ours.encode("Hello world") == [2, 9259, 1902]  # <bos> Hello ▁world

@@ -121,6 +121,7 @@ def _prompt(rng: np.random.Generator, n: int) -> list[int]:
 
 
 @pytest.mark.parametrize("pool_pages", [None, 24])
+@pytest.mark.slow_on("jax")  # 30 s of the JAX env: every batch shape compiles (same code elsewhere)
 def test_batch_generator_with_prefix_cache(backend: str, folder: object, pool_pages) -> None:
     """Prompts sharing a system prompt (page-aligned or not, whole, cut short): the tokens equal
     those of ``generate`` alone, the second round takes the prefixes from the cache, and a
