@@ -110,6 +110,9 @@ def test_report_is_the_default_command_and_covers_every_op_on_numpy(capsys):
     assert out.rstrip().endswith("all within tolerance")
 
 
+# JAX: 22 s of its env (every op compiled at each case's shapes); its ops are checked against
+# the reference by the ops tests there, and `tox -e slow` runs this report test on JAX too.
+@pytest.mark.slow_on("jax")
 def test_report_on_backend(backend, capsys):
     # float32 only: every op on every backend, in seconds (JAX compiles per dtype).
     code, out, rows = _report(["--backend", backend, "--dtype", "float32"], capsys)
