@@ -15,14 +15,13 @@ device of the next stage holds one of this stage too). Each process writes ``OUT
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from portable_llm.testing.partition import NEW_TOKENS, PROMPT, free_port
+from portable_llm.testing.partition import NEW_TOKENS, PROMPT, free_port, run_processes
 
 __all__ = ["CASES", "launch_jax_processes", "run_jax_process"]
 
@@ -71,26 +70,13 @@ def launch_jax_processes(folder: str | Path, out: str | Path, case: str, *, proc
     env = {**os.environ, "XLA_FLAGS": flags, "OMP_NUM_THREADS": "1"}
     port = str(free_port())
     cmd = [sys.executable, "-m", "portable_llm.testing.multihost"]
-    procs = [
-        subprocess.Popen(
-            [*cmd, str(i), str(processes), port, case, str(folder), str(out)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for i in range(processes)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=timeout)[0].decode(errors="replace"))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for i, (p, log) in enumerate(zip(procs, logs, strict=True)):
-        if p.returncode:
-            raise RuntimeError(f"JAX process {i} of {case} failed ({p.returncode}):\n{log[-3000:]}")
+    rest = [port, case, str(folder), str(out)]
+    run_processes(
+        [[*cmd, str(i), str(processes), *rest] for i in range(processes)],
+        env=env,
+        timeout=timeout,
+        names=[f"JAX process {i} of {case}" for i in range(processes)],
+    )
     return [dict(np.load(out / f"process{i}.npz")) for i in range(processes)]
 
 

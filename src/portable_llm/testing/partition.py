@@ -133,6 +133,29 @@ def more_tokens(model: Any) -> dict[str, np.ndarray]:
     }
 
 
+def run_processes(
+    commands: list[list[str]], /, *, env: dict[str, str], timeout: float, names: list[str]
+) -> None:
+    """Start every command at once (they talk to each other), wait for all of them within
+    ``timeout`` seconds each, kill what is left, and raise ``RuntimeError`` with the output tail
+    of the first that failed (``names[i]`` says which)."""
+    procs = [
+        subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for c in commands
+    ]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=timeout)[0].decode(errors="replace"))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for name, p, log in zip(names, procs, logs, strict=True):
+        if p.returncode:
+            raise RuntimeError(f"{name} failed ({p.returncode}):\n{log[-3000:]}")
+
+
 def launch(engine: str, mode: str, folder: str | Path, out: str | Path, *, world: int = 2,
            dtype: str = "float32", dequantize: bool | str = "auto", more: bool = True,
            timeout: float = 120.0) -> list[dict[str, Any]]:  # fmt: skip
@@ -147,42 +170,14 @@ def launch(engine: str, mode: str, folder: str | Path, out: str | Path, *, world
         hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"] for _ in range(world)]))
         address = str(hostfile)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "portable_llm.testing.partition",
-                engine,
-                mode,
-                str(r),
-                str(world),
-                address,
-                str(folder),
-                str(out),
-                dtype,
-                str(dequantize),
-                str(more),
-            ],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for r in range(world)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=timeout)[0].decode(errors="replace"))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for r, (p, log) in enumerate(zip(procs, logs, strict=True)):
-        if p.returncode:
-            raise RuntimeError(
-                f"rank {r} of {engine} {mode} failed ({p.returncode}):\n{log[-3000:]}"
-            )
+    cmd = [sys.executable, "-m", "portable_llm.testing.partition", engine, mode]
+    rest = [address, str(folder), str(out), dtype, str(dequantize), str(more)]
+    run_processes(
+        [[*cmd, str(r), str(world), *rest] for r in range(world)],
+        env=env,
+        timeout=timeout,
+        names=[f"rank {r} of {engine} {mode}" for r in range(world)],
+    )
     return [dict(np.load(out / f"rank{r}.npz")) for r in range(world)]
 
 
