@@ -18,6 +18,7 @@ import pytest
 
 import portable_llm as pl
 from portable_llm.checkpoint.files import MAX_MESSAGE, CheckpointError, checkpoint_file
+from portable_llm.checkpoint.gguf_header import read_gguf_header
 from portable_llm.testing.checkpoints import tiny_config, write_checkpoint, write_tokenizer
 
 gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (extra: gguf)")
@@ -201,6 +202,48 @@ def test_tensor_data_past_the_end(base: Path, tmp_path: Path) -> None:
     (tmp_path / "cut.gguf").write_bytes(base.read_bytes()[:-100])
     with pytest.raises(CheckpointError, match=r"cut\.gguf.*lies past the end of the file"):
         pl.load(tmp_path / "cut.gguf")
+
+
+def test_header_reads_as_gguf_reads_it(base: Path) -> None:
+    """The one-pass header reader gives every metadata value, tensor shape, type and byte that
+    the ``gguf`` package's ``GGUFReader`` gives for the same file."""
+    header = read_gguf_header(base)
+    reader = gguf.GGUFReader(base)
+    theirs = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert header.fields == theirs
+    assert list(header.tensors) == [t.name for t in reader.tensors]
+    for t in reader.tensors:
+        ours = header.tensors[t.name]
+        assert (ours.shape, ours.kind, ours.n_elements) == (
+            tuple(int(n) for n in t.shape),
+            t.tensor_type.name,
+            int(t.n_elements),
+        )
+        assert ours.data.tobytes() == np.asarray(t.data).tobytes()
+
+
+def test_big_endian_file_is_refused_by_name(base: Path, tmp_path: Path) -> None:
+    data = bytearray(base.read_bytes())
+    data[4:8] = struct.pack(">I", 3)  # the version as llama.cpp's --bigendian writes it
+    (tmp_path / "be.gguf").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"be\.gguf.*written big-endian"):
+        pl.load(tmp_path / "be.gguf")
+
+
+def test_invalid_utf8_is_refused_where_it_is_read(base: Path, tmp_path: Path) -> None:
+    """A metadata string that is not UTF-8 fails the load only when a reader needs it, naming
+    the key; one nobody reads (``general.description``) does not stop the load."""
+    for key, fails in (("tokenizer.chat_template", True), ("general.description", False)):
+        marked = rewrite(base, tmp_path / "m.gguf", {key: ("@" * 16, VT.STRING)})
+        data = marked.read_bytes()
+        assert data.count(b"@" * 16) == 1
+        bad = tmp_path / f"{key}.gguf"
+        bad.write_bytes(data.replace(b"@" * 16, b"\xff\xfe" * 8))
+        if fails:
+            with pytest.raises(CheckpointError, match=f"{key}: cannot be read"):
+                pl.load(bad)
+        else:
+            assert pl.load(bad).config.num_hidden_layers == 1
 
 
 # -- folders --------------------------------------------------------------------------------------

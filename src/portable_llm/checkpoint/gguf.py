@@ -1,7 +1,8 @@
 """GGUF files (llama.cpp's format) as a :class:`~portable_llm.models.Model`.
 
-Read with the ``gguf`` package's ``GGUFReader`` (the file is memory-mapped; one tensor is
-decoded at a time):
+Read by :func:`~portable_llm.checkpoint.gguf_header.read_gguf_header` (the header checked
+against the file's size in one pass; the file is memory-mapped; one tensor is decoded at a
+time):
 
 - the metadata (``{arch}.block_count``, ``{arch}.attention.head_count``, ...) becomes a
   :class:`~portable_llm.models.DecoderConfig`, through the same ``from_dict`` as ``config.json``;
@@ -37,7 +38,7 @@ from portable_llm.checkpoint.gguf_blocks import (
     dequantize_blocks,
     pack_codes,
 )
-from portable_llm.checkpoint.gguf_layout import check_gguf_layout
+from portable_llm.checkpoint.gguf_header import GGUFTensor, read_gguf_header
 from portable_llm.checkpoint.gguf_meta import (
     GGUF_ARCHITECTURES,
     LONGROPE_TENSORS,
@@ -158,24 +159,13 @@ def read_gguf(path: str | Path, options: LoadOptions | None = None, /) -> Checkp
     return CheckpointContents(cfg, weights, bk, tokenizer, generation)
 
 
-def _open(file: Path) -> tuple[GGUFMetadata, dict[str, Any], DecoderConfig]:
+def _open(file: Path) -> tuple[GGUFMetadata, dict[str, GGUFTensor], DecoderConfig]:
     """The metadata, tensors (memory-mapped, nothing read) and config of a GGUF file."""
-    from gguf import GGUFReader
-
     if not file.is_file():
         raise FileNotFoundError(f"load: no GGUF file {str(file)!r}")
-    check_gguf_layout(file)  # every count against the file's size, before GGUFReader reads
-    try:
-        reader = GGUFReader(file, "r")
-    except (ValueError, OSError, KeyError, IndexError) as exc:
-        size = file.stat().st_size if file.is_file() else 0
-        raise CheckpointError(
-            f"load: {str(file)!r} ({size} bytes) is not a readable GGUF file: {exc} "
-            "(a truncated file, or not GGUF)"
-        ) from None
-    meta = GGUFMetadata(reader.fields, file)
-    tensors = {t.name: t for t in reader.tensors}
-    return meta, tensors, gguf_config(meta, tensors)
+    header = read_gguf_header(file)  # every count checked against the file's size
+    meta = GGUFMetadata(header.fields, file)
+    return meta, header.tensors, gguf_config(meta, header.tensors)
 
 
 def _extras(file: Path, meta: GGUFMetadata, cfg: DecoderConfig) -> tuple[Any, dict[str, Any]]:
@@ -214,16 +204,16 @@ class GGUFSlices:
         #: The largest block (in values) of the matrices a tensor-parallel split cuts along
         #: their columns (``o_proj``, ``down_proj``): each rank's share must hold whole blocks.
         self.column_block = max(
-            BLOCK_SIZES[self.tensors[g].tensor_type.name][0]
+            BLOCK_SIZES[self.tensors[g].kind][0]
             for h, g in self.names.items()
             if h.endswith(("o_proj.weight", "down_proj.weight"))
-            and self.tensors[g].tensor_type.name in BLOCK_SIZES
+            and self.tensors[g].kind in BLOCK_SIZES
         )
 
     def quantized(self, name: str) -> tuple[int, int] | None:
         """``(bits, group_size)`` of tensor ``name`` where it is read kept quantized."""
         t = self.tensors[self.names[name]]
-        kind = t.tensor_type.name
+        kind = t.kind
         if self.keep and kind in AFFINE_BITS and len(_shape(t)) == 2:
             return AFFINE_BITS[kind], 32
         return None
@@ -260,12 +250,12 @@ class GGUFSlices:
         return host.reshape(len(rows), c1 - c0)
 
 
-def _shape(t: Any) -> tuple[int, ...]:
-    return tuple(int(n) for n in reversed(t.shape))  # ggml's ne is innermost first
+def _shape(t: GGUFTensor) -> tuple[int, ...]:
+    return tuple(reversed(t.shape))  # ggml's ne is innermost first
 
 
 def _check(
-    file: Path, cfg: DecoderConfig, tensors: dict[str, Any]
+    file: Path, cfg: DecoderConfig, tensors: dict[str, GGUFTensor]
 ) -> tuple[dict[str, str], dict[str, slice]]:
     """``(HF name -> GGUF name of every expected tensor, HF name -> its rows in a fused GGUF
     tensor)``; :class:`CheckpointError` listing the missing, unexpected and misshapen ones."""
@@ -321,23 +311,22 @@ def _gguf_name(h: str, sandwich: bool) -> str:
     return h
 
 
-def _blocks(file: Path, t: Any) -> tuple[str, np.ndarray]:
+def _blocks(file: Path, t: GGUFTensor) -> tuple[str, np.ndarray]:
     """``(type name, uint8 blocks (n, bytes per block))`` of a tensor, checked."""
-    kind = t.tensor_type.name
+    kind = t.kind
     if kind not in BLOCK_SIZES:
         raise CheckpointError(
             f"load: {str(file)!r}: tensor {t.name} has GGUF type {kind}, which portable_llm "
             f"does not read; supported: {', '.join(BLOCK_SIZES)}"
         )
     per, nbytes = BLOCK_SIZES[kind]
-    raw = np.asarray(t.data).reshape(-1).view(np.uint8)
-    want = int(t.n_elements) // per * nbytes
-    if raw.size != want or int(t.n_elements) % per or _shape(t)[-1] % per:
+    want = t.n_elements // per * nbytes
+    if t.data.size != want or t.n_elements % per or _shape(t)[-1] % per:
         raise CheckpointError(
             f"load: {str(file)!r}: tensor {t.name} ({kind}, shape {_shape(t)}) has "
-            f"{raw.size} bytes, expected {want} (truncated file?)"
+            f"{t.data.size} bytes, expected {want} (truncated file?)"
         )
-    return kind, raw.reshape(-1, nbytes)
+    return kind, t.data.reshape(-1, nbytes)
 
 
 def _floats(host: np.ndarray, bk: Backend, dtype: Any, device: Any) -> Any:
@@ -365,7 +354,7 @@ def _row_order(name: str, cfg: DecoderConfig) -> np.ndarray | None:
 
 def _tensor(
     file: Path,
-    t: Any,
+    t: GGUFTensor,
     name: str,
     cfg: DecoderConfig,
     bk: Backend,

@@ -14,10 +14,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from portable_llm.checkpoint.config import check_held
 from portable_llm.checkpoint.files import CheckpointError, brief
+from portable_llm.checkpoint.gguf_header import GGUFTensor, Undecodable
 from portable_llm.decoder.config import DecoderConfig
 
 __all__ = [
@@ -63,10 +62,10 @@ _SPECIAL_IDS = ("bos", "eos", "eot", "eom")
 
 
 class GGUFMetadata:
-    """The metadata of a ``GGUFReader`` (``fields``), with checked getters whose errors name
-    the file and the key."""
+    """A GGUF file's metadata (:attr:`GGUFHeader.fields <portable_llm.checkpoint.gguf_header.
+    GGUFHeader.fields>`), with checked getters whose errors name the file and the key."""
 
-    def __init__(self, fields: Any, file: Path) -> None:
+    def __init__(self, fields: dict[str, Any], file: Path) -> None:
         self.fields = fields
         self.file = file
 
@@ -75,13 +74,12 @@ class GGUFMetadata:
 
     def get(self, key: str, default: Any = None) -> Any:
         """The raw value of ``key`` (a str, int, float, bool or list), or ``default``."""
-        field = self.fields.get(key)
-        if field is None:
+        value = self.fields.get(key)
+        if value is None:
             return default
-        try:
-            return field.contents()
-        except (UnicodeDecodeError, ValueError, IndexError) as exc:
-            raise self.fail(key, f"cannot be read ({exc})") from None
+        if isinstance(value, Undecodable):
+            raise self.fail(key, f"cannot be read ({value.error})")
+        return value
 
     def need(self, key: str) -> Any:
         """The raw value of ``key``; an error when the file lacks it."""
@@ -171,13 +169,13 @@ def check_tokenizer_metadata(meta: GGUFMetadata, vocab: int) -> None:
             raise meta.fail(key, f"must be a bool, got {brief(meta.get(key))}")
 
 
-def held_layers(tensors: dict[str, Any]) -> int:
+def held_layers(tensors: dict[str, GGUFTensor]) -> int:
     """How many layers the file holds tensors of (``blk.{i}.``)."""
     found = [int(m[1]) for name in tensors if (m := _LAYER_OF.match(name))]
     return max(found) + 1 if found else 0
 
 
-def gguf_config(meta: GGUFMetadata, tensors: dict[str, Any]) -> DecoderConfig:
+def gguf_config(meta: GGUFMetadata, tensors: dict[str, GGUFTensor]) -> DecoderConfig:
     """The :class:`DecoderConfig` a GGUF file's metadata describes (transformers' reading),
     every value checked, and the layer count checked against the tensors before anything is
     built from it."""
@@ -191,7 +189,7 @@ def gguf_config(meta: GGUFMetadata, tensors: dict[str, Any]) -> DecoderConfig:
     check_held(meta.file, f"{arch}.block_count", layers, held_layers(tensors), "layers")
     embed = tensors.get("token_embd.weight")
     if embed is not None:
-        shape = tuple(int(n) for n in reversed(embed.shape))
+        shape = tuple(reversed(embed.shape))
         if len(shape) != 2:
             raise CheckpointError(
                 f"load: {str(meta.file)!r}: token_embd.weight has shape {shape}; a (V, E) "
@@ -270,20 +268,20 @@ def gguf_config(meta: GGUFMetadata, tensors: dict[str, Any]) -> DecoderConfig:
 LONGROPE_TENSORS: tuple[str, str] = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 
-def _longrope(meta: GGUFMetadata, tensors: dict[str, Any]) -> dict[str, Any]:
+def _longrope(meta: GGUFMetadata, tensors: dict[str, GGUFTensor]) -> dict[str, Any]:
     """The config fields of llama.cpp's Phi-3 ``longrope`` (its ``convert_hf_to_gguf``:
     ``rope_factors_long``/``_short`` tensors, ``phi3.rope.scaling.original_context_length`` and
     ``.attn_factor``) as transformers' ``rope_scaling``."""
     factors = {}
     for name, key in zip(LONGROPE_TENSORS, ("long_factor", "short_factor"), strict=True):
         t = tensors.get(name)
-        if t is None or t.tensor_type.name != "F32" or len(t.shape) != 1:
+        if t is None or t.kind != "F32" or len(t.shape) != 1:
             raise CheckpointError(
                 f"load: {str(meta.file)!r}: a longrope file needs both "
                 f"{' and '.join(LONGROPE_TENSORS)} as float32 vectors; {name} is "
-                f"{'missing' if t is None else t.tensor_type.name}"
+                f"{'missing' if t is None else t.kind}"
             )
-        factors[key] = [float(v) for v in np.asarray(t.data, dtype=np.float32).reshape(-1)]
+        factors[key] = t.data.view("<f4").tolist()
     ompe = meta.count("phi3.rope.scaling.original_context_length")
     scaling: dict[str, Any] = {"rope_type": "longrope", **factors}
     attn = meta.get("phi3.rope.scaling.attn_factor")

@@ -371,15 +371,17 @@ def _vocab(path: Path) -> int:
 
 def _gguf_vocab(path: Path) -> int:
     """The vocabulary size of a ``.gguf`` file (its token list), read without loading it."""
-    from gguf import GGUFReader
+    from portable_llm.checkpoint.files import CheckpointError
+    from portable_llm.checkpoint.gguf_header import read_gguf_header
 
     try:
-        field = GGUFReader(path, "r").fields.get("tokenizer.ggml.tokens")
-    except (ValueError, OSError, IndexError) as exc:  # gguf's "GGUF magic invalid", truncation
-        raise UsageError(f"--model: {path} is not a readable GGUF file ({exc})") from None
-    if field is None:
-        raise UsageError(f"--model: {path} has no tokenizer.ggml.tokens")
-    return len(field.data)
+        tokens = read_gguf_header(path).fields.get("tokenizer.ggml.tokens")
+    except CheckpointError as exc:  # not GGUF, truncated: what is wrong, at which byte
+        why = str(exc).split("GGUF file: ", 1)[-1]
+        raise UsageError(f"--model: {path} is not a readable GGUF file: {why}") from None
+    if not isinstance(tokens, list):
+        raise UsageError(f"--model: {path} has no tokenizer.ggml.tokens list")
+    return len(tokens)
 
 
 def _ratios(rows: list[list[str]]) -> list[str]:
