@@ -54,6 +54,18 @@ def skip_reason(name: str) -> str | None:
     return None
 
 
+def only_on(name: str) -> pytest.MarkDecorator:
+    """Skip a test that runs one backend by name (not through the ``backend`` fixture) unless
+    that backend is selected: a NumPy-only check runs in the env that selects NumPy, not once in
+    every backend's env."""
+    reason = skip_reason(name)
+    return pytest.mark.skipif(reason is not None, reason=str(reason))
+
+
+#: :func:`only_on` NumPy: the benchmark and report tests that run NumPy by name.
+numpy_only = only_on("numpy")
+
+
 def _marks(name: str) -> list[pytest.MarkDecorator]:
     reason = skip_reason(name)
     return [] if reason is None else [pytest.mark.skip(reason=reason)]

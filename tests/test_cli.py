@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 
+from conftest import numpy_only
 from portable_llm.backends import get_backend
 from portable_llm.cli import bench, options, report
 from portable_llm.cli.cli import main, parser
@@ -75,6 +76,7 @@ def _unwrap(text: str) -> str:
     return re.sub(r"\n {4}(?=\S)", " ", text)
 
 
+@numpy_only
 def test_report_is_the_default_command_and_covers_every_op_on_numpy(capsys):
     code = main(["--backend", "numpy"])
     out = capsys.readouterr().out

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import portable_llm as pl
+from conftest import numpy_only
 from portable_llm.checkpoint.gguf_blocks import (
     AFFINE_BITS,
     BLOCK_SIZES,
@@ -585,6 +586,7 @@ def test_generate_command(
     assert want and out.out.startswith(want + "\n")
 
 
+@numpy_only
 def test_bench_model_gguf(
     llama_file: tuple[Path, dict[str, np.ndarray]], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import portable_llm as pl
+from conftest import numpy_only
 from portable_llm.attn.padding import left_pad
 from portable_llm.models import load
 from portable_llm.testing import MODEL_TOLERANCES, assert_close
@@ -459,6 +460,7 @@ def test_generate_accepts_numpy_integers(checkpoints: dict, backend: str) -> Non
         pl.generate(model, prompt, stop=pl.asarray(np.array([1.0]), backend=backend))
 
 
+@numpy_only
 def test_model_bench_on_a_checkpoint_folder(checkpoints: dict) -> None:
     """``bench --model PATH``: any checkpoint folder, one row per engine with positive speeds
     and the machine's load average; a folder without config.json is a usage error."""

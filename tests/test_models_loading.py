@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import portable_llm as pl
+from conftest import numpy_only
 from portable_llm.checkpoint.tokenizer import read_tokenizer
 from portable_llm.cli.cli import main
 from portable_llm.cli.model_bench import QWEN2_0_5B, run_model_bench
@@ -352,6 +353,7 @@ _SMALL_BENCH = {**QWEN2_0_5B, "num_hidden_layers": 1, "vocab_size": 512, "hidden
 _SMALL_BENCH.update(intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
 
 
+@numpy_only
 def test_model_bench(tmp_path: Path) -> None:
     """The model benchmark on a small checkpoint, NumPy only: one row with positive speeds."""
     cfg = _SMALL_BENCH

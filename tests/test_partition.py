@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conftest import skip_reason
+from conftest import numpy_only, skip_reason
 from portable_llm.checkpoint.build import LoadOptions
 from portable_llm.checkpoint.partitioned import read_partitioned
 from portable_llm.checkpoint.shards import SafetensorsFiles
@@ -23,8 +23,6 @@ from portable_llm.partition import Engine, plan_partition, stage_layers
 from portable_llm.testing import MODEL_TOLERANCES, assert_close
 from portable_llm.testing.checkpoints import tiny_config, write_checkpoint
 from portable_llm.testing.partition import launch, launch_jax
-
-numpy_only = pytest.mark.skipif(bool(skip_reason("numpy")), reason=str(skip_reason("numpy")))
 
 
 def _cfg(model_type: str, **kw: object) -> DecoderConfig:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conftest import skip_reason
+from conftest import numpy_only, skip_reason
 from portable_llm.checkpoint.build import LoadOptions
 from portable_llm.checkpoint.partitioned import read_partitioned
 from portable_llm.checkpoint.shards import SafetensorsFiles
@@ -25,8 +25,6 @@ from portable_llm.partition import Engine
 from portable_llm.testing import DEEP_MODEL_TOLERANCES, assert_close
 from portable_llm.testing.checkpoints import tiny_config, write_checkpoint
 from portable_llm.testing.partition import NEW_TOKENS, PROMPT, launch, launch_jax
-
-numpy_only = pytest.mark.skipif(bool(skip_reason("numpy")), reason=str(skip_reason("numpy")))
 
 
 class _Ranks(Engine):
