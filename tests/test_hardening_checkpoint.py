@@ -204,11 +204,11 @@ def test_tensor_data_past_the_end(base: Path, tmp_path: Path) -> None:
         pl.load(tmp_path / "cut.gguf")
 
 
-def test_header_reads_as_gguf_reads_it(base: Path) -> None:
+def assert_header_as_gguf_reads_it(file: Path) -> None:
     """The one-pass header reader gives every metadata value, tensor shape, type and byte that
-    the ``gguf`` package's ``GGUFReader`` gives for the same file."""
-    header = read_gguf_header(base)
-    reader = gguf.GGUFReader(base)
+    the ``gguf`` package's ``GGUFReader`` gives for ``file``."""
+    header = read_gguf_header(file)
+    reader = gguf.GGUFReader(file)
     theirs = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
     assert header.fields == theirs
     assert list(header.tensors) == [t.name for t in reader.tensors]
@@ -220,6 +220,10 @@ def test_header_reads_as_gguf_reads_it(base: Path) -> None:
             int(t.n_elements),
         )
         assert ours.data.tobytes() == np.asarray(t.data).tobytes()
+
+
+def test_header_reads_as_gguf_reads_it(base: Path) -> None:
+    assert_header_as_gguf_reads_it(base)
 
 
 def test_big_endian_file_is_refused_by_name(base: Path, tmp_path: Path) -> None:

@@ -66,6 +66,14 @@ def gguf_file() -> Path:
     return _package_folder() / NAME
 
 
+def test_header_reads_as_gguf_reads_it(gguf_file: Path) -> None:
+    """portable_llm's one-pass header reader against the ``gguf`` package's ``GGUFReader`` on
+    the real file: every value of its 49,152-token vocabulary and 48,900 merges, every tensor."""
+    from test_hardening_checkpoint import assert_header_as_gguf_reads_it
+
+    assert_header_as_gguf_reads_it(gguf_file)
+
+
 @pytest.fixture(scope="session")
 def hf_model(gguf_file: Path) -> Any:
     """transformers' float32 model of the file; its weights cached as an HF folder."""
