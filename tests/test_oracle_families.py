@@ -112,16 +112,18 @@ def hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path,
     }
 
 
-def _hf_logits(model: Any, ids: np.ndarray) -> np.ndarray:
+def hf_logits(model: Any, ids: np.ndarray) -> np.ndarray:
+    """transformers' float32 logits of ``ids`` ``(B, L)``."""
     with torch.no_grad():
         return model(torch.tensor(ids)).logits.float().numpy()
 
 
-def _hf_greedy(model: Any, prompt: np.ndarray) -> list[int]:
+def hf_greedy(model: Any, prompt: np.ndarray, steps: int = STEPS) -> list[int]:
+    """transformers' greedy continuation of ``prompt`` ``(L,)``: ``steps`` tokens, no stop."""
     with torch.no_grad():
         out = model.generate(
-            torch.tensor(prompt[None]), do_sample=False, max_new_tokens=STEPS,
-            min_new_tokens=STEPS, eos_token_id=None, pad_token_id=0,
+            torch.tensor(prompt[None]), do_sample=False, max_new_tokens=steps,
+            min_new_tokens=steps, eos_token_id=None, pad_token_id=0,
         )  # fmt: skip
     return list(out[0, len(prompt) :].tolist())
 
@@ -131,7 +133,7 @@ def test_logits_match_transformers(hf_models: dict, family: str, backend: str) -
     folder, hf = hf_models[family]
     model = pl.load(folder, backend=backend, dtype="float32")
     assert model.prepared is not None
-    want = _hf_logits(hf, IDS)
+    want = hf_logits(hf, IDS)
     assert_close(model(pl.asarray(IDS, backend=backend)), want, backend=backend)
     slow = copy.copy(model)  # the op-by-op path: each layer composes the public ops
     slow.prepared, slow.compiled = None, None
@@ -149,7 +151,7 @@ def test_cached_decode_matches_transformers(hf_models: dict, family: str, backen
         parts.append(
             pl.to_numpy(model(pl.asarray(IDS[:, j : j + 1], backend=backend), cache=cache))
         )
-    assert_close(np.concatenate(parts, axis=1), _hf_logits(hf, IDS), backend="numpy")
+    assert_close(np.concatenate(parts, axis=1), hf_logits(hf, IDS), backend="numpy")
 
 
 @pytest.mark.slow_on("jax", "array_api_strict")  # generate, batch and speculative: minutes there
@@ -157,14 +159,14 @@ def test_cached_decode_matches_transformers(hf_models: dict, family: str, backen
 def test_greedy_tokens_match_transformers(hf_models: dict, family: str, backend: str) -> None:
     folder, hf = hf_models[family]
     prompt = IDS[0, :7]
-    want = _hf_greedy(hf, prompt)
+    want = hf_greedy(hf, prompt)
     assert len(set(want)) > 3  # the test models do not just repeat one token
     model = pl.load(folder, backend=backend, dtype="float32")
     assert list(pl.generate(model, prompt, max_new_tokens=STEPS, stop=())) == want
     # continuous batching over paged caches, two prompts at once
     other = IDS[1, :5]
     got = pl.batch_generate(model, [prompt, other], max_new_tokens=STEPS, stop=())
-    assert [list(g) for g in got] == [want, _hf_greedy(hf, other)]
+    assert [list(g) for g in got] == [want, hf_greedy(hf, other)]
     # speculative decoding, the model as its own draft: the greedy tokens again
     gen = pl.speculative_generate(model, model, prompt, num_draft_tokens=3,
                                   max_new_tokens=STEPS, stop=())  # fmt: skip
@@ -186,7 +188,7 @@ def test_bfloat16_matches_transformers(
     model = pl.load(folder, backend=backend, dtype="bfloat16")
     tol = MODEL_TOLERANCES["bfloat16"]
     got = model(pl.asarray(IDS, backend=backend))
-    assert_close(got, _hf_logits(hf16, IDS), backend=backend, dtype="bfloat16", rtol=tol.rtol,
+    assert_close(got, hf_logits(hf16, IDS), backend=backend, dtype="bfloat16", rtol=tol.rtol,
                  atol=tol.atol)  # fmt: skip
 
 
@@ -204,7 +206,7 @@ def test_gpt2_original_layout(hf_models: dict, tmp_path: Path) -> None:
     shutil.copy(folder / "config.json", tmp_path / "config.json")
     save_file(renamed, str(tmp_path / "model.safetensors"))
     model = pl.load(tmp_path, backend="numpy", dtype="float32")
-    assert_close(model(IDS), _hf_logits(hf, IDS))
+    assert_close(model(IDS), hf_logits(hf, IDS))
 
 
 def test_gpt2_layer_count_checked_in_either_spelling(hf_models: dict, tmp_path: Path) -> None:
@@ -227,7 +229,7 @@ def test_gpt2_layer_count_checked_in_either_spelling(hf_models: dict, tmp_path: 
         for key in ("n_layer", "num_hidden_layers"):
             spelled = {k: v for k, v in config.items() if k not in ("n_layer", "num_hidden_layers")}
             (out / "config.json").write_text(json.dumps({**spelled, key: held}))
-            assert_close(pl.load(out, backend="numpy", dtype="float32")(IDS), _hf_logits(hf, IDS))
+            assert_close(pl.load(out, backend="numpy", dtype="float32")(IDS), hf_logits(hf, IDS))
             (out / "config.json").write_text(json.dumps({**spelled, key: 10**6}))
             with pytest.raises(pl.CheckpointError, match=f"the weights hold {held} layers"):
                 pl.load(out, backend="numpy")
@@ -272,7 +274,7 @@ def test_llama4_compiled_decode(hf_models: dict, backend: str, tmp_path: Path, m
         )
     if compiles:
         assert model.compiled is not None and model.compiled.traces >= 1
-    assert_close(np.concatenate(parts, axis=1), _hf_logits(hf, IDS), backend="numpy")
+    assert_close(np.concatenate(parts, axis=1), hf_logits(hf, IDS), backend="numpy")
 
 
 def test_llama4_fused_experts_are_checked(hf_models: dict, tmp_path: Path) -> None:

@@ -27,6 +27,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from test_oracle_families import hf_greedy, hf_logits  # noqa: E402
+
 V, OMPE, STEPS = 300, 8, 12
 IDS = np.random.default_rng(1).integers(3, V, size=(2, 12))
 
@@ -76,11 +78,6 @@ def hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path,
     return out
 
 
-def _hf_logits(model: Any, ids: np.ndarray) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(ids)).logits.float().numpy()
-
-
 def test_config_reads_longrope(hf_models: dict) -> None:
     folder, hf = hf_models["longrope_partial"]
     rope = pl.load(folder, backend="numpy").config.rope
@@ -104,7 +101,7 @@ def test_logits_match_transformers(hf_models: dict, name: str, length: int, back
     folder, hf = hf_models[name]
     model = pl.load(folder, backend=backend, dtype="float32")
     ids = IDS[:, :length]
-    assert_close(model(pl.asarray(ids, backend=backend)), _hf_logits(hf, ids), backend=backend)
+    assert_close(model(pl.asarray(ids, backend=backend)), hf_logits(hf, ids), backend=backend)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -116,7 +113,7 @@ def test_bfloat16_matches_transformers(hf_models: dict, name: str, backend: str)
     model = pl.load(folder, backend=backend, dtype="bfloat16")
     tol = MODEL_TOLERANCES["bfloat16"]
     got = model(pl.asarray(IDS, backend=backend))
-    assert_close(got, _hf_logits(hf16, IDS), backend=backend, dtype="bfloat16", rtol=tol.rtol,
+    assert_close(got, hf_logits(hf16, IDS), backend=backend, dtype="bfloat16", rtol=tol.rtol,
                  atol=tol.atol)  # fmt: skip
 
 
@@ -143,16 +140,7 @@ def test_cached_decode_across_the_original_length(hf_models: dict, name: str, ba
     if model.compiled is not None:  # JAX, MLX: one program per side of L0
         assert model.compiled.traces == 2
     # the short factors up to position 7: one forward of 12 differs (all long) from the steps
-    assert not np.allclose(_hf_logits(hf, IDS)[:, 8:], want_all[:, 8:], atol=1e-3)
-
-
-def _hf_greedy(model: Any, prompt: np.ndarray) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor(prompt[None]), do_sample=False, max_new_tokens=STEPS,
-            min_new_tokens=STEPS, eos_token_id=None, pad_token_id=0,
-        )  # fmt: skip
-    return list(out[0, len(prompt) :].tolist())
+    assert not np.allclose(hf_logits(hf, IDS)[:, 8:], want_all[:, 8:], atol=1e-3)
 
 
 @pytest.mark.slow_on("jax", "array_api_strict")
@@ -166,11 +154,11 @@ def test_greedy_tokens_match_transformers(hf_models: dict, name: str, backend: s
     model = pl.load(folder, backend=backend, dtype="float32")
     assert model.recompute_after == OMPE
     prompt = IDS[0, :5]
-    want = _hf_greedy(hf, prompt)
+    want = hf_greedy(hf, prompt, STEPS)
     assert len(set(want)) > 3
     assert list(pl.generate(model, prompt, max_new_tokens=STEPS, stop=())) == want
     long = IDS[1, :10]
-    want = _hf_greedy(hf, long)
+    want = hf_greedy(hf, long, STEPS)
     got = pl.generate(model, long, max_new_tokens=STEPS, stop=(), prefill_step_size=4)
     assert list(got) == want
     assert [list(g) for g in pl.batch_generate(model, [long], max_new_tokens=STEPS, stop=())] == [
