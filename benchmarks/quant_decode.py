@@ -6,6 +6,9 @@ gives the median prefill and decode tokens/s, the weights' memory, and the load 
 
     OMP_NUM_THREADS=1 python benchmarks/quant_decode.py --backend torch --dtype float32 --rounds 3
 
+``--threads`` (default 1) sets torch's thread count and llama.cpp's; ``OMP_NUM_THREADS`` should
+match it (NumPy's BLAS reads it at import).
+
 ``--model`` may be given several times (each file's variants join the same rounds); ``--peer``
 adds llama.cpp (``llama-cpp-python``, when installed) on each file, with torch's thread count,
 as ``portable-llm bench --model`` runs it.
@@ -49,12 +52,18 @@ def main() -> None:
     ap.add_argument("--choice", action="append", default=None, help="False, True or auto")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--new", type=int, default=24)
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch's threads, and llama.cpp's (set OMP_NUM_THREADS to match for NumPy's BLAS)",
+    )
     args = ap.parse_args()
     paths = args.model or [smollm2_gguf()]
-    if "torch" in (args.backend or []):
+    if "torch" in (args.backend or []) or args.peer:
         import torch
 
-        torch.set_num_threads(1)
+        torch.set_num_threads(args.threads)
     choices = {"False": False, "True": True, "auto": "auto"}
     ids = np.random.default_rng(0).integers(0, 1000, size=128)
     variants: dict[tuple[str, str, str, str], tuple[Callable[[], tuple[float, float]], float]] = {}
@@ -84,14 +93,23 @@ def main() -> None:
         for key, (once, _) in variants.items():
             rates[key].append(once())
         loads.append(os.getloadavg()[0])
-    print(f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, {args.rounds} rounds, "
+    print(f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, --threads {args.threads}, "
+          f"{args.rounds} rounds, "
           f"{args.new} new tokens, load average {min(loads):.1f}-{max(loads):.1f}")  # fmt: skip
-    print("| file | engine | dtype | dequantize | weights MiB | prefill tok/s | decode tok/s |")
-    print("|---|---|---|---|---|---|---|")
+    head = "| file | engine | dtype | dequantize | weights MiB | prefill tok/s | decode tok/s |"
+    print(head + " decode / llama.cpp |")
+    print("|---|---|---|---|---|---|---|---|")
+    med = {
+        key: tuple(statistics.median(r[i] for r in rates[key]) for i in (0, 1)) for key in variants
+    }
     for (name, backend, dtype, c), (_, mem) in variants.items():
-        pre = statistics.median(r[0] for r in rates[name, backend, dtype, c])
-        dec = statistics.median(r[1] for r in rates[name, backend, dtype, c])
-        print(f"| {name} | {backend} | {dtype} | {c} | {mem / 2**20:.0f} | {pre:.1f} | {dec:.2f} |")
+        pre, dec = med[name, backend, dtype, c]
+        peer = med.get((name, "llama.cpp", "-", "-"))
+        ratio = "-" if peer is None else f"{dec / peer[1]:.2f}"
+        print(
+            f"| {name} | {backend} | {dtype} | {c} | {mem / 2**20:.0f} | {pre:.1f} | {dec:.2f} "
+            f"| {ratio} |"
+        )
 
 
 def _once(model: pl.Model, ids: np.ndarray, new: int) -> tuple[float, float]:
