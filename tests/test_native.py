@@ -6,10 +6,14 @@ kernels of later ops (rope, attention, ...) are checked in those ops' test files
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pytest
 from hypothesis import given
 
 import portable_llm as pl
+from conftest import only_on
 from portable_llm.core.dispatch import dispatcher
 from portable_llm.testing import assert_close, random_array, random_weight
 from portable_llm.testing.strategies import seeds, shapes
@@ -74,3 +78,29 @@ def test_torch_rms_norm_half_keeps_hf_rounding():
     w = torch.rand(64, dtype=torch.bfloat16) + 0.5
     hf = w * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
     assert torch.equal(pl.rms_norm(x, w, eps=1e-6), hf)
+
+
+@only_on("torch")
+@pytest.mark.parametrize("shape", [(48,), (1, 48), (1, 1, 48), (3, 48), (2, 1, 48)])
+def test_torch_float32_linear_one_row_and_gradients(shape):
+    """float32 linear on torch's CPU: one row of x runs NumPy's BLAS GEMV, more rows
+    F.linear; both within float32's tolerance of the float64 reference, float32 kept, and the
+    gradient reaches x through autograd and through ``torch.func.grad`` (F.linear there)."""
+    torch = pytest.importorskip("torch")
+    x, x64 = random_array(0, shape, "float32", backend="torch")
+    w, w64 = random_weight(1, (17, 48), "float32", backend="torch")
+    b, b64 = random_array(2, (17,), "float32", backend="torch")
+    assert_close(pl.linear(x, w, b), x64 @ w64.T + b64, backend="torch", dtype="float32")
+    assert_close(pl.linear(x, w), x64 @ w64.T, backend="torch", dtype="float32")
+    if math.prod(shape[:-1]) == 1:  # the branch taken: NumPy's product, bit for bit
+        gemv = x.numpy().reshape(1, -1) @ w.numpy().T
+        assert np.array_equal(pl.linear(x, w).numpy(), gemv.reshape(*shape[:-1], 17))
+    dx = np.broadcast_to(w64.sum(axis=0), shape)  # d sum(x @ w.T + b) / dx
+    xg = x.clone().requires_grad_()
+    pl.linear(xg, w, b).sum().backward()
+    assert_close(xg.grad, dx, backend="torch", dtype="float32")
+    grad = torch.func.grad(lambda t: pl.linear(t, w, b).sum())(x)
+    assert_close(grad, dx, backend="torch", dtype="float32")
+    with torch.no_grad():  # a weight that requires grad, read without autograd
+        got = pl.linear(x, w.clone().requires_grad_(), b)
+        assert_close(got, x64 @ w64.T + b64, backend="torch", dtype="float32")
