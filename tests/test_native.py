@@ -83,18 +83,29 @@ def test_torch_rms_norm_half_keeps_hf_rounding():
 @only_on("torch")
 @pytest.mark.parametrize("shape", [(48,), (1, 48), (1, 1, 48), (3, 48), (2, 1, 48)])
 def test_torch_float32_linear_one_row_and_gradients(shape):
-    """float32 linear on torch's CPU: one row of x runs NumPy's BLAS GEMV, more rows
-    F.linear; both within float32's tolerance of the float64 reference, float32 kept, and the
-    gradient reaches x through autograd and through ``torch.func.grad`` (F.linear there)."""
+    """float32 linear on torch's CPU: one row of x at one torch thread runs NumPy's BLAS
+    GEMV, more rows or threads F.linear; both within float32's tolerance of the float64
+    reference, float32 kept, and the gradient reaches x through autograd and through
+    ``torch.func.grad`` (F.linear there)."""
     torch = pytest.importorskip("torch")
     x, x64 = random_array(0, shape, "float32", backend="torch")
     w, w64 = random_weight(1, (17, 48), "float32", backend="torch")
     b, b64 = random_array(2, (17,), "float32", backend="torch")
     assert_close(pl.linear(x, w, b), x64 @ w64.T + b64, backend="torch", dtype="float32")
     assert_close(pl.linear(x, w), x64 @ w64.T, backend="torch", dtype="float32")
-    if math.prod(shape[:-1]) == 1:  # the branch taken: NumPy's product, bit for bit
-        gemv = x.numpy().reshape(1, -1) @ w.numpy().T
-        assert np.array_equal(pl.linear(x, w).numpy(), gemv.reshape(*shape[:-1], 17))
+    threads = torch.get_num_threads()
+    try:  # the branch taken: at one torch thread, NumPy's product bit for bit; else F.linear
+        torch.set_num_threads(1)
+        one_row = math.prod(shape[:-1]) == 1
+        rows = x.numpy().reshape(-1, shape[-1])  # (M, 48)
+        gemv = torch.from_numpy(rows @ w.numpy().T).reshape(*shape[:-1], 17)
+        dense = torch.nn.functional.linear(x, w)
+        assert torch.equal(pl.linear(x, w), gemv if one_row else dense)
+        assert_close(pl.linear(x, w, b), x64 @ w64.T + b64, backend="torch", dtype="float32")
+        torch.set_num_threads(2)
+        assert torch.equal(pl.linear(x, w), torch.nn.functional.linear(x, w))
+    finally:
+        torch.set_num_threads(threads)
     dx = np.broadcast_to(w64.sum(axis=0), shape)  # d sum(x @ w.T + b) / dx
     xg = x.clone().requires_grad_()
     pl.linear(xg, w, b).sum().backward()

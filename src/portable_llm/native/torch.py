@@ -71,19 +71,22 @@ def relu(xp: Any, x: Any) -> Any:
     return torch.relu(x)
 
 
-# float32, one row of x (a decode step), on the CPU: NumPy's BLAS (OpenBLAS in NumPy's wheels)
-# streams the weight at 1.6-1.85x the speed of F.linear's GEMV (1 thread, SmolLM2's 1536x576:
-# 103 against 191 us; its 49152x576 head: 3.8 against 6.9 ms; 2 threads, idle: its 30 layers
-# 12.2 against 25.7 ms, where F.linear does not use the second core; with the other core busy
-# 24.1 against 25.2 ms), so a float32 decode step runs 1.48x faster (26.2 -> 38.9 tok/s,
-# SmolLM2 F32, 1 thread). From two rows on F.linear is as fast or faster (measured 2 to 64
-# rows). Not where autograd, torch.compile or a torch.func transform sees the tensors: NumPy
-# is outside their graph.
+# float32, one row of x (a decode step), on the CPU, torch at one thread: NumPy's BLAS
+# (OpenBLAS in NumPy's wheels) streams the weight at 1.6-1.85x the speed of F.linear's GEMV
+# (1 thread, SmolLM2's 1536x576: 103 against 191 us; its 49152x576 head: 3.8 against 6.9 ms),
+# so a float32 decode step runs 1.5-1.65x faster (SmolLM2, 26.6 -> 40-44 tok/s; 55 with
+# NumPy's BLAS at 2 threads beside torch's one). Only at one torch thread: with two, torch's
+# OpenMP workers and BLAS's threads contend for the cores between ops (3.7 tok/s measured,
+# idle 2-core VM), and F.linear (whose GEMV does not use the second core anyway: 25.7 against
+# 25.6 ms for the 30 layers) runs. From two rows on F.linear is as fast or faster (measured 2
+# to 64 rows). Not where autograd, torch.compile or a torch.func transform sees the tensors:
+# NumPy is outside their graphs.
 def _numpy_gemv(x: Any, weight: Any, bias: Any) -> bool:
     return (
         x.dtype == torch.float32
         and weight.dtype == torch.float32
         and x.shape[:-1].numel() == 1  # one row
+        and torch.get_num_threads() == 1
         and weight.ndim == 2
         and x.device.type == "cpu"
         and weight.device.type == "cpu"
@@ -107,7 +110,7 @@ _functorch_wrapped = getattr(
 @native(
     "torch",
     "linear",
-    kernel="torch.nn.functional.linear | numpy.matmul (one float32 row)",
+    kernel="torch.nn.functional.linear | numpy.matmul (one float32 row, one thread)",
 )
 def linear(xp: Any, x: Any, weight: Any, bias: Any = None) -> Any:
     if _numpy_gemv(x, weight, bias):
