@@ -30,7 +30,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from portable_llm.cli.output import Table, UsageError, wrap
+from portable_llm.cli.output import Table, UsageError, plural, wrap
 from portable_llm.cli.report import backend_names, load_for_dtype
 
 __all__ = [
@@ -340,7 +340,7 @@ def run_model_bench(
         else:
             notes.append(f"{engine} skipped: {module} is not installed")
     peers = (
-        f"llama.cpp runs on the same file with {_threads()} threads, as torch"
+        f"llama.cpp runs on the same file with {plural(_threads(), 'thread')}, as torch"
         if gguf
         else "transformers runs next to the torch backend, mlx-lm next to the mlx backend"
     )
