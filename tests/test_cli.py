@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import numpy_only
+from conftest import numpy_only, only_on
 from portable_llm.backends import get_backend
 from portable_llm.cli import bench, options, report
 from portable_llm.cli.cli import main, parser
@@ -455,6 +455,49 @@ def test_generate_ids_without_a_tokenizer(tmp_path, capsys):
     assert out[1] == "stopped: 5 new tokens, the --max-new-tokens limit (5)"
     assert re.fullmatch(r"prefill: 3 tokens in [\d.]+ s, [\d.]+ tokens/s", out[3])
     assert re.fullmatch(r"decode: 4 tokens in [\d.]+ s, [\d.]+ tokens/s", out[4])
+
+
+@only_on("torch")
+@pytest.mark.parametrize(
+    ("flags", "calls"),
+    [
+        ([], [2, 1, 2]),  # chosen 2; one thread once the prompt is read; 2 again at the end
+        (["--threads", "2"], [2]),  # asked for: kept
+        (["--dtype", "bfloat16"], [2]),  # not float32: NumPy's BLAS has no bfloat16
+    ],
+)
+def test_generate_decodes_torch_float32_on_one_thread(tmp_path, monkeypatch, capsys, flags, calls):
+    """Without --threads, torch float32 decodes on one torch thread (its one-row products then
+    run on NumPy's BLAS; options.one_thread_decode) after reading the prompt on those chosen;
+    the same tokens as a run that stays on two threads."""
+    import torch
+
+    folder = _checkpoint(tmp_path, eos=[])
+    base = [
+        "generate",
+        str(folder),
+        "--backend",
+        "torch",
+        "--ids",
+        "1,2,3",
+        "--max-new-tokens",
+        "5",
+    ]
+    dtype = [f for f in flags if f != "--threads" and f != "2"]
+    before = torch.get_num_threads()
+    seen: list[int] = []
+    real = torch.set_num_threads
+    monkeypatch.setattr(options, "default_threads", lambda: 2)
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(torch, "set_num_threads", lambda n: (seen.append(n), real(n))[1])
+            assert main([*base, *flags]) == 0
+        assert seen == calls and torch.get_num_threads() == 2
+        got = capsys.readouterr().out.splitlines()[0]
+        assert main([*base, *dtype, "--threads", "2"]) == 0
+        assert got == capsys.readouterr().out.splitlines()[0]
+    finally:
+        real(before)
 
 
 def test_generate_says_which_stop_token_ended_it(tmp_path, capsys):

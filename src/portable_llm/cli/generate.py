@@ -13,6 +13,7 @@ from portable_llm.cli.options import (
     add_model_arguments,
     add_sampling_arguments,
     apply_threads,
+    one_thread_decode,
     positive_int,
     sampling_options,
     token_ids,
@@ -109,6 +110,7 @@ def run_generate(
     ])  # fmt: skip
     threads = apply_threads(getattr(args, "threads", None), [args.backend])
     progress = Progress("generate")
+    one = False  # decoding on one torch thread (one_thread_decode)
     try:
         progress(f"loading {args.path} on {args.backend} ({plural(threads, 'thread')}) ...")
         start = time.perf_counter()
@@ -147,13 +149,19 @@ def run_generate(
             k = args.num_draft_tokens
             gen = speculative_generate(model, draft, prompt, num_draft_tokens=k, **options)
         progress(f"loaded in {loaded:.2f} s; prefill ...")
+        one = draft is None and not groups and one_thread_decode(args.threads, model)
         pieces = model.tokenizer.stream(gen) if args.chat else gen  # the chat prompt is ids
         for i, piece in enumerate(pieces):
+            if i == 0 and one:  # the prompt is read: decode on one torch thread (see there)
+                _torch_threads(1)
             text = piece if ids is None else f"{',' if i else ''}{piece}"
             print(text, end="", file=out, flush=True)
     except (OSError, ValueError, ImportError) as exc:
         error("generate", exc)
         return 1
+    finally:
+        if one:
+            _torch_threads(threads)
     s = gen.stats
     print(file=out)
     lines = [
@@ -187,3 +195,9 @@ def _why_stopped(model: Any, stats: Any, max_new_tokens: int) -> str:
         token += f" {text!r}"
     first = " (the first new token: no output)" if n == 0 else ""
     return f"stopped at stop token {token} after {new}{first}"
+
+
+def _torch_threads(n: int) -> None:
+    import torch
+
+    torch.set_num_threads(n)
