@@ -493,7 +493,9 @@ def test_generate_decodes_torch_float32_on_one_thread(tmp_path, monkeypatch, cap
             m.setattr(torch, "set_num_threads", lambda n: (seen.append(n), real(n))[1])
             assert main([*base, *flags]) == 0
         assert seen == calls and torch.get_num_threads() == 2
-        got = capsys.readouterr().out.splitlines()[0]
+        out = capsys.readouterr().out.splitlines()
+        assert out[4].endswith("tokens/s (1 torch thread)") == (len(calls) == 3)
+        got = out[0]
         assert main([*base, *dtype, "--threads", "2"]) == 0
         assert got == capsys.readouterr().out.splitlines()[0]
     finally:

@@ -170,7 +170,7 @@ def run_generate(
         f"prefill: {plural(s.prompt_tokens, 'token')} in {s.prefill_seconds:.3f} s, "
         f"{s.prefill_tokens_per_second:.1f} tokens/s",
         f"decode: {plural(s.decode_steps, 'token')} in {s.decode_seconds:.3f} s, "
-        f"{s.decode_tokens_per_second:.1f} tokens/s",
+        f"{s.decode_tokens_per_second:.1f} tokens/s" + (" (1 torch thread)" if one else ""),
     ]
     if isinstance(s, SpeculativeStats):
         lines += [
