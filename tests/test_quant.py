@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import portable_llm as pl
+from conftest import only_on
 from portable_llm.backends import get_backend
 from portable_llm.ops.quant import BITS, GROUP_SIZES, QuantizedWeight, dequantize, quantize
 from portable_llm.ops.quant import quantized_linear as qlinear
@@ -550,3 +551,35 @@ def test_load_dequantize_auto_follows_the_rule(backend, dt):
         else:
             np.testing.assert_array_equal(to64(auto[name], backend), to64(floats[name], backend))
     assert n_kept == 0 or backend in ("torch", "mlx", "jax")
+
+
+@only_on("torch")
+@pytest.mark.parametrize("bits", [4, 5, 8])
+@pytest.mark.parametrize("rows", [1, 3, 80])
+def test_torch_bound_weight_runs_the_specialized_kernel_with_the_same_bits(bits, rows):
+    """A quantized weight bound once (a model's projection) runs torch's int4 call with its
+    repack and checks done at the first product (``Native.specialize``) wherever
+    quantized_linear runs the int4 kernel (bfloat16 decode rows), and gives its bits, with and
+    without a bias; the dense path of a long prompt (more than 64 rows at 4-6 bits, 16 at 8)
+    and float32 are not specialized."""
+    torch = pytest.importorskip("torch")
+    from portable_llm.core.dispatch import dispatcher
+    from portable_llm.decoder.layer_weights import bind_weight
+
+    bk = get_backend("torch")
+    d = dispatcher(bk)
+    x, _ = random_array(rows, (1, rows, 96), "bfloat16", backend="torch")
+    w, _ = random_array(7, (48, 96), "bfloat16", backend="torch", scale=0.1)
+    b, _ = random_array(8, (48,), "bfloat16", backend="torch")
+    qw = quantize(w, bits=bits, group_size=32)
+    bound = bind_weight(d, qw)
+    for bias in (None, b):
+        assert torch.equal(bound(bk.xp, x, bias), qlinear(x, qw, bias))
+    opts = {"bits": bits, "group_size": 32}
+    chosen = d.pick("quantized_linear", "auto", x, *qw.arrays, None, **opts)
+    fast = d.specialized("quantized_linear", chosen, x, *qw.arrays, None, **opts)
+    dense_from = {4: 64, 5: 64, 8: 16}[bits]
+    assert (fast is not None) == (rows <= dense_from)
+    x32 = x.float()
+    chosen = d.pick("quantized_linear", "auto", x32, *qw.arrays, None, **opts)
+    assert d.specialized("quantized_linear", chosen, x32, *qw.arrays, None, **opts) is None

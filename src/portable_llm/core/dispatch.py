@@ -71,10 +71,23 @@ class Native:
     (``impl="native"`` still runs it). ``prefer(*arrays, **options)`` (``None``: always) says
     whether ``auto`` should take a kernel that applies, for kernels that are slower than the
     portable path in some settings (a platform, eager calls). ``kernel`` names the library
-    function, for reports.
+    function, for reports. ``specialize(*arrays, **options)`` (``None``: none) may return the
+    kernel for a weight that a model binds once, with what depends only on the weight (a
+    repack, the checks) done now: ``fn(xp, x, b)`` for activations like ``arrays[0]`` (same
+    dtype and rows), the same bits as the kernel; or ``None`` where it has nothing faster.
     """
 
-    __slots__ = ("_auto_set", "applies", "auto_dtypes", "fn", "kernel", "plain", "prefer", "pure")
+    __slots__ = (
+        "_auto_set",
+        "applies",
+        "auto_dtypes",
+        "fn",
+        "kernel",
+        "plain",
+        "prefer",
+        "pure",
+        "specialize",
+    )
 
     def __init__(
         self,
@@ -84,9 +97,11 @@ class Native:
         auto_dtypes: tuple[str, ...] | None = None,
         pure: bool = False,
         prefer: Callable[..., bool] | None = None,
+        specialize: Callable[..., Any] | None = None,
     ) -> None:
         self.fn = fn
         self.prefer = prefer
+        self.specialize = specialize
         self.pure = pure
         self.kernel = kernel
         self.applies = applies
@@ -156,15 +171,16 @@ def native(
     auto_dtypes: tuple[str, ...] | None = None,
     pure: bool = False,
     prefer: Callable[..., bool] | None = None,
+    specialize: Callable[..., Any] | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register ``fn`` as ``backend``'s native kernel for ``op`` (used in native modules).
 
     ``pure``: as for :func:`portable`, the backend may compile it (``Backend.compile``).
-    ``applies``, ``auto_dtypes``, ``prefer``: see :class:`Native`.
+    ``applies``, ``auto_dtypes``, ``prefer``, ``specialize``: see :class:`Native`.
     """
 
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
-        nat = Native(fn, kernel, applies, auto_dtypes, pure, prefer)
+        nat = Native(fn, kernel, applies, auto_dtypes, pure, prefer, specialize)
         _NATIVE.setdefault(backend, {})[op] = nat
         return fn
 
@@ -227,6 +243,18 @@ class Dispatcher:
         self._portable[op, name] = run
         self._labels[run] = (name, f"{fn.__module__}.{fn.__qualname__}")
         return run
+
+    def specialized(
+        self, op: str, fn: Callable[..., Any], *args: Any, **options: Any
+    ) -> Callable[..., Any] | None:
+        """``fn`` (a choice of :meth:`pick` for these arguments) specialized for a weight bound
+        once: the native kernel's ``specialize(*args, **options)`` when ``fn`` is that kernel
+        and it offers one (see :class:`Native`), else ``None``."""
+        nat = self.native.get(op)
+        if nat is None or nat.specialize is None or fn is not nat.fn:
+            return None
+        out: Callable[..., Any] | None = nat.specialize(*args, **options)
+        return out
 
     def label(self, fn: Callable[..., Any]) -> tuple[str, str]:
         """``(impl, kernel)`` of an implementation this dispatcher handed out."""

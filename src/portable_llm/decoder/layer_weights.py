@@ -97,7 +97,8 @@ def bind_weight(d: Any, w: Any) -> Any:
     :class:`Packed` one where the backend packs it (``pack_linear``), else ``w`` itself."""
     if isinstance(w, QuantizedWeight):
         pick = partial(d.pick, "quantized_linear", "auto")
-        return QLinear(*w.arrays, bits=w.bits, group_size=w.group_size, pick=pick)
+        fast = partial(d.specialized, "quantized_linear")
+        return QLinear(*w.arrays, bits=w.bits, group_size=w.group_size, pick=pick, specialize=fast)
     packed = d.pick("pack_linear", "auto", w)(d.backend.xp, w)
     if packed is w:
         return w

@@ -68,9 +68,12 @@ class Packed:
 class QLinear:
     """A quantized projection ``(N, K)`` (MLX's affine format) with its kernels.
 
-    ``quantized_linear``'s kernel is chosen once per weight and shape of ``x``'s leading axes
-    (``auto`` looks at the row count: a few rows of a decode step take another portable path
-    than a prefill), then called directly.
+    ``quantized_linear``'s kernel is chosen once per weight, dtype and shape of ``x``'s leading
+    axes (``auto`` looks at the row count: a few rows of a decode step take another portable
+    path than a prefill), then called directly; where the backend's kernel offers a
+    specialization for a weight bound once (``specialize``: the dispatcher's
+    :meth:`~portable_llm.core.dispatch.Dispatcher.specialized`, e.g. torch's int4 call with the
+    repack and checks done), that runs instead, with the same bits.
     """
 
     packed: Any  # (N, K * bits / 32) uint32
@@ -79,16 +82,32 @@ class QLinear:
     bits: int
     group_size: int
     pick: Fn  # pick(x, packed, scales, biases, b, **format): the dispatcher's auto choice
-    fns: dict[tuple[Any, ...], Fn] = field(default_factory=dict, compare=False, repr=False)
+    #: (leading axes of x, x's dtype, no bias) -> (the chosen kernel, fn(xp, x, b) that runs it)
+    fns: dict[tuple[Any, ...], tuple[Fn, Fn]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+    #: specialize(fn, x, packed, scales, biases, b, **format) -> fn(xp, x, b) or None
+    specialize: Fn | None = field(default=None, compare=False, repr=False)
 
     def __call__(self, xp: Any, x: Any, b: Any) -> Any:
         """``x @ dequantize(w).T + b`` in x's dtype."""
+        key = (*x.shape[:-1], x.dtype, b is None)
+        got = self.fns.get(key)
+        if got is None:
+            got = self.fns[key] = self._bound(x, b)
+        return got[1](xp, x, b)
+
+    def _bound(self, x: Any, b: Any) -> tuple[Fn, Fn]:
+        """The kernel for activations like ``x`` (and a bias or none), and ``fn(xp, x, b)``
+        that runs it: its specialization for this weight, where it has one."""
         opts = {"bits": self.bits, "group_size": self.group_size}
-        key = (*x.shape[:-1], b is None)
-        fn = self.fns.get(key)
-        if fn is None:
-            fn = self.fns[key] = self.pick(x, self.packed, self.scales, self.biases, b, **opts)
-        return fn(xp, x, self.packed, self.scales, self.biases, b, **opts)
+        arrays = (self.packed, self.scales, self.biases)
+        chosen = self.pick(x, *arrays, b, **opts)
+        if self.specialize is not None:
+            fast = self.specialize(chosen, x, *arrays, b, **opts)
+            if fast is not None:
+                return chosen, fast
+        return chosen, lambda xp, x, b: chosen(xp, x, *arrays, b, **opts)
 
     def picked(self, bk: Backend, xp: Any, x: Any, b: Any) -> Any:
         """The same product, its kernel asked of the dispatcher per call (``auto``, as
