@@ -74,7 +74,7 @@ def relu(xp: Any, x: Any) -> Any:
 # float32, one row of x (a decode step), on the CPU, torch at one thread: NumPy's BLAS
 # (OpenBLAS in NumPy's wheels) streams the weight at 1.6-1.85x the speed of F.linear's GEMV
 # (1 thread, SmolLM2's 1536x576: 103 against 191 us; its 49152x576 head: 3.8 against 6.9 ms),
-# so a float32 decode step runs 1.5-1.65x faster (SmolLM2, 26.6 -> 40-44 tok/s; 55 with
+# so a float32 decode step runs 1.5-1.65x faster (SmolLM2, 26.6 -> 40-44 tok/s; 50-55 with
 # NumPy's BLAS at 2 threads beside torch's one). Only at one torch thread: with two, torch's
 # OpenMP workers and BLAS's threads contend for the cores between ops (3.7 tok/s measured,
 # idle 2-core VM), and F.linear (whose GEMV does not use the second core anyway: 25.7 against
