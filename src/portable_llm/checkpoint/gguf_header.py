@@ -86,10 +86,10 @@ class GGUFHeader:
 
 
 class _Walk:
-    """A cursor over the file's bytes that refuses to step past the end."""
+    """A cursor over the file's bytes (little-endian) that refuses to step past the end."""
 
-    def __init__(self, data: mmap.mmap | bytes, file: Path, order: str) -> None:
-        self.data, self.file, self.order, self.at = data, file, order, 0
+    def __init__(self, data: mmap.mmap | bytes, file: Path) -> None:
+        self.data, self.file, self.at = data, file, 0
         self.values = 0
 
     def fail(self, what: str) -> CheckpointError:
@@ -105,7 +105,7 @@ class _Walk:
         size = struct.calcsize(code)
         if size > self.left():
             raise self.fail(f"the file ends inside {what}")
-        (value,) = struct.unpack_from(self.order + code, self.data, self.at)
+        (value,) = struct.unpack_from("<" + code, self.data, self.at)
         self.at += size
         return value
 
@@ -156,7 +156,7 @@ class _Walk:
             raise self.fail(f"{what} has {n} items (at most {MAX_METADATA_VALUES} values)")
         if item in _SCALARS:  # the count is checked against the bytes left: one read
             self.values += n
-            dtype = np.dtype(self.order + _NUMPY[_SCALARS[item][0]])
+            dtype = np.dtype("<" + _NUMPY[_SCALARS[item][0]])
             items = np.frombuffer(self.data, dtype, count=n, offset=self.at).tolist()
             self.at += n * each
             return items
@@ -189,7 +189,7 @@ def read_gguf_header(file: Path, /) -> GGUFHeader:
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"load: cannot read {str(file)!r}: {exc}") from None
     # the tensors are views of ``data``: the mapping closes when the last of them is freed
-    return _read(_Walk(data, file, "<"), GGML_QUANT_SIZES, GGMLQuantizationType)
+    return _read(_Walk(data, file), GGML_QUANT_SIZES, GGMLQuantizationType)
 
 
 def _read(walk: _Walk, sizes: Any, types: Any) -> GGUFHeader:
