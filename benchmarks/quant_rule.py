@@ -6,6 +6,9 @@ Interleaved rounds (every case once per round), medians; one thread
 (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``); the load average is printed with the table.
 
     OMP_NUM_THREADS=1 python benchmarks/quant_rule.py --backend torch --backend numpy --rounds 5
+
+``--group 16 --bits 6`` measures llama.cpp's Q6_K format (groups of 16), which no backend's
+kernel takes: the portable paths.
 """
 
 from __future__ import annotations
@@ -36,29 +39,29 @@ def _sync(bk: object, y: object) -> None:
         mx.eval(y)
 
 
-def _qlinear(x: object, arrays: tuple[object, ...], *, bits: int) -> object:
-    return pl.quantized_linear(x, pl.QuantizedWeight(*arrays, bits=bits, group_size=32))
+def _qlinear(x: object, arrays: tuple[object, ...], *, bits: int, group: int) -> object:
+    return pl.quantized_linear(x, pl.QuantizedWeight(*arrays, bits=bits, group_size=group))
 
 
 def _call(bk: object, fn: Callable[..., object], *args: object) -> None:
     _sync(bk, fn(*args))
 
 
-def _cases(backend: str, dtype: str, bits: int) -> list[tuple[str, Callable[[], None]]]:
+def _cases(backend: str, dtype: str, bits: int, group: int) -> list[tuple[str, Callable[[], None]]]:
     bk = get_backend(backend)
     rng = np.random.default_rng(0)
     out = []
     for n, k in SHAPES:
         w = bk.astype(bk.from_numpy(rng.uniform(-0.1, 0.1, (n, k)).astype(np.float32)),
                       bk.dtype(dtype))  # fmt: skip
-        qw = pl.quantize(w, bits=bits, group_size=32)
+        qw = pl.quantize(w, bits=bits, group_size=group)
         wd = pl.dequantize(qw)
         x = bk.astype(bk.from_numpy(rng.uniform(-1, 1, (1, k)).astype(np.float32)), wd.dtype)
         if backend == "jax":
             import jax
 
             # weights as arguments (closed over, XLA would constant-fold them)
-            qfn = jax.jit(partial(_qlinear, bits=bits))
+            qfn = jax.jit(partial(_qlinear, bits=bits, group=group))
             q_run = partial(_call, bk, qfn, x, qw.arrays)
             d_run = partial(_call, bk, jax.jit(pl.linear), x, wd)
         else:
@@ -73,6 +76,7 @@ def main() -> None:
     ap.add_argument("--backend", action="append", default=None)
     ap.add_argument("--dtype", action="append", default=None)
     ap.add_argument("--bits", action="append", type=int, default=None)
+    ap.add_argument("--group", type=int, default=32, help="group_size (16: Q6_K's)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=5, help="calls per timing (the median of them)")
     args = ap.parse_args()
@@ -87,7 +91,7 @@ def main() -> None:
             if backend == "numpy" and dtype == "bfloat16":
                 continue
             for bits in args.bits or [4, 8]:
-                cases = _cases(backend, dtype, bits)
+                cases = _cases(backend, dtype, bits, args.group)
                 times: dict[str, list[float]] = {name: [] for name, _ in cases}
                 for _, run in cases:  # warm-up (compiles, repacks)
                     run()
@@ -103,7 +107,8 @@ def main() -> None:
                 for n, k in SHAPES:
                     q = statistics.median(times[f"{n}x{k} quantized"]) * 1e3
                     d = statistics.median(times[f"{n}x{k} dense"]) * 1e3
-                    print(f"| {backend} | {dtype} | {bits} | {n}x{k} | {q:.3f} | {d:.3f} | "
+                    fmt = f"{bits}, g{args.group}"
+                    print(f"| {backend} | {dtype} | {fmt} | {n}x{k} | {q:.3f} | {d:.3f} | "
                           f"{d / q:.2f} | {load:.1f} |", flush=True)  # fmt: skip
 
 

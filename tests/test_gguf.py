@@ -14,7 +14,7 @@ import pytest
 import portable_llm as pl
 from conftest import numpy_only
 from portable_llm.checkpoint.gguf_blocks import (
-    AFFINE_BITS,
+    AFFINE_FORMATS,
     BLOCK_SIZES,
     affine_parts,
     dequantize_blocks,
@@ -65,17 +65,20 @@ def test_block_dequantize_bit_for_bit(kind: str) -> None:
     np.testing.assert_array_equal(ours.reshape(-1).view(np.uint32), want.view(np.uint32))
 
 
-@pytest.mark.parametrize("kind", list(AFFINE_BITS))
+@pytest.mark.parametrize("kind", list(AFFINE_FORMATS))
 def test_affine_parts_are_exact(kind: str) -> None:
-    """``scales * q + biases`` per group of 32 equals ggml's value exactly, codes fit the bits."""
+    """``scales * q + biases`` per group (32 weights, Q6_K's 16) equals ggml's value exactly,
+    in float32 arithmetic; the codes fit the bits and use them."""
     rng = np.random.default_rng(7)
     blocks = random_blocks(kind, 33, rng)
     q, scales, biases = affine_parts(kind, blocks)
-    n, per = blocks.shape[0], BLOCK_SIZES[kind][0]
-    assert q.shape == (n, per) and scales.shape == biases.shape == (n, per // 32)
-    assert int(q.max()) < 2 ** AFFINE_BITS[kind]
-    w = scales[:, :, None] * q.reshape(n, -1, 32).astype(np.float32) + biases[:, :, None]
-    np.testing.assert_array_equal(w.reshape(n, per), dequantize_blocks(kind, blocks))
+    (n, per), (bits, group) = (blocks.shape[0], BLOCK_SIZES[kind][0]), AFFINE_FORMATS[kind]
+    assert q.shape == (n, per) and scales.shape == biases.shape == (n, per // group)
+    assert scales.dtype == biases.dtype == np.float32
+    assert int(q.max()) < 2**bits and int(q.max()) >= 2 ** (bits - 1)
+    w = scales[:, :, None] * q.reshape(n, -1, group).astype(np.float32) + biases[:, :, None]
+    want = gguf.quants.dequantize(blocks.reshape(-1), T[kind]).astype(np.float32)
+    np.testing.assert_array_equal(w.reshape(-1), want)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
@@ -91,7 +94,7 @@ def test_pack_codes_is_mlx_layout(bits: int) -> None:
     np.testing.assert_array_equal(pack_codes(codes, bits), packed)
 
 
-@pytest.mark.parametrize("kind", list(AFFINE_BITS))
+@pytest.mark.parametrize("kind", list(AFFINE_FORMATS))
 def test_affine_blocks_as_quantized_weight(kind: str, backend: str) -> None:
     """Blocks become a ``QuantizedWeight`` whose ``dequantize`` is ggml's value (float32)."""
     quant = pytest.importorskip("portable_llm.ops.quant", reason="ops.quant not there yet")
@@ -99,14 +102,14 @@ def test_affine_blocks_as_quantized_weight(kind: str, backend: str) -> None:
     per = BLOCK_SIZES[kind][0]
     blocks = random_blocks(kind, 8 * 256 // per, rng)  # 8 rows of 256
     q, scales, biases = affine_parts(kind, blocks)
-    bits = AFFINE_BITS[kind]
+    bits, group = AFFINE_FORMATS[kind]
     arr = lambda a: pl.asarray(a, backend=backend)  # noqa: E731
     qw = quant.QuantizedWeight(
         arr(pack_codes(q.reshape(8, 256), bits)),
-        arr(scales.reshape(8, 8)),
-        arr(biases.reshape(8, 8)),
+        arr(scales.reshape(8, 256 // group)),
+        arr(biases.reshape(8, 256 // group)),
         bits=bits,
-        group_size=32,
+        group_size=group,
     )
     want = dequantize_blocks(kind, blocks).reshape(8, 256)
     assert_close(pl.to_numpy(quant.dequantize(qw)), want)
@@ -367,8 +370,9 @@ def _quantized_ops(backend: str) -> Any:
 def test_kept_quantized_equals_dequantized(
     llama_file: tuple[Path, dict[str, np.ndarray]], backend: str
 ) -> None:
-    """``dequantize=False`` keeps the affine types as ``QuantizedWeight`` (Q6_K, F16, BF16 as
-    floats); the logits equal the dequantized model's (the conversion is exact)."""
+    """``dequantize=False`` keeps the affine types as ``QuantizedWeight`` (Q6_K with 6 bits in
+    groups of 16; F16, BF16 as floats); the logits equal the dequantized model's (the
+    conversion is exact); ``"auto"`` dequantizes Q6_K everywhere (no kernel takes its groups)."""
     quant = _quantized_ops(backend)
     file, _ = llama_file
     kept = pl.load(file, backend=backend, dequantize=False)
@@ -378,12 +382,18 @@ def test_kept_quantized_equals_dequantized(
     assert isinstance(b0.attn["wq"], quant.QuantizedWeight) and b0.attn["wq"].bits == 4
     assert isinstance(b0.attn["wv"], quant.QuantizedWeight) and b0.attn["wv"].bits == 5
     assert isinstance(b0.mlp[2], quant.QuantizedWeight) and b0.mlp[2].group_size == 32  # Q4_K
-    assert not isinstance(b1.mlp[2], quant.QuantizedWeight)  # Q6_K: group 16, dequantized
+    q6 = b1.mlp[2]  # Q6_K
+    assert isinstance(q6, quant.QuantizedWeight) and (q6.bits, q6.group_size) == (6, 16)
     assert not isinstance(b0.mlp[1], quant.QuantizedWeight)  # F16
     for name in ("wq", "wk"):  # the permutation is undone on the packed rows too
         assert_close(quant.dequantize(b0.attn[name]), floats.blocks[0].attn[name])
+    np.testing.assert_array_equal(
+        pl.to_numpy(quant.dequantize(q6)), pl.to_numpy(floats.blocks[1].mlp[2])
+    )
     ids = [[5, 17, 42, 99, 3, 250, 7]]
     assert_close(kept(ids), floats(ids))
+    auto = pl.load(file, backend=backend)
+    assert not isinstance(auto.blocks[1].mlp[2], quant.QuantizedWeight)
 
 
 def test_dtype(llama_file: tuple[Path, dict[str, np.ndarray]], backend: str) -> None:
@@ -565,7 +575,7 @@ def test_generate_command(
     kept: bool,
 ) -> None:
     """``portable-llm generate model.gguf --chat`` runs the chat template of the metadata: on a
-    file of float tensors (F16, F32, Q6_K), and on the file with every quantized type."""
+    file of float tensors (F16, F32, BF16), and on the file with every quantized type."""
     from portable_llm.cli.cli import main
 
     if kept:
@@ -573,7 +583,7 @@ def test_generate_command(
         file, _ = llama_file
     else:
         cfg = family_config("llama")
-        floats = {n: ("F16" if k in AFFINE_BITS else k) for n, k in layer_types(cfg).items()}
+        floats = {n: ("F16" if k in AFFINE_FORMATS else k) for n, k in layer_types(cfg).items()}
         file = tmp_path / "floats.gguf"
         tok = gguf_tokenizer_meta(tmp_path / "tok")
         write_gguf(file, "llama", cfg, random_weights(cfg, 2), types=floats, tok=tok)

@@ -12,8 +12,8 @@ time):
   fused tensors (``attn_qkv``; Phi-3's ``ffn_up``) are split into HF's row blocks, and Gemma's
   norm weights, stored as ``1 + w``, lose the 1;
 - quantized tensors stay quantized (:class:`~portable_llm.ops.quant.QuantizedWeight`, MLX's
-  affine layout) where the block type is exactly affine per group of 32
-  (:data:`~portable_llm.checkpoint.gguf_blocks.AFFINE_BITS`), and are dequantized otherwise, or
+  affine layout) where the block type is exactly affine per group of 32 or 16
+  (:data:`~portable_llm.checkpoint.gguf_blocks.AFFINE_FORMATS`), and are dequantized otherwise, or
   everywhere with ``dequantize=True``;
 - the tokenizer (``tokenizer.ggml.*``) becomes a ``tokenizers.Tokenizer`` built as
   transformers builds it from the same file; ``tokenizer.chat_template`` and the EOS ids come
@@ -32,7 +32,7 @@ from portable_llm.backends import Backend
 from portable_llm.checkpoint.build import CheckpointContents, LoadOptions
 from portable_llm.checkpoint.files import CheckpointError, library_errors, listed
 from portable_llm.checkpoint.gguf_blocks import (
-    AFFINE_BITS,
+    AFFINE_FORMATS,
     BLOCK_SIZES,
     affine_parts,
     dequantize_blocks,
@@ -132,8 +132,8 @@ def read_gguf(path: str | Path, options: LoadOptions | None = None, /) -> Checkp
     ``dtype`` (transformers' reading); ``"auto"`` keeps a matrix quantized only where
     :func:`~portable_llm.ops.quant.keeps_codes` says its codes decode at least as fast as its
     floats on this backend, device and dtype; otherwise Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K
-    matrices stay quantized, exactly, as MLX's affine format with group_size 32
-    (:class:`~portable_llm.ops.quant.QuantizedWeight`).
+    matrices stay quantized, exactly, as MLX's affine format with group_size 32, and Q6_K ones
+    with 6 bits and group_size 16 (:class:`~portable_llm.ops.quant.QuantizedWeight`).
 
     Raises
     ------
@@ -183,8 +183,8 @@ def _extras(file: Path, meta: GGUFMetadata, cfg: DecoderConfig) -> tuple[Any, di
 class GGUFSlices:
     """A ``.gguf`` file read one tensor, or one slice of it, at a time (a rank of a
     partitioned model reads only what it holds): as float32, or with ``keep=True`` a matrix
-    whose block type is affine per group of 32 (:data:`~portable_llm.checkpoint.gguf_blocks.
-    AFFINE_BITS`) as a :class:`~portable_llm.partition.engine.QuantizedSlice` of its codes
+    whose block type is affine per group (:data:`~portable_llm.checkpoint.gguf_blocks.
+    AFFINE_FORMATS`) as a :class:`~portable_llm.partition.engine.QuantizedSlice` of its codes
     (what :func:`read_gguf` keeps quantized), the others dequantized.
 
     ``config``, ``tokenizer`` and ``generation_config`` are :func:`read_gguf`'s; ``shapes``
@@ -214,8 +214,8 @@ class GGUFSlices:
         """``(bits, group_size)`` of tensor ``name`` where it is read kept quantized."""
         t = self.tensors[self.names[name]]
         kind = t.kind
-        if self.keep and kind in AFFINE_BITS and len(_shape(t)) == 2:
-            return AFFINE_BITS[kind], 32
+        if self.keep and kind in AFFINE_FORMATS and len(_shape(t)) == 2:
+            return AFFINE_FORMATS[kind]
         return None
 
     def read(self, name: str, index: tuple[slice, ...] = ()) -> np.ndarray | QuantizedSlice:
@@ -242,7 +242,7 @@ class GGUFSlices:
         held = blocks.reshape(N, K // per, -1)[rows, c0 // per : c1 // per]  # reads these only
         self.touched += held.nbytes
         fmt = self.quantized(name)
-        if fmt is not None:  # kept quantized: the codes of whole groups of 32
+        if fmt is not None:  # kept quantized: the codes of whole groups
             q, scales, biases = affine_parts(kind, held.reshape(-1, held.shape[-1]))
             q, scales, biases = (a.reshape(len(rows), -1) for a in (q, scales, biases))
             return QuantizedSlice(pack_codes(q, fmt[0]), scales, biases, *fmt)
@@ -369,24 +369,25 @@ def _tensor(
     if part is not None:  # a block of a fused tensor's rows (none is permuted)
         rows = np.arange(shape[0])[part]
         shape = (len(rows), *shape[1:])
-    if dequantize == "auto" and kind in AFFINE_BITS and len(shape) == 2:
+    if dequantize == "auto" and kind in AFFINE_FORMATS and len(shape) == 2:
         # ops.quant's measured rule: keep the codes only where they decode at least as fast
         from portable_llm.ops.quant import device_kind, keeps_codes
 
         where = device_kind(bk, bk.from_numpy(np.zeros(1, np.float32), device))
-        fmt = {"bits": AFFINE_BITS[kind], "rows": shape[0]}
+        bits, group = AFFINE_FORMATS[kind]
+        fmt = {"bits": bits, "group_size": group, "rows": shape[0]}
         dequantize = not keeps_codes(bk, device=where, dtype=bk.dtype_name(dtype), **fmt)
-    if dequantize or kind not in AFFINE_BITS or len(shape) != 2:
+    if dequantize or kind not in AFFINE_FORMATS or len(shape) != 2:
         host = _unstored(name, cfg, dequantize_blocks(kind, blocks).reshape(_shape(t)))
         if rows is not None:
             host = host[rows]
         return _floats(host, bk, dtype, device)
     q, scales, biases = affine_parts(kind, blocks)
     N, K = _shape(t)
-    q, scales, biases = q.reshape(N, K), scales.reshape(N, K // 32), biases.reshape(N, K // 32)
+    bits, group = AFFINE_FORMATS[kind]
+    q, scales, biases = q.reshape(N, K), scales.reshape(N, -1), biases.reshape(N, -1)
     if rows is not None:
         q, scales, biases = q[rows], scales[rows], biases[rows]
-    bits = AFFINE_BITS[kind]
     from portable_llm.ops.quant import QuantizedWeight
 
     return QuantizedWeight(
@@ -394,5 +395,5 @@ def _tensor(
         _floats(scales, bk, dtype, device),
         _floats(biases, bk, dtype, device),
         bits=bits,
-        group_size=32,
+        group_size=group,
     )

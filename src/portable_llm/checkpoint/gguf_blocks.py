@@ -1,12 +1,12 @@
 """GGUF (ggml) tensor blocks, decoded with NumPy on the host.
 
 Each ggml block type stores a row of ``K`` weights as ``K / block`` blocks of bytes. The types
-that are an affine code per group of 32 (``w = scale * q + bias``) decode to the triple
-``(q, scales, biases)`` of :func:`affine_parts`, which is MLX's affine layout once ``q`` is
-packed (:func:`pack_codes`); the rest decode to floats only (:func:`dequantize_blocks`).
+that are an affine code per group (``w = scale * q + bias``: of 32 weights, 16 for Q6_K) decode
+to the triple ``(q, scales, biases)`` of :func:`affine_parts`, which is MLX's affine layout once
+``q`` is packed (:func:`pack_codes`); the rest decode to floats only (:func:`dequantize_blocks`).
 
 ========  =====  ======  ==========================================  ===============
-type      block  bytes   layout of one block                          affine (bits)
+type      block  bytes   layout of one block                          affine (bits, group)
 ========  =====  ======  ==========================================  ===============
 Q4_0      32     18      d f16, 16 bytes of nibbles                   4: d, -8 d
 Q4_1      32     20      d f16, m f16, 16 bytes of nibbles            4: d, m
@@ -16,13 +16,15 @@ Q8_0      32     34      d f16, 32 int8                               8: d, -128
 Q4_K      256    144     d, dmin f16, 12 bytes of 6-bit scales/mins,  4: d sc, -dmin m
                          128 bytes of nibbles
 Q5_K      256    176     as Q4_K, then 32 bytes of fifth bits         5: d sc, -dmin m
-Q6_K      256    210     128 bytes low nibbles, 64 bytes high pairs,  no (group 16)
+Q6_K      256    210     128 bytes low nibbles, 64 bytes high pairs,  6, 16: d sc, -32 d sc
                          16 int8 scales, d f16
 ========  =====  ======  ==========================================  ===============
 
 Nibbles: in a run of 32 weights, byte ``l`` holds weight ``l`` in its low nibble and weight
 ``l + 16`` (``l + 32`` in the K-quants' 64-weight chunks) in its high nibble. All arithmetic is
-float32, as ggml's own ``dequantize_row_*``.
+float32, as ggml's own ``dequantize_row_*``, and the affine triples give ggml's values exactly
+(``d`` is a float16: ``d * sc``, ``-8 d``, ``-32 d sc`` and their products with the codes are
+exact in float32).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = [
-    "AFFINE_BITS",
+    "AFFINE_FORMATS",
     "BLOCK_SIZES",
     "affine_parts",
     "dequantize_blocks",
@@ -51,15 +53,16 @@ BLOCK_SIZES: dict[str, tuple[int, int]] = {
     "Q5_K": (256, 176),
     "Q6_K": (256, 210),
 }
-#: The types that are exactly MLX's affine format with group_size 32, and their bits.
-AFFINE_BITS: dict[str, int] = {
-    "Q4_0": 4,
-    "Q4_1": 4,
-    "Q5_0": 5,
-    "Q5_1": 5,
-    "Q8_0": 8,
-    "Q4_K": 4,
-    "Q5_K": 5,
+#: The types that are exactly MLX's affine format: type -> (bits, group_size).
+AFFINE_FORMATS: dict[str, tuple[int, int]] = {
+    "Q4_0": (4, 32),
+    "Q4_1": (4, 32),
+    "Q5_0": (5, 32),
+    "Q5_1": (5, 32),
+    "Q8_0": (8, 32),
+    "Q4_K": (4, 32),
+    "Q5_K": (5, 32),
+    "Q6_K": (6, 16),
 }
 
 _SIGNED = {"Q4_0": 8.0, "Q5_0": 16.0, "Q8_0": 128.0}  # codes stored with this offset
@@ -97,19 +100,37 @@ def _k_codes(qs: np.ndarray) -> np.ndarray:
     return (chunks & 0x0F).reshape(n, 256)
 
 
+def _q6_parts(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q6_K: ``(q, scale)``, the 6-bit codes ``(n, 256)`` (0..63, ``w = scale * (q - 32)``) and
+    one float32 scale ``d * sc`` per 16 weights ``(n, 16)``."""
+    n = blocks.shape[0]
+    ql, qh, sc = blocks[:, :128], blocks[:, 128:192], blocks[:, 192:208]
+    d = _f16(blocks[:, 208:210])
+    # half h (128 weights) uses ql bytes 64 h .. 64 h + 63 and qh bytes 32 h .. 32 h + 31:
+    # quarter r (32 weights) takes nibble r // 2 of ql[64 h + 32 (r % 2) + l] and bits
+    # 2r, 2r+1 of qh[32 h + l].
+    ql = ql.reshape(n, 2, 1, 2, 32)  # (n, half, nibble, byte run, l)
+    low = (ql >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1, 1)) & 0x0F
+    low = low.reshape(n, 2, 4, 32)  # quarters in order: r = 2 * nibble + run
+    shifts = np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+    high = (qh.reshape(n, 2, 1, 32) >> shifts) & 3  # (n, half, r, l)
+    q = (low | (high << 4)).reshape(n, 256)
+    return q, d * sc.view(np.int8).astype(np.float32)
+
+
 def affine_parts(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(q, scales, biases)`` of blocks of an :data:`AFFINE_BITS` type: ``w = scales * q + biases``
-    per group of 32.
+    """``(q, scales, biases)`` of blocks of an :data:`AFFINE_FORMATS` type: ``w = scales * q +
+    biases`` per group (of 32 weights; of 16 for Q6_K).
 
     Parameters
     ----------
     kind : str
-        A key of :data:`AFFINE_BITS`.
+        A key of :data:`AFFINE_FORMATS`.
     blocks : uint8 array, shape ``(n, bytes per block)``
 
     Returns
     -------
-    q : uint8, shape ``(n, block)``; scales, biases : float32, shape ``(n, block / 32)``
+    q : uint8, shape ``(n, block)``; scales, biases : float32, shape ``(n, block / group)``
     """
     n = blocks.shape[0]
     if kind in ("Q4_0", "Q5_0", "Q8_0"):
@@ -138,7 +159,10 @@ def affine_parts(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray,
             high = (qh.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
             q = _k_codes(blocks[:, 48:]) | (high.reshape(n, 256) << 4)
         return q, d * sc, -(dmin * mn)
-    raise ValueError(f"affine_parts: {kind} is not an affine type ({', '.join(AFFINE_BITS)})")
+    if kind == "Q6_K":
+        q, scale = _q6_parts(blocks)
+        return q, scale, scale * np.float32(-32)
+    raise ValueError(f"affine_parts: {kind} is not an affine type ({', '.join(AFFINE_FORMATS)})")
 
 
 def dequantize_blocks(kind: str, blocks: np.ndarray) -> np.ndarray:
@@ -157,26 +181,15 @@ def dequantize_blocks(kind: str, blocks: np.ndarray) -> np.ndarray:
     if kind in _SIGNED:  # ggml's d * (q - offset): bit for bit, signed zeros included
         q, d, _ = affine_parts(kind, blocks)
         return d * (q.astype(np.float32) - np.float32(_SIGNED[kind]))
-    if kind in AFFINE_BITS:
+    if kind in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"):
         q, scales, biases = affine_parts(kind, blocks)
         groups = scales.shape[1]
         w = scales.reshape(n, groups, 1) * q.reshape(n, groups, 32).astype(np.float32)
         return (w + biases.reshape(n, groups, 1)).reshape(n, -1)
-    if kind == "Q6_K":
-        ql, qh, sc = blocks[:, :128], blocks[:, 128:192], blocks[:, 192:208]
-        d = _f16(blocks[:, 208:210])
-        # half h (128 weights) uses ql bytes 64 h .. 64 h + 63 and qh bytes 32 h .. 32 h + 31:
-        # quarter r (32 weights) takes nibble r // 2 of ql[64 h + 32 (r % 2) + l] and bits
-        # 2r, 2r+1 of qh[32 h + l].
-        ql = ql.reshape(n, 2, 1, 2, 32)  # (n, half, nibble, byte run, l)
-        low = (ql >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1, 1)) & 0x0F
-        low = low.reshape(n, 2, 4, 32)  # quarters in order: r = 2 * nibble + run
-        shifts = np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
-        high = (qh.reshape(n, 2, 1, 32) >> shifts) & 3  # (n, half, r, l)
-        signed = (low | (high << 4)).astype(np.float32) - np.float32(32)  # (n, 2, 4, 32)
-        scale = d * sc.view(np.int8).astype(np.float32)  # (n, 16): one per 16 weights
-        w = scale.reshape(n, 2, 4, 2, 1) * signed.reshape(n, 2, 4, 2, 16)
-        return w.reshape(n, 256)
+    if kind == "Q6_K":  # ggml's d * sc * (q - 32), in that order
+        q, scale = _q6_parts(blocks)
+        signed = q.astype(np.float32) - np.float32(32)
+        return (scale.reshape(n, 16, 1) * signed.reshape(n, 16, 16)).reshape(n, 256)
     if kind == "F32":
         return np.ascontiguousarray(blocks).view("<f4").reshape(n, 1).copy()
     if kind == "F16":

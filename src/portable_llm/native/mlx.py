@@ -186,17 +186,26 @@ def rope(
 # float64, where the portable path runs.
 
 
+#: The group sizes of MLX's quantized kernels (the format's groups of 16, llama.cpp's Q6_K, run
+#: the portable paths).
+_GROUPS = (32, 64, 128)
+
+
 def _not_float64(w: Any, *_: Any, **__: Any) -> bool:
     return w.dtype != mx.float64
 
 
-@native("mlx", "quantize", kernel="mx.quantize", applies=_not_float64)
+def _quantize_applies(w: Any, *, bits: int, group_size: int) -> bool:
+    return _not_float64(w) and group_size in _GROUPS  # a group of 16: portable
+
+
+@native("mlx", "quantize", kernel="mx.quantize", applies=_quantize_applies)
 def quantize(xp: Any, w: Any, *, bits: int, group_size: int) -> Any:
     return tuple(mx.quantize(w, group_size=group_size, bits=bits))
 
 
-def _dequantize_applies(packed: Any, scales: Any, *_: Any, **__: Any) -> bool:
-    return scales.dtype != mx.float64
+def _dequantize_applies(packed: Any, scales: Any, *_: Any, group_size: int, **__: Any) -> bool:
+    return scales.dtype != mx.float64 and group_size in _GROUPS
 
 
 @native("mlx", "dequantize", kernel="mx.dequantize", applies=_dequantize_applies)
@@ -206,8 +215,8 @@ def dequantize(
     return mx.dequantize(packed, scales, biases, group_size=group_size, bits=bits)
 
 
-def _qmm_applies(x: Any, packed: Any, scales: Any, *_: Any, **__: Any) -> bool:
-    return scales.dtype == x.dtype and x.dtype != mx.float64
+def _qmm_applies(x: Any, packed: Any, scales: Any, *_: Any, group_size: int, **__: Any) -> bool:
+    return scales.dtype == x.dtype and x.dtype != mx.float64 and group_size in _GROUPS
 
 
 def _on_cpu() -> bool:

@@ -34,6 +34,7 @@ __all__ = [
     "dequantize",
     "device_kind",
     "fastest_form",
+    "k_unit",
     "keeps_codes",
     "quantize",
     "quantized_linear",
@@ -41,10 +42,19 @@ __all__ = [
 
 #: The code widths MLX's affine format supports.
 BITS: tuple[int, ...] = (2, 3, 4, 5, 6, 8)
-#: The group sizes it supports.
-GROUP_SIZES: tuple[int, ...] = (32, 64, 128)
+#: The group sizes of the format: MLX's 32, 64 and 128, and 16 (llama.cpp's Q6_K, an int8 scale
+#: per 16 weights, kept exactly). MLX's kernels take groups of 32 to 128 only: a group of 16
+#: runs the portable paths on MLX (and every backend's kernel that needs 32 or more).
+GROUP_SIZES: tuple[int, ...] = (16, 32, 64, 128)
 #: MLX's floor on a group's step (``float eps = 1e-7``), so a constant group does not divide by 0.
 _EPS = 1e-7
+
+
+def k_unit(bits: int, group_size: int) -> int:
+    """What K (and any split of a weight's columns) must be a multiple of: whole groups, and
+    for 3, 5 and 6 bits whole blocks of 32 codes (a block fills ``bits`` words: the packing
+    works block by block, and a split inside one would cut a word)."""
+    return group_size if 32 % bits == 0 else math.lcm(group_size, 32)
 
 
 def _check_format(op: str, bits: Any, group_size: Any) -> tuple[int, int]:
@@ -68,7 +78,7 @@ class QuantizedWeight:
     scales, biases : array, shape ``(.., N, K / group_size)``, one float dtype
         ``w = scales * q + biases`` per group.
     bits : {2, 3, 4, 5, 6, 8}
-    group_size : {32, 64, 128}
+    group_size : {16, 32, 64, 128}
 
     Attributes
     ----------
@@ -110,11 +120,12 @@ class QuantizedWeight:
             )
         check_ndim(op, "packed", packed, 2, ".. x N x K*bits/32")
         lead, words = tuple(packed.shape[:-1]), packed.shape[-1]
-        k = words * 32 // bits
-        if (words * 32) % bits or k % group_size:
+        k, unit = words * 32 // bits, k_unit(bits, group_size)
+        if (words * 32) % bits or k % unit:
             raise ValueError(
                 f"{op}: packed has shape {tuple(packed.shape)}: its last dimension times 32 must "
-                f"be a multiple of bits * group_size = {bits * group_size}"
+                f"be a multiple of bits * {unit} = {bits * unit} (bits={bits}, "
+                f"group_size={group_size})"
             )
         expected = (*lead, k // group_size)
         for name, a in (("scales", scales), ("biases", biases)):
@@ -414,11 +425,13 @@ def quantize(
 
     Parameters
     ----------
-    w : array, shape ``(.., N, K)``, float dtype, K a multiple of ``group_size``
+    w : array, shape ``(.., N, K)``, float dtype, K a multiple of ``group_size`` (and of 32
+        for 3, 5 and 6 bits)
     bits : {2, 3, 4, 5, 6, 8}
-    group_size : {32, 64, 128}
+    group_size : {16, 32, 64, 128}
     impl : {"auto", "portable", "native"}
-        On MLX ``auto`` is ``mx.quantize`` (bit-identical to the portable path, tested).
+        On MLX ``auto`` is ``mx.quantize`` (bit-identical to the portable path, tested) for
+        groups of 32 to 128; a group of 16 runs the portable path there.
     backend : str, optional
 
     Returns
@@ -438,10 +451,13 @@ def quantize(
     bk, (w,) = resolve(op, backend, w)
     check_float(op, "w", w, bk)
     check_ndim(op, "w", w, 2, ".. x N x K")
-    if w.shape[-1] % group_size:
+    unit = k_unit(bits, group_size)
+    if w.shape[-1] % unit:
+        what = f"group_size={group_size}"
+        if unit != group_size:
+            what = f"{unit} ({what}, in whole blocks of 32 codes at bits={bits})"
         raise ValueError(
-            f"{op}: the last dimension of w (shape {tuple(w.shape)}) must be a multiple of "
-            f"group_size={group_size}"
+            f"{op}: the last dimension of w (shape {tuple(w.shape)}) must be a multiple of {what}"
         )
     if not bool(bk.xp.all(bk.xp.isfinite(w))):  # the one NaN rule, on every backend
         raise ValueError(
@@ -632,7 +648,14 @@ def device_kind(bk: Backend, x: Any) -> str:
 
 
 def keeps_codes(
-    backend: str | Backend, /, *, device: str, dtype: str, bits: int, rows: int
+    backend: str | Backend,
+    /,
+    *,
+    device: str,
+    dtype: str,
+    bits: int,
+    rows: int,
+    group_size: int = 32,
 ) -> bool:
     """Whether a weight of ``rows`` output rows, ``bits``-bit codes, multiplied by activations
     of ``dtype`` on ``device`` (``"cpu"``/``"gpu"``), decodes at least as fast kept quantized
@@ -647,6 +670,10 @@ def keeps_codes(
     bits : int
     rows : int
         N of the ``(N, K)`` weight.
+    group_size : int, default 32
+        Groups of 16 (llama.cpp's Q6_K) are never kept: no backend's kernel takes them (MLX's
+        and torch's int4 kernel take 32 or more), and the portable dequantize-then-matmul they
+        run is slower than the floats everywhere (measured: ``benchmarks/README.md``).
 
     Returns
     -------
@@ -656,7 +683,7 @@ def keeps_codes(
     if device not in ("cpu", "gpu"):
         raise ValueError(f"keeps_codes: device must be 'cpu' or 'gpu', got {device!r}")
     start = KEEP_CODES_FROM.get((name, device, dtype, int(bits)))
-    return start is not None and int(rows) >= start
+    return start is not None and int(rows) >= start and int(group_size) >= 32
 
 
 def fastest_form(qw: QuantizedWeight, /, *, dtype: Any = None) -> Any:
@@ -680,7 +707,8 @@ def fastest_form(qw: QuantizedWeight, /, *, dtype: Any = None) -> Any:
     dt = qw.dtype if dtype is None else dtype
     name = bk.dtype_name(dt)
     rows = qw.shape[-2] if len(qw.shape) >= 2 else 1
-    if keeps_codes(bk, device=device_kind(bk, qw), dtype=name, bits=qw.bits, rows=rows):
+    fmt = {"bits": qw.bits, "rows": rows, "group_size": qw.group_size}
+    if keeps_codes(bk, device=device_kind(bk, qw), dtype=name, **fmt):
         return qw
     w = dequantize(qw)
     return w if w.dtype == dt else bk.astype(w, dt)

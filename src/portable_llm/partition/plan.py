@@ -28,6 +28,7 @@ import re
 from dataclasses import dataclass, replace
 
 from portable_llm.decoder.config import DecoderConfig
+from portable_llm.ops.quant import k_unit
 
 __all__ = ["PartitionPlan", "plan_partition", "quantized_index", "stage_layers"]
 
@@ -64,13 +65,14 @@ def quantized_index(
     index = tuple(index) + (slice(None),) * (len(shape) - len(index))
     *lead, cols = index
     c0, c1, step = cols.indices(shape[-1])
-    if step != 1 or c0 % group_size or c1 % group_size:
+    unit = k_unit(bits, group_size)  # whole groups, and whole words of codes
+    if step != 1 or c0 % unit or c1 % unit:
         raise ValueError(
-            f"partition: {name} of shape {shape}, quantized in groups of {group_size}, split at "
-            f"columns {c0}:{c1}: the split would cut a group (each rank's columns must be a "
-            f"whole number of groups of {group_size})"
+            f"partition: {name} of shape {shape}, quantized in groups of {group_size} "
+            f"({bits} bits), split at columns {c0}:{c1}: the split would cut a group (each "
+            f"rank's columns must be a whole number of {unit} columns)"
         )
-    codes = slice(c0 * bits // 32, c1 * bits // 32)  # a group of >= 32 codes: whole words
+    codes = slice(c0 * bits // 32, c1 * bits // 32)  # whole words
     return (*lead, codes), (*lead, slice(c0 // group_size, c1 // group_size))
 
 
