@@ -7,8 +7,9 @@ computed once per module. ``pl.load(file.gguf)`` (``dequantize="auto"``, the def
 dequantizes every matrix of this file on a CPU) is called once per backend: its config equals
 transformers', its logits agree within the real-model GGUF bound, and its greedy continuations
 are identical. Once, on NumPy, the file is read again with ``dequantize=False``, keeping the
-Q4_K, Q5_0 and Q8_0 matrices quantized (exact affine codes; a kept-quantized decode on torch's
-CPU takes minutes for the 262k-row output matrix): its logits agree too. array-api-strict is
+Q4_K, Q5_0, Q8_0 and Q6_K matrices quantized (exact affine codes, Q6_K's in groups of 16; a
+kept-quantized decode on torch's CPU takes minutes for the 262k-row output matrix): its logits
+agree too. array-api-strict is
 skipped (minutes for a 270M model).
 """
 
@@ -96,8 +97,9 @@ def test_kept_quantized_logits_equal_transformers(hf_answers: dict[str, Any], ba
 
     options = LoadOptions(backend=backend, dtype="float32", dequantize=False)
     contents = read_gguf(_gguf_file(), options)
-    kept = sum(isinstance(w, QuantizedWeight) for w in contents.weights.values())
-    assert kept == 118  # the Q4_K, Q5_0 and Q8_0 matrices; the Q6_K ones are floats
+    kept = [w for w in contents.weights.values() if isinstance(w, QuantizedWeight)]
+    assert len(kept) == 127  # every matrix: Q4_K, Q5_0, Q8_0 and the nine Q6_K ffn_down
+    assert sum((w.bits, w.group_size) == (6, 16) for w in kept) == 9
     ids = hf_answers["ids"][0]
     got = build_model(contents)(pl.asarray(ids[None], backend=backend))
     assert_close(got, hf_answers["logits"], backend=backend, rtol=0.0, atol=LOGITS_ATOL)

@@ -95,6 +95,30 @@ def test_split_that_cuts_a_group_is_refused(
 
 
 @numpy_only
+@pytest.mark.parametrize(("bits", "unit"), [(4, 16), (6, 32)])
+def test_column_split_of_groups_of_16(bits: int, unit: int) -> None:
+    """Groups of 16 (Q6_K's): a column slice of whole groups and whole words of codes (16
+    columns at 4 bits; 32 at 6, whose codes fill words per 32) dequantizes to the same slice
+    of the weight; a slice that would cut a word is refused by name."""
+    from portable_llm.partition.plan import quantized_index
+
+    w = np.random.default_rng(bits).standard_normal((4, 128)).astype(np.float32)
+    qw = quantize(w, bits=bits, group_size=16)
+    full = np.asarray(dequantize(qw))
+    for c0 in range(0, 128, unit):
+        codes, groups = quantized_index(
+            "w", (4, 128), (slice(None), slice(c0, c0 + unit)), bits, 16
+        )
+        part = QuantizedWeight(
+            qw.packed[codes], qw.scales[groups], qw.biases[groups], bits=bits, group_size=16
+        )
+        np.testing.assert_array_equal(np.asarray(dequantize(part)), full[:, c0 : c0 + unit])
+    if unit > 16:
+        with pytest.raises(ValueError, match=rf"w of shape \(4, 128\).* whole number of {unit}"):
+            quantized_index("w", (4, 128), (slice(None), slice(16, 48)), bits, 16)
+
+
+@numpy_only
 def test_gguf_ranks_keep_their_blocks_quantized(tmp_path: Path) -> None:
     from test_partition import _smollm_like_gguf
 

@@ -244,10 +244,11 @@ def test_native_kernel_every_format(backend, bits, group):
         assert (tr[0].impl == "native") is took, tr
 
 
-def test_embedding_dequantizes_rows(backend, dtype):
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (6, 16)])  # (6, 16): Q6_K's embeddings
+def test_embedding_dequantizes_rows(backend, dtype, bits, group):
     bk = get_backend(backend)
     table, _ = random_array(3, (10, 64), dtype, backend=backend)
-    qw = quantize(table, bits=4, group_size=32)
+    qw = quantize(table, bits=bits, group_size=group)
     ids = bk.from_numpy(np.array([[3, 0, 9], [9, 9, 1]], dtype=np.int32))
     out = pl.embedding(ids, qw)
     full = bk.to_numpy(dequantize(qw))
