@@ -51,9 +51,22 @@ _EPS = 1e-7
 
 
 def k_unit(bits: int, group_size: int) -> int:
-    """What K (and any split of a weight's columns) must be a multiple of: whole groups, and
-    for 3, 5 and 6 bits whole blocks of 32 codes (a block fills ``bits`` words: the packing
-    works block by block, and a split inside one would cut a word)."""
+    """What K (and any split of a weight's columns) must be a multiple of.
+
+    Whole groups, and for 3, 5 and 6 bits whole blocks of 32 codes (a block fills ``bits``
+    words: the packing works block by block, and a split inside one would cut a word).
+
+    Parameters
+    ----------
+    bits : int
+    group_size : int
+
+    Returns
+    -------
+    int
+        ``group_size``, or ``lcm(group_size, 32)`` for 3, 5 and 6 bits (32 for Q6_K's 6 bits
+        in groups of 16).
+    """
     return group_size if 32 % bits == 0 else math.lcm(group_size, 32)
 
 
