@@ -75,7 +75,8 @@ def test_affine_parts_are_exact(kind: str) -> None:
     (n, per), (bits, group) = (blocks.shape[0], BLOCK_SIZES[kind][0]), AFFINE_FORMATS[kind]
     assert q.shape == (n, per) and scales.shape == biases.shape == (n, per // group)
     assert scales.dtype == biases.dtype == np.float32
-    assert int(q.max()) < 2**bits and int(q.max()) >= 2 ** (bits - 1)
+    used = 6 if kind == "Q6_K" else bits  # Q6_K's 6-bit codes are kept one a byte
+    assert int(q.max()) < 2**used and int(q.max()) >= 2 ** (used - 1)
     w = scales[:, :, None] * q.reshape(n, -1, group).astype(np.float32) + biases[:, :, None]
     want = gguf.quants.dequantize(blocks.reshape(-1), T[kind]).astype(np.float32)
     np.testing.assert_array_equal(w.reshape(-1), want)
@@ -370,8 +371,8 @@ def _quantized_ops(backend: str) -> Any:
 def test_kept_quantized_equals_dequantized(
     llama_file: tuple[Path, dict[str, np.ndarray]], backend: str
 ) -> None:
-    """``dequantize=False`` keeps the affine types as ``QuantizedWeight`` (Q6_K with 6 bits in
-    groups of 16; F16, BF16 as floats); the logits equal the dequantized model's (the
+    """``dequantize=False`` keeps the affine types as ``QuantizedWeight`` (Q6_K as 8-bit codes
+    in groups of 16; F16, BF16 as floats); the logits equal the dequantized model's (the
     conversion is exact); ``"auto"`` dequantizes Q6_K everywhere (no kernel takes its groups)."""
     quant = _quantized_ops(backend)
     file, _ = llama_file
@@ -383,7 +384,7 @@ def test_kept_quantized_equals_dequantized(
     assert isinstance(b0.attn["wv"], quant.QuantizedWeight) and b0.attn["wv"].bits == 5
     assert isinstance(b0.mlp[2], quant.QuantizedWeight) and b0.mlp[2].group_size == 32  # Q4_K
     q6 = b1.mlp[2]  # Q6_K
-    assert isinstance(q6, quant.QuantizedWeight) and (q6.bits, q6.group_size) == (6, 16)
+    assert isinstance(q6, quant.QuantizedWeight) and (q6.bits, q6.group_size) == (8, 16)
     assert not isinstance(b0.mlp[1], quant.QuantizedWeight)  # F16
     for name in ("wq", "wk"):  # the permutation is undone on the packed rows too
         assert_close(quant.dequantize(b0.attn[name]), floats.blocks[0].attn[name])

@@ -99,7 +99,7 @@ def test_kept_quantized_logits_equal_transformers(hf_answers: dict[str, Any], ba
     contents = read_gguf(_gguf_file(), options)
     kept = [w for w in contents.weights.values() if isinstance(w, QuantizedWeight)]
     assert len(kept) == 127  # every matrix: Q4_K, Q5_0, Q8_0 and the nine Q6_K ffn_down
-    assert sum((w.bits, w.group_size) == (6, 16) for w in kept) == 9
+    assert sum((w.bits, w.group_size) == (8, 16) for w in kept) == 9
     ids = hf_answers["ids"][0]
     got = build_model(contents)(pl.asarray(ids[None], backend=backend))
     assert_close(got, hf_answers["logits"], backend=backend, rtol=0.0, atol=LOGITS_ATOL)

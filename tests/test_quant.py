@@ -157,13 +157,14 @@ def test_native_matches_portable(backend, dtype, bits):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("group", [16, 32, 128])
 @pytest.mark.parametrize("rows", [1, 70])
 @pytest.mark.parametrize("n", [32, 4096])
 def test_native_by_rows(backend, bits, group, rows, n):
     """Native kernels for a decode step (1 row) and a prompt (70 rows), in float32, against the
     float64 product of the float64 decoder's weight; torch takes its byte path for 32 output
-    rows and, at 8 bits, its int8 kernel for 4096."""
+    rows and, at 8 bits, its int8 kernel for 4096; groups of 16 (Q6_K's, kept as 8-bit codes)
+    take NumPy's kernel and torch's byte and int8 paths too."""
     bk = get_backend(backend)
     nat = pl.core.dispatch.dispatcher(bk).native.get("quantized_linear")
     if nat is None:

@@ -133,7 +133,7 @@ def read_gguf(path: str | Path, options: LoadOptions | None = None, /) -> Checkp
     :func:`~portable_llm.ops.quant.keeps_codes` says its codes decode at least as fast as its
     floats on this backend, device and dtype; otherwise Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K
     matrices stay quantized, exactly, as MLX's affine format with group_size 32, and Q6_K ones
-    with 6 bits and group_size 16 (:class:`~portable_llm.ops.quant.QuantizedWeight`).
+    as 8-bit codes with group_size 16 (:class:`~portable_llm.ops.quant.QuantizedWeight`).
 
     Raises
     ------

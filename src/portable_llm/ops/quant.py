@@ -64,8 +64,8 @@ def k_unit(bits: int, group_size: int) -> int:
     Returns
     -------
     int
-        ``group_size``, or ``lcm(group_size, 32)`` for 3, 5 and 6 bits (32 for Q6_K's 6 bits
-        in groups of 16).
+        ``group_size``, or ``lcm(group_size, 32)`` for 3, 5 and 6 bits (32 for 6 bits in
+        groups of 16).
     """
     return group_size if 32 % bits == 0 else math.lcm(group_size, 32)
 
@@ -684,9 +684,11 @@ def keeps_codes(
     rows : int
         N of the ``(N, K)`` weight.
     group_size : int, default 32
-        Groups of 16 (llama.cpp's Q6_K) are never kept: no backend's kernel takes them (MLX's
-        and torch's int4 kernel take 32 or more), and the portable dequantize-then-matmul they
-        run is slower than the floats everywhere (measured: ``benchmarks/README.md``).
+        Groups of 16 (llama.cpp's Q6_K) are never kept: MLX's kernels and torch's int4 kernel
+        take 32 or more, and the paths that take them ran slower than the floats on NumPy,
+        torch and MLX (per decode projection: 0.07-0.75x at 8 bits through NumPy's and torch's
+        byte paths, 0.01-0.23x at 6 bits through the portable paths; JAX's jitted kernel
+        0.72-1.55x at 8 bits, not measured over a whole decode; ``benchmarks/README.md``).
 
     Returns
     -------
