@@ -95,11 +95,11 @@ def test_split_that_cuts_a_group_is_refused(
 
 
 @numpy_only
-@pytest.mark.parametrize(("bits", "unit"), [(4, 16), (6, 32)])
+@pytest.mark.parametrize(("bits", "unit"), [(4, 16), (8, 16), (6, 32)])
 def test_column_split_of_groups_of_16(bits: int, unit: int) -> None:
-    """Groups of 16 (Q6_K's): a column slice of whole groups and whole words of codes (16
-    columns at 4 bits; 32 at 6, whose codes fill words per 32) dequantizes to the same slice
-    of the weight; a slice that would cut a word is refused by name."""
+    """Groups of 16 (Q6_K's, kept at 8 bits): a column slice of whole groups and whole words of
+    codes (16 columns at 4 and 8 bits; 32 at 6, whose codes fill words per 32) dequantizes to
+    the same slice of the weight; a slice that would cut a word is refused by name."""
     from portable_llm.partition.plan import quantized_index
 
     w = np.random.default_rng(bits).standard_normal((4, 128)).astype(np.float32)

@@ -245,7 +245,7 @@ def test_native_kernel_every_format(backend, bits, group):
         assert (tr[0].impl == "native") is took, tr
 
 
-@pytest.mark.parametrize(("bits", "group"), [(4, 32), (6, 16)])  # (6, 16): Q6_K's embeddings
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (6, 16), (8, 16)])  # (8, 16): Q6_K's
 def test_embedding_dequantizes_rows(backend, dtype, bits, group):
     bk = get_backend(backend)
     table, _ = random_array(3, (10, 64), dtype, backend=backend)
