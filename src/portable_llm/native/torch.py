@@ -371,12 +371,15 @@ def _int4_decode(
     x: Any, packed: Any, scales: Any, biases: Any, bias: Any, *, bits: int, group_size: int
 ) -> bool | None:
     """Whether :func:`quantized_linear` runs the int4 kernel on these rows (bfloat16 at every
-    width: True), dequantizes first (a prompt of more than :data:`_DENSE_FROM` rows: False),
-    or takes neither (``None``)."""
-    fmt = {"bits": bits, "group_size": group_size}
-    if x.dtype != torch.bfloat16 or not _int4_applies(x, packed, scales, biases, bias, **fmt):
+    width: True), dequantizes first (a bfloat16 prompt of more than :data:`_DENSE_FROM` rows,
+    also where the int4 kernel does not apply, e.g. groups of 16: False), or takes neither
+    (``None``)."""
+    if x.dtype != torch.bfloat16 or packed.ndim != 2 or x.device.type != "cpu":
         return None
-    return x.numel() // x.shape[-1] <= _DENSE_FROM[bits]
+    if x.numel() // x.shape[-1] > _DENSE_FROM[bits] and scales.dtype == x.dtype:
+        return False
+    fmt = {"bits": bits, "group_size": group_size}
+    return True if _int4_applies(x, packed, scales, biases, bias, **fmt) else None
 
 
 # 8-bit: torch's int8 kernel takes one scale per output channel, so it runs once per group g
