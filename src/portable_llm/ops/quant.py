@@ -688,7 +688,7 @@ def keeps_codes(
         take 32 or more, and the paths that take them ran slower than the floats on NumPy,
         torch and MLX (per decode projection: 0.07-0.75x at 8 bits through NumPy's and torch's
         byte paths, 0.01-0.23x at 6 bits through the portable paths; JAX's jitted kernel
-        0.72-1.55x at 8 bits, not measured over a whole decode; ``benchmarks/README.md``).
+        0.72-1.55x at 8 bits, a tie over Gemma 3's whole decode; ``benchmarks/README.md``).
 
     Returns
     -------
