@@ -185,15 +185,15 @@ def dequantize_blocks(kind: str, blocks: np.ndarray) -> np.ndarray:
     if kind in _SIGNED:  # ggml's d * (q - offset): bit for bit, signed zeros included
         q, d, _ = affine_parts(kind, blocks)
         return d * (q.astype(np.float32) - np.float32(_SIGNED[kind]))
-    if kind in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"):
-        q, scales, biases = affine_parts(kind, blocks)
-        groups = scales.shape[1]
-        w = scales.reshape(n, groups, 1) * q.reshape(n, groups, 32).astype(np.float32)
-        return (w + biases.reshape(n, groups, 1)).reshape(n, -1)
     if kind == "Q6_K":  # ggml's d * sc * (q - 32), in that order
         q, scale = _q6_parts(blocks)
         signed = q.astype(np.float32) - np.float32(32)
         return (scale.reshape(n, 16, 1) * signed.reshape(n, 16, 16)).reshape(n, 256)
+    if kind in AFFINE_FORMATS:  # ggml's scale * q + bias (Q4_1, Q5_1, Q4_K, Q5_K)
+        q, scales, biases = affine_parts(kind, blocks)
+        groups, group = scales.shape[1], AFFINE_FORMATS[kind][1]
+        w = scales.reshape(n, groups, 1) * q.reshape(n, groups, group).astype(np.float32)
+        return (w + biases.reshape(n, groups, 1)).reshape(n, -1)
     if kind == "F32":
         return np.ascontiguousarray(blocks).view("<f4").reshape(n, 1).copy()
     if kind == "F16":
