@@ -9,11 +9,16 @@ reference checks of ``test_models.py`` cover the values.
 from __future__ import annotations
 
 import copy
+import os
+import platform
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 import portable_llm as pl
+from conftest import only_on
 from portable_llm.attn.padding import left_pad
 from portable_llm.core.dispatch import dispatcher
 from portable_llm.decoder.prepared import Packed, Prepared, QLinear
@@ -114,9 +119,68 @@ def test_projections_packed_where_the_backend_packs(folders: dict, backend: str)
         d = dispatcher(model.backend)
         pack = d.pick("pack_linear", "auto", model.blocks[0].attn["wq"])
         packs = pack is not d.portable_impl("pack_linear")
+        assert packs is _cpu_packs(backend, dtype), dtype
         for got in (model.prepared.layers[0].attn.wq, model.prepared.layers[1].mlp.w_down):
             assert isinstance(got, Packed) is packs, dtype
         assert isinstance(model.prepared._head, Packed) is packs
+
+
+def _cpu_packs(backend: str, dtype: str) -> bool:
+    """Whether torch's oneDNN packs a bfloat16 weight on this CPU, asked of torch directly (the
+    query its reorder consults): the only place the dispatcher may choose ``pack_linear``."""
+    if backend != "torch" or dtype != "bfloat16":
+        return False
+    import torch
+
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+# An AVX2-only CPU (no AVX-512 BW/VL/DQ, no AVX-NE-CONVERT) cannot pack bfloat16 weights for
+# oneDNN: its reorder raises. ONEDNN_MAX_CPU_ISA=AVX2 makes oneDNN (and torch's capability
+# query) see such a CPU on any x86 machine, so the fallback is tested wherever the suite runs.
+_AVX2_ONLY = """
+import copy
+import sys
+
+import numpy as np
+import torch
+import portable_llm as pl
+from portable_llm.decoder.prepared import Packed
+from portable_llm.native.torch import packing_supported
+
+assert not packing_supported(torch.bfloat16), "packing claimed on an AVX2-only oneDNN"
+try:
+    torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=torch.bfloat16), 1)
+except RuntimeError:
+    pass
+else:
+    raise AssertionError("ONEDNN_MAX_CPU_ISA=AVX2 did not take: the fallback is not exercised")
+model = pl.load(sys.argv[1], backend="torch", dtype="bfloat16")
+layer = model.prepared.layers[0]
+assert not isinstance(layer.attn.wq, Packed) and not isinstance(model.prepared._head, Packed)
+ids = np.random.default_rng(1).integers(3, 300, size=(1, 7))
+slow = copy.copy(model)
+slow.prepared = None
+got, want = model(pl.asarray(ids, backend="torch")), slow(pl.asarray(ids, backend="torch"))
+np.testing.assert_array_equal(pl.to_numpy(got), pl.to_numpy(want))
+print(pl.generate(model, [5, 6, 7], max_new_tokens=3))
+"""
+
+
+@only_on("torch")
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="an x86 ISA limit")
+def test_bfloat16_on_an_avx2_only_cpu_binds_plain_weights(folders: dict) -> None:
+    """Where oneDNN cannot pack bfloat16 (AVX2-only x86), a bfloat16 model loads, binds plain
+    weights (F.linear), and gives the op-by-op path's logits: never the reorder's raw error."""
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    run = subprocess.run(
+        [sys.executable, "-c", _AVX2_ONLY, str(folders["llama"])],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
 
 
 def test_prepared_is_skipped_for_mixed_dtypes(folders: dict) -> None:

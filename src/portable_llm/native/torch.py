@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -125,9 +126,36 @@ def linear(xp: Any, x: Any, weight: Any, bias: Any = None) -> Any:
 # plain weight and the packed product gives the same bits (tested: decode and prefill rows);
 # it skips the per-call reorder (SmolLM2-135M bfloat16 decode 1.5x, 2-core CPU, 1 thread). In
 # float32 F.linear's GEMV and the packed GEMM round differently: left as it is.
+#
+# oneDNN's half-precision packing needs CPU features that F.linear does not: bfloat16 needs
+# AVX-512 BW/VL/DQ or AVX-NE-CONVERT (an AVX2-only x86 CPU raises "mkldnn_reorder_linear_weight:
+# bf16 path needs the cpu support ..."), float16 AVX512-FP16 or AVX-NE-CONVERT (most CPUs lack
+# it); float32 packs everywhere. Where the CPU lacks them the packing never applies (auto binds
+# the plain weight, impl="native" refuses with a clear error). The checks are torch's own (the
+# ones its reorder consults, which honour ``ONEDNN_MAX_CPU_ISA``), asked once per process.
+@functools.cache
+def packing_supported(dtype: Any) -> bool:
+    """Whether this process's CPU runs oneDNN's weight packing for ``dtype`` (checked once)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    query = {
+        torch.bfloat16: "_is_mkldnn_bf16_supported",
+        torch.float16: "_is_mkldnn_fp16_supported",
+    }
+    name = query.get(dtype)
+    probe = getattr(torch.ops.mkldnn, f"{name}_supported", None) if name else None
+    if probe is not None:
+        return bool(probe())
+    try:  # float32, or a torch without the query: pack a tiny weight and see
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), 1)
+    except RuntimeError:
+        return False
+    return True
+
+
 def _pack_applies(w: Any) -> bool:
-    cpu = w.device.type == "cpu" and torch.backends.mkldnn.is_available()
-    return cpu and w.ndim == 2 and not w.requires_grad
+    cpu = w.device.type == "cpu" and w.ndim == 2 and not w.requires_grad
+    return cpu and packing_supported(w.dtype)
 
 
 @native(
