@@ -368,3 +368,32 @@ def test_rows_sharing_pages() -> None:
     assert_close(paged_attention(q, pool, tables, lens), want, dtype="float32")
     with pytest.raises(ValueError, match="impl='pool' needs each page in at most one row"):
         paged_attention(q, pool, tables, lens, impl="pool")
+
+
+# -- any integer dtype of the metadata ------------------------------------------------------------
+
+
+@pytest.mark.slow_on("jax")
+@pytest.mark.parametrize(
+    "index_dtype", ["uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64"]
+)
+@pytest.mark.parametrize("impl", ["auto", "portable", "blocked", "pool"])
+def test_any_integer_dtype(
+    backend: str, index_dtype: str, impl: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tables and lengths of every integer dtype give the float64 reference on every path.
+
+    Chunked prefill (``L = 3``) with blocks past the first: the blocked path computes each
+    block's ``context_lens - L - first``, which wrapped for unsigned lengths (wrong by 1.4-3.7),
+    and torch has no arithmetic for uint16/uint32. ``auto`` is made to take the blocked path
+    (where no native kernel applies) by lowering its threshold.
+    """
+    from portable_llm.attn import paged
+
+    monkeypatch.setattr(paged, "BLOCKED_MIN_KEYS", 1)
+    s = Scattered(3, LENS, backend=backend)
+    q, q64 = random_array(99, (len(LENS), 4, 3, D), "float32", backend=backend)
+    lens = pl.asarray(np.asarray(LENS, dtype=index_dtype), backend=backend)
+    tables = pl.asarray(pl.to_numpy(s.tables).astype(index_dtype), backend=backend)
+    out = paged_attention(q, s.pool, tables, lens, impl=impl, block_pages=1)
+    assert_close(out, s.expected(q64), backend=backend, dtype="float32", err_msg=index_dtype)

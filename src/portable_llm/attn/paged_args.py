@@ -95,6 +95,17 @@ def _check_int_array(op: str, name: str, x: Any, bk: Backend, ndim: int, layout:
         raise ValueError(f"{op}: {name} must have shape {layout}, got {_shape(x)}")
 
 
+def _index(bk: Backend, x: Any) -> Any:
+    """``x`` as a signed index array: int32 and int64 kept, any other integer dtype cast to
+    int32 (its values already checked where they are on the host). The kernels compute
+    ``context_lens - L - first`` (negative for the keys before a block) and index with the
+    tables: unsigned dtypes wrap there, and torch has no arithmetic nor ``index_select`` for
+    uint16/uint32."""
+    if bk.dtype_name(x.dtype) in ("int32", "int64"):
+        return x
+    return bk.xp.astype(x, bk.xp.int32)
+
+
 def _check_metadata(
     op: str, bk: Backend, tables: Any, lens: Any, L: int, P: int, N: int
 ) -> tuple[Any, np.ndarray, np.ndarray]:
@@ -235,6 +246,7 @@ def paged_args(
                     f"{_shape(tables)} gives a page to two rows"
                 )
             page_map = None if host is None else bk.from_numpy(host, bk.device_of(q))
+    tables, lens = _index(bk, tables), _index(bk, lens)
     opts = PagedOptions(
         sdpa=SdpaOptions(scale=scale, softcap=softcap), window=window, block_pages=block_pages,
         chunk=chunk,
