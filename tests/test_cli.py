@@ -86,7 +86,10 @@ def test_report_is_the_default_command_and_covers_every_op_on_numpy(capsys):
     # NumPy's one native kernel: quantized_linear's float32 blocks of codes + BLAS, for every
     # float dtype but float64 (there the portable path is the reference's own arithmetic). Where
     # a kernel exists the report adds the portable row beside auto's.
-    native = {("quantized_linear", d) for d in dtypes if d != "float64"}
+    # The bound rows (the kernels a loaded model binds) take the same kernel for a bound
+    # quantized weight.
+    quantized = ("quantized_linear", "bound quantized_linear")
+    native = {(c, d) for c in quantized for d in dtypes if d != "float64"}
     want = {(c.name, d, "auto") for c in report.CASES for d in dtypes}
     assert want | {(*k, "portable") for k in native} == set(rows)
     _check_width(out)
@@ -103,6 +106,9 @@ def test_report_is_the_default_command_and_covers_every_op_on_numpy(capsys):
     assert _kernels(out) == {
         "quantized_linear (float16, bfloat16, float32)": "float32 blocks of codes + BLAS",
         "quantized_linear (float64)": "portable (float32 blocks of codes + BLAS not taken by auto)",
+        "bound quantized_linear (float16, bfloat16, float32)": "float32 blocks of codes + BLAS",
+        "bound quantized_linear (float64)": "portable (float32 blocks of codes + BLAS not taken "
+        "by auto)",
     }
     # logprobs returns float32 for half inputs: its rows are checked at float32's tolerance.
     assert "   logprobs, logprobs+top_k (float16, bfloat16): 1e-05/1e-05, the tolerance" in out

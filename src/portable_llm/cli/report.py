@@ -49,7 +49,8 @@ from portable_llm.caches.kv import KVCache
 from portable_llm.cli.options import backend_name
 from portable_llm.cli.output import Table, UsageError, wrap
 from portable_llm.core.arrays import asarray, to_numpy
-from portable_llm.core.dispatch import TraceEntry, dispatcher, trace
+from portable_llm.core.dispatch import TraceEntry, dispatcher, replay, trace
+from portable_llm.decoder.layer_weights import Packed, QLinear, bind_weight
 from portable_llm.ops.activations import gelu, gelu_tanh, relu, silu, softmax
 from portable_llm.ops.embedding import embedding, unembed
 from portable_llm.ops.linear import linear, mlp
@@ -525,6 +526,53 @@ CASES.extend([
          seed=200),
     Case("quantized_linear", "quantized_linear", _quantized, _quantized_linear_call,
          _quantized_linear_reference, seed=210),
+])  # fmt: skip
+
+
+# -- the kernels a loaded model binds once (decoder.layer_weights.bind_weight) ------------------
+# A model binds each projection at load: packed into the backend's layout (``pack_linear``:
+# oneDNN's for bfloat16 on torch's CPU, where the CPU runs it) or a quantized weight with its
+# kernel specialized for that weight (torch's int4 repack). These rows bind a weight the same
+# way and run it as the prepared forward runs it, so the report fails where a loaded model
+# would (an AVX2-only CPU once raised inside oneDNN's bfloat16 packing, which no op row ran).
+
+
+def _bound(x: Any, w: Any, b: Any) -> Any:
+    """``w`` bound as a model binds it, run on ``x`` as the prepared forward runs it; the
+    kernel that ran is added to the open trace (a bound call skips the dispatcher)."""
+    bk = backend_of(x)
+    d = dispatcher(bk)
+    bound = bind_weight(d, w)
+    if isinstance(bound, Packed):
+        out = bound(bk.xp, x, b)
+        replay([TraceEntry("packed_linear", bk.name, *d.label(bound.fn))])
+        return out
+    if isinstance(bound, QLinear):
+        out = bound(bk.xp, x, b)
+        chosen, _ = bound.fns[(*x.shape[:-1], x.dtype, b is None)]
+        impl, kernel = d.label(chosen)
+        arrays, fmt = w.arrays, {"bits": w.bits, "group_size": w.group_size}
+        if d.specialized("quantized_linear", chosen, x, *arrays, b, **fmt) is not None:
+            kernel += " (specialized for the bound weight)"
+        replay([TraceEntry("quantized_linear", bk.name, impl, kernel)])
+        return out
+    return linear(x, bound, b)
+
+
+def _bound_linear_call(x: Any, w: Any, b: Any = None, *, impl: str) -> Any:
+    return _bound(x, w, b) if impl == "auto" else linear(x, w, b, impl=impl)
+
+
+def _bound_quantized_call(x: Any, p: Any, s: Any, b: Any, *, impl: str, **fmt: Any) -> Any:
+    qw = QuantizedWeight(p, s, b, **fmt)
+    return _bound(x, qw, None) if impl == "auto" else quantized_linear(x, qw, impl=impl)
+
+
+CASES.extend([
+    Case("bound linear", "linear", _linear(True), _bound_linear_call, reference.linear,
+         seed=40),
+    Case("bound quantized_linear", "quantized_linear", _quantized, _bound_quantized_call,
+         _quantized_linear_reference, seed=220),
 ])  # fmt: skip
 
 
