@@ -6,7 +6,7 @@ import math
 import numbers
 from typing import Any
 
-from portable_llm.backends.base import FLOAT_DTYPES, Backend
+from portable_llm.backends.base import Backend
 from portable_llm.core.types import Array, Namespace
 
 
@@ -43,17 +43,6 @@ def check_same_dtype(op: str, bk: Backend, /, **arrays: Array) -> None:
     if len(dtypes) > 1:
         listed = ", ".join(f"{k}: {bk.dtype_name(v.dtype)}" for k, v in given.items())
         raise TypeError(f"{op}: arrays must share one dtype, got {listed}")
-
-
-def check_shape(op: str, name: str, x: Array, expected: tuple[int, ...], why: str) -> None:
-    if tuple(x.shape) != expected:
-        raise ValueError(f"{op}: {name} must have shape {expected} ({why}), got {tuple(x.shape)}")
-
-
-def canonical_float(name: str) -> str:
-    if name not in FLOAT_DTYPES:
-        raise ValueError(f"expected a float dtype ({', '.join(FLOAT_DTYPES)}), got {name!r}")
-    return name
 
 
 # -- scalar arguments: one policy everywhere ----------------------------------------------------

@@ -523,10 +523,5 @@ def pick(bk: Backend, op: str, impl: str, *args: Any, **options: Any) -> Callabl
     return fn
 
 
-def portable_impls(op: str) -> tuple[str, ...]:
-    """Names of the portable implementations registered for ``op``."""
-    return tuple(_PORTABLE[op])
-
-
 def _describe(options: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in options.items())

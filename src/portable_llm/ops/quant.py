@@ -597,14 +597,6 @@ def is_quantized(*weights: Any) -> bool:
     return any(isinstance(w, QuantizedWeight) for w in weights)
 
 
-def project(bk: Backend, impl: str, x: Any, w: Any, b: Any) -> Any:
-    """``x @ w.T + b`` on ``bk`` for a float weight or a :class:`QuantizedWeight` (for blocks
-    that bind their weights once and call the implementations directly)."""
-    if isinstance(w, QuantizedWeight):
-        return quantized_linear(x, w, b, impl=impl, backend=bk)
-    return pick(bk, "linear", impl, x, w, b)(bk.xp, x, w, b)
-
-
 # -- the measured rule: keep the codes or multiply the dequantized floats ----------------------
 
 #: ``(backend, device kind, dtype, bits) -> N``: from ``N`` output rows on, a decode projection
