@@ -1,4 +1,4 @@
-"""The measurements behind ``portable_llm.ops.quant.KEEPS_CODES``: per backend, dtype and code
+"""The measurements behind ``portable_llm.ops.quant.KEEP_CODES_FROM``: per backend, dtype and code
 width, one decode projection (one row of x) kept quantized (``quantized_linear``, ``auto``)
 against the dense matmul of its dequantized weight (``linear``), at SmolLM2-135M's shapes.
 
