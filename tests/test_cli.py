@@ -39,7 +39,8 @@ def _tables(out: str) -> list[dict[str, str]]:
 
 
 def _report(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, dict]:
-    code = main(["report", *args])
+    """The report with ``-v``: its rows by (op, dtype, impl)."""
+    code = main(["report", "-v", *args])
     out = capsys.readouterr().out
     rows = {(r["op"], r["dtype"], r["impl"]): r for r in _tables(out)}
     return code, out, rows
@@ -78,7 +79,7 @@ def _unwrap(text: str) -> str:
 
 @numpy_only
 def test_report_is_the_default_command_and_covers_every_op_on_numpy(capsys):
-    code = main(["--backend", "numpy"])
+    code = main(["--backend", "numpy", "-v"])
     out = capsys.readouterr().out
     rows = {(r["op"], r["dtype"], r["impl"]): r for r in _tables(out)}
     assert code == 0, out
@@ -114,7 +115,7 @@ def test_report_is_the_default_command_and_covers_every_op_on_numpy(capsys):
     assert "   logprobs, logprobs+top_k (float16, bfloat16): 1e-05/1e-05, the tolerance" in out
     # Progress: a line when the backend starts and one when it ends, with its time.
     assert re.search(r"^== numpy \S+, default device cpu$", out, re.M)
-    assert re.search(rf"^== numpy: {len(rows)} rows in \d+\.\d s, all ok$", out, re.M)
+    assert re.search(rf"^== numpy: {len(rows)} checks in \d+\.\d s, all ok$", out, re.M)
     assert out.rstrip().endswith("all within tolerance")
 
 
@@ -153,6 +154,30 @@ def test_report_on_backend(backend, capsys):
             assert dispatcher(bk).native[case.op].kernel in listed
 
 
+def test_report_prints_one_line_per_op_and_backend_by_default(capsys):
+    """The default report folds each op's rows (dtypes x paths) into one line: its dtypes, the
+    paths auto took, the worst err/tol and result of the -v rows; no kernel lines."""
+    args = ["--backend", "numpy", "--op", "quantized_linear", "--op", "softmax"]
+    code, verbose, rows = _report(args, capsys)
+    assert code == 0 and main(["report", *args]) == 0
+    out = capsys.readouterr().out
+    _check_width(out)
+    lines = _tables(out)
+    assert [r["op"] for r in lines] == ["softmax", "quantized_linear", "bound quantized_linear"]
+    short = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64"}
+    for line in lines:
+        mine = [r for (op, _, _), r in rows.items() if op == line["op"]]
+        dtypes = dict.fromkeys(short[d] for (op, d, _) in rows if op == line["op"])
+        assert line["dtypes"] == " ".join(dtypes)
+        assert float(line["err/tol"]) == max(float(r["err/tol"]) for r in mine)
+        auto = dict.fromkeys(r["path"] for (op, _, impl), r in rows.items()
+                             if op == line["op"] and impl == "auto")  # fmt: skip
+        assert line["auto ran"] == ", ".join(auto) and line["result"] == "ok"
+    assert "native, portable" in {r["auto ran"] for r in lines}  # float64 takes the portable
+    assert "what auto ran" in verbose and "what auto ran" not in out
+    assert len(out.splitlines()) < len(verbose.splitlines())
+
+
 def test_report_marks_a_wrong_reference_and_exits_1(monkeypatch, capsys):
     def wrong(x: np.ndarray) -> np.ndarray:
         return reference.relu(x) + 0.5  # relu is exact in every dtype: every error is 0.5
@@ -172,6 +197,12 @@ def test_report_marks_a_wrong_reference_and_exits_1(monkeypatch, capsys):
     flat = re.sub(r"\n {4}", " ", out)  # the failure lines, unwrapped
     assert re.search(r"^FAIL: numpy relu float32 impl=auto: .*differ beyond", flat, re.M)
     assert out.rstrip().endswith("row(s) outside tolerance")
+    # Without -v: one line per op, the worst result of its rows, the failures repeated below.
+    assert main(["report", "--backend", "numpy", "--op", "relu", "--op", "silu"]) == 1
+    summary = capsys.readouterr().out
+    lines = {r["op"]: r for r in _tables(summary)}
+    assert (lines["relu"]["result"], lines["silu"]["result"]) == ("FAIL", "ok")
+    assert re.search(r"^FAIL: numpy relu float32 impl=auto: ", summary, re.M)
 
 
 def test_report_marks_a_crash_as_error_and_exits_1(monkeypatch, capsys):
@@ -304,7 +335,7 @@ def test_report_and_bench_print_each_row_as_it_is_ready(monkeypatch, capsys):
         return check_case(bk, case, dtype)
 
     monkeypatch.setattr(report, "check_case", spy)
-    args = ["--backend", "numpy", "--op", "silu", "--op", "relu", "--dtype", "float32"]
+    args = ["--backend", "numpy", "--op", "silu", "--op", "relu", "--dtype", "float32", "-v"]
     assert main(["report", *args]) == 0
     assert "silu" not in seen[0] and re.search(r"^silu +float32 +auto", seen[1], re.M)
     measure = bench.measure

@@ -32,7 +32,7 @@ def test_missing_backend_names_the_extra():
         "except pl.BackendNotInstalledError as e:\n    print(e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert "pip install 'portable-llm[torch]'" in out.stdout
+    assert "pip install -c constraints.txt -e '.[torch]' (in a clone" in out.stdout
 
 
 def test_unknown_backend_lists_known_ones():

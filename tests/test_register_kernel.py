@@ -102,7 +102,7 @@ def test_applies_and_auto_dtypes_limit_auto(registered):
 def test_report_checks_a_registered_kernel_and_the_portable_path(registered, capsys):
     pl.register_kernel("numpy", "rms_norm", Counting(), kernel="my.rms_norm")
     registered.append(("numpy", "rms_norm"))
-    code = main(["report", "--backend", "numpy", "--op", "rms_norm", "--dtype", "float32"])
+    code = main(["report", "-v", "--backend", "numpy", "--op", "rms_norm", "--dtype", "float32"])
     out = capsys.readouterr().out
     assert code == 0, out
     rows = report.check_case(pl.get_backend("numpy"), _case("rms_norm"), "float32")

@@ -42,7 +42,7 @@ def test_report_runs_the_packed_kernel_where_a_model_packs(capsys, dtype):
 
     w = torch.zeros(8, 8, dtype=getattr(torch, dtype))
     packs = d.pick("pack_linear", "auto", w) is not d.portable_impl("pack_linear")
-    assert main(["report", "--backend", "torch", "--dtype", dtype, "--op", "linear"]) == 0
+    assert main(["report", "-v", "--backend", "torch", "--dtype", dtype, "--op", "linear"]) == 0
     out = capsys.readouterr().out
     ran = [line.strip() for line in out.splitlines() if line.strip().startswith("bound linear")]
     assert ran, out

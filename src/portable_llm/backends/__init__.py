@@ -11,6 +11,7 @@ import importlib
 from typing import Any
 
 from portable_llm.backends.base import FLOAT_DTYPES, Backend, numpy_bfloat16
+from portable_llm.extras import install_hint
 
 __all__ = [
     "ALIASES",
@@ -97,7 +98,7 @@ def get_backend(name: str | Backend) -> Backend:
         except ImportError as exc:
             raise BackendNotInstalledError(
                 f"backend {canonical!r} needs its array library, which is not installed "
-                f"({exc}); install it with: pip install 'portable-llm[{_EXTRAS[canonical]}]'"
+                f"({exc}); install it with: {install_hint(_EXTRAS[canonical])}"
             ) from exc
         _LOADED[canonical] = bk
     bk = _LOADED[canonical]

@@ -20,6 +20,7 @@ import re
 from pathlib import Path
 
 from portable_llm.checkpoint.files import CheckpointError, brief, checkpoint_file
+from portable_llm.extras import install_hint
 
 __all__ = ["hub_cache", "is_repo_id", "resolve_checkpoint"]
 
@@ -103,7 +104,7 @@ def _snapshot(repo_id: str, revision: str | None) -> Path:
     except ImportError as exc:
         raise ValueError(
             f"load: {repo_id!r} is not a local path; Hub names need huggingface_hub: "
-            "pip install 'portable-llm[hub]'"
+            f"{install_hint('hub')}"
         ) from exc
     cache = hub_cache()
     at = f" at revision {revision!r}" if revision else ""

@@ -10,10 +10,10 @@ import time
 from typing import Any, TextIO
 
 from portable_llm.cli.options import (
+    add_engine_arguments,
     add_model_arguments,
     add_sampling_arguments,
     apply_threads,
-    positive_int,
     sampling_options,
     token_ids,
 )
@@ -38,15 +38,8 @@ def add_batch_parser(sub: Any) -> argparse.ArgumentParser:
         "--ids", action="append", type=token_ids, default=[], metavar="1,2,3",
         help="a prompt as comma-separated token ids (repeatable; no tokenizer needed)",
     )  # fmt: skip
-    add_sampling_arguments(p, per=" per request")
-    p.add_argument(
-        "--max-batch", type=positive_int, default=8, metavar="N",
-        help="requests decoded together (default 8)",
-    )  # fmt: skip
-    p.add_argument(
-        "--prefill-chunk", type=positive_int, default=512, metavar="N",
-        help="prompt tokens per prefill step (default 512)",
-    )  # fmt: skip
+    add_sampling_arguments(p)
+    add_engine_arguments(p)
     return p
 
 
@@ -74,7 +67,10 @@ def run_batch(
     progress = Progress("batch")
     try:
         progress(f"loading {args.path} on {args.backend} ({plural(threads, 'thread')}) ...")
-        model = load(args.path, backend=args.backend, dtype=args.dtype, device=args.device)
+        model = load(
+            args.path, backend=args.backend, dtype=args.dtype, device=args.device,
+            dequantize=args.dequantize,
+        )  # fmt: skip
         tok = model.tokenizer
         if args.prompt and tok is None:
             raise ValueError(f"{args.path} has no tokenizer.json: a text --prompt needs one")
@@ -84,7 +80,7 @@ def run_batch(
         else:
             rows = [tok.encode_prompt(p) for p in args.prompt]
         rows += list(args.ids)
-        gen = BatchGenerator(model, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk)
+        gen = BatchGenerator(model, max_batch=args.max_batch, prefill_chunk=args.prefill_step_size)
         options = sampling_options(args)
         ids = []
         for i, r in enumerate(rows):

@@ -16,18 +16,19 @@ from portable_llm.cli.batch import add_batch_parser, run_batch
 from portable_llm.cli.generate import add_generate_parser, run_generate
 from portable_llm.cli.options import (
     Parser,
+    add_selection_arguments,
     add_threads_argument,
     apply_threads,
-    backend_name,
     positive_int,
 )
 from portable_llm.cli.output import UsageError, error
+from portable_llm.cli.perplexity import add_perplexity_parser, run_perplexity
 from portable_llm.cli.serve import add_serve_parser, run_serve
 from portable_llm.core.version import __version__
 
 __all__ = ["main", "parser"]
 
-COMMANDS = ("report", "bench", "generate", "batch", "serve")
+COMMANDS = ("report", "bench", "generate", "batch", "serve", "perplexity")
 
 
 def parser() -> Parser:
@@ -51,14 +52,7 @@ def parser() -> Parser:
         "directly, with their ratios; exit 1 if the dispatch-overhead gate fails",
     )
     for p in (report, bench):
-        p.add_argument(
-            "--backend",
-            action="append",
-            type=backend_name,
-            metavar="NAME",
-            help="only this backend (repeatable)",
-        )
-        p.add_argument("--op", action="append", metavar="NAME", help="only this op (repeatable)")
+        add_selection_arguments(p)  # --backend NAME..., --op NAME...
     bench.add_argument(
         "--repeat",
         type=positive_int,
@@ -69,6 +63,13 @@ def parser() -> Parser:
     bench.add_argument("--quick", action="store_true", help="few, short samples (a smoke run)")
     report.add_argument(
         "--dtype", action="append", metavar="NAME", help="only this float dtype (repeatable)"
+    )
+    report.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="a row per dtype and path (auto, and the path it did not take), the tolerances and "
+        "the kernels behind each path; default: one line per op and backend",
     )
     bench.add_argument("--dtype", default="float32", help="input dtype (default float32)")
     bench.add_argument(
@@ -89,7 +90,12 @@ def parser() -> Parser:
     )
     for p in (report, bench):
         add_threads_argument(p)
-    texts = (add_generate_parser(sub), add_batch_parser(sub), add_serve_parser(sub))
+    texts = (
+        add_generate_parser(sub),
+        add_batch_parser(sub),
+        add_serve_parser(sub),
+        add_perplexity_parser(sub),
+    )
     for cmd in (report, bench, *texts):
         cmd.set_defaults(parser=cmd)  # the subcommand's own usage errors name it
         top.subcommands[cmd.prog.split()[-1]] = cmd
@@ -111,6 +117,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_batch(args, usage=sub)
         if args.command == "serve":
             return run_serve(args)
+        if args.command == "perplexity":
+            return run_perplexity(args, usage=sub)
         from portable_llm.cli.report import backend_names
 
         apply_threads(args.threads, backend_names(args.backend))
@@ -129,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         from portable_llm.cli.report import run_report
 
-        return run_report(args.backend, args.op, args.dtype)
+        return run_report(args.backend, args.op, args.dtype, verbose=args.verbose)
     except UsageError as exc:  # a bad --op/--dtype/--model: exit 2, one line
         sub.error(str(exc))
     except (OSError, ValueError, ImportError) as exc:  # e.g. a checkpoint that does not load

@@ -10,11 +10,14 @@ import time
 from typing import Any, TextIO
 
 from portable_llm.cli.options import (
+    PREFILL_STEP_SIZE,
+    add_engine_arguments,
     add_model_arguments,
+    add_partition_arguments,
     add_sampling_arguments,
+    add_speculative_arguments,
     apply_threads,
     one_thread_decode,
-    positive_int,
     sampling_options,
     token_ids,
 )
@@ -41,42 +44,9 @@ def add_generate_parser(sub: Any) -> argparse.ArgumentParser:
         "needed)",
     )
     add_sampling_arguments(p)
-    p.add_argument(
-        "--prefill-step-size",
-        type=positive_int,
-        default=2048,
-        metavar="N",
-        help="the prompt goes through the model in chunks of N tokens (default 2048)",
-    )
-    p.add_argument(
-        "--draft",
-        default=None,
-        metavar="PATH",
-        help="speculative decoding: a smaller checkpoint (folder or .gguf, kept quantized) with "
-        "the same tokenizer proposes tokens that the model verifies; prints the acceptance rate",
-    )
-    p.add_argument(
-        "--tensor-parallel",
-        type=positive_int,
-        default=1,
-        metavar="T",
-        help="split the model over T ranks by heads (torch: started by torchrun, MLX: by "
-        "mlx.launch, JAX: T of its devices); see docs/partition.md",
-    )
-    p.add_argument(
-        "--pipeline-parallel",
-        type=positive_int,
-        default=1,
-        metavar="P",
-        help="split the model's layers over P ranks (as --tensor-parallel; both: T x P ranks)",
-    )
-    p.add_argument(
-        "--num-draft-tokens",
-        type=positive_int,
-        default=4,
-        metavar="K",
-        help="tokens the --draft proposes per round (default 4)",
-    )
+    add_engine_arguments(p, batch=False)
+    add_speculative_arguments(p)
+    add_partition_arguments(p)
     return p
 
 
@@ -122,8 +92,9 @@ def run_generate(
         if not main:  # every rank generates; rank 0 prints
             out = open(os.devnull, "w")  # noqa: SIM115
         model = load(
-            args.path, backend=args.backend, dtype=args.dtype, device=args.device, **groups
-        )
+            args.path, backend=args.backend, dtype=args.dtype, device=args.device,
+            dequantize=getattr(args, "dequantize", "auto"), **groups,
+        )  # fmt: skip
         draft = None
         if draft_path is not None:
             draft = load(draft_path, backend=args.backend, dtype=args.dtype, device=args.device)
@@ -141,7 +112,7 @@ def run_generate(
                 prompt = model.tokenizer.apply_chat_template(messages, tokenize=True)
         options = {
             "max_new_tokens": args.max_new_tokens, **sampling_options(args),
-            "prefill_step_size": getattr(args, "prefill_step_size", 2048),
+            "prefill_step_size": getattr(args, "prefill_step_size", PREFILL_STEP_SIZE),
         }  # fmt: skip
         if draft is None:
             gen = generate(model, prompt, **options, repetition_penalty=penalty)

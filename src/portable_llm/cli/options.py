@@ -1,10 +1,14 @@
-"""The flags the subcommands share, defined once, so that every subcommand spells, checks and
-explains them alike: ``--backend``, ``--dtype``, ``--device``, ``--threads``,
-``--max-new-tokens``, the sampling flags and ``--chat``.
+"""The flags the subcommands share, defined once, so that every subcommand spells, checks,
+explains and defaults them alike: where the model runs (``--backend``, ``--dtype``,
+``--device``, ``--dequantize``, ``--threads``), how prompts are read and decoded
+(``--prefill-step-size``, ``--max-batch``), sampling (``--max-new-tokens``, ``--temperature``,
+..., ``--chat``), speculative decoding and partitioning.
 
 A bad value is a usage error (exit status 2) in the flag's own words, on one line
-(:class:`Parser`). A subcommand added later (``serve``) calls the same ``add_*`` functions and
-:func:`apply_threads`.
+(:class:`Parser`). A model command added later (``perplexity``) calls the same ``add_*``
+functions and :func:`apply_threads`; an old spelling stays a hidden alias (:data:`DEPRECATED`).
+``tests/test_cli_vocabulary.py`` walks every subcommand's parser and fails on a flag without
+help, two names for one option, or one name with two meanings or defaults.
 """
 
 from __future__ import annotations
@@ -21,15 +25,27 @@ from portable_llm.backends import BACKENDS, BackendNotInstalledError, get_backen
 from portable_llm.cli.output import WIDTH, wrap
 
 __all__ = [
+    "DEPRECATED",
+    "FORMS",
+    "MAX_BATCH",
+    "MAX_NEW_TOKENS",
+    "PREFILL_STEP_SIZE",
+    "DeprecatedAlias",
     "HelpFormatter",
     "Parser",
+    "add_engine_arguments",
+    "add_max_new_tokens_argument",
     "add_model_arguments",
+    "add_partition_arguments",
+    "add_selection_arguments",
     "add_sampling_arguments",
+    "add_speculative_arguments",
     "add_threads_argument",
     "apply_threads",
     "one_thread_decode",
     "backend_name",
     "default_threads",
+    "dequantize_choice",
     "non_negative_int",
     "positive_float",
     "positive_int",
@@ -193,9 +209,88 @@ def one_thread_decode(threads: int | None, model: Any) -> bool:
     return cpu and f32 and torch.get_num_threads() > 1
 
 
+#: The shared defaults of the model commands (``generate``, ``batch``, ``serve``): one value
+#: each, whichever command runs.
+MAX_NEW_TOKENS = 256
+PREFILL_STEP_SIZE = 512
+MAX_BATCH = 32
+
+#: Old spelling -> the flag it now is. Each still works as a hidden alias that prints one note
+#: (:class:`DeprecatedAlias`), where its flag is taken.
+DEPRECATED = {"--max-tokens": "--max-new-tokens", "--prefill-chunk": "--prefill-step-size"}
+
+_noted: set[str] = set()
+
+
+class DeprecatedAlias(argparse.Action):
+    """An old flag name kept working: it stores into its new flag's ``dest`` and prints, once
+    per process, ``note: --old is now --new`` on stderr (not a warning: pytest turns those
+    into errors, and a command line is no place for a traceback)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:  # fmt: skip
+        name = option_string or self.option_strings[0]
+        if name not in _noted:
+            _noted.add(name)
+            print(f"{parser.prog}: note: {name} is now {DEPRECATED[name]}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def _flag(p: argparse.ArgumentParser, name: str, **kwargs: Any) -> None:
+    """Add the flag ``name``, and each old spelling of it (:data:`DEPRECATED`) as a hidden alias."""
+    p.add_argument(name, **kwargs)
+    for old, new in DEPRECATED.items():
+        if new == name:
+            p.add_argument(
+                old, action=DeprecatedAlias, dest=kwargs.get("dest", name[2:].replace("-", "_")),
+                type=kwargs.get("type"), metavar=kwargs.get("metavar"), help=argparse.SUPPRESS,
+            )  # fmt: skip
+
+
+def dequantize_choice(text: str) -> bool | str:
+    """``--dequantize [auto|yes|no]`` as :func:`portable_llm.load`'s ``dequantize``: ``"auto"``,
+    ``True`` or ``False`` (an argparse type: a bad value is a usage error)."""
+    choices: dict[str, bool | str] = {"auto": "auto", "yes": True, "no": False}
+    if text not in choices:
+        raise argparse.ArgumentTypeError(f"expected auto, yes or no, got {text!r}")
+    return choices[text]
+
+
+#: The flags whose form differs by command, and why: (command, flag) -> the form's name (every
+#: other flag has one definition wherever it appears; tests/test_cli_vocabulary.py holds each
+#: form to one definition too). ``report`` and ``bench`` check or time every installed backend
+#: unless ``--backend`` names some: a repeatable selection, where a model runs on one library.
+#: ``report`` checks every float dtype unless ``--dtype`` names some; ``bench`` times inputs of
+#: one dtype; a model command loads its weights in one (default: the checkpoint's). ``batch``
+#: takes several prompts, ``generate`` one.
+FORMS = {
+    ("report", "--backend"): "selection",
+    ("bench", "--backend"): "selection",
+    ("report", "--dtype"): "selection",
+    ("bench", "--dtype"): "inputs",
+    ("batch", "--prompt"): "repeatable",
+    ("batch", "--ids"): "repeatable",
+}
+
+
+def add_selection_arguments(p: argparse.ArgumentParser) -> None:
+    """``--backend NAME`` and ``--op NAME`` of ``report`` and ``bench``: each repeatable, each
+    selecting (default: every installed backend, every op)."""
+    p.add_argument(
+        "--backend",
+        action="append",
+        type=backend_name,
+        metavar="NAME",
+        help="only this backend (repeatable; default: every installed one)",
+    )
+    p.add_argument(
+        "--op", action="append", metavar="NAME", help="only this op (repeatable; default: all)"
+    )
+
+
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """The checkpoint ``path`` and where it runs: ``--backend``, ``--dtype``, ``--device``,
-    ``--threads``."""
+    """The checkpoint ``path`` and how it is loaded: ``--backend``, ``--dtype``, ``--device``,
+    ``--dequantize``, ``--threads``."""
     p.add_argument(
         "path",
         help="a checkpoint: a folder (config.json, *.safetensors, tokenizer.json), a .gguf file, "
@@ -212,20 +307,62 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--device", default=None, help="cpu, gpu, cuda:0, mps, ... (default: the backend's)"
     )
+    p.add_argument(
+        "--dequantize",
+        nargs="?",
+        type=dequantize_choice,
+        const=True,
+        default="auto",
+        metavar="WHEN",
+        help="a quantized checkpoint (.gguf, mlx-lm folder): auto (default) keeps the codes "
+        "where they decode at least as fast as floats here; yes (or no value): every weight as "
+        "--dtype floats, more memory; no: keep every code, least memory",
+    )
     add_threads_argument(p)
 
 
-def add_sampling_arguments(p: argparse.ArgumentParser, *, per: str = "") -> None:
-    """``--max-new-tokens`` (``--max-tokens`` is a hidden alias), ``--temperature``,
-    ``--top-k``, ``--top-p``, ``--min-p``, ``--seed``, ``--repetition-penalty``, ``--chat``."""
+def add_engine_arguments(p: argparse.ArgumentParser, *, batch: bool = True) -> None:
+    """How the prompts are read and decoded: ``--prefill-step-size`` (``--prefill-chunk`` is an
+    old spelling) and, where requests are batched (``batch``), ``--max-batch``."""
+    _flag(
+        p,
+        "--prefill-step-size",
+        type=positive_int,
+        default=PREFILL_STEP_SIZE,
+        metavar="N",
+        help=f"the most prompt tokens one forward reads, over all requests; a longer prompt "
+        f"goes in chunks (default {PREFILL_STEP_SIZE})",
+    )
+    if not batch:
+        return
     p.add_argument(
+        "--max-batch",
+        type=positive_int,
+        default=MAX_BATCH,
+        metavar="N",
+        help=f"the most requests decoded together in one forward (default {MAX_BATCH})",
+    )
+
+
+def add_max_new_tokens_argument(p: argparse.ArgumentParser) -> None:
+    """``--max-new-tokens N`` (``--max-tokens`` is an old spelling): the most new tokens per
+    request; for ``serve``, of a request that sets no ``max_tokens``."""
+    _flag(
+        p,
         "--max-new-tokens",
         type=positive_int,
-        default=50,
+        default=MAX_NEW_TOKENS,
         metavar="N",
-        help=f"the most new tokens{per} (default 50)",
+        help=f"the most new tokens per request (serve: of a request that sets no max_tokens; "
+        f"default {MAX_NEW_TOKENS})",
     )
-    p.add_argument("--max-tokens", type=positive_int, dest="max_new_tokens", help=argparse.SUPPRESS)
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    """``--max-new-tokens`` (``--max-tokens`` is an old spelling), ``--temperature``, ``--top-k``,
+    ``--top-p``, ``--min-p``, ``--seed``, ``--repetition-penalty``, ``--chat``: the same flags
+    whatever the command, and for ``serve`` the values of a request that sets none."""
+    add_max_new_tokens_argument(p)
     p.add_argument(
         "--temperature", type=_temperature, default=0.0, metavar="T", help="0 (default): greedy"
     )
@@ -246,6 +383,45 @@ def add_sampling_arguments(p: argparse.ArgumentParser, *, per: str = "") -> None
     )
     p.add_argument(
         "--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template"
+    )
+
+
+def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
+    """``--draft PATH`` and ``--num-draft-tokens K``: speculative decoding (``generate``)."""
+    p.add_argument(
+        "--draft",
+        default=None,
+        metavar="PATH",
+        help="speculative decoding: a smaller checkpoint (folder or .gguf, kept quantized) with "
+        "the same tokenizer proposes tokens that the model verifies; prints the acceptance rate",
+    )
+    p.add_argument(
+        "--num-draft-tokens",
+        type=positive_int,
+        default=4,
+        metavar="K",
+        help="tokens the --draft proposes per round (default 4)",
+    )
+
+
+def add_partition_arguments(p: argparse.ArgumentParser) -> None:
+    """``--tensor-parallel T`` and ``--pipeline-parallel P``: the model split over ranks
+    (``generate``)."""
+    p.add_argument(
+        "--tensor-parallel",
+        type=positive_int,
+        default=1,
+        metavar="T",
+        help="split the model over T ranks by heads (torch: started by torchrun, MLX: by "
+        "mlx.launch, JAX: T of its devices; default 1); see docs/partition.md",
+    )
+    p.add_argument(
+        "--pipeline-parallel",
+        type=positive_int,
+        default=1,
+        metavar="P",
+        help="split the model's layers over P ranks (as --tensor-parallel; both: T x P ranks; "
+        "default 1)",
     )
 
 

@@ -9,13 +9,16 @@ with :func:`~portable_llm.testing.assert_close` and the tolerance of
 (native kernel or portable) and beside it the path it did not take: ``impl="portable"`` when
 it ran a native kernel, ``impl="native"`` when it passed one over.
 
-The output fits 100 columns. Per backend: a start line, one line that explains the error
-columns, the table (its path column is the short form, ``native``, ``portable``, ``tiled`` or
-``native+portable``, of what :func:`portable_llm.trace` recorded), the tolerances, the kernels
-behind each path (one line per case and path, listing the dtypes where paths differ), and an end
-line with the backend's time. ``err/tol`` is the worst element's error over the error allowed
-there (``atol + rtol |ref|``): a row is within tolerance when it is at most 1. (A relative error
-alone can exceed 1 on an "ok" row, where the reference is near zero and ``atol`` decides.)
+The output fits 100 columns. Per backend: a start line, the lines that explain the error
+columns, the table, and an end line with the backend's time. By default the table has one line
+per case: its dtypes, the paths ``auto`` took, the worst ``err/tol`` and result. With
+``verbose`` (``-v``) it has a row per case, dtype and impl (its path column is the short form,
+``native``, ``portable``, ``tiled`` or ``native+portable``, of what :func:`portable_llm.trace`
+recorded), followed by the tolerances and the kernels behind each path (one line per case and
+path, listing the dtypes where paths differ). ``err/tol`` is the worst element's error over
+the error allowed there (``atol + rtol |ref|``): a row is within tolerance when it is at most
+1. (A relative error alone can exceed 1 on an "ok" row, where the reference is near zero and
+``atol`` decides.)
 
 A new op adds one :class:`Case` to :data:`CASES`.
 """
@@ -51,6 +54,7 @@ from portable_llm.cli.output import Table, UsageError, wrap
 from portable_llm.core.arrays import asarray, to_numpy
 from portable_llm.core.dispatch import TraceEntry, dispatcher, replay, trace
 from portable_llm.decoder.layer_weights import Packed, QLinear, bind_weight
+from portable_llm.extras import install_hint
 from portable_llm.ops.activations import gelu, gelu_tanh, relu, silu, softmax
 from portable_llm.ops.embedding import embedding, unembed
 from portable_llm.ops.linear import linear, mlp
@@ -768,6 +772,26 @@ def _cells(row: Row) -> list[str]:
     return [row.case, row.dtype, row.impl, row.short or row.path, err, ratio, row.result]
 
 
+# The default report: one line per op (case) and backend; -v prints the rows above instead.
+_SUMMARY = ("op", "dtypes", "auto ran", "err/tol", "result")
+_SUMMARY_COLUMNS = (
+    "   err/tol = max |out - float64 ref|/(atol + rtol |ref|) over the dtypes and paths, ok <= 1"
+    "\n   (-v: a row per dtype and path, the tolerances, the kernels behind each path)"
+)
+_SHORT_DTYPES = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64"}
+
+
+def _summary_cells(rows: Sequence[Row]) -> list[str]:
+    """One case's rows on one backend as one line: its dtypes, the paths ``auto`` took (in
+    dtype order, without repeats), the worst err/tol and the worst result."""
+    dtypes = dict.fromkeys(_SHORT_DTYPES.get(r.dtype, r.dtype) for r in rows)
+    paths = dict.fromkeys(r.short or r.path for r in rows if r.impl == "auto")
+    ratios = [r.err_tol for r in rows if r.err_tol is not None]
+    worst = next((w for w in ("ERROR", "FAIL") if any(r.result == w for r in rows)), "ok")
+    ratio = f"{max(ratios):.2f}" if ratios else "-"
+    return [rows[0].case, " ".join(dtypes), ", ".join(paths), ratio, worst]
+
+
 def _wrap(text: str, indent: str, hang: str) -> list[str]:
     return wrap(text, indent, hang).split("\n")
 
@@ -818,11 +842,15 @@ def run_report(
     ops: Sequence[str] | None = None,
     dtypes: Sequence[str] | None = None,
     file: TextIO | None = None,
+    *,
+    verbose: bool = False,
 ) -> int:
     """Print the report; return 1 if any row is outside tolerance or raised, 0 otherwise.
 
     ``backends``, ``ops`` and ``dtypes`` select (default: all); a name that selects nothing
-    known is a :class:`UsageError`.
+    known is a :class:`UsageError`. Per backend, one line per op (its dtypes, the paths
+    ``auto`` took, the worst err/tol and result); ``verbose`` (``-v``): a row per dtype and
+    path, then the tolerances and the kernels behind each path.
     """
     out = file if file is not None else sys.stdout
     cases, names = _select(CASES, ops), backend_names(backends)
@@ -835,7 +863,7 @@ def run_report(
         skip.add("bfloat16")
         note = (
             "note: bfloat16 skipped on every backend: ml_dtypes is not installed, and the NumPy "
-            "reference needs it (pip install 'portable-llm[bfloat16]')"
+            f"reference needs it ({install_hint('bfloat16')})"
         )
         print(wrap(note) + "\n", file=out)
     for name in names:
@@ -844,21 +872,27 @@ def run_report(
         if bk is None:
             continue
         run = [d for d in bk.float_dtypes() if (not dtypes or d in dtypes) and d not in skip]
-        # each row is printed as it is checked, in columns sized in advance
-        table = Table(_HEADERS, [max(len(c.name) for c in cases), 8, 8, 15])
-        print(_COLUMNS + "\n" + table.header(), file=out, flush=True)
-        rows = []
+        # each row (each op's line) is printed as it is checked, in columns sized in advance
+        width = max(len(c.name) for c in cases)
+        table = Table(_HEADERS, [width, 8, 8, 15]) if verbose else Table(_SUMMARY, [width, 16, 16])
+        print((_COLUMNS if verbose else _SUMMARY_COLUMNS) + "\n" + table.header(), file=out)
+        rows: list[Row] = []
         for case in cases:
+            done = len(rows)
             for dtype in run:
                 for row in check_case(bk, case, dtype):
-                    print(table.row(_cells(row)), file=out, flush=True)
+                    if verbose:
+                        print(table.row(_cells(row)), file=out, flush=True)
                     rows.append(row)
+            if not verbose and rows[done:]:
+                print(table.row(_summary_cells(rows[done:])), file=out, flush=True)
         print(file=out)
-        print("\n".join(_notes(name, rows)), file=out)
+        if verbose:
+            print("\n".join(_notes(name, rows)), file=out)
         outside = [r for r in rows if r.result != "ok"]
         verdict = f"{len(outside)} outside tolerance" if outside else "all ok"
         took = time.perf_counter() - start
-        print(f"== {name}: {len(rows)} rows in {took:.1f} s, {verdict}\n", file=out, flush=True)
+        print(f"== {name}: {len(rows)} checks in {took:.1f} s, {verdict}\n", file=out, flush=True)
         failed.extend((name, r) for r in outside)
     for name, row in failed:  # wrapped, continuation lines indented by 4
         line = f"{row.result}: {name} {row.case} {row.dtype} impl={row.impl}: {row.detail}"

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from portable_llm.extras import install_hint
 from portable_llm.text.failures import shorten
 from portable_llm.text.template_budget import (
     CALL_STEPS,
@@ -111,7 +112,7 @@ def _environment() -> Any:
         from jinja2.utils import Namespace
     except ImportError as exc:
         raise ImportError(
-            "apply_chat_template needs jinja2: pip install 'portable-llm[chat]'"
+            f"apply_chat_template needs jinja2: {install_hint('chat')}"
         ) from exc
 
     class Generation(jinja2.ext.Extension):
