@@ -67,6 +67,7 @@ from portable_llm.ops.embedding import embedding, unembed
 from portable_llm.ops.linear import intermediate_size, linear, mlp
 from portable_llm.ops.moe import moe, route
 from portable_llm.ops.norm import layer_norm, rms_norm
+from portable_llm.ops.penalties import apply_penalties, logit_bias_row
 from portable_llm.ops.quant import QuantizedWeight, dequantize, quantize, quantized_linear
 from portable_llm.ops.sampling import greedy, logprobs, sample
 from portable_llm.rotary.rope import apply_rope, rope, rope_cos_sin
@@ -102,6 +103,8 @@ __all__ = [
     "rope_cos_sin",
     "route",
     "sample",
+    "apply_penalties",
+    "logit_bias_row",
     "scaled_dot_product_attention",
     "silu",
     "softmax",

@@ -16,6 +16,14 @@ A request ends at one of its stop tokens (``"stop"``) or after ``max_new_tokens`
 (``"length"``), or when :meth:`BatchGenerator.cancel` drops it; its pages are freed at once for
 the requests that wait.
 
+Each request may ask for its own penalties (``frequency_penalty``, ``presence_penalty``,
+``repetition_penalty``, ``logit_bias``, ``min_tokens``): the rows of a step get theirs in one
+pass of array ops over the batch's logits (:class:`~portable_llm.generation.penalties.
+PenaltyRows`, which keeps each row's token counts on the device). A request with ``n > 1``
+makes ``n`` sequences whose prompt is prefilled once: when the prefill completes, the other
+``n - 1`` share its pages (copy on write for a partly filled last page) and each samples its
+own first token from the same logits.
+
 With ``prefix_cache=True`` the pages of each prompt's full blocks (once prefilled) and of each
 finished sequence are kept in a :class:`~portable_llm.caches.prefix.PrefixCache`: a request
 whose prompt starts with cached tokens shares those pages and prefills only the rest, and the
@@ -33,7 +41,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +52,7 @@ from portable_llm.caches.paged import PagedKVCache, PagePool
 from portable_llm.caches.prefix import PrefixCache
 from portable_llm.core.arrays import to_numpy
 from portable_llm.core.checks import check_int, check_optional_int
+from portable_llm.generation.penalties import Penalties, PenaltyRows, Row
 from portable_llm.generation.prompt import prompt_ids, stop_ids
 from portable_llm.generation.protocol import (
     LanguageModel,
@@ -54,7 +63,7 @@ from portable_llm.generation.protocol import (
 from portable_llm.generation.sampler import Sampler
 from portable_llm.ops.sampling import greedy
 
-__all__ = ["DEFAULT_MAX_SEQ_LEN", "BatchGenerator", "Request", "batch_generate"]
+__all__ = ["DEFAULT_MAX_SEQ_LEN", "MAX_N", "BatchGenerator", "Request", "batch_generate"]
 
 OP = "BatchGenerator"
 
@@ -62,6 +71,8 @@ OP = "BatchGenerator"
 #: model states one (a config without ``max_position_embeddings``): a request's pages are
 #: reserved when it is admitted, so a ``max_new_tokens`` of ``10**7`` must not reach the pools.
 DEFAULT_MAX_SEQ_LEN = 32768
+#: The most sequences one :class:`Request` may ask for (``n``; vLLM's and OpenAI's bound).
+MAX_N = 16
 
 
 @dataclass
@@ -79,12 +90,32 @@ class Request:
     stop : iterable of int, optional
         Stop token ids; default the model's EOS ids (``model.eos_token_ids``, as
         :func:`~portable_llm.generate`). ``()``: none.
+    frequency_penalty, presence_penalty : float in ``[-2, 2]``
+    repetition_penalty : float, > 0
+        Over every token of the prompt and the output (vLLM's); ``1``: none.
+    logit_bias : mapping of token id to float in ``[-100, 100]``, optional
+    min_tokens : int in ``[0, max_new_tokens]``
+        The stop tokens are banned until this many tokens were generated.
+        (These five: :func:`~portable_llm.apply_penalties`.)
+    ignore_eos : bool
+        With ``stop=None``, the EOS ids do not stop the request (nothing does but
+        ``max_new_tokens``); an explicit ``stop`` is kept as given.
+    n : int in ``[1, 16]``
+        Sequences to generate from the prompt, prefilled once. :meth:`BatchGenerator.add`
+        returns the first one's id; the others have the next ``n - 1`` ids.
     """
 
     prompt_ids: Sequence[int] | Any
     max_new_tokens: int = 256
     sampler: Sampler | None = None
     stop: Iterable[int] | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    n: int = 1
 
 
 @dataclass
@@ -96,6 +127,8 @@ class _Seq:
     max_new_tokens: int
     sampler: Sampler | None
     stops: frozenset[int]
+    penalties: Penalties = field(default_factory=Penalties)
+    siblings: list[_Seq] = field(default_factory=list)  # n > 1: forked when the prefill ends
     caches: list[Any] = field(default_factory=list)  # one per layer, once admitted
     prefilled: int = 0  # prompt tokens in the caches
     generated: int = 0
@@ -190,7 +223,6 @@ class BatchGenerator:
         self.pools: list[PagePool] = []
         if self._paged is not None:
             self.pools = self._paged.make_page_pools(pages, page_size)
-        self._default_stops = stop_ids(self.model, None, op=OP)
         self._lock = threading.Lock()  # guards the queue and the request ids
         self._owner: int | None = None  # the thread that steps the requests holding caches
         self._stepping = False  # a step() runs
@@ -201,6 +233,8 @@ class BatchGenerator:
         self._live: dict[int, _Seq] = {}  # every request holding caches, by id
         self.prefix_cache = PrefixCache(self.pools) if prefix_cache and self.pools else None
         self.admitted: list[tuple[int, int]] = []
+        self._promised = 0  # pages held back for the siblings of requests in prefill (n > 1)
+        self._penalties = PenaltyRows(self.model.vocab_size)  # the decode batch's rows
 
     @property
     def has_work(self) -> bool:
@@ -223,11 +257,15 @@ class BatchGenerator:
             raise TypeError(
                 f"{op}: sampler must be callable or None, got {type(request.sampler).__name__}"
             )
-        stops = (
-            self._default_stops
-            if request.stop is None
-            else stop_ids(self.model, request.stop, op=op)
-        )
+        stops = stop_ids(self.model, request.stop, op=op, ignore_eos=request.ignore_eos)
+        penalties = Penalties.check(
+            op, vocab_size=self.model.vocab_size, max_new_tokens=new,
+            frequency_penalty=request.frequency_penalty,
+            presence_penalty=request.presence_penalty,
+            repetition_penalty=request.repetition_penalty, logit_bias=request.logit_bias,
+            min_tokens=request.min_tokens,
+        )  # fmt: skip
+        n = check_int(op, "n", request.n, low=1, high=MAX_N)
         total = len(prompt) + new
         if total > self.max_seq_len:
             raise ValueError(
@@ -235,17 +273,22 @@ class BatchGenerator:
                 f"{total} tokens, more than max_seq_len ({self.max_seq_len})"
             )
         if self.pools and not self._grows:
-            need = self._pages(len(prompt), new)
+            need = self._pages(len(prompt), new) + (n - 1) * self._forked_pages(len(prompt), new)
             if need > self.pools[0].num_pages:
                 raise ValueError(
-                    f"{op}: the request needs {need} pages of {self.pools[0].page_size} tokens, "
-                    f"more than pool_pages ({self.pools[0].num_pages})"
+                    f"{op}: the request needs {need} pages of {self.pools[0].page_size} tokens"
+                    f"{f' for its {n} sequences' if n > 1 else ''}, more than pool_pages "
+                    f"({self.pools[0].num_pages})"
                 )
         with self._lock:
-            seq = _Seq(self._next_id, prompt, new, request.sampler, stops)
-            self._next_id += 1
-            self._waiting.append(seq)
-        return seq.rid
+            rid = self._next_id
+            seqs = [_Seq(rid + i, prompt, new, request.sampler, stops, penalties) for i in range(n)]
+            self._next_id += n
+            if self._paged is not None:  # one prefill; the others fork from it
+                seqs[0].siblings = seqs[1:]
+                seqs = seqs[:1]
+            self._waiting.extend(seqs)
+        return rid
 
     def step(self) -> list[tuple[int, int, str | None]]:
         """Admit, decode one token per running request, advance the prefill (see the module
@@ -291,18 +334,41 @@ class BatchGenerator:
                 if seq.rid == rid:
                     self._waiting.remove(seq)
                     return True
+                if self._drop_sibling(seq, rid, admitted=False):
+                    return True
         for seqs in (self._prefilling, self._running):
             for seq in seqs:
                 if seq.rid == rid:
                     seqs.remove(seq)
+                    self._unpromise(seq, len(seq.siblings))
                     self._finish(seq)
                     return True
+        return any(self._drop_sibling(seq, rid, admitted=True) for seq in list(self._prefilling))
+
+    def _drop_sibling(self, seq: _Seq, rid: int, *, admitted: bool) -> bool:
+        """Drop the sibling ``rid`` of ``seq`` (``n > 1``, not yet forked); whether it was one."""
+        for sib in seq.siblings:
+            if sib.rid == rid:
+                seq.siblings.remove(sib)
+                if admitted:
+                    self._unpromise(seq, 1)
+                return True
         return False
+
+    def _unpromise(self, seq: _Seq, count: int) -> None:
+        """Give back the pages held back for ``count`` of ``seq``'s unforked siblings."""
+        if self.pools and count:
+            self._promised -= count * self._forked_pages(len(seq.prompt), seq.max_new_tokens)
 
     # -- one step -----------------------------------------------------------------------------
     def _pages(self, prompt: int, new: int) -> int:
         """Pages for a sequence: the last token sampled is never fed back, so never stored."""
         return math.ceil((prompt + new - 1) / self.pools[0].page_size)
+
+    def _forked_pages(self, prompt: int, new: int) -> int:
+        """Pages of its own for a sequence forked after the prompt's prefill (``n > 1``): all
+        but the prompt's full pages, which it shares."""
+        return self._pages(prompt, new) - prompt // self.pools[0].page_size
 
     def _room(self, need: int) -> bool:
         """Whether every pool has ``need`` free pages, growing the pools where they may.
@@ -340,6 +406,10 @@ class BatchGenerator:
             self._live[seq.rid] = seq  # from here on, _abort frees its pages
             with self._lock:
                 self._waiting.popleft()
+            if self.pools:
+                self._promised += len(seq.siblings) * self._forked_pages(
+                    len(seq.prompt), seq.max_new_tokens
+                )
             if self._paged is not None:
                 tokens = len(seq.prompt) + seq.max_new_tokens - 1
                 seq.caches = [PagedKVCache(pool) for pool in self.pools]
@@ -365,6 +435,8 @@ class BatchGenerator:
         """:meth:`_room` for ``seq``'s pages past its cached prefix, whose pages are held
         meanwhile so that eviction keeps them."""
         need = self._pages(len(seq.prompt), seq.max_new_tokens) - cached // self.pools[0].page_size
+        forked = len(seq.siblings) * self._forked_pages(len(seq.prompt), seq.max_new_tokens)
+        need += forked + self._promised  # the siblings' pages, and those of earlier requests
         for pool, pages in zip(self.pools, shared, strict=True):
             pool.share(pages)
         try:
@@ -399,7 +471,8 @@ class BatchGenerator:
         if self._running:
             running = self._running
             logits = self._forward(running, [[s.pending] for s in running])
-            for seq, token in zip(running, self._sample(running, logits), strict=True):
+            tokens = self._sample(running, logits, self._penalties)
+            for seq, token in zip(running, tokens, strict=True):
                 events.append(self._emit(seq, token))
             self._running = [s for s in running if s.caches]
         budget = self.prefill_chunk
@@ -417,15 +490,38 @@ class BatchGenerator:
                     full = len(seq.prompt) - len(seq.prompt) % self.pools[0].page_size
                     self.prefix_cache.insert(seq.prompt[:full], [c.block_table for c in seq.caches])
                 self._prefilling.remove(seq)
-                (token,) = self._sample([seq], logits)
-                events.append(self._emit(seq, token))
-                if seq.caches:
-                    self._running.append(seq)
+                group = [seq, *self._fork(seq)]
+                if len(group) > 1:  # each sequence samples from the prompt's logits
+                    bk = backend_of(logits)
+                    assert bk is not None
+                    logits = bk.xp.concat([logits] * len(group), axis=0)  # (n, V)
+                first = PenaltyRows(self.model.vocab_size)  # fresh rows: nothing generated yet
+                for s, token in zip(group, self._sample(group, logits, first), strict=True):
+                    events.append(self._emit(s, token))
+                    if s.caches:
+                        self._running.append(s)
         return events
 
-    def _sample(self, seqs: list[_Seq], logits: Any) -> list[int]:
-        """Each row's token: greedy rows with one call, each sampler on its own row ``(1, V)``
-        (so that a seeded sampler draws as it would alone)."""
+    def _fork(self, seq: _Seq) -> list[_Seq]:
+        """``seq``'s siblings (``n > 1``), each on the prompt's pages now that they hold it."""
+        siblings, seq.siblings = seq.siblings, []
+        self._unpromise(seq, len(siblings))
+        P = len(seq.prompt)
+        for sib in siblings:
+            self._live[sib.rid] = sib
+            sib.caches = [PagedKVCache(pool) for pool in self.pools]
+            for cache, parent in zip(sib.caches, seq.caches, strict=True):
+                cache.share(parent.block_table, P)  # copy on write: a partly filled last page
+                cache.reserve(P + sib.max_new_tokens - 1 - P)
+            sib.prefilled = P
+        return siblings
+
+    def _sample(self, seqs: list[_Seq], logits: Any, penalties: PenaltyRows) -> list[int]:
+        """Each row's token: the rows' penalties in one pass, then greedy rows with one call,
+        each sampler on its own row ``(1, V)`` (so that a seeded sampler draws as it would
+        alone)."""
+        rows = [Row(s.rid, s.penalties, s.prompt, s.out, s.stops) for s in seqs]
+        logits = penalties.apply(logits, rows)
         top = None
         if any(s.sampler is None for s in seqs):
             top = to_numpy(greedy(logits)).reshape(-1)  # (B,)
@@ -455,6 +551,7 @@ class BatchGenerator:
                     "(vocab_size)"
                 )
             out.append(token)
+        penalties.advance(out)
         return out
 
     def _emit(self, seq: _Seq, token: int) -> tuple[int, int, str | None]:
@@ -494,6 +591,7 @@ class BatchGenerator:
             self._waiting.clear()
         self._prefilling.clear()
         self._running.clear()
+        self._promised = 0
 
 
 def batch_generate(

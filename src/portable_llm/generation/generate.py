@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from portable_llm.attn.padding import left_pad
 from portable_llm.core.checks import check_int, check_optional_int, check_real
+from portable_llm.generation.penalties import Penalties
 from portable_llm.generation.prompt import is_text_batch, prompt_ids, sampling_options, stop_ids
 from portable_llm.generation.protocol import LanguageModel, check_model, num_layers
 from portable_llm.generation.sampler import (
@@ -94,7 +95,12 @@ def generate(
     seed: int | None = None,
     stop: Iterable[int] | None = None,
     repetition_penalty: float | None = None,
-    repetition_context_size: int = 20,
+    repetition_context_size: int | None = 20,
+    frequency_penalty: float = 0.0,
+    presence_penalty: float = 0.0,
+    logit_bias: Mapping[int, float] | None = None,
+    min_tokens: int = 0,
+    ignore_eos: bool = False,
     prompt_cache: list[Any] | None = None,
     prefill_step_size: int | None = PREFILL_STEP_SIZE,
 ) -> Generation:
@@ -123,7 +129,17 @@ def generate(
     stop : iterable of int, optional
         Stop token ids; default :func:`stop_tokens` (the checkpoint's EOS ids). ``()``: none.
     repetition_penalty, repetition_context_size
-        As for :func:`~portable_llm.make_logits_processors`.
+        As for :func:`~portable_llm.make_logits_processors` (``repetition_context_size=None``:
+        the whole prompt and output, as transformers and vLLM).
+    frequency_penalty, presence_penalty : float in ``[-2, 2]``
+        Subtracted from the logit of each generated token, once per time it was generated /
+        once if it was (OpenAI's definition; the prompt does not count).
+    logit_bias : mapping of token id to float in ``[-100, 100]``, optional
+        Added to those logits before sampling (``-100`` bans a token, ``100`` forces it).
+    min_tokens : int in ``[0, max_new_tokens]``
+        The stop tokens get ``-inf`` until this many tokens were generated.
+    ignore_eos : bool
+        With ``stop=None``: the EOS ids do not stop the generation (vLLM's ``ignore_eos``).
     prompt_cache : list of caches, optional
         ``model.make_cache()``, empty or holding an earlier conversation: the prompt follows
         the tokens it holds, and once the iterator is exhausted it holds the prompt and every
@@ -157,13 +173,21 @@ def generate(
     max_new_tokens = check_int(OP, "max_new_tokens", max_new_tokens, low=0)
     options = sampling_options(temperature, top_k, top_p, min_p, vocab_size=model.vocab_size)
     seed = check_optional_int(OP, "seed", seed, low=0)
-    stops = stop_ids(model, stop, op=OP)
+    stops = stop_ids(model, stop, op=OP, ignore_eos=ignore_eos)
+    p = Penalties.check(
+        OP, vocab_size=model.vocab_size, max_new_tokens=max_new_tokens,
+        frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+        logit_bias=logit_bias, min_tokens=min_tokens,
+    )  # fmt: skip
     processors = make_logits_processors(
         repetition_penalty=_penalty(repetition_penalty),
-        repetition_context_size=check_int(
+        repetition_context_size=check_optional_int(
             OP, "repetition_context_size", repetition_context_size, low=1
         ),
-    )
+        frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
+        logit_bias=dict(p.logit_bias), min_tokens=p.min_tokens, stop=stops,
+        vocab_size=model.vocab_size,
+    )  # fmt: skip
     if prompt_cache is not None and batch:
         raise ValueError("generate: prompt_cache is for one prompt, not a batch")
     if prompt_cache is not None:

@@ -78,12 +78,20 @@ def is_text_batch(prompt: Any) -> bool:
     )
 
 
-def stop_ids(model: LanguageModel, stop: Any, /, *, op: str = "generate") -> frozenset[int]:
-    """The stop token ids: ``model.eos_token_ids`` when ``stop`` is ``None``, else ``stop``
-    (an iterable of ints, or an integer array), checked; ``()``: none."""
+def stop_ids(
+    model: LanguageModel | None, stop: Any, /, *, op: str = "generate", ignore_eos: bool = False
+) -> frozenset[int]:
+    """The stop token ids: ``model.eos_token_ids`` when ``stop`` is ``None`` (none with
+    ``ignore_eos``), else ``stop`` (an iterable of ints, or an integer array), checked; ``()``:
+    none. ``model`` may be ``None`` when ``stop`` is given."""
+    if not isinstance(ignore_eos, bool):
+        raise TypeError(f"{op}: ignore_eos must be a bool, got {type(ignore_eos).__name__}")
     if stop is None:
+        if ignore_eos or model is None:
+            return frozenset()
         return frozenset(int(i) for i in model.eos_token_ids)
-    if not isinstance(stop, str | bytes) and backend_of(stop) is not None:  # an array of ids
+    plain = str | bytes | list | tuple | set | frozenset | range
+    if not isinstance(stop, plain) and backend_of(stop) is not None:  # an array of ids
         stop = to_numpy(stop).reshape(-1).tolist()
     if isinstance(stop, str | bytes) or not isinstance(stop, Iterable):
         raise TypeError(

@@ -7,14 +7,17 @@ backend and device); a *logits processor* maps ``(tokens, logits)`` to new logit
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from portable_llm.backends import backend_of
-from portable_llm.core.checks import check_int, check_optional_int, check_real
+from portable_llm.core.checks import check_optional_int, check_real
 from portable_llm.core.types import Array
+from portable_llm.generation.penalties import Penalties, PenaltyProcessor
+from portable_llm.generation.prompt import stop_ids
+from portable_llm.ops.penalties import apply_penalties
 from portable_llm.ops.sampling import GREEDY_BELOW, greedy, sample
 
 __all__ = ["LogitsProcessor", "Sampler", "make_logits_processors", "make_sampler"]
@@ -73,7 +76,15 @@ def make_sampler(
 
 
 def make_logits_processors(
-    *, repetition_penalty: float | None = None, repetition_context_size: int = 20
+    *,
+    repetition_penalty: float | None = None,
+    repetition_context_size: int | None = 20,
+    frequency_penalty: float = 0.0,
+    presence_penalty: float = 0.0,
+    logit_bias: Mapping[int, float] | None = None,
+    min_tokens: int = 0,
+    stop: Iterable[int] = (),
+    vocab_size: int | None = None,
 ) -> list[LogitsProcessor]:
     """The logits processors these options ask for (an empty list: none).
 
@@ -83,16 +94,38 @@ def make_logits_processors(
         CTRL's penalty, as transformers and mlx-lm apply it: the logit ``x`` of each token among
         a row's last ``repetition_context_size`` ids becomes ``x * penalty`` if ``x < 0``, else
         ``x / penalty``. ``None`` or ``1``: no penalty.
-    repetition_context_size : int, >= 1
+    repetition_context_size : int, >= 1, or None
         How many of the latest ids (prompt included) count as seen (mlx-lm's default: 20).
+        ``None``: every id of the prompt and the output (transformers' and vLLM's rule, as
+        :class:`~portable_llm.BatchGenerator` requests and the server apply it).
+    frequency_penalty, presence_penalty : float in ``[-2, 2]``
+    logit_bias : mapping of token id to float in ``[-100, 100]``, optional
+    min_tokens : int, >= 0
+        The ``stop`` ids get ``-inf`` until this many tokens were generated.
+    stop : iterable of int
+        The tokens ``min_tokens`` bans (:func:`~portable_llm.generate` passes its stop ids).
+    vocab_size : int, optional
+        Checks the ids of ``logit_bias`` now; without it, at the first call.
+
+    These (but the windowed repetition penalty) run as one
+    :class:`~portable_llm.generation.penalties.PenaltyProcessor`: every row at once with
+    :func:`~portable_llm.apply_penalties`, the counts of each row's tokens kept on the device.
     """
     op = "make_logits_processors"
-    context = check_int(op, "repetition_context_size", repetition_context_size, low=1)
+    context = check_optional_int(op, "repetition_context_size", repetition_context_size, low=1)
+    penalties = Penalties.check(
+        op, vocab_size=2**31 - 1 if vocab_size is None else vocab_size,
+        frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+        repetition_penalty=1.0 if context is not None else repetition_penalty,
+        logit_bias=logit_bias, min_tokens=min_tokens,
+    )  # fmt: skip
     processors: list[LogitsProcessor] = []
-    if repetition_penalty is not None:
+    if repetition_penalty is not None and context is not None:
         penalty = check_real(op, "repetition_penalty", repetition_penalty, low=0, low_open=True)
         if penalty != 1:
             processors.append(_repetition_penalty(penalty, context))
+    if not penalties.neutral:
+        processors.append(PenaltyProcessor(penalties, stop_ids(None, stop, op=op)))
     return processors
 
 
@@ -107,7 +140,7 @@ def _repetition_penalty(penalty: float, context: int) -> LogitsProcessor:
             ids = np.asarray(list(row)[-context:], dtype=np.int64)
             seen[b, ids[(ids >= 0) & (ids < V)]] = True
         mask = bk.from_numpy(seen, bk.device_of(logits))  # (B, V)
-        penalised = xp.where(logits < 0, logits * penalty, logits / penalty)
-        return xp.where(mask, penalised, logits)
+        counts = xp.zeros(logits.shape, dtype=xp.int32, device=bk.device_of(logits))
+        return apply_penalties(logits, counts, prompt_mask=mask, repetition_penalty=penalty)
 
     return processor

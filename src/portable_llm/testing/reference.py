@@ -22,6 +22,7 @@ __all__ = [
     "linear",
     "mlp",
     "moe",
+    "penalties",
     "relu",
     "rms_norm",
     "rope",
@@ -282,6 +283,35 @@ def sampling_probs(
             n = int(np.sum(p >= min_p * p.max()))
             kept, p = kept[:n], p[:n] / p[:n].sum()
         out[row][kept] = p
+    return out
+
+
+def penalties(
+    logits: np.ndarray,
+    generated: list[list[int]],
+    prompts: list[list[int]],
+    *,
+    frequency: list[float],
+    presence: list[float],
+    repetition: list[float],
+    bias: list[dict[int, float]],
+    banned: list[set[int]],
+) -> np.ndarray:
+    """Logits ``(B, V)`` after each row's ``logit_bias``, banned tokens, repetition penalty
+    (over the prompt and the generated ids: ``x / r`` if ``x > 0`` else ``x * r``), frequency
+    and presence penalties (over the generated ids: ``x - f * count - p``), token by token."""
+    out = _f64(logits).copy()
+    for b in range(out.shape[0]):
+        for token in range(out.shape[1]):
+            x = out[b, token] + bias[b].get(token, 0.0)
+            if token in banned[b]:
+                x = -math.inf
+            count = generated[b].count(token)
+            if count or token in prompts[b]:
+                x = x / repetition[b] if x > 0 else x * repetition[b]
+            if count:
+                x = x - frequency[b] * count - presence[b]
+            out[b, token] = x
     return out
 
 
