@@ -52,6 +52,7 @@ from portable_llm.generation import (
     generate_step,
     make_logits_processors,
     make_sampler,
+    perplexity,
     speculative_generate,
 )
 from portable_llm.ops.activations import (
@@ -152,5 +153,6 @@ __all__ = [
     "generate_step",
     "make_logits_processors",
     "make_sampler",
+    "perplexity",
     "speculative_generate",
 ]

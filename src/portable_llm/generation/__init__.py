@@ -2,6 +2,7 @@
 
 from portable_llm.generation.batch import BatchGenerator, Request, batch_generate
 from portable_llm.generation.generate import Generation, GenerationStats, generate
+from portable_llm.generation.perplexity import PerplexityResult, perplexity
 from portable_llm.generation.prompt import prompt_ids, sampling_options, stop_ids
 from portable_llm.generation.protocol import (
     DecodeStepModel,
@@ -29,6 +30,9 @@ __all__ = [
     "generate",
     "generate_step",
     "speculative_generate",
+    # judging a model on text (perplexity, KL divergence from a base)
+    "PerplexityResult",
+    "perplexity",
     # samplers and the checks every front shares
     "make_logits_processors",
     "make_sampler",
