@@ -17,16 +17,16 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from portable_llm.core.arrays import to_numpy
 from portable_llm.generation.batch import BatchGenerator, Request
 from portable_llm.generation.sampler import Sampler
-from portable_llm.ops.sampling import greedy
+from portable_llm.ops.sampling import greedy, log_softmax
 
-__all__ = ["Engine", "Job", "TokenEvent"]
+__all__ = ["Engine", "EngineObserver", "Job", "TokenEvent"]
 
 
 @dataclass
@@ -37,6 +37,7 @@ class TokenEvent:
     token: int
     reason: str | None
     logprobs: tuple[float, list[tuple[int, float]]] | None = None
+    index: int = 0  # which of the job's n sequences (OpenAI's choice index)
 
 
 @dataclass(eq=False)  # compared by identity (the engine finds a job in its lists)
@@ -51,6 +52,9 @@ class Job:
     sampler: Sampler | None = None
     top_logprobs: int | None = None  # None: no log-probabilities; 0: the chosen token's only
     stop: tuple[int, ...] | None = None
+    n: int = 1  # sequences from the prompt (prefilled once): the choices
+    options: dict[str, Any] = field(default_factory=dict)  # Request's penalties, min_tokens
+    response_format: Any = None  # a Grammar: constrained decoding (serve.tools)
     loop: asyncio.AbstractEventLoop | None = None
     queue: asyncio.Queue[tuple[str, Any]] = field(default_factory=asyncio.Queue)
     rid: int = -1
@@ -58,29 +62,46 @@ class Job:
     admitted: float = 0.0
     first_token: float = 0.0
     cached: int = 0
+    last_token: float = 0.0
+    generated: int = 0  # tokens drawn so far
+    finish_reason: str | None = None  # set by the app when a stop string ends the job
     _records: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    more: list[asyncio.Queue[tuple[str, Any]]] = field(default_factory=list)  # choices 1..n-1
+    left: int = 0  # sequences running (engine thread)
+    dropping: set[int] = field(default_factory=set)  # choices cancelled (cancel(job, index))
+
+    def queue_of(self, index: int) -> asyncio.Queue[tuple[str, Any]]:
+        """The events of choice ``index``: ``queue`` for the first, ``more`` for the others."""
+        return self.queue if index == 0 else self.more[index - 1]
 
     def post(self, kind: str, payload: Any) -> None:
-        """Hand an event to the job's loop (from the engine thread); dropped once it closed."""
-        if self.loop is None:
-            self.queue.put_nowait((kind, payload))
-            return
-        with contextlib.suppress(RuntimeError):  # a closed loop: nobody reads any more
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, payload))
+        """Hand an event to the job's loop (from the engine thread); dropped once it closed.
+        A token goes to its choice's queue, anything else to every choice's."""
+        queues = [self.queue, *self.more]
+        if kind == "token" and self.more:
+            queues = [self.queue_of(payload.index)]
+        for queue in queues:
+            if self.loop is None:
+                queue.put_nowait((kind, payload))
+                continue
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody reads any more
+                self.loop.call_soon_threadsafe(queue.put_nowait, (kind, payload))
 
 
 def _logprob_sampler(job: Job, to_np: Callable[[Any], np.ndarray]) -> Sampler:
     """``job.sampler`` (greedy when ``None``) that also records each draw's log-probability
     and the ``job.top_logprobs`` most likely ids, from the model's logits (before any
-    temperature or filter)."""
+    temperature or filter): :func:`~portable_llm.ops.sampling.log_softmax` in float64, whose
+    values may be ``-inf`` (a token the model rules out) or NaN (logits holding ``+inf`` or
+    NaN); the server shows those as ``null``."""
     inner = job.sampler if job.sampler is not None else greedy
     k = job.top_logprobs or 0
 
     def sampler(logits: Any) -> Any:
         ids = inner(logits)
         row = np.asarray(to_np(logits), dtype=np.float64).reshape(-1)  # (V,)
-        top = row.max()
-        lp = row - (top + np.log(np.exp(row - top).sum()))
+        with np.errstate(all="ignore"):  # inf - inf: NaN, shown as null
+            lp = log_softmax(np, row)
         token = int(np.asarray(to_np(ids)).reshape(-1)[0])
         best = np.argsort(-lp, kind="stable")[:k]
         chosen = float(lp[token]) if 0 <= token < lp.shape[0] else float("nan")
@@ -88,6 +109,21 @@ def _logprob_sampler(job: Job, to_np: Callable[[Any], np.ndarray]) -> Sampler:
         return ids
 
     return sampler
+
+
+class EngineObserver(Protocol):
+    """What the engine thread tells about its jobs (times from ``time.perf_counter``), before
+    the job's client may see it: :class:`~portable_llm.serve.metrics.ServeMetrics` listens."""
+
+    def admitted(self, job: Job, now: float) -> None:
+        """``job`` joined the batch (``job.cached`` prompt tokens from the prefix cache)."""
+
+    def token(self, job: Job, now: float, gap: float | None) -> None:
+        """``job`` drew a token: its first when ``gap`` is ``None``, else ``gap`` s after the
+        one before."""
+
+    def ended(self, job: Job, now: float, reason: str) -> None:
+        """``job`` left the engine: ``stop``, ``length``, ``abort`` (cancelled) or ``error``."""
 
 
 class Engine:
@@ -133,12 +169,14 @@ class Engine:
         self._inbox: list[Job] = []
         self._cancels: list[Job] = []
         self._queued: set[int] = set()  # id() of jobs submitted and not yet admitted
+        self._live: set[int] = set()  # id() of jobs submitted and not yet finished or dropped
         self._jobs: dict[int, Job] = {}  # by request id, engine thread only
         self._thread: threading.Thread | None = None
         self._stop = False
         self.max_decoded = 0
         self.steps = 0
         self.cancelled = 0
+        self.observer: EngineObserver | None = None  # told of each job's progress (/metrics)
         self._health: dict[str, Any] = {}
         self._counted = 0.0  # when the idle cached pages were last counted
         self._snapshot()
@@ -169,6 +207,12 @@ class Engine:
         with self._cond:
             return len(self._queued)
 
+    @property
+    def in_flight(self) -> int:
+        """Jobs submitted and not yet finished, failed or cancelled (running or waiting)."""
+        with self._cond:
+            return len(self._live)
+
     def submit(self, job: Job) -> None:
         """Queue ``job``; it joins the batch at the next step."""
         self.start()
@@ -176,17 +220,26 @@ class Engine:
         with self._cond:
             self._inbox.append(job)
             self._queued.add(id(job))
+            self._live.add(id(job))
             self._cond.notify()
 
-    def cancel(self, job: Job) -> None:
+    def cancel(self, job: Job, index: int | None = None) -> None:
         """Drop ``job`` (a client went away, or a stop string ended it): its pages come back at
-        the next step."""
+        the next step. ``index``: only that choice of a job with ``n > 1``."""
+        if index is not None and job.n > 1:
+            with self._cond:
+                job.dropping.add(index)
+                self._cancels.append(job)
+                self._cond.notify()
+            return
         with self._cond:
+            job.dropping.update(range(job.n))
             if job in self._inbox:
                 self._inbox.remove(job)
             else:
                 self._cancels.append(job)
             self._queued.discard(id(job))
+            self._live.discard(id(job))
             self._cond.notify()
 
     def health(self) -> dict[str, Any]:
@@ -228,10 +281,9 @@ class Engine:
                 for job in adds:
                     self._add(job)
                 for job in cancels:
-                    if job.rid in self._jobs:
-                        gen.cancel(job.rid)
-                        del self._jobs[job.rid]
+                    if self._drop(job):  # the job's last sequence went
                         self.cancelled += 1
+                        self._ended(job, job.finish_reason or "abort")
                 if gen.has_work:
                     self._step()
             except Exception as exc:  # a bug of ours: fail the requests, keep serving
@@ -245,13 +297,34 @@ class Engine:
         if job.top_logprobs is not None:
             sampler = _logprob_sampler(job, self._to_np)
         try:
-            job.rid = self.generator.add(Request(job.prompt, job.max_tokens, sampler, job.stop))
+            request = Request(
+                job.prompt, job.max_tokens, sampler, job.stop, response_format=job.response_format,
+                n=job.n, **job.options,
+            )  # fmt: skip
+            job.rid = self.generator.add(request)
+            job.left = job.n
         except (ValueError, TypeError) as exc:
             with self._cond:
                 self._queued.discard(id(job))
+                self._live.discard(id(job))
             job.post("error", str(exc)[:1000])
             return
-        self._jobs[job.rid] = job
+        for i in range(job.n):
+            self._jobs[job.rid + i] = job
+
+    def _drop(self, job: Job) -> bool:
+        """Cancel the sequences of ``job`` in ``job.dropping`` still running; whether that
+        ended the job (none of its sequences runs any more)."""
+        rids = [job.rid + i for i in sorted(job.dropping) if self._jobs.get(job.rid + i) is job]
+        for rid in rids:
+            self.generator.cancel(rid)
+            del self._jobs[rid]
+        job.left -= len(rids)
+        if not rids or job.left:
+            return False
+        with self._cond:
+            self._live.discard(id(job))
+        return True
 
     def _step(self) -> None:
         gen = self.generator
@@ -268,6 +341,8 @@ class Engine:
             job.admitted, job.cached = start, cached
             with self._cond:
                 self._queued.discard(id(job))
+            if self.observer is not None:
+                self.observer.admitted(job, start)
             job.post("admitted", cached)
         decoded = 0
         for rid, token, reason in events:
@@ -276,15 +351,31 @@ class Engine:
                 decoded += 1
             else:
                 job.first_token = now
-            record = job._records.pop(0) if job.top_logprobs is not None else None
-            job.post("token", TokenEvent(token, reason, record))
+            gap = now - job.last_token if job.generated else None
+            job.generated, job.last_token = job.generated + 1, now
             if reason is not None:
                 del self._jobs[rid]
+                job.left -= 1
+            if self.observer is not None:  # before the client may see the token
+                self.observer.token(job, now, gap)
+                if reason is not None and not job.left:
+                    self.observer.ended(job, now, reason)
+            record = job._records.pop(0) if job.top_logprobs is not None else None
+            job.post("token", TokenEvent(token, reason, record, rid - job.rid))
+            if reason is not None and not job.left:
+                with self._cond:
+                    self._live.discard(id(job))
         self.max_decoded = max(self.max_decoded, decoded)
 
+    def _ended(self, job: Job, reason: str) -> None:
+        """Tell the observer that ``job`` was dropped (``reason``: abort, error, or the app's)."""
+        if self.observer is not None:
+            self.observer.ended(job, time.perf_counter(), reason)
+
     def _fail_all(self, message: str) -> None:
-        for job in self._jobs.values():
+        for job in {id(j): j for j in self._jobs.values()}.values():  # once per job
             job.post("error", message)
+            self._ended(job, "error")
         for rid in list(self._jobs):
             with contextlib.suppress(Exception):  # the generator may be what failed
                 self.generator.cancel(rid)
@@ -294,3 +385,4 @@ class Engine:
                 job.post("error", message)
             self._inbox.clear()
             self._queued.clear()
+            self._live.clear()

@@ -5,8 +5,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from portable_llm.generation.batch import MAX_N
+from portable_llm.ops.penalties import (
+    FREQUENCY_PENALTY_RANGE,
+    LOGIT_BIAS_RANGE,
+    PRESENCE_PENALTY_RANGE,
+)
 
 __all__ = ["APIError", "Sampling", "error_body", "read_chat", "read_completion"]
 
@@ -15,6 +22,9 @@ MAX_STOP = 16
 #: The longest stop string, in characters.
 MAX_STOP_CHARS = 512
 MAX_TOP_LOGPROBS = 20
+#: The most ``logit_bias`` entries and ``stop_token_ids`` a request may send.
+MAX_LOGIT_BIAS = 1024
+MAX_STOP_TOKEN_IDS = 64
 
 
 class APIError(Exception):
@@ -62,6 +72,14 @@ class Sampling:
     top_logprobs: int | None  # None: no log-probabilities
     stream: bool
     include_usage: bool
+    n: int = 1
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's extension
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    stop_token_ids: list[int] = field(default_factory=list)  # vLLM's extension
+    ignore_eos: bool = False  # vLLM's extension
+    min_tokens: int = 0  # vLLM's extension
 
 
 def _bad(param: str, message: str, code: str | None = "invalid_value") -> APIError:
@@ -127,10 +145,6 @@ def _common(body: Any, default_model: str) -> Sampling:
     model = body.get("model", default_model)
     if not isinstance(model, str):
         raise _bad("model", f"expected a string, got {_type_name(model)}", "invalid_type")
-    n = _int(body, "n", 1)
-    if n not in (None, 1):
-        raise _bad("n", f"only n=1 is supported, got {n}", "unsupported")
-    _unsupported(body, {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}})
     stop = body.get("stop")
     if stop is None:
         stops = []
@@ -155,7 +169,7 @@ def _common(body: Any, default_model: str) -> Sampling:
             raise _bad("stream_options", "expected an object", "invalid_type")
         include_usage = _bool(options, "include_usage")
     temperature = _float(body, "temperature", 0.0, 2.0)
-    return Sampling(
+    s = Sampling(
         model=model,
         max_tokens=None,
         temperature=1.0 if temperature is None else temperature,
@@ -168,6 +182,49 @@ def _common(body: Any, default_model: str) -> Sampling:
         stream=stream,
         include_usage=include_usage,
     )
+    _penalties(body, s)
+    return s
+
+
+def _penalties(body: Mapping[str, Any], s: Sampling) -> None:
+    """The sampling fields OpenAI and vLLM add: ``n``, the penalties, ``logit_bias``,
+    ``stop_token_ids``, ``ignore_eos``, ``min_tokens`` (each range as vLLM's; the token ids
+    against the vocabulary later, where it is known)."""
+    s.n = _int(body, "n", 1, MAX_N) or 1
+    s.frequency_penalty = _float(body, "frequency_penalty", *FREQUENCY_PENALTY_RANGE) or 0.0
+    s.presence_penalty = _float(body, "presence_penalty", *PRESENCE_PENALTY_RANGE) or 0.0
+    repetition = body.get("repetition_penalty")
+    if repetition is not None:
+        if isinstance(repetition, bool) or not isinstance(repetition, int | float):
+            raise _bad("repetition_penalty", f"expected a number, got {_type_name(repetition)}",
+                       "invalid_type")  # fmt: skip
+        if not (math.isfinite(repetition) and repetition > 0):
+            raise _bad("repetition_penalty", f"must be a finite number > 0, got {repetition}")
+        s.repetition_penalty = float(repetition)
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, Mapping):
+            raise _bad("logit_bias", f"expected an object, got {_type_name(bias)}", "invalid_type")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise _bad("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+        for key in bias:
+            if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10):
+                raise _bad("logit_bias", f"keys must be token ids, got {str(key)[:40]!r}")
+            value = _float(bias, key, *LOGIT_BIAS_RANGE)
+            s.logit_bias[int(key)] = 0.0 if value is None else value
+    ids = body.get("stop_token_ids")
+    if ids is not None:
+        if not (
+            isinstance(ids, list)
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
+        ):
+            raise _bad("stop_token_ids", "expected an array of token ids (ints >= 0)",
+                       "invalid_type")  # fmt: skip
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise _bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
+        s.stop_token_ids = list(ids)
+    s.ignore_eos = _bool(body, "ignore_eos")
+    s.min_tokens = _int(body, "min_tokens", 0) or 0
 
 
 def _max_tokens(body: Mapping[str, Any], *keys: str) -> int | None:
@@ -182,10 +239,6 @@ def read_chat(body: Any, default_model: str) -> tuple[Sampling, list[dict[str, A
     """The options and messages of a ``/v1/chat/completions`` body."""
     s = _common(body, default_model)
     s.max_tokens = _max_tokens(body, "max_completion_tokens", "max_tokens")
-    _unsupported(body, {"tools": [], "tool_choice": "none", "functions": []})
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise _bad("response_format", "only {'type': 'text'} is supported", "unsupported")
     if _bool(body, "logprobs"):
         s.top_logprobs = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
     elif body.get("top_logprobs") is not None:
@@ -214,7 +267,8 @@ def read_chat(body: Any, default_model: str) -> tuple[Sampling, list[dict[str, A
             content = ""
         if not isinstance(content, str):
             raise _bad(f"{param}.content", "expected a string or text parts", "invalid_type")
-        out.append({"role": role, "content": content})
+        tools = {k: m[k] for k in ("tool_calls", "tool_call_id", "name") if m.get(k) is not None}
+        out.append({"role": role, "content": content, **tools})  # serve.tools checks them
     return s, out
 
 

@@ -9,6 +9,7 @@ character split over several byte-level tokens is never shown half-done. The cha
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -48,6 +49,7 @@ class Tokenizer:
             origin = origin or "tokenizer_config.json"
         self._template = chat_template
         self._origin = origin or "the chat template"
+        self._rules: tuple[frozenset[int], frozenset[int]] | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -57,6 +59,11 @@ class Tokenizer:
     def token_id(self, token: str) -> int | None:
         """The id of a token string (``"<|endoftext|>"``), or ``None``."""
         return self._tok.token_to_id(token)
+
+    def to_str(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text (what grammar engines read the vocabulary
+        from)."""
+        return str(self._tok.to_str())
 
     def vocab(self) -> dict[str, int]:
         """Every token string and its id, added tokens included (to compare two tokenizers)."""
@@ -89,15 +96,16 @@ class Tokenizer:
             return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     def stream_decoder(self, *, skip_special_tokens: bool = True) -> TextStream:
-        """A :class:`TextStream` of this tokenizer: ids in, new text out, O(1) per id."""
+        """A :class:`TextStream` of this tokenizer: ids in, new text out, O(window) per id."""
         return TextStream(self, skip_special_tokens=skip_special_tokens)
 
     def stream(self, ids: Iterable[int]) -> Iterator[str]:
         """Text pieces of a stream of ids: their concatenation is ``decode(all ids)``.
 
-        Each id goes to a :class:`TextStream` (``tokenizers.decoders.DecodeStream``, O(1) per
-        id); a piece is released once its bytes form whole characters, and text held back at
-        the end (an incomplete character, U+FFFD in :meth:`decode`) comes as a last piece.
+        Each id goes to a :class:`TextStream` (a short window decoded per id); a piece is
+        released once its text is settled (whole characters, a closed run of byte-fallback
+        tokens), and text held back at the end (an incomplete character, U+FFFD in
+        :meth:`decode`) comes as a last piece.
         """
         text = self.stream_decoder()
         for token in ids:
@@ -107,6 +115,16 @@ class Tokenizer:
         rest = text.finish()
         if rest:
             yield rest
+
+    def _stream_rules(self, skip_special_tokens: bool) -> tuple[frozenset[int], frozenset[int]]:
+        """What :class:`TextStream` needs of ``decode``: the ids it drops (special tokens, when
+        skipped) and the byte-fallback ids (none unless the decoder has ``ByteFallback``)."""
+        if self._rules is None:
+            added = self._tok.get_added_tokens_decoder()
+            specials = frozenset(i for i, t in added.items() if t.special)
+            self._rules = (specials, _byte_fallback_ids(self._tok))
+        specials, byte_ids = self._rules
+        return (specials if skip_special_tokens else frozenset()), byte_ids
 
     @property
     def chat_template(self) -> str | None:
@@ -177,34 +195,63 @@ class Tokenizer:
 
 class TextStream:
     """Incremental detokenization of one sequence: ``step(id)`` returns the new text that id
-    completes (``""`` while a character is incomplete), via ``tokenizers.decoders.DecodeStream``
-    (O(1) per id); ``finish()`` returns what is still held back, so that all the pieces
-    together equal ``tokenizer.decode(ids)``."""
+    completes (``""`` while the text is not settled), ``finish()`` what is still held back, so
+    that all the pieces together equal ``tokenizer.decode(ids)``, U+FFFD included.
+
+    Each step decodes a short window with the tokenizer's own ``decode``: the ids of the last
+    piece (context, so that a decoder's rule for the first token, such as stripping its
+    leading space, sees what it sees in the whole sequence) and the ids since (pending). The new
+    text is the window's text past the context's, released once it is settled:
+
+    - a trailing U+FFFD may still become a character (byte-level BPE: an incomplete UTF-8
+      sequence), so it waits for the next id;
+    - a run of byte-fallback ids (``<0x41>``, SentencePiece) is decoded as one byte string, all
+      or nothing: ``<0x41>`` alone is ``"A"``, but ``<0x41> <0xC3>`` is two U+FFFD. The run
+      waits, undecoded, until an id that is not a byte ends it;
+    - ids that ``decode`` drops (special tokens when ``skip_special_tokens``, ids the tokenizer
+      does not know) are dropped here too: a special token inside a byte run does not end it.
+
+    The cost of an id is O(window), not O(ids so far): the window holds the last piece's ids
+    and those pending. (``tokenizers.decoders.DecodeStream`` computes the same difference, but
+    raises on a byte run that turns text it already returned into U+FFFD.)
+    """
 
     def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True) -> None:
-        from tokenizers.decoders import DecodeStream
-
-        self._tokenizer = tokenizer
+        self._tok = tokenizer._tok
         self._skip = skip_special_tokens
-        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-        self._ids: list[int] = []
-        self._pieces: list[str] = []
+        self._dropped, self._bytes = tokenizer._stream_rules(skip_special_tokens)
+        self._window: list[int] = []  # context ids (shown), then pending ids
+        self._context = 0  # how many of the window's ids are context
+        self._shown = ""  # decode(window[:context])
+
+    def _decode(self, ids: list[int]) -> str:
+        with foreign_errors("decode: the tokenizer failed on these ids"):
+            return str(self._tok.decode(ids, skip_special_tokens=self._skip))
 
     def step(self, token: int) -> str:
         token = int(token)
-        self._ids.append(token)
-        piece = self._stream.step(self._tokenizer._tok, token) or ""
-        if piece:
-            self._pieces.append(piece)
+        if token in self._dropped or self._tok.id_to_token(token) is None:
+            return ""  # decode() drops it: nothing to show, and no byte run ends here
+        self._window.append(token)
+        if token in self._bytes:
+            return ""  # the byte run may go on
+        text = self._decode(self._window)
+        if len(text) <= len(self._shown) or text[-1] == "\ufffd":
+            return ""  # nothing new yet, or a character that may still form
+        if not text.startswith(self._shown):  # a decoder whose text is not settled here
+            return ""
+        piece = text[len(self._shown) :]
+        self._window = self._window[self._context :]  # the pending ids: the next context
+        self._context = len(self._window)
+        self._shown = self._decode(self._window)
         return piece
 
     def finish(self) -> str:
-        """The text not yet returned (one full decode, once, at the end)."""
-        shown = "".join(self._pieces)
-        text = self._tokenizer.decode(self._ids, skip_special_tokens=self._skip)
-        rest = text[len(shown) :] if text.startswith(shown) else ""
-        if rest:
-            self._pieces.append(rest)
+        """The text not yet returned: the pending ids, decoded after the context."""
+        text = self._decode(self._window)
+        rest = text[len(self._shown) :] if text.startswith(self._shown) else ""
+        self._context = len(self._window)
+        self._shown = text
         return rest
 
 
@@ -214,6 +261,25 @@ TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json", "chat_template
 _SPECIAL_TOKENS = (
     "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
 )  # fmt: skip
+
+
+def _byte_fallback_ids(tok: Any, /) -> frozenset[int]:
+    """The ids a ``tokenizers.Tokenizer``'s ``ByteFallback`` decoder reads as one byte: tokens
+    spelled ``<0xNN>`` (the library's test: six bytes, ``<0x`` and ``>`` around a base-16
+    number), none when its decoder has no ``ByteFallback``."""
+    decoder = tok.decoder
+    if decoder is None or b'"ByteFallback"' not in decoder.__getstate__():
+        return frozenset()
+    return frozenset(
+        i
+        for t, i in tok.get_vocab(with_added_tokens=True).items()
+        if len(t) == 6 and t.isascii() and t.startswith("<0x") and t.endswith(">")
+        and _BYTE_DIGITS.fullmatch(t[3:5])
+    )  # fmt: skip
+
+
+#: Rust's ``u8::from_str_radix(s, 16)`` on two characters: a sign, or two hex digits.
+_BYTE_DIGITS = re.compile(r"\+?[0-9A-Fa-f]{1,2}")
 
 
 def _token_text(token: Any) -> str | None:
