@@ -52,6 +52,7 @@ from portable_llm.caches.paged import PagedKVCache, PagePool
 from portable_llm.caches.prefix import PrefixCache
 from portable_llm.core.arrays import to_numpy
 from portable_llm.core.checks import check_int, check_optional_int
+from portable_llm.generation.grammar import Constraint, grammar_engine, grammar_of, mask_logits
 from portable_llm.generation.penalties import Penalties, PenaltyRows, Row
 from portable_llm.generation.prompt import prompt_ids, stop_ids
 from portable_llm.generation.protocol import (
@@ -90,6 +91,10 @@ class Request:
     stop : iterable of int, optional
         Stop token ids; default the model's EOS ids (``model.eos_token_ids``, as
         :func:`~portable_llm.generate`). ``()``: none.
+    response_format : dict or Grammar, optional
+        Constrained decoding, as for :func:`~portable_llm.generate`: each sequence of the
+        request gets its own matcher, and its row's logits outside the grammar are ``-inf``
+        before its sampler.
     frequency_penalty, presence_penalty : float in ``[-2, 2]``
     repetition_penalty : float, > 0
         Over every token of the prompt and the output (vLLM's); ``1``: none.
@@ -109,6 +114,7 @@ class Request:
     max_new_tokens: int = 256
     sampler: Sampler | None = None
     stop: Iterable[int] | None = None
+    response_format: Any = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -129,6 +135,7 @@ class _Seq:
     stops: frozenset[int]
     penalties: Penalties = field(default_factory=Penalties)
     siblings: list[_Seq] = field(default_factory=list)  # n > 1: forked when the prefill ends
+    constraint: Constraint | None = None  # response_format: the grammar's state
     caches: list[Any] = field(default_factory=list)  # one per layer, once admitted
     prefilled: int = 0  # prompt tokens in the caches
     generated: int = 0
@@ -266,6 +273,7 @@ class BatchGenerator:
             min_tokens=request.min_tokens,
         )  # fmt: skip
         n = check_int(op, "n", request.n, low=1, high=MAX_N)
+        constraints = self._constraints(op, request.response_format, stops, n)
         total = len(prompt) + new
         if total > self.max_seq_len:
             raise ValueError(
@@ -283,6 +291,8 @@ class BatchGenerator:
         with self._lock:
             rid = self._next_id
             seqs = [_Seq(rid + i, prompt, new, request.sampler, stops, penalties) for i in range(n)]
+            for seq, constraint in zip(seqs, constraints, strict=True):
+                seq.constraint = constraint
             self._next_id += n
             if self._paged is not None:  # one prefill; the others fork from it
                 seqs[0].siblings = seqs[1:]
@@ -359,6 +369,20 @@ class BatchGenerator:
         """Give back the pages held back for ``count`` of ``seq``'s unforked siblings."""
         if self.pools and count:
             self._promised -= count * self._forked_pages(len(seq.prompt), seq.max_new_tokens)
+
+    def _constraints(
+        self, op: str, response_format: Any, stops: frozenset[int], n: int
+    ) -> list[Constraint | None]:
+        """One grammar state per sequence of a request (``None``: no ``response_format``)."""
+        grammar = grammar_of(response_format)
+        if grammar is None:
+            return [None] * n
+        if not stops:
+            raise ValueError(f"{op}: response_format needs a stop token (ignore_eos or stop=())")
+        engine = grammar_engine(
+            self.model.tokenizer, vocab_size=self.model.vocab_size, stop_ids=sorted(stops)
+        )
+        return [Constraint(engine.matcher(grammar)) for _ in range(n)]
 
     # -- one step -----------------------------------------------------------------------------
     def _pages(self, prompt: int, new: int) -> int:
@@ -522,6 +546,9 @@ class BatchGenerator:
         alone)."""
         rows = [Row(s.rid, s.penalties, s.prompt, s.out, s.stops) for s in seqs]
         logits = penalties.apply(logits, rows)
+        if any(s.constraint is not None for s in seqs):  # response_format
+            masks = [None if s.constraint is None else s.constraint.allowed(s.out) for s in seqs]
+            logits = mask_logits(logits, masks)
         top = None
         if any(s.sampler is None for s in seqs):
             top = to_numpy(greedy(logits)).reshape(-1)  # (B,)

@@ -18,6 +18,7 @@ from typing import Any
 
 from portable_llm.attn.padding import left_pad
 from portable_llm.core.checks import check_int, check_optional_int, check_real
+from portable_llm.generation.grammar import constrained_logits, grammar_engine, grammar_of
 from portable_llm.generation.penalties import Penalties
 from portable_llm.generation.prompt import is_text_batch, prompt_ids, sampling_options, stop_ids
 from portable_llm.generation.protocol import LanguageModel, check_model, num_layers
@@ -103,6 +104,7 @@ def generate(
     ignore_eos: bool = False,
     prompt_cache: list[Any] | None = None,
     prefill_step_size: int | None = PREFILL_STEP_SIZE,
+    response_format: Any = None,
 ) -> Generation:
     """Stream the model's continuation of ``prompt``.
 
@@ -150,6 +152,14 @@ def generate(
         The prompt runs through the model in chunks of at most this many tokens (default
         2048), which bounds the prefill's memory; ``None``: one chunk. As for
         :func:`~portable_llm.generate_step`.
+    response_format : dict or Grammar, optional
+        Constrained decoding (``docs/structured-outputs.md``): OpenAI's ``{"type":
+        "json_object"}`` or ``{"type": "json_schema", "json_schema": {"schema": {...}}}``, or a
+        :class:`~portable_llm.generation.grammar.Grammar`. Each step's logits outside the
+        grammar are ``-inf`` before the sampler, so the text is valid JSON under the schema
+        once it stops (at the grammar's end only a stop token is allowed); ``max_new_tokens``
+        may still cut it short (``finish_reason == "length"``). Needs the tokenizer, a stop
+        token and a grammar engine (``pip install 'portable-llm[serve]'``: llguidance).
 
     Every argument is checked here, when ``generate`` is called, before the model runs
     (integers may be Python or NumPy integers, never ``bool``): a bad one is a ``TypeError``
@@ -188,6 +198,12 @@ def generate(
         logit_bias=dict(p.logit_bias), min_tokens=p.min_tokens, stop=stops,
         vocab_size=model.vocab_size,
     )  # fmt: skip
+    grammar = grammar_of(response_format)
+    if grammar is not None:
+        if not stops:
+            raise ValueError("generate: response_format needs a stop token (stop=() has none)")
+        engine = grammar_engine(model.tokenizer, vocab_size=model.vocab_size, stop_ids=stops)
+        processors.append(constrained_logits([engine.matcher(grammar) for _ in rows]))
     if prompt_cache is not None and batch:
         raise ValueError("generate: prompt_cache is for one prompt, not a batch")
     if prompt_cache is not None:

@@ -48,10 +48,17 @@ class StopStrings:
 class TextOut:
     """One job's text: ``step(token)`` and ``finish()`` return the new text to show (the
     tokenizer's :class:`~portable_llm.text.tokenizer.TextStream`, then :class:`StopStrings`);
-    ``stopped`` once a stop string matched."""
+    ``stopped`` once a stop string matched. ``skip_special_tokens=False`` keeps special tokens
+    in the text (a tool-call format whose markers are special tokens: Mistral's)."""
 
-    def __init__(self, tokenizer: Any, stops: Sequence[str]) -> None:
-        self._stream = tokenizer.stream_decoder() if tokenizer is not None else None
+    def __init__(
+        self, tokenizer: Any, stops: Sequence[str], *, skip_special_tokens: bool = True
+    ) -> None:
+        self._stream = (
+            tokenizer.stream_decoder(skip_special_tokens=skip_special_tokens)
+            if tokenizer is not None
+            else None
+        )
         self._stops = StopStrings(stops)
 
     @property

@@ -1,0 +1,183 @@
+"""Tool-call parsers (:mod:`portable_llm.text.tool_calls`) on known text, the stream against the
+whole answer at every split, the choice of parser from a chat template, and tool histories
+rendered through a template as transformers renders them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from portable_llm.testing.checkpoints import CHAT_TEMPLATES, save_hf_tokenizer
+from portable_llm.text.tool_calls import (
+    TOOL_PARSERS,
+    ToolCallStream,
+    ToolParser,
+    register_tool_parser,
+    tool_parser,
+    tool_parser_for,
+)
+
+WEATHER = {"city": "Paris", "days": 3}
+# (parser, model output, expected content, expected [(name, arguments)])
+CASES = [
+    (
+        "hermes",
+        'Let me look.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Paris", '
+        '"days": 3}}\n</tool_call>\n<tool_call>\n{"name": "time", "arguments": {}}\n</tool_call>',
+        "Let me look.",
+        [("weather", WEATHER), ("time", {})],
+    ),
+    ("hermes", "No tools needed: 2 + 2 = 4.", "No tools needed: 2 + 2 = 4.", []),
+    # a call that never closes, or is not JSON, is text: nothing is lost
+    (
+        "hermes",
+        '<tool_call>\n{"name": "weather", "argu',
+        '<tool_call>\n{"name": "weather", "argu',
+        [],
+    ),
+    ("hermes", "<tool_call>\nnot json\n</tool_call>", "<tool_call>\nnot json\n</tool_call>", []),
+    (
+        "mistral",
+        '[TOOL_CALLS][{"name": "weather", "arguments": {"city": "Paris", "days": 3}}, '
+        '{"name": "time", "arguments": {}}]',
+        None,
+        [("weather", WEATHER), ("time", {})],
+    ),
+    (
+        "mistral",
+        'Sure. [TOOL_CALLS]weather[ARGS]{"city": "Paris", "days": 3}[TOOL_CALLS]time[ARGS]{}',
+        "Sure.",
+        [("weather", WEATHER), ("time", {})],
+    ),
+    (
+        "llama3_json",
+        '<|python_tag|>{"name": "weather", "parameters": {"city": "Paris", "days": 3}}; '
+        '{"name": "time", "parameters": {}}',
+        None,
+        [("weather", WEATHER), ("time", {})],
+    ),
+    ("llama3_json", '  {"name": "time", "parameters": {}}', None, [("time", {})]),
+    # JSON that is not a call, or a call after text, is Llama 3's plain answer
+    ("llama3_json", '{"answer": 4}', '{"answer": 4}', []),
+    ("llama3_json", 'I would call {"name": "time", "parameters": {}}', None, []),
+]
+
+
+def _expected_content(content: str | None, text: str, calls: list) -> str | None:
+    return text if not calls else content
+
+
+@pytest.mark.parametrize("name, text, content, calls", CASES)
+def test_parse(name: str, text: str, content: str | None, calls: list) -> None:
+    got_content, got = tool_parser(name).parse(text)
+    assert got_content == (_expected_content(content, text, calls) if calls else text)
+    assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+    assert all(c.id.startswith("call_") for c in got)
+    assert len({c.id for c in got}) == len(got)
+
+
+@pytest.mark.parametrize("name, text, content, calls", CASES)
+@given(data=st.data())
+def test_stream_equals_whole(name: str, text: str, content: str | None, calls: list, data) -> None:
+    """Fed in pieces split anywhere, the stream shows the whole answer's calls, in order, and
+    its text: all of it without calls, the text before them with (up to its trailing space)."""
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=8)))
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    stream = ToolCallStream(tool_parser(name))
+    shown, got = "", []
+    for piece in pieces:
+        t, c = stream.feed(piece)
+        shown += t
+        got += c
+    t, c = stream.feed("", final=True)
+    shown += t
+    got += c
+    assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+    if calls:
+        assert shown.strip() == (content or "")
+    else:
+        assert shown == text
+
+
+def test_stream_emits_each_call_once_complete() -> None:
+    """A Hermes call comes out with the piece that closes it, not at the end."""
+    stream = ToolCallStream(tool_parser("hermes"))
+    assert stream.feed("<tool_call>\n") == ("", [])
+    assert stream.feed('{"name": "time", "arguments": {}}\n</tool') == ("", [])
+    text, calls = stream.feed("_call>\n<tool_call>")
+    assert text == "" and [c.name for c in calls] == ["time"]
+
+
+def test_stream_holds_back_what_may_begin_a_call() -> None:
+    stream = ToolCallStream(tool_parser("hermes"))
+    assert stream.feed("Hi <tool") == ("Hi ", [])
+    assert stream.feed("bar>") == ("<toolbar>", [])
+
+
+def test_choice_from_template() -> None:
+    assert isinstance(tool_parser_for(CHAT_TEMPLATES["chatml"]), TOOL_PARSERS["hermes"])
+    mistral = "{% for m in messages %}[INST]{{ m.content }}[/INST]{% endfor %}[TOOL_CALLS]"
+    assert isinstance(tool_parser_for(mistral), TOOL_PARSERS["mistral"])
+    llama = "{{- '<|python_tag|>' + tool_call.name }}"
+    assert isinstance(tool_parser_for(llama), TOOL_PARSERS["llama3_json"])
+    assert tool_parser_for(CHAT_TEMPLATES["loops"]) is None
+    assert tool_parser_for(None) is None
+
+
+def test_registry() -> None:
+    with pytest.raises(ValueError, match="name must be one of"):
+        tool_parser("nope")
+
+    class Pythonic(ToolParser):
+        name = "test_pythonic"
+        markers = ("[TEST_CALL",)
+
+    try:
+        register_tool_parser(Pythonic)
+        assert isinstance(tool_parser_for("... [TEST_CALL ..."), Pythonic)
+    finally:
+        TOOL_PARSERS.pop("test_pythonic")
+    with pytest.raises(ValueError, match="must set name"):
+        register_tool_parser(ToolParser)
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
+def test_call_schema_names_the_tools(name: str) -> None:
+    """One call's schema pins the name and takes the tool's parameters as its arguments."""
+    jsonschema = pytest.importorskip("jsonschema")
+    parser = tool_parser(name)
+    params = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    tools = [{"type": "function", "function": {"name": n, "parameters": params}} for n in "fg"]
+    schema = parser.call_schema(tools)
+    key = parser.arguments_key
+    jsonschema.validate({"name": "g", key: {"x": 1}}, schema)
+    for bad in ({"name": "h", key: {"x": 1}}, {"name": "f", key: {}}, {"name": "f"}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+
+
+def test_tool_history_renders_as_transformers(tmp_path) -> None:
+    """``tools``, an assistant's ``tool_calls`` (arguments as an object, as the server passes
+    them) and a ``tool`` result render as transformers' ``apply_chat_template`` renders them."""
+    pytest.importorskip("transformers")
+    import portable_llm as pl
+    from portable_llm.checkpoint.tokenizer import read_tokenizer
+
+    hf = save_hf_tokenizer(tmp_path, vocab_size=300, chat_template=CHAT_TEMPLATES["chatml"])
+    tok = read_tokenizer(tmp_path)
+    assert isinstance(tok, pl.Tokenizer)
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {}}}]
+    call = {"type": "function", "function": {"name": "weather", "arguments": WEATHER}}
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+    ]
+    ours = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+    theirs = hf.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                    tokenize=False)  # fmt: skip
+    assert ours == theirs
+    assert '"arguments": {"city": "Paris", "days": 3}' in ours and '"name": "weather"' in ours
