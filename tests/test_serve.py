@@ -40,6 +40,7 @@ from portable_llm.testing.checkpoints import (  # noqa: E402
 )
 
 KEY = "test-key"
+JSON = {"Content-Type": "application/json"}
 POOL = 256
 CONTEXT = 1024
 
@@ -360,7 +361,7 @@ def test_bad_input(
     url, _ = server
     auth = {"Authorization": f"Bearer {KEY}"}
     if isinstance(body, bytes):
-        r = httpx.post(url + path, content=body, headers=auth)
+        r = httpx.post(url + path, content=body, headers=auth | JSON)
     else:
         r = httpx.post(url + path, json=body, headers=auth)
     assert r.status_code == status, r.text
