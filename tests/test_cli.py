@@ -594,3 +594,49 @@ def test_generate_argument_errors(tmp_path, capsys):
     assert "--chat needs a text --prompt" in capsys.readouterr().err
     assert main(["generate", str(folder), "--ids", "1,300"]) == 1  # V = 300
     assert "token ids must lie in [0, 300)" in _unwrap(capsys.readouterr().err)
+
+
+@numpy_only
+def test_bench_model_says_each_phase_and_each_comparison_it_skips(tmp_path, monkeypatch, capsys):
+    """``bench --model`` is never silent: a line per phase (the checkpoint, then each engine's
+    load, warm-up and timed run) on stderr; the comparison it promises next to a backend is a
+    row, or a "skipped: <reason>" line that says how to install it."""
+    from portable_llm.cli import model_bench
+
+    def peer(folder, dtype):
+        return 0.0, lambda ids, n: (0.5, (n - 1) / 4.0)  # a stand-in engine: 4 tokens/s
+
+    cfg = {**model_bench.TINY, "vocab_size": 300}
+    peers = (("here", "numpy", peer), ("gone", "no_such_module_q7", peer))
+    monkeypatch.setattr(model_bench, "PEERS", {"numpy": peers})
+    out = io.StringIO()
+    assert model_bench.run_model_bench(["numpy"], quick=True, cache_dir=tmp_path, config=cfg,
+                                       file=out) == 0  # fmt: skip
+    text, err = out.getvalue(), capsys.readouterr().err
+    engines = [r["engine"] for r in _tables(text)]
+    assert engines == ["portable_llm", "here"]
+    skipped = "gone skipped: no_such_module_q7 is not installed (pip install -c constraints.txt"
+    assert skipped in _unwrap(text) and skipped in _unwrap(err)
+    assert "here ran on the same checkpoint" in text
+    phases = [line for line in err.splitlines() if line.startswith("bench: ")]
+    assert phases[0].startswith("bench: the random checkpoint")
+    for engine in ("portable_llm", "here"):
+        for phase in ("loading", "warm-up run", "timed run"):
+            assert any(line.startswith(f"bench: {engine} on numpy float32: {phase}")
+                       for line in phases), (engine, phase)  # fmt: skip
+
+
+def test_phases_say_every_few_seconds_that_a_phase_still_runs():
+    import time
+
+    from portable_llm.cli.output import Phases
+
+    err = io.StringIO()
+    with Phases("bench", file=err, every=0.05)("loading"):
+        time.sleep(0.3)
+    lines = err.getvalue().splitlines()
+    assert lines[0] == "bench: loading ..."
+    assert len(lines) >= 3 and all(re.fullmatch(r"bench: \.\.\. still loading \(\d+ s\)", x)
+                                   for x in lines[1:])  # fmt: skip
+    time.sleep(0.15)
+    assert err.getvalue().splitlines() == lines  # nothing after the phase ends

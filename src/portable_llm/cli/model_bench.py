@@ -30,8 +30,9 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from portable_llm.cli.output import Table, UsageError, plural, wrap
+from portable_llm.cli.output import Phases, Table, UsageError, plural, wrap
 from portable_llm.cli.report import backend_names, load_for_dtype
+from portable_llm.extras import install_hint
 
 __all__ = [
     "DEQUANTIZED",
@@ -201,10 +202,15 @@ def _row(
     make: Callable[[], tuple[float, Runner]],
     decode: int,
     ids: np.ndarray,
+    phases: Phases,
 ) -> list[str]:
-    loaded, run = make()
-    first = run(ids, decode)
-    prefill, dec = run(ids, decode)
+    on = f"{engine} on {backend} {dtype}"
+    with phases(f"{on}: loading"):
+        loaded, run = make()
+    with phases(f"{on}: warm-up run (compiling, allocating)"):
+        first = run(ids, decode)
+    with phases(f"{on}: timed run"):
+        prefill, dec = run(ids, decode)
     del run
     gc.collect()
     return [
@@ -301,8 +307,10 @@ def run_model_bench(
     names = backend_names(backends)
     decode = 8 if quick else DECODE
     start = time.perf_counter()
+    phases = Phases("bench")
     if folder is None:
-        folder = write_bench_checkpoint(cache_dir, config)
+        with phases("the random checkpoint: written once, or found in the --cache-dir"):
+            folder = write_bench_checkpoint(cache_dir, config)
         vocab = (config or QWEN2_0_5B)["vocab_size"]
     else:
         folder = Path(folder)
@@ -310,6 +318,7 @@ def run_model_bench(
     print(wrap(f"checkpoint: {folder} (ready in {time.perf_counter() - start:.1f} s)"), file=out)
     gguf = folder.suffix == ".gguf"
     rows: list[list[str]] = []
+    notes: list[str] = []  # the comparisons promised but not run, with why
     table = Table(_HEADERS, _WIDTHS)
     ids = np.random.default_rng(0).integers(0, min(vocab, 1000), size=(1, PREFILL))
 
@@ -317,7 +326,7 @@ def run_model_bench(
         # each row is printed as soon as its engine has run (about a minute per engine)
         if not rows:
             print(table.header(), file=out, flush=True)
-        rows.append(_row(engine, name, dt, make, decode, ids))
+        rows.append(_row(engine, name, dt, make, decode, ids, phases))
         print(table.row(rows[-1]), file=out, flush=True)
 
     for name in names:
@@ -326,23 +335,29 @@ def run_model_bench(
         engines = [("portable_llm", partial(_ours, folder, name, dtype))]
         if gguf:  # the same file dequantized at load: the speed and memory of each choice
             engines.append((DEQUANTIZED, partial(_ours, folder, name, dtype, True)))
-        for engine, module, peer in () if gguf else PEERS.get(name, ()):
-            if _installed(module):
+        for engine, module, peer in PEERS.get(name, ()):
+            why = _why_not(engine, module, gguf)
+            if why is None:
                 engines.append((engine, partial(peer, folder, dtype)))
+            else:
+                notes.append(f"{engine} skipped: {why}")
+                phases.say(notes[-1])
         for engine, make in engines:
             run(engine, name, dtype, make)
     if not rows:
         raise UsageError(f"no selected backend is installed with {dtype}")
-    notes = []
     for engine, module, peer in GGUF_PEERS if gguf else ():
         if _installed(module):
             run(engine, "-", "(file's)", partial(peer, folder, dtype))
         else:
             notes.append(f"{engine} skipped: {module} is not installed")
+    ran = sorted({r[0] for r in rows} - {"portable_llm", DEQUANTIZED})
     peers = (
         f"llama.cpp runs on the same file with {plural(_threads(), 'thread')}, as torch"
         if gguf
-        else "transformers runs next to the torch backend, mlx-lm next to the mlx backend"
+        else f"{' and '.join(ran)} ran on the same checkpoint"
+        if ran
+        else "no other engine ran"
     )
     print(file=out)
     text = (
@@ -426,6 +441,15 @@ def _choices(rows: list[list[str]], dtype: str) -> list[str]:
                 f"pl.load(..., dequantize=True) trades {mb[1] - mb[0]:.0f} MiB for the speed"
             )
     return lines
+
+
+def _why_not(engine: str, module: str, gguf: bool) -> str | None:
+    """Why the peer ``engine`` (its library ``module``) does not run here, or ``None``."""
+    if gguf:
+        return f"{engine} is compared on checkpoint folders, not on a .gguf file"
+    if not _installed(module):
+        return f"{module} is not installed ({install_hint('oracle')})"
+    return None
 
 
 def _installed(module: str) -> bool:

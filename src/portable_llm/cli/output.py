@@ -7,13 +7,17 @@ import argparse
 import os
 import sys
 import textwrap
-from collections.abc import Iterable, Sequence
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import TextIO
 
 from portable_llm.checkpoint.hub import is_repo_id
 
 __all__ = [
     "WIDTH",
+    "Phases",
     "Progress",
     "Table",
     "UsageError",
@@ -94,6 +98,42 @@ class Progress:
     def __call__(self, message: str) -> None:
         if self.on:
             print(wrap(message), file=self.file, flush=True)
+
+
+class Phases:
+    """Lines on stderr (always: a long measurement is watched in logs too) that say which phase
+    of a long command runs now, and every ``every`` seconds that it still runs, so that the
+    command is never silent for longer: ``bench: torch: loading portable_llm ...``, then
+    ``bench: ... still loading portable_llm (10 s)``."""
+
+    def __init__(self, command: str, file: TextIO | None = None, every: float = 10.0) -> None:
+        self.command = command
+        self.file = file
+        self.every = every
+
+    def say(self, message: str) -> None:
+        """One line, ``COMMAND: MESSAGE``, on stderr at once."""
+        out = self.file if self.file is not None else sys.stderr
+        print(wrap(f"{self.command}: {message}"), file=out, flush=True)
+
+    @contextmanager
+    def __call__(self, message: str) -> Iterator[None]:
+        """Say ``message ...`` now, and ``... still message (N s)`` every ``every`` seconds
+        until the block ends (from a daemon thread that the block's end stops)."""
+        self.say(f"{message} ...")
+        stop, start = threading.Event(), time.perf_counter()
+
+        def beat() -> None:
+            while not stop.wait(self.every):
+                self.say(f"... still {message} ({time.perf_counter() - start:.0f} s)")
+
+        thread = threading.Thread(target=beat, daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
 
 
 class Table:
