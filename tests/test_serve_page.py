@@ -63,6 +63,25 @@ def test_page_is_served_and_self_contained(model: pl.Model) -> None:
     assert '"Content-Type"] = "application/json"' in page
 
 
+def test_the_pages_own_origin_may_post(model: pl.Model) -> None:
+    """A browser sends ``Origin`` with the page's same-origin POSTs: the server's own origin
+    (scheme and the ``Host`` it was reached by) passes the guard; another port or another name
+    of the same machine is another origin, refused (docs/security.md)."""
+    app = create_app(model, model_name="tiny", pool_pages=16)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    with serving(app) as url:
+        port = int(url.rsplit(":", 1)[1])
+
+        def post(origin: str) -> int:
+            r = httpx.post(url + "/v1/chat/completions", json=body, headers={"Origin": origin})
+            return r.status_code
+
+        assert post(url) == 200
+        assert post(f"http://127.0.0.1:{port + 1}") == 403
+        assert post(f"http://localhost:{port}") == 403
+        assert post(f"ftp://127.0.0.1:{port}") == 403
+
+
 # -- in a real browser --------------------------------------------------------------------------
 
 CHROMIUM_FLAGS = (
