@@ -325,7 +325,7 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     ("/v1/completions", {"model": "tiny", "prompt": "a", "top_k": 1.5}, 400, "top_k"),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "min_p": -1}, 400, "min_p"),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "seed": -1}, 400, "seed"),
-    ("/v1/completions", {"model": "tiny", "prompt": "a", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "n": 17}, 400, "n"),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "stop": [1]}, 400, "stop"),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "stop": "x" * 600}, 400, "stop"),
     ("/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400, None),
@@ -384,7 +384,7 @@ def test_auth_and_methods(server: tuple[str, Any], client: Any) -> None:
     assert r.status_code == 405 and set(r.json()["error"]) == {"message", "type", "param", "code"}
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a"}],
-                                       n=3)  # fmt: skip
+                                       n=0)  # fmt: skip
     assert client.completions.create(model="tiny", prompt="a", max_tokens=1).usage is not None
 
 

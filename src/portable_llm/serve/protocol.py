@@ -210,8 +210,13 @@ def _penalties(body: Mapping[str, Any], s: Sampling) -> None:
         for key in bias:
             if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10):
                 raise _bad("logit_bias", f"keys must be token ids, got {str(key)[:40]!r}")
-            value = _float(bias, key, *LOGIT_BIAS_RANGE)
-            s.logit_bias[int(key)] = 0.0 if value is None else value
+            value, (low, high) = bias[key], LOGIT_BIAS_RANGE
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise _bad("logit_bias", f"[{key}]: expected a number, got {_type_name(value)}",
+                           "invalid_type")  # fmt: skip
+            if not low <= value <= high:  # NaN fails too
+                raise _bad("logit_bias", f"[{key}]: must be in [{low}, {high}], got {value}")
+            s.logit_bias[int(key)] = float(value)
     ids = body.get("stop_token_ids")
     if ids is not None:
         if not (
