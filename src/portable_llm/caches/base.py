@@ -100,8 +100,17 @@ class BufferCache:
                 "written in place and must not be shared between threads (make one per thread)"
             )
 
-    def _bind(self, k: Any, v: Any) -> tuple[Backend, Any, Any]:
-        op = f"{type(self).__name__}.update_and_fetch"
+    def check_update(
+        self, backend: Backend, shape: tuple[int, ...], dtype: Any, /, *, op: str | None = None
+    ) -> None:
+        """Raise what :meth:`update_and_fetch` of a chunk ``k, v`` of this ``shape``
+        ``(B, H_kv, L, D)``, ``dtype`` and ``backend`` would raise, changing nothing.
+
+        A forward checks every layer's cache with it before the first layer runs
+        (:func:`~portable_llm.caches.check.check_caches`), so that an update one cache
+        refuses leaves every cache as it was. ``op`` names the caller in the errors.
+        """
+        op = op or f"{type(self).__name__}.update_and_fetch"
         self._check_thread(op)
         if self._unmasked:
             raise RuntimeError(
@@ -110,6 +119,30 @@ class BufferCache:
                 "the window, fixed-size views or left padding), and make_mask() was not called; "
                 "attend with mask, window = cache.make_mask() after each update"
             )
+        dims = (shape[0], shape[1], shape[3])
+        if self._bk is None:
+            if self._pad is not None and self._pad.shape[0] != dims[0]:
+                raise ValueError(
+                    f"{op}: left_padding has shape {tuple(self._pad.shape)} but k has batch "
+                    f"B={dims[0]} (k {tuple(shape)})"
+                )
+        elif backend is not self._bk:
+            raise TypeError(
+                f"{op}: the cache holds {self._bk.name} arrays, got {backend.name} arrays"
+            )
+        elif dims != self._dims:
+            raise ValueError(
+                f"{op}: k of shape {tuple(shape)} does not match the cache's "
+                f"(B, H_kv, D) = {self._dims} (batch, heads and head dim must stay the same)"
+            )
+        elif dtype != self._dtype:
+            raise TypeError(
+                f"{op}: the cache holds {backend.dtype_name(self._dtype)}, got k of dtype "
+                f"{backend.dtype_name(dtype)}"
+            )
+
+    def _bind(self, k: Any, v: Any) -> tuple[Backend, Any, Any]:
+        op = f"{type(self).__name__}.update_and_fetch"
         bk, (k, v) = resolve(op, None, k, v)
         if bk.is_traced(k) or bk.is_traced(v):
             raise ValueError(
@@ -128,33 +161,16 @@ class BufferCache:
                 f"{op}: v must have k's shape and dtype; k {tuple(k.shape)} "
                 f"{bk.dtype_name(k.dtype)}, v {tuple(v.shape)} {bk.dtype_name(v.dtype)}"
             )
-        dims = (k.shape[0], k.shape[1], k.shape[3])
+        self.check_update(bk, tuple(k.shape), k.dtype, op=op)
         if self._bk is None:
             if self._pad is not None:
                 _, (self._pad,) = resolve(op, bk, self._pad)
-                if self._pad.shape[0] != dims[0]:
-                    raise ValueError(
-                        f"{op}: left_padding has shape {tuple(self._pad.shape)} but k has batch "
-                        f"B={dims[0]} (k {tuple(k.shape)})"
-                    )
-            self._bk, self._dims, self._dtype = bk, dims, k.dtype
+            self._bk, self._dims, self._dtype = bk, (k.shape[0], k.shape[1], k.shape[3]), k.dtype
             self._device = bk.device_of(k)
             # The buffers' own placement: k's (a JAX array split over heads on a mesh keeps
             # its split, so each device holds only its heads); masks go to self._device.
             self._buffer_device = getattr(k, "device", None)
             self._owner = threading.get_ident()
-        elif bk is not self._bk:
-            raise TypeError(f"{op}: the cache holds {self._bk.name} arrays, got {bk.name} arrays")
-        elif dims != self._dims:
-            raise ValueError(
-                f"{op}: k of shape {tuple(k.shape)} does not match the cache's "
-                f"(B, H_kv, D) = {self._dims} (batch, heads and head dim must stay the same)"
-            )
-        elif k.dtype != self._dtype:
-            raise TypeError(
-                f"{op}: the cache holds {bk.dtype_name(self._dtype)}, got k of dtype "
-                f"{bk.dtype_name(k.dtype)}"
-            )
         return bk, k, v
 
     def _reserve(self, need: int, limit: int | None = None) -> None:

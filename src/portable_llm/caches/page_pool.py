@@ -205,19 +205,30 @@ class PagePool:
         """``k, v`` on the pool's backend, checked: float, the pool's dtype, ``(.., H_kv, L, D)``
         with ``L >= 1`` from ``heads_axis`` on, v shaped as k."""
         bk, (k, v) = resolve(op, None, k, v)
-        if bk is not self.backend:
-            raise TypeError(
-                f"{op}: the pool holds {self.backend.name} arrays, got {bk.name} arrays"
-            )
         for name, a in (("k", k), ("v", v)):
             check_float(op, name, a, bk)
-            if a.dtype != self.dtype:
-                raise TypeError(
-                    f"{op}: the pool holds {bk.dtype_name(self.dtype)}, got {name} of dtype "
-                    f"{bk.dtype_name(a.dtype)} with shape {tuple(a.shape)}"
-                )
+            self.check_layout(op, bk, tuple(a.shape), a.dtype, heads_axis, name=name)
+        if tuple(v.shape) != tuple(k.shape):
+            raise ValueError(f"{op}: v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+        return k, v
+
+    def check_layout(
+        self, op: str, backend: Any, shape: tuple[int, ...], dtype: Any, heads_axis: int = 0,
+        *, name: str = "k",
+    ) -> None:  # fmt: skip
+        """Raise what :meth:`check_chunk` raises for a chunk of this ``backend``, ``shape``
+        and ``dtype``: the pool's library and dtype, ``(.., H_kv, L >= 1, D)`` from
+        ``heads_axis`` on (ones before it)."""
+        if backend is not self.backend:
+            raise TypeError(
+                f"{op}: the pool holds {self.backend.name} arrays, got {backend.name} arrays"
+            )
+        if dtype != self.dtype:
+            raise TypeError(
+                f"{op}: the pool holds {backend.dtype_name(self.dtype)}, got {name} of dtype "
+                f"{backend.dtype_name(dtype)} with shape {shape}"
+            )
         H, D = self.num_kv_heads, self.head_dim
-        shape = tuple(k.shape)
         if (
             len(shape) != heads_axis + 3
             or shape[:heads_axis] != (1,) * heads_axis
@@ -227,11 +238,8 @@ class PagePool:
         ):
             lead = "1, " * heads_axis
             raise ValueError(
-                f"{op}: k must have shape ({lead}H_kv={H}, L >= 1, D={D}), got {shape}"
+                f"{op}: {name} must have shape ({lead}H_kv={H}, L >= 1, D={D}), got {shape}"
             )
-        if tuple(v.shape) != shape:
-            raise ValueError(f"{op}: v must have k's shape {shape}, got {tuple(v.shape)}")
-        return k, v
 
     def check_pages(self, op: str, pages: Sequence[int], end: int, /) -> list[int]:
         """``pages`` as ints, checked to cover positions ``0 .. end - 1`` with allocated pages

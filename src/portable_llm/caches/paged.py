@@ -115,6 +115,29 @@ class PagedKVCache:
         :func:`~portable_llm.paged_attention` over :func:`block_tables`."""
         self._append("PagedKVCache.append", k, v)
 
+    def pages_needed(self, tokens: int, /) -> int:
+        """Free pages of the pool an update of ``tokens`` more tokens takes: the new pages, and
+        a copy of each shared page it would write into (copy on write)."""
+        start, end, P = self._offset, self._offset + tokens, self.pool.page_size
+        touched = self.block_table[start // P : -(-end // P)]
+        return self._pages_for(end) + sum(self.pool.refcount(p) > 1 for p in touched)
+
+    def check_update(
+        self, backend: Any, shape: tuple[int, ...], dtype: Any, /, *, op: str | None = None
+    ) -> None:
+        """Raise what :meth:`update_and_fetch` of a chunk of this ``shape`` ``(1, H_kv, L,
+        D)``, ``dtype`` and ``backend`` would raise, changing nothing (as
+        :meth:`KVCache.check_update <portable_llm.KVCache.check_update>`): the pool's layout,
+        and :class:`PagePoolExhausted` when the pool has too few free pages for it."""
+        op = op or "PagedKVCache.update_and_fetch"
+        self.pool.check_layout(op, backend, tuple(shape), dtype, heads_axis=1)
+        need = self.pages_needed(int(shape[2]))
+        if need > self.pool.num_free:
+            raise PagePoolExhausted(
+                f"{op}: {shape[2]} more tokens need {need} free pages, the pool has "
+                f"{self.pool.num_free} of {self.pool.num_pages}"
+            )
+
     def _append(self, op: str, k: Any, v: Any) -> int:
         pool = self.pool
         k, v = pool.check_chunk(op, k, v, heads_axis=1)

@@ -15,6 +15,7 @@ import numpy as np
 
 from portable_llm.attn.block import attention
 from portable_llm.backends import Backend, backend_of
+from portable_llm.caches.check import check_caches
 from portable_llm.caches.kv import KVCache, RotatingKVCache
 from portable_llm.caches.page_pool import PagePool
 from portable_llm.core.arrays import asarray, to_numpy
@@ -285,6 +286,7 @@ class Model:
                 )
             if left_padding is not None:
                 raise ValueError("model: with a cache, give left_padding to make_cache()")
+            self._check_caches(ids, cache)
         elif left_padding is not None:
             host = _check_left_padding(left_padding, tuple(ids.shape))
             if backend_of(left_padding) is not bk or bk.device_of(left_padding) != self.device:
@@ -369,7 +371,16 @@ class Model:
             or len(cache) != len(self.blocks)
         ):
             return self(ids, cache=cache, last_only=True)
+        self._check_caches(ids, cache)
         return self._prepared(ids, cache, None, True, check_ids=False)
+
+    def _check_caches(self, ids: Any, cache: Sequence[Any]) -> None:
+        """Every layer's cache takes the keys ``(B, H_kv, L, D)`` of ``ids`` before the first
+        layer writes to any (:func:`~portable_llm.caches.check.check_caches`): a refused
+        update leaves every cache as it was."""
+        c = self.config
+        shape = (ids.shape[0], c.num_key_value_heads, ids.shape[1], c.head_dim)
+        check_caches("model", cache, backend=self.backend, shape=shape, dtype=self.dtype)
 
     # -- what generation needs (portable_llm.generation.protocol) -------------------------------
     @property

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from portable_llm.attn.paged import paged_attention
+from portable_llm.caches.check import check_caches, check_pool_pages
 from portable_llm.caches.paged import PagedKVCache, block_tables
 from portable_llm.core.arrays import asarray
 from portable_llm.decoder.prepared import Prepared, Step
@@ -90,6 +91,11 @@ def forward(
     fill the caches (a prefill chunk before the last), without the LM head; returns ``None``.
     """
     bk, p = model.backend, model.prepared
+    c, L, op = model.config, len(chunks[0]), "forward_paged"
+    for b, seq in enumerate(caches):  # every row's every layer takes the chunk, or none does
+        shape = (1, c.num_key_value_heads, L, c.head_dim)
+        check_caches(op, seq, backend=bk, shape=shape, dtype=model.dtype, name=f"caches[{b}]")
+    check_pool_pages(op, caches, L)
     if p is None:
         xp = bk.xp
         rows = [
