@@ -41,6 +41,17 @@ class Meta:
         return self.fields[key].contents()
 
 
+def write_arch_keys(w: Any, arch: str) -> None:
+    """The few ``arch`` keys transformers needs to read a config from a tokenizer-only file."""
+    for key, value in {"block_count": 1, "context_length": 64, "embedding_length": 8,
+                       "feed_forward_length": 16, "attention.head_count": 2,
+                       "attention.head_count_kv": 1, "attention.key_length": 4,
+                       "attention.value_length": 4, "rope.dimension_count": 4}.items():  # fmt: skip
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
+    w.add_float32(f"{arch}.rope.freq_base", 10000.0)
+
+
 def write_vocab(
     path: Path,
     arch: str,
@@ -59,13 +70,7 @@ def write_vocab(
     """A GGUF file holding a SentencePiece vocabulary (and the few ``arch`` keys transformers
     needs to read a config), no tensors; ``None`` leaves a key out."""
     w = gguf.GGUFWriter(str(path), arch)
-    for key, value in {"block_count": 1, "context_length": 64, "embedding_length": 8,
-                       "feed_forward_length": 16, "attention.head_count": 2,
-                       "attention.head_count_kv": 1, "attention.key_length": 4,
-                       "attention.value_length": 4, "rope.dimension_count": 4}.items():  # fmt: skip
-        w.add_uint32(f"{arch}.{key}", value)
-    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
-    w.add_float32(f"{arch}.rope.freq_base", 10000.0)
+    write_arch_keys(w, arch)
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)

@@ -1,5 +1,10 @@
-"""Text from the ecosystem: streaming detokenization (``DecodeStream``) and chat ids.
+"""Text from the ecosystem: streaming detokenization (:class:`~portable_llm.text.TextStream`)
+and chat ids.
 
+The streamed text equals ``decode()`` of the same ids, for every tokenizer kind the project reads
+(byte-level BPE and SentencePiece, with and without byte fallback, from ``tokenizer.json`` and
+from GGUF metadata), over random id sequences as a sampler draws them (issue 33: a byte-fallback
+run made tokenizers' ``DecodeStream`` raise), and ``decode()`` equals transformers' (oracle).
 The chat ids are checked against transformers' own ``apply_chat_template(tokenize=True)`` on
 tokenizers saved by its ``save_pretrained``, one of them with a post-processor that adds a BOS
 (where encoding a rendered template that starts with the BOS could double it). A chat template
@@ -10,18 +15,23 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from portable_llm.checkpoint.tokenizer import read_tokenizer
 from portable_llm.models import Tokenizer
 from portable_llm.testing.checkpoints import CHAT_TEMPLATES, SENTENCES, write_tokenizer
+from portable_llm.testing.strategies import token_ids
 
 TEXTS = [  # each with multi-byte characters
     SENTENCES[-1],
     "Ünïcödé: 注意力 ✓ — ½ € 😀 naïve café",  # 2-, 3- and 4-byte characters, unseen in training
     "🤖🤖 ∑ 注意 力",
 ]
+SPACE = "\u2581"
 
 
 @pytest.fixture(scope="module")
@@ -49,17 +59,30 @@ def test_a_cut_character_comes_at_the_end_as_decode_shows_it(tokenizer: Tokenize
         assert "".join(tokenizer.stream(ids[:n])) == tokenizer.decode(ids[:n])
 
 
-def test_streaming_decodes_once_not_once_per_token(
-    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """O(1) per id: the full sequence is decoded once (to flush), not after every id."""
-    calls = []
-    decode = Tokenizer.decode
-    monkeypatch.setattr(Tokenizer, "decode", lambda *a, **k: calls.append(1) or decode(*a, **k))
-    ids = tokenizer.encode(" ".join([*SENTENCES, *TEXTS]))
-    assert len(ids) > 100
-    "".join(tokenizer.stream(ids))
-    assert len(calls) == 1
+class _Counting:
+    """A ``tokenizers.Tokenizer`` that records how many ids each ``decode`` call was given."""
+
+    def __init__(self, tok: Any) -> None:
+        self._tok, self.sizes = tok, []
+
+    def decode(self, ids: list[int], **kwargs: Any) -> str:
+        self.sizes.append(len(ids))
+        return self._tok.decode(ids, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tok, name)
+
+
+def test_streaming_decodes_a_window_not_everything(tokenizer: Tokenizer) -> None:
+    """O(window) per id: each ``decode`` sees the last piece's ids and those since, however
+    long the sequence; all ids decoded together stay within a few times the sequence."""
+    counting = _Counting(tokenizer._tok)
+    tok = Tokenizer(counting, tokenizer.config)
+    ids = tokenizer.encode(" ".join([*SENTENCES, *TEXTS] * 3))
+    assert len(ids) > 500
+    assert "".join(tok.stream(ids)) == tokenizer.decode(ids)
+    assert max(counting.sizes) <= 8  # the longest window: a 4-byte character's ids and context
+    assert sum(counting.sizes) < 6 * len(ids)
 
 
 def test_text_stream_steps_and_finish(tokenizer: Tokenizer) -> None:
@@ -69,6 +92,194 @@ def test_text_stream_steps_and_finish(tokenizer: Tokenizer) -> None:
     assert "".join(pieces) + text.finish() == TEXTS[-1]
     assert "" in pieces  # some id completed no character
     assert text.finish() == ""  # nothing left twice
+
+
+# -- every tokenizer kind: streamed text == decode(), over random ids (issue 33) ----------------
+
+
+def _gguf_gpt2_file(path: Path) -> Path:
+    """A GGUF file holding a byte-level BPE vocabulary (``tokenizer.ggml.model = "gpt2"``) as
+    llama.cpp writes it, no tensors: ``write_tokenizer``'s, via test_gguf's metadata."""
+    import gguf
+
+    from test_gguf import gguf_tokenizer_meta
+    from test_gguf_sentencepiece import write_arch_keys
+
+    tok = gguf_tokenizer_meta(path.parent / "bpe")
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    write_arch_keys(w, "qwen2")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tok["tokens"])
+    w.add_token_types(tok["types"])
+    w.add_token_merges(tok["merges"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _metaspace_tokenizer(folder: Path, model: str) -> Path:
+    """A SentencePiece-style ``tokenizer.json`` without byte fallback (T5's Unigram, or a BPE
+    with ``<unk>``): Metaspace pre-tokenizer and decoder, trained on SENTENCES."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    specials = ["<unk>", "<s>", "</s>"]
+    if model == "unigram":
+        tok = HFTokenizer(models.Unigram())
+        trainer: Any = trainers.UnigramTrainer(
+            vocab_size=200, special_tokens=specials, unk_token="<unk>", show_progress=False
+        )
+    else:
+        tok = HFTokenizer(models.BPE(unk_token="<unk>"))
+        trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=specials, show_progress=False)
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE, prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement=SPACE, prepend_scheme="first")
+    tok.train_from_iterator([*SENTENCES, *TEXTS], trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def _hf(folder: Path) -> Tokenizer:
+    tok = read_tokenizer(folder)
+    assert tok is not None
+    return tok
+
+
+def _from_gguf(file: Path) -> Tokenizer:
+    from test_gguf_sentencepiece import load
+
+    return load(file)
+
+
+def _saved(tok: Tokenizer, folder: Path) -> Path:
+    """``tok`` written as a ``tokenizer.json`` (a SentencePiece one, read back from the file)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tok._tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def _build(kind: str, tmp: Path) -> tuple[Tokenizer, Path]:
+    """The tokenizer of ``kind`` and the file transformers reads (a GGUF file or a folder)."""
+    from test_gguf_sentencepiece import gemma_file, llama_file
+
+    if kind == "json-byte-level-bpe":
+        write_tokenizer(tmp, vocab_size=300)
+        return _hf(tmp), tmp
+    if kind == "gguf-byte-level-bpe":
+        file = _gguf_gpt2_file(tmp / "bpe.gguf")
+        return _from_gguf(file), file
+    if kind in ("gguf-sentencepiece-llama", "gguf-sentencepiece-phi3"):
+        file = llama_file(tmp / "spm.gguf", arch=kind.rsplit("-", 1)[1])
+        return _from_gguf(file), file
+    if kind == "gguf-sentencepiece-gemma3":
+        file = gemma_file(tmp / "gemma.gguf")
+        return _from_gguf(file), file
+    if kind == "json-sentencepiece-byte-fallback":
+        folder = _saved(_from_gguf(llama_file(tmp / "spm.gguf")), tmp / "json")
+        return _hf(folder), folder
+    model = kind.rsplit("-", 1)[1]  # json-sentencepiece-unigram, json-sentencepiece-bpe
+    folder = _metaspace_tokenizer(tmp / model, model)
+    return _hf(folder), folder
+
+
+KINDS = [
+    "json-byte-level-bpe",
+    "gguf-byte-level-bpe",
+    "gguf-sentencepiece-llama",
+    "gguf-sentencepiece-phi3",
+    "gguf-sentencepiece-gemma3",
+    "json-sentencepiece-byte-fallback",
+    "json-sentencepiece-unigram",
+    "json-sentencepiece-bpe",
+]
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def kind(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """(name, tokenizer, the file transformers reads, the ids to favour: bytes and specials)."""
+    tok, source = _build(request.param, tmp_path_factory.mktemp(request.param))
+    specials, byte_ids = tok._stream_rules(True)
+    return request.param, tok, source, sorted(specials | byte_ids)
+
+
+def _streamed(tok: Tokenizer, ids: list[int], *, skip: bool) -> tuple[list[str], str]:
+    """The pieces ``step`` returned and what ``finish`` returned."""
+    text = tok.stream_decoder(skip_special_tokens=skip)
+    return [text.step(i) for i in ids], text.finish()
+
+
+@given(data=st.data())
+def test_streamed_text_equals_decode_for_every_kind(kind: Any, data: st.DataObject) -> None:
+    """For random ids (bytes and special tokens favoured): the pieces together equal
+    ``decode()``, with and without the special tokens; each prefix's pieces plus its
+    ``finish`` equal the prefix's ``decode()`` (what was shown is never taken back)."""
+    name, tok, _, favoured = kind
+    ids = data.draw(token_ids(tok.vocab_size, favoured=favoured), label="ids")
+    for skip in (True, False):
+        pieces, rest = _streamed(tok, ids, skip=skip)
+        assert "".join(pieces) + rest == tok.decode(ids, skip_special_tokens=skip), name
+        for n in range(len(ids)):
+            assert "".join(pieces[:n]) + _streamed(tok, ids[:n], skip=skip)[1] == tok.decode(
+                ids[:n], skip_special_tokens=skip
+            ), (name, n)
+
+
+BYTE_FALLBACK = [
+    k for k in KINDS if "sentencepiece" in k and k.rsplit("-", 1)[1] not in ("unigram", "bpe")
+]
+
+
+@pytest.mark.parametrize("name", BYTE_FALLBACK)
+def test_byte_fallback_runs_are_decoded_whole(name: str, tmp_path: Path) -> None:
+    """The cases that made ``DecodeStream`` raise: a valid byte shown, then a byte that turns
+    the run into U+FFFD; a special token inside a run (skipped: the run goes on)."""
+    tok, _ = _build(name, tmp_path)
+    a, c3, e6, x97, xa5 = (tok.token_id(f"<0x{b:02X}>") for b in (0x41, 0xC3, 0xE6, 0x97, 0xA5))
+    assert None not in (a, c3, e6, x97, xa5) and tok._stream_rules(True)[1]
+    word = tok.encode("the", add_special_tokens=False)
+    special = min(tok._stream_rules(True)[0])
+    for ids, want in [
+        ([a, c3, *word], "\ufffd\ufffdthe"),
+        ([*word, e6, special, x97, xa5, *word], "the日the"),
+        ([e6, x97], "\ufffd\ufffd"),
+    ]:
+        assert tok.decode(ids).replace(" ", "") == want  # the rule decode() follows
+        assert "".join(tok.stream(ids)) == tok.decode(ids)
+
+
+def test_unknown_ids_decode_to_nothing(kind: Any) -> None:
+    _, tok, _, _ = kind
+    ids = [*tok.encode("the cache", add_special_tokens=False), tok.vocab_size + 5]
+    assert "".join(tok.stream(ids)) == tok.decode(ids) == tok.decode(ids[:-1])
+
+
+def test_sampled_text_from_a_sentencepiece_model(tmp_path: Path) -> None:
+    """Issue 33: ``pl.generate`` with a text prompt at temperature 1 on a model whose tokenizer
+    is a SentencePiece with byte fallback raised mid-generation for most seeds. Its text now
+    equals the decoded ids that the same seed samples from the prompt's ids."""
+    import json
+
+    import portable_llm as pl
+    from portable_llm.testing.checkpoints import tiny_config, write_checkpoint
+
+    tok, _ = _build("json-sentencepiece-byte-fallback", tmp_path)
+    folder = tmp_path / "model"
+    write_checkpoint(folder, tiny_config("llama", vocab_size=tok.vocab_size), seed=0)
+    _saved(tok, folder)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    model = pl.load(folder, backend="numpy")
+    prompt = model.tokenizer.encode_prompt("The cache")
+    options = {"max_new_tokens": 40, "temperature": 1.0, "stop": ()}
+    for seed in range(6):
+        ids = list(pl.generate(model, prompt, seed=seed, **options))
+        text = "".join(pl.generate(model, "The cache", seed=seed, **options))
+        assert text == model.tokenizer.decode(ids), seed
 
 
 # -- oracle: transformers' apply_chat_template(tokenize=True) -----------------------------------
@@ -173,3 +384,62 @@ def test_smollm2_chat_ids_and_stream_equal_transformers() -> None:
         assert tok.encode_prompt(tok.apply_chat_template(messages)) == want  # no double BOS
     ids = tok.encode(" ".join(TEXTS))
     assert "".join(tok.stream(ids)) == hf.decode(ids, skip_special_tokens=True)
+
+
+# -- oracle: decode() equals transformers' decode, for every kind and the real Gemma 3 -----------
+
+
+@pytest.fixture(scope="module")
+def hf_kind(kind: Any) -> Any:
+    """The kind's tokenizer as transformers reads the same file."""
+    transformers = pytest.importorskip("transformers")
+    name, tok, source, favoured = kind
+    if source.suffix == ".gguf":
+        from test_oracle_gguf_sentencepiece import hf_tokenizer
+
+        return name, tok, hf_tokenizer(source), favoured
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(source / "tokenizer.json"))
+    return name, tok, hf, favoured
+
+
+def _same_as_transformers(tok: Tokenizer, hf: Any, ids: list[int], name: str) -> None:
+    for skip in (True, False):
+        want = hf.decode(ids, skip_special_tokens=skip)
+        assert (
+            "".join(_streamed(tok, ids, skip=skip)[0]) + _streamed(tok, ids, skip=skip)[1]
+            == tok.decode(ids, skip_special_tokens=skip)
+            == want
+        ), (name, skip, ids)
+
+
+@pytest.mark.oracle
+@given(data=st.data())
+def test_streamed_text_equals_transformers_decode(hf_kind: Any, data: st.DataObject) -> None:
+    name, tok, hf, favoured = hf_kind
+    _same_as_transformers(tok, hf, data.draw(token_ids(tok.vocab_size, favoured=favoured)), name)
+
+
+@pytest.mark.oracle
+def test_gemma3_streamed_text_equals_transformers_decode() -> None:
+    """The real Gemma 3 270M vocabulary (262,144 tokens; the probe found 2 of 600 random
+    sequences made ``DecodeStream`` raise): 300 sequences of 48 ids, a quarter of them bytes,
+    special tokens or space and newline runs, streamed as decode() and transformers decode."""
+    import random
+
+    from portable_llm.checkpoint.gguf_tokenizer import gguf_tokenizer
+    from test_oracle_gguf_sentencepiece import Meta, gemma3_file, gemma3_hf_tokenizer
+
+    file = gemma3_file()
+    tok = gguf_tokenizer(Meta(file))
+    assert tok is not None
+    hf = gemma3_hf_tokenizer(file)
+    specials, byte_ids = tok._stream_rules(True)
+    assert len(byte_ids) == 256
+    favoured = sorted(byte_ids) + sorted(specials)[:64] + list(range(100, 200))
+    rng = random.Random(33)
+    for _ in range(300):
+        ids = [
+            rng.choice(favoured) if rng.random() < 0.25 else rng.randrange(tok.vocab_size)
+            for _ in range(48)
+        ]
+        _same_as_transformers(tok, hf, ids, "gemma3")

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from hypothesis import strategies as st
 
 from portable_llm.backends import get_backend
 
-__all__ = ["LAST_SIDES", "SIDES", "float_dtypes", "seeds", "shapes", "sizes"]
+__all__ = ["LAST_SIDES", "SIDES", "float_dtypes", "seeds", "shapes", "sizes", "token_ids"]
 
 
 #: Sizes the strategies draw from. A small fixed set, so that compiling backends (JAX compiles
@@ -44,3 +45,15 @@ def float_dtypes(backend: str, device: Any = None) -> st.SearchStrategy[str]:
 def seeds() -> st.SearchStrategy[int]:
     """Seeds for :func:`portable_llm.testing.random_array`."""
     return st.integers(0, 2**32 - 1)
+
+
+def token_ids(
+    vocab_size: int, /, *, favoured: Sequence[int] = (), max_size: int = 24
+) -> st.SearchStrategy[list[int]]:
+    """Id sequences as a sampler may draw them: any id below ``vocab_size + 2`` (the last two
+    unknown to the tokenizer), and as often one of ``favoured`` (byte-fallback ids, special
+    tokens: rare in a large vocabulary, where decoders have their edge cases)."""
+    ids: st.SearchStrategy[int] = st.integers(0, vocab_size + 1)
+    if favoured:
+        ids = st.one_of(ids, st.sampled_from(list(favoured)))
+    return st.lists(ids, max_size=max_size)
