@@ -234,3 +234,26 @@ def test_key_and_registries_per_app(model: pl.Model, server: tuple[str, Any]) ->
     assert scrape(url)[P + "prompt_tokens_total{}"] > 0
     names = {f.name for f in prometheus_client.REGISTRY.collect()}
     assert not any(n.startswith(P) for n in names)
+
+
+def test_n_choices_count_once_per_request(model: pl.Model) -> None:
+    """``n=2``: one prefill (prompt tokens once), every choice's tokens generated, one time to
+    first token, one end, and the gaps between tokens taken within each choice."""
+    app = create_app(model, model_name="tiny", pool_pages=POOL, page_size=PAGE)
+    with serving(app) as url, openai.OpenAI(base_url=url + "/v1", api_key="none") as c:
+        before = idle(url)
+        prompt = list(range(60, 75))
+        r = c.completions.create(model="tiny", prompt=prompt, max_tokens=9, n=2, temperature=0)
+        after = idle(url)
+    _, drawn = alone(model, prompt, 9)  # greedy: each choice draws these
+    assert [ch.index for ch in r.choices] == [0, 1]
+    assert delta(after, before, P + "prompt_tokens_total{}") == len(prompt)
+    assert delta(after, before, P + "generation_tokens_total{}") == 2 * drawn
+    assert delta(after, before, P + "inter_token_latency_seconds_count{}") == 2 * (drawn - 1)
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
+                 "request_time_per_output_token_seconds"):  # fmt: skip
+        assert delta(after, before, P + name + "_count{}") == 1, name
+    # the mean gap within a choice is at most the request's decode time over its gaps
+    tpot = delta(after, before, P + "request_time_per_output_token_seconds_sum{}")
+    e2e = delta(after, before, P + "e2e_request_latency_seconds_sum{}")
+    assert 0 < tpot <= e2e / (drawn - 1)

@@ -62,8 +62,8 @@ class Job:
     admitted: float = 0.0
     first_token: float = 0.0
     cached: int = 0
-    last_token: float = 0.0
-    generated: int = 0  # tokens drawn so far
+    last_token: dict[int, float] = field(default_factory=dict)  # by choice index
+    generated: int = 0  # tokens drawn so far (every choice's)
     finish_reason: str | None = None  # set by the app when a stop string ends the job
     _records: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     more: list[asyncio.Queue[tuple[str, Any]]] = field(default_factory=list)  # choices 1..n-1
@@ -119,8 +119,8 @@ class EngineObserver(Protocol):
         """``job`` joined the batch (``job.cached`` prompt tokens from the prefix cache)."""
 
     def token(self, job: Job, now: float, gap: float | None) -> None:
-        """``job`` drew a token: its first when ``gap`` is ``None``, else ``gap`` s after the
-        one before."""
+        """``job`` drew a token (``job.generated`` so far, every choice's): ``gap`` s after its
+        choice's token before, ``None`` for a choice's first."""
 
     def ended(self, job: Job, now: float, reason: str) -> None:
         """``job`` left the engine: ``stop``, ``length``, ``abort`` (cancelled) or ``error``."""
@@ -351,8 +351,9 @@ class Engine:
                 decoded += 1
             else:
                 job.first_token = now
-            gap = now - job.last_token if job.generated else None
-            job.generated, job.last_token = job.generated + 1, now
+            index = rid - job.rid  # the choice: its own gaps between tokens
+            gap = now - job.last_token[index] if index in job.last_token else None
+            job.generated, job.last_token[index] = job.generated + 1, now
             if reason is not None:
                 del self._jobs[rid]
                 job.left -= 1
@@ -361,7 +362,7 @@ class Engine:
                 if reason is not None and not job.left:
                     self.observer.ended(job, now, reason)
             record = job._records.pop(0) if job.top_logprobs is not None else None
-            job.post("token", TokenEvent(token, reason, record, rid - job.rid))
+            job.post("token", TokenEvent(token, reason, record, index))
             if reason is not None and not job.left:
                 with self._cond:
                     self._live.discard(id(job))

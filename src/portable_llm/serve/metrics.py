@@ -59,7 +59,8 @@ class ServeMetrics:
         self.model_name = model_name
         self._queried = 0  # prompt tokens looked up in the prefix cache (the engine thread)
         self._hit = 0  # of which found there
-        self._running: set[int] = set()  # id() of the jobs admitted and not ended
+        # id() of each job admitted and not ended -> [sum of its gaps between tokens, gaps]
+        self._running: dict[int, list[float]] = {}
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(PREFIX + name, doc, ["model_name"], registry=self.registry)
@@ -97,7 +98,7 @@ class ServeMetrics:
         ).labels(m)  # fmt: skip
         self.time_per_output_token = histogram(
             "request_time_per_output_token_seconds",
-            "Per request of two tokens or more: (last token - first token) / (tokens - 1).",
+            "Per request of two tokens or more: the mean gap between two tokens of a choice.",
             _PER_TOKEN,
         ).labels(m)  # fmt: skip
         self.e2e_request_latency = histogram(
@@ -113,7 +114,7 @@ class ServeMetrics:
     # -- EngineObserver: called by the engine thread ----------------------------------------------
     def admitted(self, job: Job, now: float) -> None:
         """``job`` joined the batch at ``now`` with ``job.cached`` prompt tokens from the cache."""
-        self._running.add(id(job))
+        self._running[id(job)] = [0.0, 0]
         n = len(job.prompt)
         self.prompt_tokens.inc(n)
         self.prefix_cache_queries.inc(n)
@@ -123,24 +124,27 @@ class ServeMetrics:
         self.request_queue_time.observe(max(0.0, now - job.submitted))
 
     def token(self, job: Job, now: float, gap: float | None) -> None:
-        """``job`` drew a token at ``now``: its first when ``gap`` is ``None``, else ``gap``
-        seconds after the one before."""
+        """``job`` drew a token at ``now``, ``gap`` seconds after its choice's token before
+        (``None``: the choice's first; the job's first when ``job.generated`` is 1)."""
         self.generation_tokens.inc()
-        if gap is None:
+        if job.generated == 1:
             self.time_to_first_token.observe(max(0.0, now - job.submitted))
-        else:
+        if gap is not None:
             self.inter_token_latency.observe(gap)
+            gaps = self._running.get(id(job))
+            if gaps is not None:
+                gaps[0] += gap
+                gaps[1] += 1
 
     def ended(self, job: Job, now: float, reason: str) -> None:
-        """``job`` left the engine at ``now`` (``reason``: stop, length, abort or error) after
-        drawing ``job.generated`` tokens."""
-        self._running.discard(id(job))
+        """``job`` left the engine at ``now`` (``reason``: stop, length, abort or error).
+        Its time per output token: the mean gap between two tokens of one choice (for one
+        choice, (last - first) / (tokens - 1)); none without a second token."""
+        total, gaps = self._running.pop(id(job), (0.0, 0))
         self.request_success.labels(self.model_name, reason).inc()
         self.e2e_request_latency.observe(max(0.0, now - job.submitted))
-        if job.generated >= 2:
-            self.time_per_output_token.observe(
-                (job.last_token - job.first_token) / (job.generated - 1)
-            )
+        if gaps:
+            self.time_per_output_token.observe(total / gaps)
 
     # -- the page -------------------------------------------------------------------------------
     @property
