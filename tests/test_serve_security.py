@@ -113,6 +113,7 @@ def test_local_hosts_allowed(server: tuple[str, Any], host: str) -> None:
         (["0.0.0.0"], "[fe80::1]", False),
         (["0.0.0.0"], "evil.example", False),  # ... never a name
         (["::"], "[fe80::1]:80", True),
+        (["::"], "10.1.2.3", True),  # dual-stack: IPv4 clients too
         (["*"], "evil.example", True),
         ([], "[::ffff:127.0.0.1]:80", True),  # 127.0.0.1 spelled as IPv6
         ([], "localhost:80:80", False),

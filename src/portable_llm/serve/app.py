@@ -111,8 +111,9 @@ def create_app(
         ``max_tokens`` of a request that gives none (less when the context is shorter).
     allowed_hosts : sequence of str
         Host names or addresses (any port) that a request's ``Host`` header may name, besides
-        ``localhost``, ``127.0.0.1`` and ``::1``; else 400 (DNS rebinding). ``0.0.0.0`` and
-        ``::`` admit any IPv4 and IPv6 address, ``*`` any host.
+        ``localhost``, ``127.0.0.1`` and ``::1``; else 400 (DNS rebinding). ``0.0.0.0`` admits
+        any IPv4 address, ``::`` any IPv4 or IPv6 address (what those binds listen on), ``*``
+        any host.
     allowed_origins : sequence of str
         Web page origins (``http://localhost:3000``) that may call the server (CORS, their
         preflights answered); a request with another ``Origin`` header gets 403. Default:
@@ -270,14 +271,14 @@ async def _generate(served: _Served, request: Request, *, chat: bool) -> Respons
             status=429, type="rate_limit_exceeded", code="rate_limit_exceeded",
             headers={"Retry-After": "1"},
         )  # fmt: skip
-    job.loop = loop
-    engine.submit(job)
-    watch = asyncio.create_task(_watch(request, engine, job))
     runs = [_Run(served, job, sampling, chat, model.tokenizer, ToolAnswer(parser))
             for _ in range(job.n)]  # fmt: skip
     for i, one in enumerate(runs):
         one.index, one.queue = i, job.queue_of(i)
     run = runs[0]
+    job.loop = loop
+    engine.submit(job)  # from here on, every way out cancels the job (a no-op once it ended)
+    watch = asyncio.create_task(_watch(request, engine, job))
     if sampling.stream:
         try:  # an error before the first token is still an HTTP error
             first = await run.next_event()

@@ -32,8 +32,9 @@ __all__ = [
 
 #: Names every server accepts in ``Host`` (a browser that sends one of them runs on this machine).
 LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
-#: In an allowed-hosts list, the wildcard addresses admit any address literal of their family.
-_ANY_ADDRESS = {"0.0.0.0": 4, "::": 6}
+#: In an allowed-hosts list, the wildcard addresses admit any address literal of the IP
+#: versions they listen on (``::`` takes IPv4 clients too, as Linux binds it dual-stack).
+_ANY_ADDRESS = {"0.0.0.0": (4,), "::": (4, 6)}
 #: The longest API key.
 MAX_KEY = 256
 
@@ -84,9 +85,9 @@ def host_name(header: str) -> str | None:
 
 def normalize_hosts(hosts: Iterable[str], *, name: str = "allowed_hosts") -> frozenset[str]:
     """Host names (any port) a ``Host`` header may name, on top of :data:`LOCAL_HOSTS`:
-    lower case, brackets of IPv6 literals dropped; ``0.0.0.0`` and ``::`` admit any IPv4 and
-    IPv6 address, ``*`` any host. A ``ValueError`` naming ``name`` for an entry that is empty,
-    holds a port, a scheme or a space."""
+    lower case, brackets of IPv6 literals dropped; ``0.0.0.0`` admits any IPv4 address, ``::``
+    any IPv4 or IPv6 address, ``*`` any host. A ``ValueError`` naming ``name`` for an entry
+    that is empty, holds a port, a scheme or a space."""
     if isinstance(hosts, str):
         raise TypeError(f"{name}: expected a list of host names, got a string")
     out = set(LOCAL_HOSTS)
@@ -161,7 +162,7 @@ def host_allowed(host: str | None, allowed: frozenset[str]) -> bool:
     mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1 is 127.0.0.1
     if str(address) in allowed or (mapped is not None and str(mapped) in allowed):
         return True
-    return any(_ANY_ADDRESS.get(a) == address.version for a in allowed)
+    return any(address.version in _ANY_ADDRESS.get(a, ()) for a in allowed)
 
 
 class HostGuard:
