@@ -186,6 +186,7 @@ def run_serve(args: argparse.Namespace) -> int:
     address, port = sock.getsockname()[:2]
     shown = f"[{address}]" if ":" in address else address
     print(f"portable-llm serve: {name} on http://{shown}:{port}/v1", file=sys.stderr)
+    print(f"portable-llm serve: chat page at http://{shown}:{port}/", file=sys.stderr)
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level))
     with sock:
         server.run(sockets=[sock])
