@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -40,9 +41,9 @@ def _cache_repo(cache: Path, repo_id: str, commit: str, files: dict[str, bytes])
 
 
 def _set_ref(cache: Path, repo_id: str, ref: str, commit: str) -> None:
-    refs = cache / ("models--" + repo_id.replace("/", "--")) / "refs"
-    refs.mkdir(parents=True, exist_ok=True)
-    (refs / ref).write_text(commit)
+    file = cache / ("models--" + repo_id.replace("/", "--")) / "refs" / ref
+    file.parent.mkdir(parents=True, exist_ok=True)
+    file.write_text(commit)
 
 
 @pytest.fixture
@@ -180,6 +181,102 @@ def test_hostile_cache_layouts_are_contained(cache: Path, folders: dict[str, Pat
     _set_ref(cache, "org/evil", "main", "../../../../hf")
     with pytest.raises((CheckpointError, FileNotFoundError, ValueError)):
         pl.load("org/evil")
+
+
+@pytest.mark.parametrize(
+    ("revision", "why"),
+    [
+        ("/dev/zero", "an absolute path"),  # was read until memory ran out
+        ("..", "holds '..'"),  # was opened as refs/.. (the repository folder): a raw error
+        ("v1/../../main", "holds '..'"),
+        ("a\\b", "holds '\\\\'"),
+        ("", "it is empty"),
+        ("x" * 300, "300 characters"),
+        ("main.lock", "ends with '.lock'"),
+        ("x\ud800", "not printable"),
+    ],
+)
+def test_revision_is_a_ref_name_or_a_commit(
+    cache: Path, folders: dict[str, Path], revision: str, why: str
+) -> None:
+    """Issue 33: a revision is a branch or tag name (git's ref-name rules) or a 40-hex commit;
+    anything else is a ValueError naming ``revision``, before the cache is read."""
+    _cache_repo(cache, "org/tiny", MAIN, _files(folders["main"]))
+    _set_ref(cache, "org/tiny", "main", MAIN)
+    with pytest.raises(
+        ValueError, match=r"revision=.* is not a branch or tag name \(.*" + re.escape(why)
+    ):
+        pl.load("org/tiny", revision=revision)
+
+
+def test_revision_as_an_absolute_path_reads_nothing_outside(
+    cache: Path, folders: dict[str, Path]
+) -> None:
+    """A revision naming a file outside the cache that holds a commit was read as the ref (and
+    the snapshot it named loaded)."""
+    _cache_repo(cache, "org/tiny", MAIN, _files(folders["main"]))
+    outside = cache.parent.parent / "ref"
+    outside.write_text(MAIN)
+    with pytest.raises(ValueError, match="an absolute path"):
+        pl.load("org/tiny", revision=str(outside))
+
+
+def test_branch_names_with_slashes_resolve(cache: Path, folders: dict[str, Path]) -> None:
+    _cache_repo(cache, "org/tiny", OLD, _files(folders["old"]))
+    want = _logits(pl.load(folders["old"]))
+    for ref in ("feature/x", "refs/pr/1"):
+        _set_ref(cache, "org/tiny", ref, OLD)
+        np.testing.assert_array_equal(_logits(pl.load("org/tiny", revision=ref)), want)
+
+
+def test_refs_are_bounded_files_of_the_cache(cache: Path, folders: dict[str, Path]) -> None:
+    """A ref that is a folder, a ref too long or not a commit, a ref linked out of the cache:
+    each a CheckpointError naming the revision (a folder was a raw IsADirectoryError)."""
+    _cache_repo(cache, "org/tiny", MAIN, _files(folders["main"]))
+    refs = cache / "models--org--tiny" / "refs"
+    (refs / "main").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match=r"revision='main': .*refs/main' is not a file"):
+        pl.load("org/tiny")
+    (refs / "main").rmdir()
+    _set_ref(cache, "org/tiny", "main", MAIN + " " * 200)
+    with pytest.raises(CheckpointError, match=r"revision='main': .* not a 40-hex commit"):
+        pl.load("org/tiny")
+    _set_ref(cache, "org/tiny", "main", MAIN[:-1] + "g")
+    with pytest.raises(CheckpointError, match="not a 40-hex commit"):
+        pl.load("org/tiny")
+    outside = cache.parent.parent / "ref"
+    outside.write_text(MAIN)
+    (refs / "main").unlink()
+    (refs / "main").symlink_to(outside)
+    with pytest.raises(
+        CheckpointError, match=r"ref of revision='main' .* leads out of the Hub cache"
+    ):
+        pl.load("org/tiny")
+    (refs / "main").unlink()
+    _set_ref(cache, "org/tiny", "main", MAIN + "\n")  # a trailing newline is fine
+    pl.load("org/tiny")
+
+
+@pytest.mark.parametrize("link", ["snapshots", "repository"])
+def test_snapshots_linked_out_of_the_cache_are_refused(
+    cache: Path, folders: dict[str, Path], tmp_path: Path, link: str
+) -> None:
+    """Issue 33: a repository whose ``snapshots/`` (or the repository folder itself) is a
+    symlink out of the cache loaded from there; every resolved path now stays in the cache
+    (the sibling of the ``blobs/`` case of issue 22)."""
+    outside = tmp_path / "elsewhere"
+    snapshot = _cache_repo(outside, "org/tiny", MAIN, _files(folders["main"]))
+    repo = cache / "models--org--tiny"
+    if link == "snapshots":
+        repo.mkdir()
+        (repo / "blobs").mkdir()
+        (repo / "snapshots").symlink_to(snapshot.parent)
+    else:
+        repo.symlink_to(snapshot.parent.parent)
+    _set_ref(outside if link == "repository" else cache, "org/tiny", "main", MAIN)
+    assert (repo / "snapshots" / MAIN / "config.json").is_file()  # it does lead out
+    with pytest.raises(CheckpointError, match="leads out of the Hub cache"):
+        pl.load("org/tiny")
 
 
 def _blob(data: bytes) -> str:

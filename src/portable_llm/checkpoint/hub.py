@@ -7,9 +7,14 @@ that ``huggingface_hub`` keeps (``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else
 ``refs/<branch>`` naming the commit and the files symlinked into ``blobs/``. ``revision`` picks
 a branch, tag or commit (default ``main``); ``gguf_file`` picks the ``.gguf`` file of a GGUF
 repository. Nothing is ever downloaded, whether or not ``HF_HUB_OFFLINE`` is set: a name that
-is not in the cache is one ``FileNotFoundError`` that says how to fetch it. The snapshot must
-lie inside its repository's ``snapshots/`` folder (a ``refs/main`` naming ``../..`` is
-refused), and every file of it passes the containment rule of
+is not in the cache is one ``FileNotFoundError`` that says how to fetch it.
+
+What a Hub id may reach (docs/security.md, "Hub ids"): ``revision`` is a branch or tag name
+under git's ref-name rules (:func:`check_revision`: no ``..``, no absolute path, no backslash,
+at most :data:`MAX_REVISION` characters) or a 40-hex commit; a ref file is a regular file read
+to at most :data:`MAX_REF_BYTES` bytes and must hold a 40-hex commit; the ref and the snapshot,
+symlinks resolved, lie inside the cache folder, the snapshot directly in its repository's
+``snapshots/`` folder; and every file of the snapshot passes the containment rule of
 :func:`~portable_llm.checkpoint.files.checkpoint_file`.
 """
 
@@ -22,14 +27,68 @@ from pathlib import Path
 from portable_llm.checkpoint.files import CheckpointError, brief, checkpoint_file
 from portable_llm.extras import install_hint
 
-__all__ = ["hub_cache", "is_repo_id", "resolve_checkpoint"]
+__all__ = [
+    "MAX_REF_BYTES", "MAX_REVISION", "check_revision", "hub_cache", "is_repo_id",
+    "resolve_checkpoint",
+]  # fmt: skip
 
+#: The longest ``revision`` taken (git has no limit; a file name has 255 bytes).
+MAX_REVISION = 255
+#: The most bytes read of a ref file (huggingface_hub writes the 40-hex commit, nothing else).
+MAX_REF_BYTES = 128
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+#: What git's ``check-ref-format`` refuses anywhere in a ref name (and a backslash).
+_REF_REFUSED = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]|\.\.|@\{|//")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 
 
 def is_repo_id(name: str, /) -> bool:
     """Whether ``name`` is shaped like a Hub repository id (``org/name``, one slash)."""
     return bool(_REPO_ID.match(name)) and ".." not in name
+
+
+def check_revision(revision: str, /) -> str:
+    """``revision`` when it is a branch or tag name or a 40-hex commit, else a ``ValueError``.
+
+    A name follows git's ref-name rules (``git check-ref-format --allow-onelevel``): no ``..``,
+    no ``@{``, no control character, space, ``~ ^ : ? * [`` or backslash, no leading, trailing or
+    doubled ``/``, no part that starts with ``.`` or ends with ``.lock``, no trailing ``.``, not
+    ``@``; and at most :data:`MAX_REVISION` characters. So an absolute path (``/dev/zero``) or a
+    ``..`` never reaches the file system.
+    """
+    if not isinstance(revision, str):
+        raise TypeError(f"load: revision must be a str or None, got {type(revision).__name__}")
+    if _COMMIT.fullmatch(revision):
+        return revision
+    problem = _ref_problem(revision)
+    if problem:
+        raise ValueError(
+            f"load: revision={brief(revision)} is not a branch or tag name ({problem}) nor a "
+            "40-hex commit"
+        )
+    return revision
+
+
+def _ref_problem(name: str) -> str | None:
+    """Why ``name`` is not a git ref name, or ``None``."""
+    bad = _REF_REFUSED.search(name)
+    if not name:
+        return "it is empty"
+    if len(name) > MAX_REVISION:
+        return f"{len(name)} characters, more than {MAX_REVISION}"
+    if name.startswith("/"):
+        return "an absolute path"
+    if bad:
+        return f"it holds {bad.group()!r}"
+    if not name.isprintable():  # format characters, lone surrogates
+        return "it holds a character that is not printable"
+    if name == "@":
+        return "it is '@'"
+    if name.endswith(("/", ".")):
+        return f"it ends with {name[-1]!r}"
+    if any(part.startswith(".") or part.endswith(".lock") for part in name.split("/")):
+        return "a part starts with '.' or ends with '.lock'"
+    return None
 
 
 def hub_cache() -> Path:
@@ -99,6 +158,8 @@ def resolve_checkpoint(
 
 def _snapshot(repo_id: str, revision: str | None) -> Path:
     """The cached snapshot folder of ``repo_id`` at ``revision`` (never downloaded)."""
+    if revision is not None:
+        check_revision(revision)
     try:
         from huggingface_hub import snapshot_download
     except ImportError as exc:
@@ -108,11 +169,16 @@ def _snapshot(repo_id: str, revision: str | None) -> Path:
         ) from exc
     cache = hub_cache()
     at = f" at revision {revision!r}" if revision else ""
+    root = _resolved(cache, "the Hub cache", None)
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    commit = _commit(repo, revision or "main", root)
     try:
+        if commit is None:
+            raise FileNotFoundError
         found = Path(
-            snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True)
+            snapshot_download(repo_id, revision=commit, cache_dir=cache, local_files_only=True)
         )
-    except FileNotFoundError:  # huggingface_hub's LocalEntryNotFoundError
+    except FileNotFoundError:  # no ref; huggingface_hub's LocalEntryNotFoundError
         how = (
             "HF_HUB_OFFLINE is set, and pl.load never downloads"
             if _offline()
@@ -122,16 +188,56 @@ def _snapshot(repo_id: str, revision: str | None) -> Path:
             f"load: {repo_id!r} is neither a local path nor a Hub repository in the cache "
             f"{str(cache)!r}{at} ({how})"
         ) from None
-    except ValueError as exc:  # HFValidationError: a malformed id or revision
+    except ValueError as exc:  # HFValidationError: a malformed id
         raise ValueError(f"load: {repo_id!r}{at}: {exc}") from None
-    snapshots = cache / ("models--" + repo_id.replace("/", "--")) / "snapshots"
-    try:
-        inside = found.resolve().parent == snapshots.resolve()
-    except (OSError, RuntimeError):
-        inside = False
-    if not inside:
+    snapshots = _resolved(repo / "snapshots", "the snapshots folder", root)
+    if _resolved(found, "the snapshot", root).parent != snapshots:
         raise CheckpointError(
             f"load: the cache names {str(found)!r} for {repo_id!r}{at}, which is not a snapshot "
             f"of the repository (in {str(snapshots)!r}); refused"
         )
     return found
+
+
+def _commit(repo: Path, revision: str, root: Path) -> str | None:
+    """The commit ``revision`` names: itself when 40-hex, else what ``refs/<revision>`` of the
+    cached ``repo`` holds; ``None`` when there is no such ref."""
+    if _COMMIT.fullmatch(revision):
+        return revision
+    ref = repo / "refs" / revision
+    if not (ref.is_symlink() or ref.exists()):
+        return None
+    target = _resolved(ref, f"the ref of revision={revision!r}", root)
+    if not target.is_file():  # a folder, a device, a FIFO
+        raise CheckpointError(
+            f"load: revision={revision!r}: {str(ref)!r} is not a file (a ref holds a commit)"
+        )
+    try:
+        with target.open("rb") as f:
+            data = f.read(MAX_REF_BYTES + 1)
+    except OSError as exc:
+        raise CheckpointError(
+            f"load: revision={revision!r}: cannot read {str(ref)!r}: {exc}"
+        ) from None
+    commit = data.decode("ascii", errors="replace").strip()
+    if len(data) > MAX_REF_BYTES or not _COMMIT.fullmatch(commit):
+        raise CheckpointError(
+            f"load: revision={revision!r}: {str(ref)!r} holds {brief(data[:60])}, not a 40-hex "
+            "commit"
+        )
+    return commit
+
+
+def _resolved(path: Path, what: str, root: Path | None) -> Path:
+    """``path`` with its symlinks resolved, refused unless it lies inside ``root`` (the
+    resolved cache folder; ``None``: anywhere)."""
+    try:
+        target = path.resolve(strict=False)
+    except (OSError, RuntimeError) as exc:  # a symlink loop (RuntimeError before Python 3.13)
+        raise CheckpointError(f"load: {what} {str(path)!r} cannot be resolved: {exc}") from None
+    if root is not None and not target.is_relative_to(root):
+        raise CheckpointError(
+            f"load: {what} {str(path)!r} leads out of the Hub cache {str(root)!r} (to "
+            f"{str(target)!r}); refused"
+        )
+    return target
