@@ -10,8 +10,6 @@ cancellations and the pages coming back.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -38,33 +36,14 @@ from portable_llm.testing.checkpoints import (  # noqa: E402
     write_checkpoint,
     write_tokenizer,
 )
+from servers import alone as _alone  # noqa: E402
+from servers import chat_ids as _chat_ids  # noqa: E402
+from servers import serving  # noqa: E402
 
 KEY = "test-key"
 JSON = {"Content-Type": "application/json"}
 POOL = 256
 CONTEXT = 1024
-
-
-@contextlib.contextmanager
-def serving(app: Any) -> Iterator[str]:
-    """Run ``app`` with uvicorn on 127.0.0.1 (a free port) in a thread; yield its base URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(20)
-        sock.close()
-        assert not thread.is_alive()
 
 
 @pytest.fixture(scope="module")
@@ -90,19 +69,6 @@ def server(model: pl.Model) -> Iterator[tuple[str, Any]]:
 def client(server: tuple[str, Any]) -> Iterator[Any]:
     with openai.OpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0) as c:
         yield c
-
-
-def _alone(model: pl.Model, ids: list[int], max_tokens: int, **options: Any) -> tuple[str, int]:
-    """``generate``'s text for ``ids`` and the tokens it drew (a final stop token included)."""
-    gen = pl.generate(model, ids, max_new_tokens=max_tokens, **options)
-    new = list(gen)
-    drawn = len(new) + (gen.stats.finish_reason == "stop")
-    return model.tokenizer.decode(new), drawn
-
-
-def _chat_ids(model: pl.Model, messages: list[dict]) -> list[int]:
-    text = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    return model.tokenizer.encode_prompt(text)
 
 
 def _health(url: str) -> dict:
