@@ -256,7 +256,7 @@ async def _generate(served: _Served, request: Request, *, chat: bool) -> Respons
     model = engine.model
     structure = read_structure(body, chat=chat)  # tools, tool_choice, response_format
     parser = answer_parser(model.tokenizer, structure)
-    if chat:
+    if chat and isinstance(source, list):  # read_chat's messages
         source = template_messages(source)
     loop = asyncio.get_running_loop()
     prompt = await loop.run_in_executor(
