@@ -259,6 +259,15 @@ def test_unknown_ids_decode_to_nothing(kind: Any) -> None:
     assert "".join(tok.stream(ids)) == tok.decode(ids) == tok.decode(ids[:-1])
 
 
+@pytest.mark.parametrize("token", [-1, 2**32])
+def test_an_id_no_tokenizer_holds_is_a_value_error(tokenizer: Tokenizer, token: int) -> None:
+    """As ``decode`` refuses it (tokenizers' ids are u32; its own error is an OverflowError)."""
+    with pytest.raises(ValueError, match=rf"decode: token id {token} is not in"):
+        tokenizer.decode([token])
+    with pytest.raises(ValueError, match=rf"TextStream.step: token id {token} is not in"):
+        tokenizer.stream_decoder().step(token)
+
+
 def test_sampled_text_from_a_sentencepiece_model(tmp_path: Path) -> None:
     """Issue 33: ``pl.generate`` with a text prompt at temperature 1 on a model whose tokenizer
     is a SentencePiece with byte fallback raised mid-generation for most seeds. Its text now

@@ -92,8 +92,14 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """The text of ``ids``; ids the tokenizer does not know give nothing, as in tokenizers
+        and transformers. An id outside ``[0, 2**32)`` is a ``ValueError`` naming it."""
+        ids = list(ids)
+        bad = next((i for i in ids if not 0 <= i < 2**32), None)
+        if bad is not None:
+            raise ValueError(f"decode: token id {bad} is not in [0, 2**32)")
         with foreign_errors("decode: the tokenizer failed on these ids"):
-            return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
+            return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def stream_decoder(self, *, skip_special_tokens: bool = True) -> TextStream:
         """A :class:`TextStream` of this tokenizer: ids in, new text out, O(window) per id."""
@@ -230,6 +236,8 @@ class TextStream:
 
     def step(self, token: int) -> str:
         token = int(token)
+        if not 0 <= token < 2**32:  # tokenizers' ids are u32
+            raise ValueError(f"TextStream.step: token id {token} is not in [0, 2**32)")
         if token in self._dropped or self._tok.id_to_token(token) is None:
             return ""  # decode() drops it: nothing to show, and no byte run ends here
         self._window.append(token)
