@@ -209,6 +209,13 @@ def test_revision_is_a_ref_name_or_a_commit(
         pl.load("org/tiny", revision=revision)
 
 
+def test_a_huge_revision_is_a_short_message(cache: Path, folders: dict[str, Path]) -> None:
+    for path in ("org/tiny", folders["main"]):  # a Hub id, and a local path (no revision there)
+        with pytest.raises(ValueError, match="revision='vvv") as info:
+            pl.load(path, revision="v" * 1_000_000)
+        assert len(str(info.value)) < 400
+
+
 def test_revision_as_an_absolute_path_reads_nothing_outside(
     cache: Path, folders: dict[str, Path]
 ) -> None:

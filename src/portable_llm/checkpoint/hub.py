@@ -129,7 +129,7 @@ def resolve_checkpoint(
     if local.exists() or not isinstance(path, str) or not is_repo_id(path):
         if revision is not None:
             raise ValueError(
-                f"load: revision={revision!r} applies to Hub repository ids ('org/name'), but "
+                f"load: revision={brief(revision)} applies to Hub repository ids ('org/name'), but "
                 f"{str(path)!r} is a local path"
             )
         folder = local
