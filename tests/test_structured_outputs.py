@@ -148,6 +148,9 @@ def test_bad_response_format(model: pl.Model) -> None:
     with pytest.raises(ValueError, match="response_format needs a stop token"):
         BatchGenerator(model).add(Request([3, 4], 5, response_format=FORMAT, stop=()))
     assert response_format_grammar({"type": "text"}) is None
+    unsupported = {"type": "json_schema", "json_schema": {"schema": {"not": {"type": "string"}}}}
+    with pytest.raises(ValueError, match=r"is not supported by llguidance: .*\bnot\b"):
+        pl.generate(model, "a", response_format=unsupported)
 
 
 @pytest.mark.parametrize("name", sorted(ENGINES))
@@ -340,3 +343,26 @@ def test_tools_without_a_template_format(tmp_path) -> None:
         c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         with pytest.raises(openai.BadRequestError, match="no tool-call format"):
             c.chat.completions.create(model="t", messages=ASK, tools=TOOLS, max_tokens=2)
+
+
+def test_special_token_prefix_is_that_token(model: pl.Model) -> None:
+    """A prefix that is a special token's text (Mistral's ``[TOOL_CALLS]``; here ``<s>``) is
+    generated as that token, which the matcher then accepts (llguidance reads a literal as
+    plain bytes: its mask offered the token and consuming it failed)."""
+    import numpy as np
+
+    engine = grammar_engine(model.tokenizer, vocab_size=model.vocab_size, stop_ids=[2])
+    m = engine.matcher(Grammar({"type": "object"}, prefix="<s>[", suffix="]"))
+    assert np.flatnonzero(m.allowed()).tolist() == [model.tokenizer.token_id("<s>")]
+    m.accept(model.tokenizer.token_id("<s>"))
+    assert m.allowed()[model.tokenizer.encode("[", add_special_tokens=False)[0]]
+
+
+def test_unsupported_schema_is_400(client: Any) -> None:
+    """A schema keyword the engine does not implement is refused, never silently dropped (an
+    answer that would not validate)."""
+    import openai
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"not": {}}}}
+    with pytest.raises(openai.BadRequestError, match="is not supported by llguidance"):
+        client.chat.completions.create(model="tiny", messages=ASK, response_format=fmt)

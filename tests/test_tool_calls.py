@@ -66,14 +66,12 @@ CASES = [
 ]
 
 
-def _expected_content(content: str | None, text: str, calls: list) -> str | None:
-    return text if not calls else content
-
-
 @pytest.mark.parametrize("name, text, content, calls", CASES)
 def test_parse(name: str, text: str, content: str | None, calls: list) -> None:
+    """The calls, in order, with their arguments as JSON text; the text before them (all of it
+    when there is no well-formed call)."""
     got_content, got = tool_parser(name).parse(text)
-    assert got_content == (_expected_content(content, text, calls) if calls else text)
+    assert got_content == (content if calls else text)
     assert [(c.name, json.loads(c.arguments)) for c in got] == calls
     assert all(c.id.startswith("call_") for c in got)
     assert len({c.id for c in got}) == len(got)
@@ -81,7 +79,9 @@ def test_parse(name: str, text: str, content: str | None, calls: list) -> None:
 
 @pytest.mark.parametrize("name, text, content, calls", CASES)
 @given(data=st.data())
-def test_stream_equals_whole(name: str, text: str, content: str | None, calls: list, data) -> None:
+def test_stream_equals_whole(
+    name: str, text: str, content: str | None, calls: list, data: st.DataObject
+) -> None:
     """Fed in pieces split anywhere, the stream shows the whole answer's calls, in order, and
     its text: all of it without calls, the text before them with (up to its trailing space)."""
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=8)))

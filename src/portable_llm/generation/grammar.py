@@ -22,9 +22,10 @@ The cost of the mask per token is measured in ``benchmarks/grammar_mask.py`` (se
 from __future__ import annotations
 
 import json
+import re
 import threading
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -111,7 +112,7 @@ def register_grammar_engine(name: str, factory: EngineFactory) -> None:
 
 
 def grammar_engine(
-    tokenizer: Any, /, *, vocab_size: int, stop_ids: Sequence[int], name: str | None = None
+    tokenizer: Any, /, *, vocab_size: int, stop_ids: Iterable[int], name: str | None = None
 ) -> GrammarEngine:
     """The engine ``name`` (default: the first registered whose library is installed) for
     ``tokenizer`` (a :class:`~portable_llm.text.Tokenizer`), made once per tokenizer, vocabulary
@@ -238,6 +239,10 @@ def constrained_logits(matchers: Sequence[Matcher], /) -> Callable[[Any, Array],
     return processor
 
 
+#: The start of the message of a schema an engine cannot compile.
+_UNSUPPORTED = "the JSON schema (response_format, or a tool's parameters) is not supported"
+
+
 def _unpack(bits: np.ndarray, vocab_size: int) -> np.ndarray:
     """A bool mask ``(V,)`` from a bitmask of int32 words (bit ``i % 32`` of word ``i // 32``)."""
     return np.unpackbits(bits.view(np.uint8), bitorder="little")[:vocab_size].astype(bool)
@@ -245,7 +250,9 @@ def _unpack(bits: np.ndarray, vocab_size: int) -> np.ndarray:
 
 # -- llguidance ---------------------------------------------------------------------------------
 class _LLGuidance:
-    """llguidance's ``LLMatcher`` over a Lark grammar ``prefix %json{schema} suffix``."""
+    """llguidance's ``LLMatcher`` over a Lark grammar ``prefix %json{schema} suffix``; text of
+    the prefix or suffix that is a special token's (Mistral's ``[TOOL_CALLS]``) is that
+    token."""
 
     name = "llguidance"
 
@@ -259,17 +266,36 @@ class _LLGuidance:
             tokenizer_json, n_vocab=vocab_size, eos_token=self.stop_ids or None
         )
         self._grammars: dict[str, str] = {}
+        # special tokens by text: llguidance reads a literal's text as plain bytes, so a prefix
+        # such as Mistral's "[TOOL_CALLS]" must name the token (the mask would offer the token
+        # for the text, and consuming it would then fail)
+        added = json.loads(tokenizer_json).get("added_tokens") or []
+        self.specials = {
+            t["content"]: int(t["id"]) for t in added if t.get("special") and t.get("content")
+        }
+        self._split = re.compile(
+            "(" + "|".join(re.escape(t) for t in sorted(self.specials, key=len, reverse=True)) + ")"
+        )
+
+    def literal(self, text: str) -> str:
+        """Lark for ``text``: its special tokens as token ids (``<[id]>``), the rest quoted."""
+        if not self.specials:
+            return json.dumps(text)
+        parts = [p for p in self._split.split(text) if p]
+        return " ".join(
+            f"<[{self.specials[p]}]>" if p in self.specials else json.dumps(p) for p in parts
+        )
 
     def lark(self, grammar: Grammar) -> str:
         schema = dict(grammar.schema)
         schema["x-guidance"] = {
             "whitespace_flexible": False, "item_separator": ITEM_SEPARATOR,
-            "key_separator": KEY_SEPARATOR, "lenient": True,
+            "key_separator": KEY_SEPARATOR,
         }  # fmt: skip
-        parts = [json.dumps(grammar.prefix)] if grammar.prefix else []
+        parts = [self.literal(grammar.prefix)] if grammar.prefix else []
         parts.append("%json " + json.dumps(schema))
         if grammar.suffix:
-            parts.append(json.dumps(grammar.suffix))
+            parts.append(self.literal(grammar.suffix))
         return "start: " + " ".join(parts) + "\n"
 
     def matcher(self, grammar: Grammar, /) -> Matcher:
@@ -278,7 +304,7 @@ class _LLGuidance:
             lark = self.lark(grammar)
             error = self._ll.LLMatcher.validate_grammar(lark, self.tokenizer)
             if error:
-                raise ValueError(f"the grammar does not compile: {error[:500]}")
+                raise ValueError(f"{_UNSUPPORTED} by llguidance: {error[:500]}")
             self._grammars[grammar.key] = lark
         return _LLMatcher(self, self._ll.LLMatcher(self.tokenizer, lark, log_level=0))
 
@@ -310,7 +336,7 @@ class _XGrammar:
     name = "xgrammar"
 
     def __init__(self, tokenizer_json: str, vocab_size: int, stop_ids: Sequence[int]) -> None:
-        import xgrammar
+        import xgrammar  # type: ignore[import-not-found, unused-ignore]
         from tokenizers import Tokenizer as RustTokenizer
         from transformers import PreTrainedTokenizerFast
 
@@ -336,7 +362,10 @@ class _XGrammar:
                      (grammar.prefix,) if t] + [body] + [
                 xgr.Grammar.from_ebnf(f"root ::= {json.dumps(t)}") for t in (grammar.suffix,) if t
             ]  # fmt: skip
-            compiled = self.compiler.compile_grammar(xgr.Grammar.concat(*parts))
+            try:
+                compiled = self.compiler.compile_grammar(xgr.Grammar.concat(*parts))
+            except RuntimeError as exc:
+                raise ValueError(f"{_UNSUPPORTED} by xgrammar: {str(exc)[:500]}") from None
             self._compiled[grammar.key] = compiled
         return _XMatcher(self, xgr.GrammarMatcher(compiled))
 

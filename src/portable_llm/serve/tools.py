@@ -13,7 +13,7 @@ text and its ``tool_calls``, whole or as stream deltas.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,7 +145,7 @@ def _tools(value: Any) -> list[dict[str, Any]]:
     return out
 
 
-def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def template_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
     """The messages of :func:`~portable_llm.serve.protocol.read_chat` as chat templates read
     them (:func:`template_message`)."""
     return [template_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
