@@ -134,12 +134,18 @@ class PenaltyRows:
         bk = backend_of(logits)
         assert bk is not None, "PenaltyRows.apply: logits must be an array"
         self._align(bk, bk.device_of(logits), rows)
-        s = self._state
-        banned = s["stop_mask"] & (s["generated"] < s["min_tokens"])[:, None]  # (B, V)
+        s, p = self._state, [r.penalties for r in rows]
+        # Only the passes some row needs (read on the host: the rows' options and lengths).
+        repetition = any(x.repetition_penalty != 1 for x in p)
+        banned = None
+        if any(len(r.out) < r.penalties.min_tokens for r in rows):
+            banned = s["stop_mask"] & (s["generated"] < s["min_tokens"])[:, None]  # (B, V)
         return apply_penalties(
-            logits, s["counts"], prompt_mask=s["prompt_mask"],
-            frequency_penalty=s["frequency"], presence_penalty=s["presence"],
-            repetition_penalty=s["repetition"], logit_bias=s["bias"], banned=banned,
+            logits, s["counts"], prompt_mask=s["prompt_mask"] if repetition else None,
+            frequency_penalty=s["frequency"] if any(x.frequency_penalty for x in p) else 0.0,
+            presence_penalty=s["presence"] if any(x.presence_penalty for x in p) else 0.0,
+            repetition_penalty=s["repetition"] if repetition else 1.0,
+            logit_bias=s["bias"] if any(x.logit_bias for x in p) else None, banned=banned,
         )  # fmt: skip
 
     def advance(self, tokens: Sequence[int], /) -> None:
@@ -184,7 +190,7 @@ class PenaltyRows:
     def _host(self, rows: Sequence[Row]) -> dict[str, np.ndarray]:
         """The state of ``rows`` built on the host (each ``(n, V)`` or ``(n,)``)."""
         n, V = len(rows), self.V
-        counts = np.zeros((n, V), np.int32)
+        counts = np.zeros((n, V), np.float32)  # exact up to 2**24 per token
         prompt = np.zeros((n, V), bool)
         bias = np.zeros((n, V), np.float32)
         stops = np.zeros((n, V), bool)

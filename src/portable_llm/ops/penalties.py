@@ -62,12 +62,12 @@ def _apply_penalties(
     presence: Any, repetition: Any, bias: Array | None, banned: Array | None,
 ) -> Array:  # fmt: skip
     """The penalties (module docstring); per-row values are arrays ``(B.., 1)`` or floats."""
-    x = xp.astype(logits, float_compute_dtype(xp, logits.dtype))  # (B.., V)
+    x = xp.astype(logits, float_compute_dtype(xp, logits.dtype), copy=False)  # (B.., V)
     if bias is not None:
-        x = x + xp.astype(bias, x.dtype)
+        x = x + xp.astype(bias, x.dtype, copy=False)
     if banned is not None:
         x = xp.where(banned, xp.full_like(x, -math.inf), x)
-    c = xp.astype(counts, x.dtype)  # (B.., V)
+    c = xp.astype(counts, x.dtype, copy=False)  # (B.., V)
     generated = c > 0
     if repetition is not None:
         seen = generated if prompt_mask is None else (generated | prompt_mask)
