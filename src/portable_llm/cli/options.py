@@ -40,8 +40,10 @@ __all__ = [
     "add_selection_arguments",
     "add_sampling_arguments",
     "add_speculative_arguments",
+    "THREADS_PER_CPU",
     "add_threads_argument",
     "apply_threads",
+    "check_threads",
     "one_thread_decode",
     "backend_name",
     "default_threads",
@@ -146,15 +148,50 @@ def default_threads() -> int:
     return max(1, min(cores, cores - round(load)))
 
 
+#: The most CPU threads per CPU that ``--threads`` takes: more threads than CPUs only wait for
+#: each other, and far more crash the process (torch's OpenMP pool cannot start them:
+#: ``--threads 100000`` segfaulted, 20000 aborted on a 2-CPU machine).
+THREADS_PER_CPU = 4
+
+
+def check_threads(threads: Any) -> int:
+    """``threads`` as an int in ``[1, THREADS_PER_CPU * os.cpu_count()]``: the one rule of
+    ``--threads`` and of :func:`apply_threads`; a ValueError (a TypeError for a non-int) naming
+    the bound and the CPUs otherwise."""
+    cpus = os.cpu_count() or 1
+    most = THREADS_PER_CPU * cpus
+    if isinstance(threads, bool) or not isinstance(threads, int):
+        raise TypeError(f"threads: expected an integer, got {type(threads).__name__}")
+    if not 1 <= threads <= most:
+        raise ValueError(
+            f"threads: expected an integer in [1, {most}] ({THREADS_PER_CPU} per CPU; this "
+            f"machine has {cpus}), got {threads}"
+        )
+    return threads
+
+
+def _thread_count(text: str) -> int:
+    """``--threads N`` (an argparse type): :func:`check_threads` of the integer."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    try:
+        return check_threads(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("threads: ")) from None
+
+
 def add_threads_argument(p: argparse.ArgumentParser) -> None:
-    """``--threads N``: the CPU threads of torch and of NumPy's BLAS (see :func:`apply_threads`)."""
+    """``--threads N``: the CPU threads of torch and of NumPy's BLAS (see :func:`apply_threads`),
+    at most :data:`THREADS_PER_CPU` per CPU."""
     p.add_argument(
         "--threads",
-        type=positive_int,
+        type=_thread_count,
         default=None,
         metavar="N",
-        help="CPU threads for torch and NumPy's BLAS (default: one per idle core, from the "
-        "load average; JAX and MLX keep their own)",
+        help=f"CPU threads for torch and NumPy's BLAS, at most {THREADS_PER_CPU} per CPU "
+        "(default: one per idle core, from the load average; JAX and MLX keep their own)",
     )
 
 
@@ -167,9 +204,11 @@ def apply_threads(threads: int | None, backends: Sequence[str], file: Any = None
     ``OPENBLAS_NUM_THREADS``). JAX and MLX are left as they are: XLA fixes its CPU threads when
     it starts, and MLX has no thread setting.
 
-    Called by a command after parsing its flags, never on import.
+    Called by a command after parsing its flags, never on import. ``threads`` above
+    :data:`THREADS_PER_CPU` per CPU is a ValueError (:func:`check_threads`), before any library
+    is told.
     """
-    n = default_threads() if threads is None else threads
+    n = default_threads() if threads is None else check_threads(threads)
     if "torch" in backends:
         try:
             import torch
@@ -238,13 +277,13 @@ class DeprecatedAlias(argparse.Action):
 
 def _flag(p: argparse.ArgumentParser, name: str, **kwargs: Any) -> None:
     """Add the flag ``name``, and each old spelling of it (:data:`DEPRECATED`) as a hidden alias."""
-    p.add_argument(name, **kwargs)
+    action = p.add_argument(name, **kwargs)
+    alias = {k: kwargs[k] for k in ("type", "metavar") if k in kwargs}
     for old, new in DEPRECATED.items():
         if new == name:
             p.add_argument(
-                old, action=DeprecatedAlias, dest=kwargs.get("dest", name[2:].replace("-", "_")),
-                type=kwargs.get("type"), metavar=kwargs.get("metavar"), help=argparse.SUPPRESS,
-            )  # fmt: skip
+                old, action=DeprecatedAlias, dest=action.dest, help=argparse.SUPPRESS, **alias
+            )
 
 
 def dequantize_choice(text: str) -> bool | str:
