@@ -438,3 +438,14 @@ def test_bad_request_fields_are_refused_when_added(folder, field, value, error, 
     if field != "n":
         with pytest.raises(error, match=f"generate: {match}"):
             pl.generate(model, PROMPT, max_new_tokens=5, **{field: value})
+
+
+def test_stop_may_be_a_set(folder):
+    """A set of stop ids (the server passes them so, and ``min_tokens`` reads them) works as a
+    tuple does; it used to reach the array lookup and raise."""
+    model = _model(folder, "numpy")
+    free = list(pl.generate(model, PROMPT, max_new_tokens=6, stop=()))
+    stop = free[2]
+    want = free[: free.index(stop)]
+    assert list(pl.generate(model, PROMPT, max_new_tokens=6, stop={stop})) == want
+    assert list(pl.generate(model, PROMPT, max_new_tokens=6, stop=frozenset({stop}))) == want
