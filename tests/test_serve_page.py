@@ -240,12 +240,32 @@ def test_chat_in_a_browser(model: pl.Model, browser: Any, tmp_path: Path) -> Non
         shot = tmp_path / "chat.png"
         assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
         print(f"screenshot: {shot}")
+        # "New chat" while an answer streams: it stops, and the next question starts afresh
+        history.append({"role": "assistant", "content": _text(last)})
+        long_ones = (
+            q for q in ("Another long story?", "Tell me more.", "Go on, please.", "Why?")
+            if alone(model, chat_ids(model, [*history, {"role": "user", "content": q}]), 40)[1]
+            == 40
+        )  # fmt: skip
+        _set(browser, "max_tokens", "300")  # the prompt is longer now: within the context
+        streaming = _ask(browser, next(long_ones))  # a question whose answer does not end soon
+        _wait(browser, "document.querySelector('.msg.assistant:last-child .content')"
+                       ".textContent.length > 5")  # fmt: skip
+        assert streaming.get_attribute("data-done") is None
+        browser.find_element("id", "clear").click()
+        assert browser.find_elements("css selector", ".msg") == []
+        _wait(browser, "!document.getElementById('send').disabled")
+        _set(browser, "max_tokens", "8")
+        fresh = _ask(browser, "Hi again.")
+        _wait(browser, "document.querySelector('.msg.assistant:last-child').dataset.done")
+        again = [history[0], {"role": "user", "content": "Hi again."}]
+        assert _text(fresh) == alone(model, chat_ids(model, again), 8)[0]
         port = url.rsplit(":", 1)[1]
         resources_loaded = browser.execute_script(
             "return performance.getEntriesByType('resource').map(e => e.name);"
         )
     assert resources_loaded and all(u.startswith(url + "/") for u in resources_loaded)
-    assert len(posts) == 3
+    assert len(posts) == 5
     for headers in posts:  # what the server's guard requires of a page (issue 33)
         assert headers["content-type"] == "application/json"
         assert headers["authorization"] == f"Bearer {KEY}"
