@@ -413,12 +413,11 @@ def hf_kind(kind: Any) -> Any:
 
 def _same_as_transformers(tok: Tokenizer, hf: Any, ids: list[int], name: str) -> None:
     for skip in (True, False):
+        pieces, rest = _streamed(tok, ids, skip=skip)
         want = hf.decode(ids, skip_special_tokens=skip)
-        assert (
-            "".join(_streamed(tok, ids, skip=skip)[0]) + _streamed(tok, ids, skip=skip)[1]
-            == tok.decode(ids, skip_special_tokens=skip)
-            == want
-        ), (name, skip, ids)
+        assert "".join(pieces) + rest == tok.decode(ids, skip_special_tokens=skip) == want, (
+            name, skip, ids,
+        )  # fmt: skip
 
 
 @pytest.mark.oracle
