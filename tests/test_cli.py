@@ -364,7 +364,8 @@ def test_generate_says_what_runs_on_a_terminal(tiny_folder, monkeypatch, capsys)
     out = capsys.readouterr().out
     _check_width(out)
     assert "prefill: 2 tokens in" in out and "decode: 1 token in" in out  # one token, singular
-    assert main(["batch", str(tiny_folder), "--ids", "1,2", "--ids", "3", "--max-tokens", "2"]) == 0
+    args = ["batch", str(tiny_folder), "--ids", "1,2", "--ids", "3", "--max-new-tokens", "2"]
+    assert main(args) == 0
     assert err.getvalue().splitlines()[-1] == "2 requests; prefill and decode ..."
     _check_width(capsys.readouterr().out)
 
@@ -640,3 +641,46 @@ def test_phases_say_every_few_seconds_that_a_phase_still_runs():
                                    for x in lines[1:])  # fmt: skip
     time.sleep(0.15)
     assert err.getvalue().splitlines() == lines  # nothing after the phase ends
+
+
+def test_a_long_step_is_never_silent(tiny_folder, monkeypatch, capsys):
+    """report, generate and batch say every HEARTBEAT seconds that a long step still runs:
+    report on stderr always (a case that takes long), generate and batch on a terminal only
+    (loading, generate's prefill)."""
+    import time
+
+    from portable_llm.cli import generate, output
+
+    monkeypatch.setattr(output, "HEARTBEAT", 0.05)
+    check_case = report.check_case
+
+    def slow_case(bk, case, dtype):
+        time.sleep(0.2)
+        return check_case(bk, case, dtype)
+
+    monkeypatch.setattr(report, "check_case", slow_case)
+    assert main(["report", "--backend", "numpy", "--op", "relu", "--dtype", "float32"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err and all(re.fullmatch(r"report: \.\.\. still checking relu on numpy \(\d s\)", x)
+                       for x in err), err  # fmt: skip
+    load = generate._load
+
+    def slow_load(*args):
+        time.sleep(0.2)
+        return load(*args)
+
+    monkeypatch.setattr(generate, "_load", slow_load)
+    args = ["generate", str(tiny_folder), "--ids", "1,2", "--max-new-tokens", "2", "--threads", "1"]
+    assert main(args) == 0
+    assert "still" not in capsys.readouterr().err  # not a terminal: the result alone
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    assert main(args) == 0
+    text = _unwrap(sys.stderr.getvalue())
+    lines = [line for line in text.splitlines() if "threadpoolctl" not in line]
+    assert lines[0].startswith("loading ") and lines[-1].startswith("loaded in "), lines
+    assert re.fullmatch(r"\.\.\. still loading \(\d s\)", lines[1]), lines

@@ -67,10 +67,11 @@ def run_batch(
     progress = Progress("batch")
     try:
         progress(f"loading {args.path} on {args.backend} ({plural(threads, 'thread')}) ...")
-        model = load(
-            args.path, backend=args.backend, dtype=args.dtype, device=args.device,
-            dequantize=args.dequantize,
-        )  # fmt: skip
+        with progress.still("loading"):
+            model = load(
+                args.path, backend=args.backend, dtype=args.dtype, device=args.device,
+                dequantize=args.dequantize,
+            )  # fmt: skip
         tok = model.tokenizer
         if args.prompt and tok is None:
             raise ValueError(f"{args.path} has no tokenizer.json: a text --prompt needs one")

@@ -4,6 +4,7 @@ continuation of a prompt, then say why it stopped and how fast it ran."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -63,10 +64,8 @@ def run_generate(
     by commas. On a terminal, stderr says what runs before the first token (loading, prefill).
     A usage error goes to ``usage.error`` (exit 2), or raises :class:`UsageError` without one.
     """
-    from portable_llm.checkpoint.loader import load
     from portable_llm.generation.generate import generate
     from portable_llm.generation.speculative import SpeculativeStats, speculative_generate
-    from portable_llm.partition.engine import launch_groups
 
     out = out if out is not None else sys.stdout
     ids = getattr(args, "ids", None)
@@ -84,20 +83,10 @@ def run_generate(
     try:
         progress(f"loading {args.path} on {args.backend} ({plural(threads, 'thread')}) ...")
         start = time.perf_counter()
-        groups, main = launch_groups(
-            args.backend,
-            tensor_parallel=getattr(args, "tensor_parallel", 1),
-            pipeline_parallel=getattr(args, "pipeline_parallel", 1),
-        )
+        with progress.still("loading"):
+            groups, main, model, draft = _load(args, draft_path)
         if not main:  # every rank generates; rank 0 prints
             out = open(os.devnull, "w")  # noqa: SIM115
-        model = load(
-            args.path, backend=args.backend, dtype=args.dtype, device=args.device,
-            dequantize=getattr(args, "dequantize", "auto"), **groups,
-        )  # fmt: skip
-        draft = None
-        if draft_path is not None:
-            draft = load(draft_path, backend=args.backend, dtype=args.dtype, device=args.device)
         loaded = time.perf_counter() - start
         prompt: Any = ids
         if ids is None:
@@ -121,8 +110,10 @@ def run_generate(
             gen = speculative_generate(model, draft, prompt, num_draft_tokens=k, **options)
         progress(f"loaded in {loaded:.2f} s; prefill ...")
         one = draft is None and not groups and one_thread_decode(args.threads, model)
-        pieces = model.tokenizer.stream(gen) if args.chat else gen  # the chat prompt is ids
-        for i, piece in enumerate(pieces):
+        pieces = iter(model.tokenizer.stream(gen) if args.chat else gen)  # chat prompt: ids
+        with progress.still("prefill"):  # until the first token
+            first = [*itertools.islice(pieces, 1)]
+        for i, piece in enumerate(itertools.chain(first, pieces)):
             if i == 0 and one:  # the prompt is read: decode on one torch thread (see there)
                 _torch_threads(1)
             text = piece if ids is None else f"{',' if i else ''}{piece}"
@@ -152,6 +143,27 @@ def run_generate(
     for line in lines:
         print(wrap(line), file=out)
     return 0
+
+
+def _load(args: argparse.Namespace, draft_path: str | None) -> tuple[dict, bool, Any, Any]:
+    """The partition groups, whether this rank prints, the model and the ``--draft`` (or
+    ``None``), as ``--tensor-parallel``/``--pipeline-parallel`` and the checkpoint flags say."""
+    from portable_llm.checkpoint.loader import load
+    from portable_llm.partition.engine import launch_groups
+
+    groups, main = launch_groups(
+        args.backend,
+        tensor_parallel=getattr(args, "tensor_parallel", 1),
+        pipeline_parallel=getattr(args, "pipeline_parallel", 1),
+    )
+    model = load(
+        args.path, backend=args.backend, dtype=args.dtype, device=args.device,
+        dequantize=getattr(args, "dequantize", "auto"), **groups,
+    )  # fmt: skip
+    draft = None
+    if draft_path is not None:
+        draft = load(draft_path, backend=args.backend, dtype=args.dtype, device=args.device)
+    return groups, main, model, draft
 
 
 def _why_stopped(model: Any, stats: Any, max_new_tokens: int) -> str:

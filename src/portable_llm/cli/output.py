@@ -9,13 +9,14 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TextIO
 
 from portable_llm.checkpoint.hub import is_repo_id
 
 __all__ = [
+    "HEARTBEAT",
     "WIDTH",
     "Phases",
     "Progress",
@@ -23,6 +24,7 @@ __all__ = [
     "UsageError",
     "check_usage",
     "error",
+    "heartbeat",
     "path_errors",
     "plural",
     "wrap",
@@ -30,6 +32,8 @@ __all__ = [
 
 #: Every line the command prints fits this many columns (longer text is wrapped or shortened).
 WIDTH = 100
+#: Seconds between the lines that say a long step still runs (:func:`heartbeat`).
+HEARTBEAT = 10.0
 
 
 class UsageError(ValueError):
@@ -99,6 +103,34 @@ class Progress:
         if self.on:
             print(wrap(message), file=self.file, flush=True)
 
+    def still(self, message: str) -> AbstractContextManager[None]:
+        """Where a terminal watches: ``... still MESSAGE (N s)`` every :data:`HEARTBEAT` seconds
+        until the block ends (:func:`heartbeat`); elsewhere nothing."""
+        return heartbeat(self, message) if self.on else nullcontext()
+
+
+@contextmanager
+def heartbeat(
+    say: Callable[[str], None], message: str, every: float | None = None
+) -> Iterator[None]:
+    """``say("... still MESSAGE (N s)")`` every ``every`` seconds (default :data:`HEARTBEAT`)
+    until the block ends, from a daemon thread that the block's end stops: a long step is never
+    silent for longer."""
+    every = HEARTBEAT if every is None else every
+    stop, start = threading.Event(), time.perf_counter()
+
+    def beat() -> None:
+        while not stop.wait(every):
+            say(f"... still {message} ({time.perf_counter() - start:.0f} s)")
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
 
 class Phases:
     """Lines on stderr (always: a long measurement is watched in logs too) that say which phase
@@ -106,7 +138,9 @@ class Phases:
     command is never silent for longer: ``bench: torch: loading portable_llm ...``, then
     ``bench: ... still loading portable_llm (10 s)``."""
 
-    def __init__(self, command: str, file: TextIO | None = None, every: float = 10.0) -> None:
+    def __init__(
+        self, command: str, file: TextIO | None = None, every: float | None = None
+    ) -> None:
         self.command = command
         self.file = file
         self.every = every
@@ -117,23 +151,13 @@ class Phases:
         print(wrap(f"{self.command}: {message}"), file=out, flush=True)
 
     @contextmanager
-    def __call__(self, message: str) -> Iterator[None]:
-        """Say ``message ...`` now, and ``... still message (N s)`` every ``every`` seconds
-        until the block ends (from a daemon thread that the block's end stops)."""
-        self.say(f"{message} ...")
-        stop, start = threading.Event(), time.perf_counter()
-
-        def beat() -> None:
-            while not stop.wait(self.every):
-                self.say(f"... still {message} ({time.perf_counter() - start:.0f} s)")
-
-        thread = threading.Thread(target=beat, daemon=True)
-        thread.start()
-        try:
+    def __call__(self, message: str, *, announce: bool = True) -> Iterator[None]:
+        """Say ``message ...`` now (unless not ``announce``), and ``... still message (N s)``
+        every ``every`` seconds until the block ends (:func:`heartbeat`)."""
+        if announce:
+            self.say(f"{message} ...")
+        with heartbeat(self.say, message, self.every):
             yield
-        finally:
-            stop.set()
-            thread.join()
 
 
 class Table:

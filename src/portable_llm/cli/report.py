@@ -50,7 +50,7 @@ from portable_llm.backends import (
 )
 from portable_llm.caches.kv import KVCache
 from portable_llm.cli.options import backend_name
-from portable_llm.cli.output import Table, UsageError, wrap
+from portable_llm.cli.output import Phases, Table, UsageError, wrap
 from portable_llm.core.arrays import asarray, to_numpy
 from portable_llm.core.dispatch import TraceEntry, dispatcher, replay, trace
 from portable_llm.decoder.layer_weights import Packed, QLinear, bind_weight
@@ -879,11 +879,12 @@ def run_report(
         rows: list[Row] = []
         for case in cases:
             done = len(rows)
-            for dtype in run:
-                for row in check_case(bk, case, dtype):
-                    if verbose:
-                        print(table.row(_cells(row)), file=out, flush=True)
-                    rows.append(row)
+            with Phases("report")(f"checking {case.name} on {name}", announce=False):
+                for dtype in run:
+                    for row in check_case(bk, case, dtype):
+                        if verbose:
+                            print(table.row(_cells(row)), file=out, flush=True)
+                        rows.append(row)
             if not verbose and rows[done:]:
                 print(table.row(_summary_cells(rows[done:])), file=out, flush=True)
         print(file=out)
