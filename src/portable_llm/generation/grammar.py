@@ -33,6 +33,7 @@ import numpy as np
 
 from portable_llm.backends import backend_of
 from portable_llm.core.types import Array
+from portable_llm.extras import install_hint
 
 __all__ = [
     "ENGINES",
@@ -145,7 +146,7 @@ def grammar_engine(
             made[key] = engine
             return engine
     raise ImportError(
-        "constrained decoding needs a grammar engine: pip install 'portable-llm[serve]' "
+        f"constrained decoding needs a grammar engine: {install_hint('serve')} "
         f"(llguidance); tried {'; '.join(failures)}"
     )
 
