@@ -25,7 +25,7 @@ openai = pytest.importorskip("openai", reason="the openai client is not installe
 import portable_llm as pl  # noqa: E402
 from portable_llm.serve import create_app  # noqa: E402
 from portable_llm.testing.checkpoints import tiny_config, write_checkpoint, write_tokenizer  # noqa: E402
-from test_serve import serving  # noqa: E402
+from test_serve import _idle, serving  # noqa: E402
 
 KEY = "test-key"
 IDS = [5, 17, 42, 17, 99, 5, 3, 61]
@@ -188,3 +188,22 @@ def test_out_of_range_values_are_400s_naming_the_field(client, fields, param):
     assert err.value.status_code == 400
     body = err.value.body
     assert body["param"] == param and param in body["message"]
+
+
+def test_n_choices_with_logprobs_and_stop_strings(client, model):
+    free = [ch.text for ch in client.completions.create(
+        model="tiny", prompt=IDS, max_tokens=12, n=3, temperature=1.5, seed=3).choices]  # fmt: skip
+    stop = next(ch for ch in free[0][2:] if ch.strip())  # a character choice 0 draws
+    c = client.completions.create(model="tiny", prompt=IDS, max_tokens=12, n=3, temperature=1.5,
+                                  seed=3, stop=[stop], logprobs=2)  # fmt: skip
+    for ch in c.choices:
+        assert stop not in ch.text
+        assert len(ch.logprobs.tokens) == len(ch.logprobs.token_logprobs) >= 1
+        assert all(1 <= len(top) <= 2 for top in ch.logprobs.top_logprobs)  # pieces may repeat
+    # choice 0 draws as before up to its stop string (the choices share the seeded sampler, so
+    # the others draw differently once it left)
+    assert c.choices[0].finish_reason == "stop"
+    assert free[0].startswith(c.choices[0].text) and len(c.choices[0].text) < len(free[0])
+    # a choice stopped by its string is dropped alone: the others ran on, and every page is back
+    h = _idle(str(client.base_url).removesuffix("/v1/"))
+    assert h["running"] == 0 and h["free_pages"] + h["cached_pages"] == h["pool_pages"]
