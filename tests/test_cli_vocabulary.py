@@ -183,3 +183,13 @@ def test_install_hints_work_from_a_clone():
         "pip install -c constraints.txt -e '.[serve]' (in a clone of portable_llm)"
     )
     assert install_hint() == "pip install -c constraints.txt -e . (in a clone of portable_llm)"
+
+
+def test_no_install_hint_names_a_package_index_install():
+    """``pip install 'portable-llm[...]'`` cannot work (the package is not on an index): every
+    hint in the package comes from install_hint."""
+    src = Path(__file__).parents[1] / "src" / "portable_llm"
+    found = [f"{p.relative_to(src)}:{i}" for p in sorted(src.rglob("*.py"))
+             for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+             if "portable-llm[" in line]  # fmt: skip
+    assert found == []

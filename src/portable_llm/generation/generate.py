@@ -159,7 +159,7 @@ def generate(
         grammar are ``-inf`` before the sampler, so the text is valid JSON under the schema
         once it stops (at the grammar's end only a stop token is allowed); ``max_new_tokens``
         may still cut it short (``finish_reason == "length"``). Needs the tokenizer, a stop
-        token and a grammar engine (``pip install 'portable-llm[serve]'``: llguidance).
+        token and a grammar engine (llguidance, in the ``serve`` extra).
 
     Every argument is checked here, when ``generate`` is called, before the model runs
     (integers may be Python or NumPy integers, never ``bool``): a bad one is a ``TypeError``

@@ -10,7 +10,7 @@ the ids allowed next (a mask over the vocabulary) and then accepts the token dra
 Once the grammar is complete only the stop ids remain allowed, so the request ends there.
 
 Engines are registered by name (:func:`register_grammar_engine`), as vLLM's structured-output
-backends: ``llguidance`` (the default; ``pip install 'portable-llm[serve]'``) and ``xgrammar``
+backends: ``llguidance`` (the default; in the ``serve`` extra) and ``xgrammar``
 (used where installed and asked for by name). JSON is written compactly (``", "`` and ``": "``
 separators, no other whitespace): a model cannot stall in whitespace, and the output is what
 ``json.dumps`` writes.
