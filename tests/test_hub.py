@@ -6,6 +6,7 @@ downloaded; a name not in the cache is one clear error; the containment rule hol
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 from pathlib import Path
@@ -284,6 +285,27 @@ def test_snapshots_linked_out_of_the_cache_are_refused(
     assert (repo / "snapshots" / MAIN / "config.json").is_file()  # it does lead out
     with pytest.raises(CheckpointError, match="leads out of the Hub cache"):
         pl.load("org/tiny")
+
+
+def test_nothing_outside_the_cache_is_read(cache: Path, folders: dict[str, Path]) -> None:
+    """huggingface_hub's offline lookup also reads ``trees/<commit>.json`` wherever its
+    symlink leads (to its end: ``/dev/zero`` ran out of memory there too); the lookup is ours,
+    and reads only the ref. Here the file outside lists a file the snapshot lacks, which
+    huggingface_hub refuses as an incomplete snapshot."""
+    _cache_repo(cache, "org/tiny", MAIN, _files(folders["main"]))
+    _set_ref(cache, "org/tiny", "main", MAIN)
+    outside = cache.parent.parent / "tree.json"
+    files = {"absent.bin": {"size": 1, "blob_id": "0" * 40}}
+    outside.write_text(json.dumps({"format_version": 1, "files": files}))
+    trees = cache / "models--org--tiny" / "trees"
+    trees.mkdir()
+    (trees / f"{MAIN}.json").symlink_to(outside)
+    np.testing.assert_array_equal(_logits(pl.load("org/tiny")), _logits(pl.load(folders["main"])))
+
+
+def test_an_id_with_the_cache_separator_is_refused(cache: Path) -> None:
+    with pytest.raises(ValueError, match="'a--b/c' is not a Hub repository id: it holds '--'"):
+        pl.load("a--b/c")
 
 
 def _blob(data: bytes) -> str:

@@ -157,11 +157,18 @@ def resolve_checkpoint(
 
 
 def _snapshot(repo_id: str, revision: str | None) -> Path:
-    """The cached snapshot folder of ``repo_id`` at ``revision`` (never downloaded)."""
+    """The cached snapshot folder of ``repo_id`` at ``revision`` (never downloaded).
+
+    The lookup is huggingface_hub's offline one (``refs/<revision>`` names the commit, the
+    snapshot is ``snapshots/<commit>``), done here under the rules of this module:
+    ``snapshot_download(local_files_only=True)`` reads a ref, and its ``trees/<commit>.json``,
+    wherever their symlinks lead and to their end."""
     if revision is not None:
         check_revision(revision)
+    if "--" in repo_id:  # the cache's separator: 'a--b/c' and 'a/b--c' share a folder
+        raise ValueError(f"load: {repo_id!r} is not a Hub repository id: it holds '--'")
     try:
-        from huggingface_hub import snapshot_download
+        import huggingface_hub  # noqa: F401  (hub_cache: where the cache is)
     except ImportError as exc:
         raise ValueError(
             f"load: {repo_id!r} is not a local path; Hub names need huggingface_hub: "
@@ -172,13 +179,8 @@ def _snapshot(repo_id: str, revision: str | None) -> Path:
     root = _resolved(cache, "the Hub cache", None)
     repo = cache / ("models--" + repo_id.replace("/", "--"))
     commit = _commit(repo, revision or "main", root)
-    try:
-        if commit is None:
-            raise FileNotFoundError
-        found = Path(
-            snapshot_download(repo_id, revision=commit, cache_dir=cache, local_files_only=True)
-        )
-    except FileNotFoundError:  # no ref; huggingface_hub's LocalEntryNotFoundError
+    found = repo / "snapshots" / (commit or "")
+    if commit is None or not found.is_dir():
         how = (
             "HF_HUB_OFFLINE is set, and pl.load never downloads"
             if _offline()
@@ -188,8 +190,6 @@ def _snapshot(repo_id: str, revision: str | None) -> Path:
             f"load: {repo_id!r} is neither a local path nor a Hub repository in the cache "
             f"{str(cache)!r}{at} ({how})"
         ) from None
-    except ValueError as exc:  # HFValidationError: a malformed id
-        raise ValueError(f"load: {repo_id!r}{at}: {exc}") from None
     snapshots = _resolved(repo / "snapshots", "the snapshots folder", root)
     if _resolved(found, "the snapshot", root).parent != snapshots:
         raise CheckpointError(
