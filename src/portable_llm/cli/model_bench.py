@@ -323,7 +323,7 @@ def run_model_bench(
     ids = np.random.default_rng(0).integers(0, min(vocab, 1000), size=(1, PREFILL))
 
     def run(engine: str, name: str, dt: str, make: Callable[[], tuple[float, Runner]]) -> None:
-        # each row is printed as soon as its engine has run (about a minute per engine)
+        # each row is printed as soon as its engine has run; stderr says each phase
         if not rows:
             print(table.header(), file=out, flush=True)
         rows.append(_row(engine, name, dt, make, decode, ids, phases))
