@@ -364,5 +364,17 @@ def test_unsupported_schema_is_400(client: Any) -> None:
     import openai
 
     fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"not": {}}}}
-    with pytest.raises(openai.BadRequestError, match="is not supported by llguidance"):
+    with pytest.raises(openai.BadRequestError, match="is not supported by llguidance") as err:
         client.chat.completions.create(model="tiny", messages=ASK, response_format=fmt)
+    assert err.value.body["param"] == "response_format"
+    odd = [{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}]
+    with pytest.raises(openai.BadRequestError, match="is not supported by llguidance") as err:
+        client.chat.completions.create(
+            model="tiny", messages=ASK, tools=odd, tool_choice="required"
+        )
+    assert err.value.body["param"] == "tool_choice"
+    with pytest.raises(openai.BadRequestError, match="needs a stop token") as err:
+        client.chat.completions.create(
+            model="tiny", messages=ASK, response_format=FORMAT, extra_body={"ignore_eos": True}
+        )
+    assert err.value.body["param"] == "response_format"

@@ -46,7 +46,13 @@ from portable_llm.serve.metrics import ServeMetrics
 from portable_llm.serve.page import chat_page
 from portable_llm.serve.protocol import APIError, Sampling, error_body, read_chat, read_completion
 from portable_llm.serve.text import TextOut
-from portable_llm.serve.tools import ToolAnswer, answer_parser, read_structure, template_messages
+from portable_llm.serve.tools import (
+    ToolAnswer,
+    answer_parser,
+    compile_grammar,
+    read_structure,
+    template_messages,
+)
 
 __all__ = ["create_app"]
 
@@ -264,6 +270,10 @@ async def _generate(served: _Served, request: Request, *, chat: bool) -> Respons
     )
     job = _job(served, sampling, prompt)
     job.response_format = structure.grammar(parser)
+    if job.response_format is not None:  # compiled here, not on the engine thread
+        await loop.run_in_executor(
+            served.prompts, compile_grammar, model, job.response_format, job.stop, structure
+        )
     if engine.in_flight >= served.max_batch + served.max_queue:
         raise APIError(
             f"{engine.in_flight} requests are running or waiting (--max-batch "
