@@ -169,27 +169,10 @@ def apply_penalties(
     )
     check_float(op, "logits", logits, bk)
     check_ndim(op, "logits", logits, 1, "B.. x V")
-    shape = tuple(logits.shape)
-    rows, V = shape[:-1], shape[-1]
-    xp = bk.xp
-    for name, arr, kinds in (("counts", counts, "iuf"), ("prompt_mask", prompt_mask, "b"),
-                             ("logit_bias", logit_bias, "f"), ("banned", banned, "b")):  # fmt: skip
-        if arr is None:
-            continue
-        if name == "counts" or name == "prompt_mask":
-            ok = tuple(arr.shape) == shape
-        else:
-            ok = tuple(arr.shape) in (shape, (V,))
-        if not ok:
-            want = f"{shape}" if name in ("counts", "prompt_mask") else f"{shape} or ({V},)"
-            raise ValueError(
-                f"{op}: {name} must have shape {want} (logits' shape), got {tuple(arr.shape)}"
-            )
-        if _kind(bk, arr) not in kinds:
-            raise TypeError(
-                f"{op}: {name} must have a {_KIND_NAMES[kinds]} dtype, got "
-                f"{bk.dtype_name(arr.dtype)}"
-            )
+    arrays = {"counts": counts, "prompt_mask": prompt_mask, "logit_bias": logit_bias,
+              "banned": banned}  # fmt: skip
+    _check_arrays(op, bk, tuple(logits.shape), arrays)
+    rows, xp = tuple(logits.shape[:-1]), bk.xp
     per_row = [
         _row_option(op, name, value, neutral, bk, rows, logits)
         for name, value, neutral in zip(_ROW_OPTIONS, options, (0, 0, 1), strict=True)
@@ -199,6 +182,29 @@ def apply_penalties(
 
 
 _KIND_NAMES = {"iuf": "integer or float", "b": "bool", "f": "float"}
+#: Each array argument: its dtype kinds, and whether one row ``(V,)`` for every row is taken.
+_ARRAYS = {"counts": ("iuf", False), "prompt_mask": ("b", False), "logit_bias": ("f", True),
+           "banned": ("b", True)}  # fmt: skip
+
+
+def _check_arrays(op: str, bk: Backend, shape: tuple[int, ...], arrays: dict[str, Any]) -> None:
+    """Each array of :func:`apply_penalties` (``None`` skipped): the logits' ``shape`` (or
+    ``(V,)`` where one row serves all), a dtype of its kind."""
+    V = shape[-1]
+    for name, arr in arrays.items():
+        if arr is None:
+            continue
+        kinds, one_row = _ARRAYS[name]
+        if tuple(arr.shape) != shape and not (one_row and tuple(arr.shape) == (V,)):
+            want = f"{shape} or ({V},)" if one_row else f"{shape}"
+            raise ValueError(
+                f"{op}: {name} must have shape {want} (logits' shape), got {tuple(arr.shape)}"
+            )
+        if _kind(bk, arr) not in kinds:
+            raise TypeError(
+                f"{op}: {name} must have a {_KIND_NAMES[kinds]} dtype, got "
+                f"{bk.dtype_name(arr.dtype)}"
+            )
 
 
 def _kind(bk: Backend, arr: Array) -> str:
