@@ -25,7 +25,7 @@ openai = pytest.importorskip("openai", reason="the openai client is not installe
 import portable_llm as pl  # noqa: E402
 from portable_llm.serve import create_app  # noqa: E402
 from portable_llm.testing.checkpoints import tiny_config, write_checkpoint, write_tokenizer  # noqa: E402
-from test_serve import _idle, serving  # noqa: E402
+from test_serve import _health, _idle, serving  # noqa: E402
 
 KEY = "test-key"
 IDS = [5, 17, 42, 17, 99, 5, 3, 61]
@@ -207,3 +207,12 @@ def test_n_choices_with_logprobs_and_stop_strings(client, model):
     # a choice stopped by its string is dropped alone: the others ran on, and every page is back
     h = _idle(str(client.base_url).removesuffix("/v1/"))
     assert h["running"] == 0 and h["free_pages"] + h["cached_pages"] == h["pool_pages"]
+
+
+def test_health_counts_a_request_of_n_once(client):
+    url = str(client.base_url).removesuffix("/v1/")
+    stream = _complete(client, max_tokens=200, n=4, stream=True)
+    next(iter(stream))  # its four sequences decode
+    assert _health(url)["running"] == 1
+    stream.close()
+    assert _idle(url)["running"] == 0

@@ -260,7 +260,7 @@ class Engine:
             cached, self._counted = cache.num_idle, now
         free = min((p.num_free for p in gen.pools), default=0)  # no pools: a model without pages
         self._health = {
-            "running": len(self._jobs),
+            "running": len({id(job) for job in self._jobs.values()}),  # jobs, not sequences
             "free_pages": free,
             "cached_pages": cached,
             "pool_pages": min((p.num_pages for p in gen.pools), default=0),
