@@ -328,7 +328,37 @@ def test_bad_fields(client: Any, fields: dict, param: str) -> None:
     assert err.value.body["param"] == param, err.value.body
 
 
-def test_tools_without_a_template_format(tmp_path) -> None:
+def test_pythonic_tools_are_auto_only(tmp_path: Any) -> None:
+    """A template whose calls are Python (Llama 4's): ``auto`` works, a forced call is a 400
+    naming ``tool_choice`` (no JSON grammar can force it)."""
+    pytest.importorskip("starlette")
+    openai = pytest.importorskip("openai")
+    from portable_llm.serve import create_app
+    from test_serve import serving
+
+    cfg = tiny_config("llama", max_position_embeddings=2048)
+    write_checkpoint(tmp_path, cfg, seed=1)
+    write_tokenizer(tmp_path, vocab_size=cfg["vocab_size"])
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{% if tools %}Call them as [func_name1(params_name1=params_value1)]{% endif %}"
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    m = pl.load(tmp_path, backend="numpy", dtype="float32")
+    with serving(create_app(m, model_name="t")) as url:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        r = c.chat.completions.create(model="t", messages=ASK, tools=TOOLS, max_tokens=2)
+        assert r.choices[0].finish_reason in ("stop", "length")
+        with pytest.raises(openai.BadRequestError, match="cannot be constrained") as err:
+            c.chat.completions.create(
+                model="t", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=2
+            )
+        assert err.value.body["param"] == "tool_choice"
+
+
+def test_tools_without_a_template_format(tmp_path: Any) -> None:
     """A chat template that writes no tool-call format: ``tools`` is a 400 naming it."""
     pytest.importorskip("starlette")
     openai = pytest.importorskip("openai")

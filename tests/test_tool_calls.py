@@ -63,6 +63,18 @@ CASES = [
     # JSON that is not a call, or a call after text, is Llama 3's plain answer
     ("llama3_json", '{"answer": 4}', '{"answer": 4}', []),
     ("llama3_json", 'I would call {"name": "time", "parameters": {}}', None, []),
+    (
+        "pythonic",
+        '<|python_start|>[weather(city="Paris", days=3), time()]<|python_end|>',
+        None,
+        [("weather", WEATHER), ("time", {})],
+    ),
+    ("pythonic", '[weather(city="Paris", days=3)]', None, [("weather", WEATHER)]),
+    # not literals, positional arguments, not a list: plain text (nothing is evaluated)
+    ("pythonic", "[weather(city=open('/etc/passwd'))]", None, []),
+    ("pythonic", '[weather("Paris")]', None, []),
+    ("pythonic", "[1, 2, 3]", None, []),
+    ("pythonic", "Sure: [weather(days=3)]", None, []),
 ]
 
 
@@ -123,6 +135,8 @@ def test_choice_from_template() -> None:
     assert isinstance(tool_parser_for(mistral), TOOL_PARSERS["mistral"])
     llama = "{{- '<|python_tag|>' + tool_call.name }}"
     assert isinstance(tool_parser_for(llama), TOOL_PARSERS["llama3_json"])
+    llama4 = "put it in the format of [func_name1(params_name1=params_value1), func_name2(...)]"
+    assert isinstance(tool_parser_for(llama4), TOOL_PARSERS["pythonic"])
     assert tool_parser_for(CHAT_TEMPLATES["loops"]) is None
     assert tool_parser_for(None) is None
 
@@ -144,7 +158,7 @@ def test_registry() -> None:
         register_tool_parser(ToolParser)
 
 
-@pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
+@pytest.mark.parametrize("name", sorted(n for n, p in TOOL_PARSERS.items() if p.constrainable))
 def test_call_schema_names_the_tools(name: str) -> None:
     """One call's schema pins the name and takes the tool's parameters as its arguments."""
     jsonschema = pytest.importorskip("jsonschema")

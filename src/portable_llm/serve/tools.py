@@ -269,4 +269,11 @@ def answer_parser(tokenizer: Any, structure: Structure) -> ToolParser | None:
             f"(one of {sorted(TOOL_PARSERS)})",
             "unsupported",
         )
+    if structure.choice != "auto" and not parser.constrainable:
+        raise _bad(
+            "tool_choice",
+            f"only 'auto' or 'none' for this model: its tool calls ({parser.name}) are not "
+            "JSON, so they cannot be constrained",
+            "unsupported",
+        )
     return parser

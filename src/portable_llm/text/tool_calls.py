@@ -9,6 +9,9 @@ parser                  the model writes
                         call (Qwen2.5, Qwen3, Hermes 2/3, SmolLM3)
 ``mistral``             ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``, or
                         ``[TOOL_CALLS]name[ARGS]{...}`` (the tokenizers of 2025)
+``pythonic``            ``[name(key=value, ...), ...]`` as the whole answer, possibly between
+                        ``<|python_start|>`` and ``<|python_end|>`` (Llama 4; read with
+                        ``ast.literal_eval``, nothing is run)
 ``llama3_json``         ``{"name": ..., "parameters": {...}}`` as the whole answer, calls joined
                         by ``;``, possibly after ``<|python_tag|>`` (Llama 3.1, 3.2, 3.3)
 ======================  ==========================================================================
@@ -25,6 +28,7 @@ calls is text (nothing is lost). :meth:`ToolParser.call_schema` and the parser's
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
@@ -92,6 +96,9 @@ class ToolParser:
         The format's markers are special tokens, so the output must be decoded with them kept.
     prefix, suffix : str
         Around one call's JSON (:meth:`call_schema`) in constrained decoding.
+    constrainable : bool
+        Whether one call is JSON between ``prefix`` and ``suffix``, so that constrained
+        decoding can force it (``False``: ``tool_choice`` ``"required"`` or named is refused).
     """
 
     name: ClassVar[str] = ""
@@ -102,6 +109,7 @@ class ToolParser:
     prefix: ClassVar[str] = ""
     suffix: ClassVar[str] = ""
     arguments_key: ClassVar[str] = "arguments"
+    constrainable: ClassVar[bool] = True
 
     def calls(self, text: str) -> tuple[list[ToolCall], bool]:
         """The complete calls at the front of ``text`` (the output from its first ``start`` on)
@@ -265,7 +273,53 @@ def register_tool_parser(parser: type[ToolParser]) -> type[ToolParser]:
     return parser
 
 
-for _parser in (HermesParser, MistralParser, Llama3JsonParser):
+class PythonicParser(ToolParser):
+    """``[get_weather(city="Paris", days=3), now()]`` as the whole answer, possibly between
+    ``<|python_start|>`` and ``<|python_end|>`` (Llama 4, Llama 3.2's pythonic templates).
+
+    Read with :func:`ast.parse` and :func:`ast.literal_eval` (literals only: nothing is run).
+    Not JSON, so no grammar: ``tool_choice`` ``"required"`` or named is refused for it.
+    """
+
+    name = "pythonic"
+    markers = ("[func_name1(",)
+    start = ("<|python_start|>", "[")
+    at_start_only = True
+    constrainable = False
+
+    def calls(self, text: str) -> tuple[list[ToolCall], bool]:
+        body = text.strip().removeprefix("<|python_start|>").removesuffix("<|python_end|>")
+        try:
+            tree = ast.parse(body.strip(), mode="eval").body
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            return [], False
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return [], False
+        out = []
+        for node in tree.elts:
+            call = _pythonic_call(node)
+            if call is None:
+                return [], False
+            out.append(call)
+        return out, True
+
+
+def _pythonic_call(node: ast.expr) -> ToolCall | None:
+    """``name(key=literal, ...)`` as a call; ``None`` for anything else."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)) or node.args:
+        return None
+    args = {}
+    for kw in node.keywords:
+        if kw.arg is None:
+            return None
+        try:
+            args[kw.arg] = ast.literal_eval(kw.value)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            return None
+    return _call({"name": node.func.id, "arguments": args})
+
+
+for _parser in (HermesParser, MistralParser, PythonicParser, Llama3JsonParser):
     register_tool_parser(_parser)
 
 
