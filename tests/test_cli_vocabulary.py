@@ -163,6 +163,10 @@ def test_dequantize_rejects_other_words(capsys):
         main(["serve", "m", "--dequantize", "maybe"])
     assert exc.value.code == 2
     assert "--dequantize: expected auto, yes or no, got 'maybe'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a bare --dequantize before the path takes the path
+        main(["serve", "--dequantize", __file__])
+    err = " ".join(capsys.readouterr().err.split())  # unwrapped
+    assert "(the checkpoint? put it first, or write --dequantize=yes)" in err
 
 
 def _extras() -> dict[str, set[str]]:

@@ -291,7 +291,10 @@ def dequantize_choice(text: str) -> bool | str:
     ``True`` or ``False`` (an argparse type: a bad value is a usage error)."""
     choices: dict[str, bool | str] = {"auto": "auto", "yes": True, "no": False}
     if text not in choices:
-        raise argparse.ArgumentTypeError(f"expected auto, yes or no, got {text!r}")
+        # A bare --dequantize before the checkpoint takes the path as its value.
+        path = " (the checkpoint? put it first, or write --dequantize=yes)"
+        where = path if os.path.exists(text) else ""
+        raise argparse.ArgumentTypeError(f"expected auto, yes or no, got {text!r}{where}")
     return choices[text]
 
 
