@@ -197,3 +197,39 @@ def test_no_install_hint_names_a_package_index_install():
              for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
              if "portable-llm[" in line]  # fmt: skip
     assert found == []
+
+
+def test_serve_hands_the_shared_flags_to_load_and_the_app(monkeypatch):
+    """serve's --max-new-tokens, --prefill-step-size, --max-batch and --dequantize reach the
+    same places as batch's: the request default, the batch generator, pl.load."""
+    uvicorn = pytest.importorskip("uvicorn")
+    pytest.importorskip("starlette")
+    import portable_llm.checkpoint.loader as loader
+    import portable_llm.serve as serve_package
+
+    seen: dict[str, dict[str, object]] = {}
+
+    class Server:
+        started = True
+
+        def __init__(self, config: object) -> None:
+            pass
+
+        def run(self, sockets: object) -> None:
+            pass
+
+    monkeypatch.setattr(loader, "load", lambda path, **kw: seen.update(load=kw) or object())
+    monkeypatch.setattr(serve_package, "create_app", lambda m, **kw: seen.update(app=kw))
+    monkeypatch.setattr(uvicorn, "Config", lambda app, **kw: None)
+    monkeypatch.setattr(uvicorn, "Server", Server)
+    flags = ["--max-new-tokens", "7", "--prefill-step-size", "3", "--max-batch", "2"]
+    assert main(["serve", "m", "--host", "127.0.0.1", "--port", "0", *flags,
+                 "--dequantize", "no"]) == 0  # fmt: skip
+    assert seen["load"]["dequantize"] is False
+    app = seen["app"]
+    assert (app["default_max_tokens"], app["prefill_chunk"], app["max_batch"]) == (7, 3, 2)
+    assert main(["serve", "m", "--port", "0"]) == 0  # the shared defaults
+    assert seen["load"]["dequantize"] == "auto"
+    app = seen["app"]
+    want = (options.MAX_NEW_TOKENS, options.PREFILL_STEP_SIZE, options.MAX_BATCH)
+    assert (app["default_max_tokens"], app["prefill_chunk"], app["max_batch"]) == want
