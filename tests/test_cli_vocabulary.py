@@ -233,3 +233,20 @@ def test_serve_hands_the_shared_flags_to_load_and_the_app(monkeypatch):
     app = seen["app"]
     want = (options.MAX_NEW_TOKENS, options.PREFILL_STEP_SIZE, options.MAX_BATCH)
     assert (app["default_max_tokens"], app["prefill_chunk"], app["max_batch"]) == want
+
+
+@pytest.mark.parametrize("command", ["generate", "batch"])
+def test_dequantize_reaches_load(command, tmp_path, monkeypatch, capsys):
+    import portable_llm.checkpoint.loader as loader
+
+    seen: list[object] = []
+
+    def load(path: object, **kw: object) -> object:
+        seen.append(kw["dequantize"])
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(loader, "load", load)
+    for given, want in ([], "auto"), (["--dequantize"], True), (["--dequantize=no"], False):
+        assert main([command, str(tmp_path), "--ids", "1", *given]) == 1
+        assert seen[-1] == want
+    assert "stop here" in capsys.readouterr().err
