@@ -545,6 +545,7 @@ def _bound(x: Any, w: Any, b: Any) -> Any:
     """``w`` bound as a model binds it, run on ``x`` as the prepared forward runs it; the
     kernel that ran is added to the open trace (a bound call skips the dispatcher)."""
     bk = backend_of(x)
+    assert bk is not None  # the case's arrays are a backend's
     d = dispatcher(bk)
     bound = bind_weight(d, w)
     if isinstance(bound, Packed):
