@@ -663,6 +663,17 @@ def test_a_long_step_is_never_silent(tiny_folder, monkeypatch, capsys):
     err = capsys.readouterr().err.splitlines()
     assert err and all(re.fullmatch(r"report: \.\.\. still checking relu on numpy \(\d s\)", x)
                        for x in err), err  # fmt: skip
+    measure = bench.measure
+
+    def slow_measure(variants, sync, repeat, target, budget=0.0):
+        time.sleep(0.2)
+        return measure(variants, sync, 1, 0.0, 0.0)
+
+    monkeypatch.setattr(bench, "measure", slow_measure)
+    assert main(["bench", "--quick", "--backend", "numpy", "--op", "rms_norm"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err and all(re.fullmatch(r"bench: \.\.\. still timing rms_norm .* on numpy \(\d s\)", x)
+                       for x in err), err  # fmt: skip
     load = generate._load
 
     def slow_load(*args):

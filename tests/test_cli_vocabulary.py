@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -199,13 +200,14 @@ def test_no_install_hint_names_a_package_index_install():
     assert found == []
 
 
-def test_serve_hands_the_shared_flags_to_load_and_the_app(monkeypatch):
+def test_serve_hands_the_shared_flags_to_load_and_the_app(monkeypatch, capsys):
     """serve's --max-new-tokens, --prefill-step-size, --max-batch and --dequantize reach the
     same places as batch's: the request default, the batch generator, pl.load."""
     uvicorn = pytest.importorskip("uvicorn")
     pytest.importorskip("starlette")
     import portable_llm.checkpoint.loader as loader
     import portable_llm.serve as serve_package
+    from portable_llm.cli import output
 
     seen: dict[str, dict[str, object]] = {}
 
@@ -218,7 +220,13 @@ def test_serve_hands_the_shared_flags_to_load_and_the_app(monkeypatch):
         def run(self, sockets: object) -> None:
             pass
 
-    monkeypatch.setattr(loader, "load", lambda path, **kw: seen.update(load=kw) or object())
+    def load(path: object, **kw: object) -> object:
+        time.sleep(0.2)  # a slow load says every HEARTBEAT seconds that it still runs
+        seen["load"] = kw
+        return object()
+
+    monkeypatch.setattr(output, "HEARTBEAT", 0.05)
+    monkeypatch.setattr(loader, "load", load)
     monkeypatch.setattr(serve_package, "create_app", lambda m, **kw: seen.update(app=kw))
     monkeypatch.setattr(uvicorn, "Config", lambda app, **kw: None)
     monkeypatch.setattr(uvicorn, "Server", Server)
@@ -226,6 +234,7 @@ def test_serve_hands_the_shared_flags_to_load_and_the_app(monkeypatch):
     assert main(["serve", "m", "--host", "127.0.0.1", "--port", "0", *flags,
                  "--dequantize", "no"]) == 0  # fmt: skip
     assert seen["load"]["dequantize"] is False
+    assert "portable-llm serve: ... still loading (0 s)" in capsys.readouterr().err
     app = seen["app"]
     assert (app["default_max_tokens"], app["prefill_chunk"], app["max_batch"]) == (7, 3, 2)
     assert main(["serve", "m", "--port", "0"]) == 0  # the shared defaults

@@ -24,7 +24,7 @@ from portable_llm.attn.block import attention
 from portable_llm.attn.sdpa import scaled_dot_product_attention
 from portable_llm.backends import Backend, backend_of
 from portable_llm.caches.kv import KVCache
-from portable_llm.cli.output import Table, UsageError, wrap
+from portable_llm.cli.output import Phases, Table, UsageError, wrap
 from portable_llm.cli.report import backend_names, load_for_dtype
 from portable_llm.ops.activations import softmax
 from portable_llm.ops.linear import linear, mlp
@@ -474,7 +474,8 @@ def run_bench(
             if make is not None:
                 variants["native"] = make(*arrays)
                 kernels[_SHORT.get(case.op, case.op)] = kernel
-            t = measure(variants, sync, repeat, target, budget)
+            with Phases("bench")(f"timing {case.op} {case.label()} on {name}", announce=False):
+                t = measure(variants, sync, repeat, target, budget)
             times = [_time(t.median.get(k)) for k in ("auto", "portable", "native")]
             ratios = [_ratio(t.ratio.get(k)) for k in ("auto", "portable")]
             op = _SHORT.get(case.op, case.op)

@@ -23,7 +23,7 @@ from portable_llm.cli.options import (
     non_negative_int,
     positive_int,
 )
-from portable_llm.cli.output import plural
+from portable_llm.cli.output import Phases, plural
 from portable_llm.extras import install_hint
 
 __all__ = ["add_serve_parser", "listen", "run_serve"]
@@ -167,10 +167,11 @@ def run_serve(args: argparse.Namespace) -> int:
     on = f"{args.backend} ({plural(threads, 'thread')})"
     print(f"portable-llm serve: loading {args.path} on {on}", file=sys.stderr)
     try:
-        model = load(
-            args.path, backend=args.backend, dtype=args.dtype, device=args.device,
-            dequantize=args.dequantize,
-        )  # fmt: skip
+        with Phases("portable-llm serve")("loading", announce=False):  # a line every 10 s
+            model = load(
+                args.path, backend=args.backend, dtype=args.dtype, device=args.device,
+                dequantize=args.dequantize,
+            )  # fmt: skip
     except (FileNotFoundError, ValueError, TypeError, ImportError, OSError) as exc:
         sock.close()
         print(f"portable-llm serve: error: {str(exc)[:2000]}", file=sys.stderr)
