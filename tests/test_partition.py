@@ -90,7 +90,12 @@ def test_plan_stages() -> None:
     ("overrides", "tp", "pp", "match"),
     [
         ({}, 3, 1, "num_attention_heads=4 is not divisible by tensor_parallel=3"),
-        ({"num_attention_heads": 12, "num_key_value_heads": 3}, 4, 1, "num_key_value_heads=3"),
+        (
+            {"num_attention_heads": 12, "num_key_value_heads": 3, "hidden_size": 48},
+            4,
+            1,
+            "num_key_value_heads=3",
+        ),
         ({"intermediate_size": 50}, 4, 1, "intermediate_size=50"),
         ({}, 1, 3, "pipeline_parallel=3 exceeds num_hidden_layers=2"),
     ],

@@ -15,7 +15,7 @@ from typing import Any
 
 from portable_llm.core.checks import check_int, check_real
 from portable_llm.ops.activations import ACTIVATIONS
-from portable_llm.rotary.scaling import ROPE_TYPES, rope_spec
+from portable_llm.rotary.scaling import ROPE_TYPES, check_dims, rope_spec
 
 __all__ = [
     "READ_MODEL_TYPES",
@@ -49,6 +49,10 @@ LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 _DEFAULT_THETA = {"mixtral": 1e6, "gemma3_text": 1e6, "llama4_text": 5e5}
 _DEFAULT_EPS = {"mixtral": 1e-5, "phi3": 1e-5, "llama4_text": 1e-5, "gpt2": 1e-5, "phi": 1e-5}
 _DEFAULT_HEAD_DIM = {"qwen3": 128, "gemma2": 256, "gemma3_text": 256}
+_DEFAULT_MPE = {"gpt2": 1024}  # GPT2Config's n_positions: the rows of its learned positions
+# transformers refuses hidden_size % num_attention_heads != 0 here, head_dim given or not
+# (validate_architecture of Llama, Gemma 2/3; GPT2Attention, which splits E into the heads).
+_WHOLE_HEADS = ("llama", "gemma2", "gemma3_text", "gpt2")
 # Other spellings of HF's names, by family (GPT-2's own; LayerNorm eps names; Gemma's
 # activation): read when the usual name is absent.
 _ALIASES: dict[str, dict[str, str]] = {
@@ -178,7 +182,10 @@ class DecoderConfig:
             lists the supported ones; :func:`check_model_type` refuses the read-only ones), an
             unknown rope type or layer type, a missing or inconsistent size, or a value of the wrong
             type or range (``rms_norm_eps < 0``, a token id that is not an int, a flag that is
-            not a bool, ...).
+            not a bool, ...), or sizes the forward cannot run with (heads that do not split,
+            an odd rotated width, a ``longrope`` factor list of the wrong length, more experts
+            per token than experts, a sliding layer without a window >= 1: see
+            :func:`_check_forward_needs`).
         """
         if not isinstance(d, Mapping):
             raise ValueError(f"config.json: expected an object ({{...}}), got {type(d).__name__}")
@@ -192,17 +199,9 @@ class DecoderConfig:
             _int(d, key, required=True)
         E, n, H = d["hidden_size"], d["num_hidden_layers"], d["num_attention_heads"]
         H_kv = _int(d, "num_key_value_heads") or H
-        if H % H_kv:
-            raise ValueError(
-                f"config.json: num_attention_heads={H} is not a multiple of "
-                f"num_key_value_heads={H_kv}"
-            )
-        head_dim = _int(d, "head_dim") or _DEFAULT_HEAD_DIM.get(mt) or E // H
-        if head_dim < 1:
-            raise ValueError(
-                f"config.json: head_dim must be >= 1; hidden_size={E} // num_attention_heads={H} "
-                "is 0 (give head_dim)"
-            )
+        # GPT-2 has no head_dim (GPT2Attention splits E into H heads): a stray one is ignored
+        head_dim = None if mt == "gpt2" else _int(d, "head_dim")
+        head_dim = head_dim or _DEFAULT_HEAD_DIM.get(mt) or E // H
         act = d.get("hidden_act", "gelu_pytorch_tanh" if mt in _GEMMA else "silu")
         if not isinstance(act, str) or act not in ACTIVATIONS:
             raise ValueError(
@@ -212,7 +211,7 @@ class DecoderConfig:
         moe = _moe(mt, d, n)
         window, layer_types = _windows(mt, d, n)
         rope, rope_local = _ropes(mt, d)
-        return cls(
+        cfg = cls(
             model_type=mt,
             vocab_size=d["vocab_size"],
             hidden_size=E,
@@ -227,7 +226,7 @@ class DecoderConfig:
             head_dim=head_dim,
             rms_norm_eps=_real(d, "rms_norm_eps", _DEFAULT_EPS.get(mt, 1e-6), low=0.0),
             hidden_act=act,
-            max_position_embeddings=_int(d, "max_position_embeddings"),
+            max_position_embeddings=_int(d, "max_position_embeddings") or _DEFAULT_MPE.get(mt),
             rope=MappingProxyType(rope),
             tie_word_embeddings=_bool(d, "tie_word_embeddings", mt in ("gpt2", *_GEMMA)),
             qkv_bias={"qwen2": True, "qwen2_moe": _bool(d, "qkv_bias", True)}.get(mt, bias),
@@ -248,6 +247,8 @@ class DecoderConfig:
             rope_local=None if rope_local is None else MappingProxyType(rope_local),
             **_family(mt, d, n),
         )
+        _check_forward_needs(cfg)
+        return cfg
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a plain dict (``rope`` as a dict)."""
@@ -257,6 +258,81 @@ class DecoderConfig:
             if rope is not None:
                 out[key] = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in rope.items()}
         return out
+
+
+def _check_forward_needs(cfg: DecoderConfig) -> None:
+    """Refuse, at load, the values a forward cannot run with: what transformers 5 refuses (its
+    config validators, and the models it cannot build or run) is the floor. The one place of
+    these checks: every reader (folders, GGUF metadata, mlx-lm) comes through
+    :meth:`DecoderConfig.from_dict`.
+
+    - heads: ``num_attention_heads`` a multiple of ``num_key_value_heads`` (every family), and
+      ``hidden_size`` a multiple of ``num_attention_heads`` where transformers asks for it
+      (:data:`_WHOLE_HEADS`);
+    - RoPE: the rotated width ``int(head_dim * partial_rotary_factor)`` even, and what its
+      scaling needs of it (a ``longrope`` factor per rotated pair, ``dynamic``'s width > 2);
+    - experts: ``num_experts_per_tok`` in ``[1, num_experts]``;
+    - windows: a sliding layer needs ``sliding_window >= 1``, a chunked one (Llama 4) an
+      ``attention_chunk_size`` (transformers cannot run a window of 0, nor such a layer
+      without its size).
+    """
+    H, H_kv, D, E = (
+        cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+    )  # fmt: skip
+    if H % H_kv:
+        raise ValueError(
+            f"config.json: num_attention_heads={H} is not a multiple of num_key_value_heads={H_kv}"
+        )
+    if cfg.model_type in _WHOLE_HEADS and E % H:
+        raise ValueError(
+            f"config.json: hidden_size={E} is not a multiple of num_attention_heads={H} "
+            f"({cfg.model_type} splits the hidden size into whole heads)"
+        )
+    if D < 1:
+        raise ValueError(
+            f"config.json: head_dim must be >= 1; hidden_size={E} // num_attention_heads={H} "
+            "is 0 (give head_dim)"
+        )
+    if cfg.position_embedding == "rope":
+        for rope in (cfg.rope, cfg.rope_local):
+            if rope is not None:
+                _check_rotated_width(rope, D)
+    if cfg.num_experts and not 1 <= cfg.num_experts_per_tok <= cfg.num_experts:
+        raise ValueError(
+            f"config.json: num_experts_per_tok={cfg.num_experts_per_tok} must be in "
+            f"[1, num_experts={cfg.num_experts}]"
+        )
+    if "sliding_attention" in cfg.layer_types and not (cfg.sliding_window or 0) >= 1:
+        raise ValueError(
+            f"config.json: sliding_window={cfg.sliding_window!r} but layer_types has "
+            "sliding_attention layers, which need a window >= 1 (transformers cannot run "
+            "them either)"
+        )
+    if "chunked_attention" in cfg.layer_types and cfg.attention_chunk_size is None:
+        raise ValueError(
+            "config.json: attention_chunk_size is null but layer_types has chunked_attention "
+            "layers, which need a chunk size (transformers cannot run them either)"
+        )
+
+
+def _check_rotated_width(rope: Mapping[str, Any], D: int) -> None:
+    """The width RoPE rotates (:func:`portable_llm.rotary.rope`'s ``dims``) of heads of ``D``
+    features, checked against ``rope``'s scaling as the forward will use it."""
+    spec = rope_spec(
+        "config.json",
+        rope["scaling"],
+        base=rope["base"],
+        max_position_embeddings=rope.get("max_position_embeddings"),
+    )
+    prf = spec.partial_rotary_factor
+    dims = D if prf is None else int(D * prf)  # HF: int(head_dim * partial_rotary_factor)
+    if dims < 2 or dims % 2:
+        what = f"head_dim={D}" if prf is None else f"int(head_dim={D} * {prf})={dims}"
+        raise ValueError(
+            f"config.json: RoPE rotates pairs of features, but the rotated width is {what} "
+            "(it must be even and >= 2)"
+        )
+    check_dims("config.json", spec, dims)
 
 
 def _int(d: Mapping[str, Any], key: str, *, required: bool = False, low: int = 1) -> Any:
@@ -378,10 +454,12 @@ def _rope(mt: str, d: Mapping[str, Any]) -> dict[str, Any]:
 
 def _windows(mt: str, d: Mapping[str, Any], n: int) -> tuple[int | None, tuple[str, ...]]:
     """``(sliding_window, layer_types)`` by each family's rule (HF's ``__post_init__``)."""
-    window = _int(d, "sliding_window", low=0) or None  # 0: no window, as HF's sliding mask
+    # 0 is read as a window of 0 (refused where a layer slides: _check_forward_needs), not
+    # as none: null is none
+    window = _int(d, "sliding_window", low=0)
     given = d.get("layer_types")
     if mt in ("mistral", "mixtral", "phi3"):  # the window (when set) applies to every layer
-        kinds = ["sliding_attention" if window else "full_attention"] * n
+        kinds = ["sliding_attention" if window is not None else "full_attention"] * n
     elif mt in ("llama", "gpt2", "phi"):
         window, kinds = None, ["full_attention"] * n
     elif mt in (*_GEMMA, "llama4_text") and given is not None:
@@ -390,10 +468,10 @@ def _windows(mt: str, d: Mapping[str, Any], n: int) -> tuple[int | None, tuple[s
         kinds = list(given)
         window = window if mt in _GEMMA else None
     elif mt == "gemma2":  # v4: even layers slide (HF Gemma2's is_sliding)
-        window = window or 4096
+        window = 4096 if window is None else window
         kinds = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
     elif mt == "gemma3_text":  # v4: every sliding_window_pattern-th layer is global
-        window = window or 4096
+        window = 4096 if window is None else window
         pattern = _int(d, "sliding_window_pattern") or 6
         kinds = [
             "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)
@@ -408,18 +486,19 @@ def _windows(mt: str, d: Mapping[str, Any], n: int) -> tuple[int | None, tuple[s
             window = None
         mwl = _int(d, "max_window_layers", low=0)
         mwl = 28 if mwl is None else mwl
+        slides = window is not None
         if given is not None:
             if not isinstance(given, list | tuple):
                 raise ValueError(f"config.json: layer_types must be a list, got {given!r}")
             kinds = list(given)
         elif mt == "qwen2_moe":
             kinds = [
-                "sliding_attention" if window and (i + 1) % 2 and i < mwl else "full_attention"
+                "sliding_attention" if slides and (i + 1) % 2 and i < mwl else "full_attention"
                 for i in range(n)
             ]
         else:
             kinds = [
-                "sliding_attention" if window and i >= mwl else "full_attention" for i in range(n)
+                "sliding_attention" if slides and i >= mwl else "full_attention" for i in range(n)
             ]
     if len(kinds) != n or any(not isinstance(k, str) or k not in LAYER_TYPES for k in kinds):
         raise ValueError(
@@ -457,7 +536,9 @@ def _family(mt: str, d: Mapping[str, Any], n: int) -> dict[str, Any]:
         )
     elif mt == "llama4_text":
         out.update(
-            attention_chunk_size=_int(d, "attention_chunk_size"),
+            attention_chunk_size=(
+                _int(d, "attention_chunk_size") if "attention_chunk_size" in d else 8192
+            ),  # HF's default when absent
             no_rope_layers=tuple(not rope for rope in _rope_layers(d, n)),
             attn_temperature_tuning=_bool(d, "attn_temperature_tuning", True),
             floor_scale=_real(d, "floor_scale", 8192.0, low=0.0, low_open=True),
@@ -526,8 +607,6 @@ def _moe(mt: str, d: Mapping[str, Any], n: int) -> dict[str, Any]:
     dense = {_int({"mlp_only_layers": i}, "mlp_only_layers", low=0) for i in only}
     layers = tuple(x > 0 and i not in dense and (i + 1) % step == 0 for i in range(n))
     top_k = _int(d, "num_experts_per_tok") or 4
-    if x > 0 and top_k > x:
-        raise ValueError(f"config.json: num_experts_per_tok={top_k} exceeds num_experts={x}")
     return {
         "num_experts": x,
         "top_k": top_k,
