@@ -230,13 +230,14 @@ def test_tool_choice_required_round_trip(client: Any, temperature: float) -> Non
 
 def test_named_tool_choice_streamed(client: Any) -> None:
     """A named function, streamed: the deltas as OpenAI sends them (the call's id, type and
-    name first, then its arguments), joined into a valid call; finish_reason tool_calls."""
+    name first, then its arguments in pieces as the tokens come), joined into a valid call;
+    finish_reason tool_calls."""
     stream = client.chat.completions.create(
         model="tiny", messages=ASK, tools=TOOLS, max_tokens=400, temperature=0.8, seed=1,
         tool_choice={"type": "function", "function": {"name": "forecast"}}, stream=True,
     )  # fmt: skip
     calls: dict[int, dict] = {}
-    reasons = []
+    reasons, pieces = [], 0
     for chunk in stream:
         choice = chunk.choices[0]
         reasons.append(choice.finish_reason)
@@ -248,7 +249,9 @@ def test_named_tool_choice_streamed(client: Any) -> None:
             if delta.function.name:
                 call["name"] += delta.function.name
             call["arguments"] += delta.function.arguments or ""
+            pieces += bool(delta.function.arguments)
     assert reasons[-1] == "tool_calls" and set(reasons[:-1]) == {None}
+    assert pieces > 3  # the arguments came as they were generated, not in one piece
     assert list(calls) == [0] and calls[0]["name"] == "forecast"
     assert calls[0]["id"].startswith("call_")
     jsonschema.validate(json.loads(calls[0]["arguments"]), TOOLS[0]["function"]["parameters"])

@@ -89,38 +89,69 @@ def test_parse(name: str, text: str, content: str | None, calls: list) -> None:
     assert len({c.id for c in got}) == len(got)
 
 
+def _joined(deltas: list) -> list[dict]:
+    """The calls a client rebuilds from stream deltas (as the openai SDK accumulates them)."""
+    out: dict[int, dict] = {}
+    for d in deltas:
+        call = out.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
+        if d.id is not None:
+            assert call["id"] is None and d.arguments == ""  # one head per call, first
+            call["id"], call["name"] = d.id, d.name
+        call["arguments"] += d.arguments
+    assert sorted(out) == list(range(len(out)))
+    return [out[i] for i in sorted(out)]
+
+
 @pytest.mark.parametrize("name, text, content, calls", CASES)
 @given(data=st.data())
 def test_stream_equals_whole(
     name: str, text: str, content: str | None, calls: list, data: st.DataObject
 ) -> None:
-    """Fed in pieces split anywhere, the stream shows the whole answer's calls, in order, and
-    its text: all of it without calls, the text before them with (up to its trailing space)."""
+    """Fed in pieces split anywhere, the stream's deltas rebuild the whole answer's calls, in
+    order, each ``arguments`` the same text, and its ids those of ``stream.calls``; its text is
+    all of the answer without calls, the text before them with (up to trailing space)."""
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=8)))
     pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
     stream = ToolCallStream(tool_parser(name))
-    shown, got = "", []
+    shown, deltas = "", []
     for piece in pieces:
-        t, c = stream.feed(piece)
+        t, d = stream.feed(piece)
         shown += t
-        got += c
-    t, c = stream.feed("", final=True)
+        deltas += d
+    t, d = stream.feed("", final=True)
     shown += t
-    got += c
-    assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+    deltas += d
+    joined = _joined(deltas)
+    whole = tool_parser(name).parse(text)[1]
+    assert [(c["name"], c["arguments"]) for c in joined] == [(c.name, c.arguments) for c in whole]
+    assert [(c["name"], json.loads(c["arguments"])) for c in joined] == calls
+    assert [c["id"] for c in joined] == [c.id for c in stream.calls]
     if calls:
         assert shown.strip() == (content or "")
     else:
         assert shown == text
 
 
-def test_stream_emits_each_call_once_complete() -> None:
-    """A Hermes call comes out with the piece that closes it, not at the end."""
+def test_stream_sends_arguments_as_they_come() -> None:
+    """A Hermes call goes out once its name and the ``{`` of its arguments are there, then its
+    arguments piece by piece (a brace or quote inside a string does not end them), then the
+    rest when the call closes; the model's own JSON text is the call's ``arguments``."""
     stream = ToolCallStream(tool_parser("hermes"))
     assert stream.feed("<tool_call>\n") == ("", [])
-    assert stream.feed('{"name": "time", "arguments": {}}\n</tool') == ("", [])
-    text, calls = stream.feed("_call>\n<tool_call>")
-    assert text == "" and [c.name for c in calls] == ["time"]
+    assert stream.feed('{"name": "note", "arguments": ') == ("", [])
+    text, (head, first) = stream.feed("{")
+    assert text == "" and (head.index, head.name, head.arguments) == (0, "note", "")
+    assert head.id is not None and head.id.startswith("call_")
+    assert (first.index, first.id, first.arguments) == (0, None, "{")
+    sent = ["{"]
+    for piece in ['"text":', ' "a } \\" {', '"}', "}\n</tool", "_call>"]:
+        text, deltas = stream.feed(piece)
+        assert text == "" and all(d.id is None and d.index == 0 for d in deltas)
+        sent += [d.arguments for d in deltas]
+    assert sent[1:3] == ['"text":', ' "a } \\" {']  # each piece as it came
+    assert "".join(sent) == '{"text": "a } \\" {"}' == stream.calls[0].arguments
+    assert json.loads(stream.calls[0].arguments) == {"text": 'a } " {'}
+    assert stream.calls[0].id == head.id
 
 
 def test_stream_holds_back_what_may_begin_a_call() -> None:

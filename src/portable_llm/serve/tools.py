@@ -21,7 +21,6 @@ from portable_llm.generation.grammar import Grammar, grammar_engine, response_fo
 from portable_llm.serve.protocol import APIError
 from portable_llm.text.tool_calls import (
     TOOL_PARSERS,
-    ToolCall,
     ToolCallStream,
     ToolParser,
     tool_parser_for,
@@ -218,9 +217,10 @@ class ToolAnswer:
     ``whole(text)`` gives the message's ``content`` and ``tool_calls``; ``delta(piece)`` and
     ``delta("", final=True)`` give the stream's deltas, as the OpenAI API sends them: text as
     ``{"content": ...}``, each call as ``{"tool_calls": [{"index", "id", "type", "function":
-    {"name", "arguments": ""}}]}`` then its arguments ``{"tool_calls": [{"index", "function":
-    {"arguments": ...}}]}``. ``called`` once a call was found (``finish_reason`` then
-    ``"tool_calls"``).
+    {"name", "arguments": ""}}]}`` then pieces of its arguments ``{"tool_calls": [{"index",
+    "function": {"arguments": ...}}]}`` as they come
+    (:class:`~portable_llm.text.tool_calls.ToolCallStream`). ``called`` once a call was found
+    (``finish_reason`` then ``"tool_calls"``).
     """
 
     def __init__(self, parser: ToolParser | None) -> None:
@@ -240,20 +240,11 @@ class ToolAnswer:
     def delta(self, piece: str, *, final: bool = False) -> list[dict[str, Any]]:
         if self._stream is None:
             return [{"content": piece}] if piece else []
-        before = len(self._stream.calls)
         text, calls = self._stream.feed(piece, final=final)
         out: list[dict[str, Any]] = [{"content": text}] if text else []
-        for i, call in enumerate(calls, start=before):
-            out += _call_deltas(i, call)
+        out += [{"tool_calls": [delta.to_openai()]} for delta in calls]
         self.called = self.called or bool(calls)
         return out
-
-
-def _call_deltas(index: int, call: ToolCall) -> list[dict[str, Any]]:
-    head = {"index": index, "id": call.id, "type": "function",
-            "function": {"name": call.name, "arguments": ""}}  # fmt: skip
-    args = {"index": index, "function": {"arguments": call.arguments}}
-    return [{"tool_calls": [head]}, {"tool_calls": [args]}]
 
 
 def answer_parser(tokenizer: Any, structure: Structure) -> ToolParser | None:

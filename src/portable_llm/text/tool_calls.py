@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 __all__ = [
     "TOOL_PARSERS",
     "ToolCall",
+    "ToolCallDelta",
     "ToolCallStream",
     "ToolParser",
     "register_tool_parser",
@@ -61,6 +62,77 @@ class ToolCall:
             "id": self.id, "type": "function",
             "function": {"name": self.name, "arguments": self.arguments},
         }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A piece of a streamed call: the first of a call has its ``id`` and ``name`` (and
+    ``arguments == ""``), the next ones pieces of its arguments' JSON text, which joined are the
+    call's ``arguments``."""
+
+    index: int
+    arguments: str = ""
+    id: str | None = None
+    name: str | None = None
+
+    def to_openai(self) -> dict[str, Any]:
+        """The ``tool_calls`` item of a chunk's delta, as the OpenAI API streams it."""
+        if self.id is None:
+            return {"index": self.index, "function": {"arguments": self.arguments}}
+        return {
+            "index": self.index, "id": self.id, "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }  # fmt: skip
+
+
+#: A call's JSON up to its arguments' value: ``{"name": "...", "arguments": `` (or
+#: ``"parameters"``); group 1 the name as a JSON string.
+_HEAD = re.compile(
+    r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*'
+)
+
+
+def _raw_call(text: str, start: int = 0) -> ToolCall | None:
+    """The call whose JSON object begins at ``text[start]``, its arguments the model's own
+    JSON text (as the stream sent it); ``None`` when it is not ``{"name": ..., "arguments":
+    {...}}`` in that order (then :func:`_call` of the decoded object)."""
+    head = _HEAD.match(text, start)
+    if head is None:
+        return None
+    try:
+        args, end = json.JSONDecoder().raw_decode(text, head.end())
+        name = json.loads(head.group(1))
+    except ValueError:
+        return None
+    close = re.compile(r"\s*\}").match(text, end)
+    if not isinstance(args, dict) or close is None:
+        return None
+    return ToolCall(name, text[head.end() : end], "call_" + uuid.uuid4().hex[:24])
+
+
+def _open_arguments(text: str, start: int = 0) -> tuple[str, str] | None:
+    """A call in progress from ``text[start]``: its name and the arguments' text so far (all of
+    it while their object is open, the whole object once closed); ``None`` before its
+    arguments' ``{``."""
+    head = _HEAD.match(text, start)
+    if head is None or not text.startswith("{", head.end()):
+        return None
+    depth, in_string, escaped = 0, False, False
+    for i in range(head.end(), len(text)):
+        c = text[i]
+        if escaped:
+            escaped = False
+        elif in_string:
+            escaped, in_string = c == "\\", c != '"'
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return json.loads(head.group(1)), text[head.end() : i + 1]
+    return json.loads(head.group(1)), text[head.end() :]
 
 
 def _call(obj: Any, arguments_key: str = "arguments") -> ToolCall | None:
@@ -115,6 +187,12 @@ class ToolParser:
         """The complete calls at the front of ``text`` (the output from its first ``start`` on)
         and whether ``text`` is entirely calls (else some of it is not, or not yet)."""
         raise NotImplementedError
+
+    def pending(self, text: str, done: int) -> tuple[str, str] | None:
+        """The call in progress after the ``done`` complete ones at the front of ``text``: its
+        name and the text of its arguments so far, for a stream to send them as they come;
+        ``None`` (the default: a format whose calls are sent whole) when there is none yet."""
+        return None
 
     def call_schema(self, tools: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         """The JSON schema of one call to any of ``tools`` (OpenAI tool objects)."""
@@ -183,6 +261,23 @@ def _json_objects(text: str, separator: str = "") -> tuple[list[Any], bool]:
         out.append(value)
 
 
+def _value_starts(text: str, separator: str, count: int) -> list[int]:
+    """Where each of the first ``count`` values of :func:`_json_objects` begins (the last one
+    possibly still incomplete)."""
+    decoder = json.JSONDecoder()
+    out: list[int] = []
+    i, n = 0, len(text)
+    while len(out) < count:
+        while i < n and (text[i].isspace() or (separator and text[i] == separator and out)):
+            i += 1
+        out.append(i)
+        try:
+            _, i = decoder.raw_decode(text, i)
+        except ValueError:
+            break
+    return out
+
+
 class HermesParser(ToolParser):
     """``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` (Qwen, Hermes)."""
 
@@ -201,12 +296,25 @@ class HermesParser(ToolParser):
             if match is None:
                 break
             values, whole = _json_objects(match.group(1))
-            call = _call(values[0]) if whole and len(values) == 1 else None
+            call = None
+            if whole and len(values) == 1:
+                body = match.group(1)
+                call = _raw_call(body, len(body) - len(body.lstrip())) or _call(values[0])
             if call is None:
                 return out, False
             out.append(call)
             i = match.end()
         return out, bool(out) and not text[i:].strip()
+
+    def pending(self, text: str, done: int) -> tuple[str, str] | None:
+        i = 0
+        for _ in range(done):
+            match = self._block.match(text, i)
+            if match is None:
+                return None
+            i = match.end()
+        opened = re.compile(r"\s*<tool_call>\s*").match(text, i)
+        return None if opened is None else _open_arguments(text, opened.end())
 
 
 class MistralParser(ToolParser):
@@ -254,10 +362,19 @@ class Llama3JsonParser(ToolParser):
     def calls(self, text: str) -> tuple[list[ToolCall], bool]:
         body = text.strip().removeprefix("<|python_tag|>")
         values, whole = _json_objects(body, ";")
-        calls = [_call(v, "parameters") for v in values]
+        starts = _value_starts(body, ";", len(values))
+        calls = [
+            _raw_call(body, i) or _call(v, "parameters")
+            for v, i in zip(values, starts, strict=True)
+        ]
         if any(c is None for c in calls):
             return [], False
         return [c for c in calls if c is not None], whole
+
+    def pending(self, text: str, done: int) -> tuple[str, str] | None:
+        body = text.strip().removeprefix("<|python_tag|>")
+        (start,) = _value_starts(body, ";", done + 1)[-1:] or (0,)
+        return _open_arguments(body, start)
 
 
 #: The parsers by name, in the order :func:`tool_parser_for` tries their markers.
@@ -342,13 +459,17 @@ def tool_parser_for(chat_template: str | None, /) -> ToolParser | None:
 
 
 class ToolCallStream:
-    """A streamed answer split as it arrives: ``feed(piece)`` returns ``(text, calls)``, the
-    new text to show and the calls completed by this piece; ``feed("", final=True)`` settles
-    the end (a call that never completed is shown as text, as :meth:`ToolParser.parse` does).
+    """A streamed answer split as it arrives: ``feed(piece)`` returns ``(text, deltas)``, the
+    new text to show and :class:`ToolCallDelta` pieces of the calls; ``feed("", final=True)``
+    settles the end (output that never became a call is shown as text, as
+    :meth:`ToolParser.parse` does, unless a call of it was already being sent).
 
     Text that could begin a call is held back until the next piece settles it; from the first
     call on nothing more is shown as text (text between calls is dropped, as the non-streamed
-    :meth:`ToolParser.parse` keeps only the text before them).
+    :meth:`ToolParser.parse` keeps only the text before them). A call goes out as soon as its
+    name and the ``{`` of its arguments are there (formats with :meth:`ToolParser.pending`),
+    then its arguments as they come; otherwise whole, once complete. ``calls`` holds the
+    complete calls so far, their ids those the stream sent.
     """
 
     def __init__(self, parser: ToolParser) -> None:
@@ -357,8 +478,9 @@ class ToolCallStream:
         self._shown = 0  # characters shown as text
         self._begin: int | None = None  # where the calls begin
         self.calls: list[ToolCall] = []
+        self._open: tuple[str, str] | None = None  # (id, arguments sent) of the call being sent
 
-    def feed(self, piece: str, *, final: bool = False) -> tuple[str, list[ToolCall]]:
+    def feed(self, piece: str, *, final: bool = False) -> tuple[str, list[ToolCallDelta]]:
         self._text += piece
         text = self._text
         if self._begin is None:
@@ -367,13 +489,45 @@ class ToolCallStream:
             end = len(text) if final else len(text) - self.parser.held(text)
             return self._show(end), []
         shown = self._show(self._begin)
-        calls, whole = self.parser.calls(text[self._begin :])
-        new = calls[len(self.calls) :]
-        if final and not (whole and calls) and not self.calls:  # never calls: all of it is text
-            self._begin = len(text)
+        body = text[self._begin :]
+        calls, whole = self.parser.calls(body)
+        if final and not (whole and calls) and not self.calls and self._open is None:
+            self._begin = len(text)  # never calls: all of it is text
             return shown + self._show(len(text)), []
-        self.calls += new
-        return shown, new
+        deltas = [d for call in calls[len(self.calls) :] for d in self._complete(call)]
+        opened = None if final else self.parser.pending(body, len(self.calls))
+        if opened is not None:
+            deltas += self._progress(*opened)
+        return shown, deltas
+
+    def _complete(self, call: ToolCall) -> list[ToolCallDelta]:
+        """The deltas that finish ``call`` (the rest of its arguments when it was being sent,
+        else the whole call)."""
+        index = len(self.calls)
+        if self._open is None or not call.arguments.startswith(self._open[1]):
+            out = [
+                ToolCallDelta(index, "", call.id, call.name),
+                ToolCallDelta(index, call.arguments),
+            ]
+        else:
+            call = ToolCall(call.name, call.arguments, self._open[0])
+            rest = call.arguments[len(self._open[1]) :]
+            out = [ToolCallDelta(index, rest)] if rest else []
+        self.calls.append(call)
+        self._open = None
+        return out
+
+    def _progress(self, name: str, arguments: str) -> list[ToolCallDelta]:
+        index = len(self.calls)
+        out = []
+        if self._open is None:
+            self._open = ("call_" + uuid.uuid4().hex[:24], "")
+            out.append(ToolCallDelta(index, "", self._open[0], name))
+        sent = self._open[1]
+        if len(arguments) > len(sent) and arguments.startswith(sent):
+            out.append(ToolCallDelta(index, arguments[len(sent) :]))
+            self._open = (self._open[0], arguments)
+        return out
 
     def _show(self, end: int) -> str:
         out = self._text[self._shown : max(end, self._shown)]
