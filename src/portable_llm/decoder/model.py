@@ -18,12 +18,17 @@ from portable_llm.backends import Backend, backend_of
 from portable_llm.caches.check import check_caches
 from portable_llm.caches.kv import KVCache, RotatingKVCache
 from portable_llm.caches.page_pool import PagePool
-from portable_llm.core.arrays import asarray, to_numpy
+from portable_llm.core.arrays import asarray, creation_device, to_numpy
 from portable_llm.core.checks import check_int
 from portable_llm.decoder.compiled import CompiledStep, compiled_step
 from portable_llm.decoder.config import DecoderConfig
 from portable_llm.decoder.paged_step import forward as paged_forward
-from portable_llm.decoder.prepared import Prepared, position_ids, preparable
+from portable_llm.decoder.prepared import (
+    Prepared,
+    check_learned_positions,
+    position_ids,
+    preparable,
+)
 from portable_llm.ops.activations import activation
 from portable_llm.ops.embedding import embedding, unembed
 from portable_llm.ops.linear import linear, mlp
@@ -291,6 +296,8 @@ class Model:
             host = _check_left_padding(left_padding, tuple(ids.shape))
             if backend_of(left_padding) is not bk or bk.device_of(left_padding) != self.device:
                 left_padding = asarray(host, backend=bk.name, device=self.device)
+        offset = 0 if cache is None else cache[0].offset
+        check_learned_positions("model", self.config, offset, ids.shape[1])
         if self.prepared is not None:
             return self._prepared(ids, cache, left_padding, last_only, check_ids=True)
         eps = self.config.rms_norm_eps
@@ -316,7 +323,7 @@ class Model:
             )  # fmt: skip
             if pad is not None:
                 start = start - asarray(pad, backend=bk.name, device=self.device)  # (B,)
-            pos = position_ids(bk.xp, start, ids.shape[1], getattr(h, "device", None))
+            pos = position_ids(bk.xp, start, ids.shape[1], creation_device(h))
             h = h + embedding(pos, self.positions)
         return h
 
@@ -372,6 +379,7 @@ class Model:
         ):
             return self(ids, cache=cache, last_only=True)
         self._check_caches(ids, cache)
+        check_learned_positions("model", self.config, cache[0].offset, ids.shape[1])
         return self._prepared(ids, cache, None, True, check_ids=False)
 
     def _check_caches(self, ids: Any, cache: Sequence[Any]) -> None:

@@ -26,7 +26,7 @@ from portable_llm.attn.paged import paged_attention
 from portable_llm.caches.check import check_caches, check_pool_pages
 from portable_llm.caches.paged import PagedKVCache, block_tables
 from portable_llm.core.arrays import asarray
-from portable_llm.decoder.prepared import Prepared, Step
+from portable_llm.decoder.prepared import Prepared, Step, check_learned_positions
 from portable_llm.ops.embedding import embedding
 
 __all__ = ["PagedStep", "forward"]
@@ -91,6 +91,8 @@ def forward(
     fill the caches (a prefill chunk before the last), without the LM head; returns ``None``.
     """
     bk, p = model.backend, model.prepared
+    start = max((seq[0].offset for seq in caches), default=0)  # the row reaching furthest
+    check_learned_positions("forward_paged", model.config, start, len(chunks[0]))
     c, L, op = model.config, len(chunks[0]), "forward_paged"
     for b, seq in enumerate(caches):  # every row's every layer takes the chunk, or none does
         shape = (1, c.num_key_value_heads, L, c.head_dim)

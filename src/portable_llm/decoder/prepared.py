@@ -36,6 +36,7 @@ from portable_llm.attn.sdpa import OP as SDPA
 from portable_llm.attn.sdpa_args import SdpaOptions
 from portable_llm.attn.visibility import visible
 from portable_llm.backends import Backend, backend_of, resolve
+from portable_llm.core.arrays import creation_device
 from portable_llm.core.dispatch import dispatcher, tracing
 from portable_llm.decoder.config import DecoderConfig
 from portable_llm.decoder.layer_weights import (
@@ -61,6 +62,7 @@ Fn = Callable[..., Any]
 
 __all__ = [
     "AttnWeights",
+    "check_learned_positions",
     "position_ids",
     "Layer",
     "MlpWeights",
@@ -220,7 +222,7 @@ class Prepared:
         xp, kn = self.xp, step.kn
         if self.positions is not None and not embedded:  # GPT-2: h = wte[ids] + wpe[positions]
             start = step.offset if step.rows is None else step.rows
-            pos = position_ids(xp, start, step.L, getattr(h, "device", None))
+            pos = position_ids(xp, start, step.L, creation_device(h))
             h = h + self.dispatch.pick("embedding", "masked")(xp, pos, self.positions)
         if self.embed_scale is not None and not embedded:  # Gemma: h * sqrt(E), model's dtype
             h = h * self.embed_scale
@@ -289,6 +291,28 @@ class Prepared:
             cap = xp.asarray(self.final_softcap, dtype=logits.dtype, device=self.bk.device_of(h))
             logits = xp.tanh(logits / cap) * cap
         return logits
+
+
+def check_learned_positions(op: str, config: DecoderConfig, start: int, L: int) -> None:
+    """Learned absolute positions (GPT-2's ``wpe``: ``max_position_embeddings`` rows, HF's
+    ``n_positions``) end at their last row: ``L`` new tokens after ``start`` (the caches'
+    offset, in columns of a left-padded batch) must fit in them. The check of every forward
+    of such a model (op-by-op, prepared, compiled, paged, partitioned), before anything runs:
+    past the table, the prepared path's embedding gives NaN rows. RoPE models are not limited
+    here (their ``max_position_embeddings`` is a trained length, not a table).
+
+    Raises
+    ------
+    ValueError
+        ``start + L > max_position_embeddings``, naming both.
+    """
+    P = config.max_position_embeddings
+    if config.position_embedding == "learned" and P is not None and start + L > P:
+        raise ValueError(
+            f"{op}: a sequence of {start + L} tokens ({start} cached + {L} new) is longer than "
+            f"n_positions={P}, the rows of {config.model_type}'s learned position table "
+            f"(positions 0..{P - 1})"
+        )
 
 
 def position_ids(xp: Any, start: Any, L: int, device: Any) -> Any:

@@ -35,7 +35,7 @@ from portable_llm.decoder.config import DecoderConfig
 from portable_llm.decoder.model import Model
 from portable_llm.decoder.paged_step import PagedStep
 from portable_llm.decoder.paged_step import forward as paged_forward
-from portable_llm.decoder.prepared import Prepared, preparable
+from portable_llm.decoder.prepared import Prepared, check_learned_positions, preparable
 from portable_llm.ops.embedding import embedding
 from portable_llm.partition.engine import Engine
 
@@ -136,6 +136,8 @@ class PartitionedModel(Model):
         if left_padding is not None:
             left_padding = asarray(left_padding, backend=bk.name, device=self.device)
         B, L = ids.shape
+        offset = 0 if cache is None else cache[0].offset
+        check_learned_positions("model", self.config, offset, L)  # on every rank alike
         eps = self.config.rms_norm_eps
         last = e.pp_size - 1
         # A TP rank of a process engine completes its partial sums; JAX's XLA does it itself.
@@ -206,7 +208,9 @@ class PartitionedModel(Model):
             return paged_forward(self, caches, chunks, logits=logits)
         bk = self.backend
         B, L = len(chunks), len(chunks[0])
-        step = PagedStep(p, caches, [seq[0].offset for seq in caches], L)
+        starts = [seq[0].offset for seq in caches]
+        check_learned_positions("forward_paged", self.config, max(starts, default=0), L)
+        step = PagedStep(p, caches, starts, L)
         last = e.pp_size - 1
         h = None
         for stage in self.stages:  # a process engine's rank runs one stage: all of p.layers
