@@ -36,6 +36,7 @@ from portable_llm.checkpoint.gguf_blocks import (
     BLOCK_SIZES,
     affine_parts,
     dequantize_blocks,
+    float16_overflow,
     pack_codes,
 )
 from portable_llm.checkpoint.gguf_header import GGUFTensor, read_gguf_header
@@ -335,6 +336,22 @@ def _floats(host: np.ndarray, bk: Backend, dtype: Any, device: Any) -> Any:
     return arr if arr.dtype == dtype else bk.astype(arr, dtype)
 
 
+def _check_float16(file: Path, t: GGUFTensor, kind: str, blocks: np.ndarray) -> None:
+    """Refuse a tensor float16 cannot hold (:func:`~portable_llm.checkpoint.gguf_blocks.
+    float16_overflow`), whether it would be kept quantized or dequantized: the two forms
+    overflow in different places (a kept group's scale, a dequantized weight), so neither
+    could be the rule; saturating would change the weights silently, and float32 scales under
+    a float16 model would need mixed-dtype kernels on every backend."""
+    over = float16_overflow(kind, blocks)
+    if over is not None:
+        what, size = over
+        raise CheckpointError(
+            f"load: {str(file)!r}: tensor {t.name} ({kind}) has {what} up to {size:.6g}, past "
+            "float16's largest (65504): as float16 it would hold infinities; load it with "
+            "dtype='bfloat16' or dtype='float32'"
+        )
+
+
 def _unstored(name: str, cfg: DecoderConfig, host: np.ndarray) -> np.ndarray:
     """A float tensor as HF holds it: llama.cpp stores Gemma's norm weights as ``1 + w``
     (transformers' ``Gemma2TensorProcessor`` subtracts the 1; the decoder adds it back)."""
@@ -365,6 +382,8 @@ def _tensor(
 ) -> Any:
     kind, blocks = _blocks(file, t)
     shape = _shape(t)
+    if bk.dtype_name(dtype) == "float16":
+        _check_float16(file, t, kind, blocks)
     rows = _row_order(name, cfg)
     if part is not None:  # a block of a fused tensor's rows (none is permuted)
         rows = np.arange(shape[0])[part]

@@ -34,8 +34,10 @@ import numpy as np
 __all__ = [
     "AFFINE_FORMATS",
     "BLOCK_SIZES",
+    "FLOAT16_INF",
     "affine_parts",
     "dequantize_blocks",
+    "float16_overflow",
     "pack_codes",
 ]
 
@@ -202,6 +204,43 @@ def dequantize_blocks(kind: str, blocks: np.ndarray) -> np.ndarray:
         bits = np.ascontiguousarray(blocks).view("<u2").astype(np.uint32) << 16
         return bits.view(np.float32).reshape(n, 1)
     raise ValueError(f"dequantize_blocks: unsupported type {kind} ({', '.join(BLOCK_SIZES)})")
+
+
+#: Float32 values of this magnitude and above round to infinity in float16 (its largest is
+#: 65504; half an ulp above it rounds up).
+FLOAT16_INF = 65520.0
+
+
+def float16_overflow(kind: str, blocks: np.ndarray) -> tuple[str, float] | None:
+    """``(what, magnitude)`` of the first of a tensor's finite float32 numbers that float16
+    cannot hold, or ``None`` when all fit: for an affine type its scales, its biases and its
+    values (``scales * q + biases`` at each group's smallest and largest code, where an
+    affine group takes its extremes), else its values.
+
+    The one rule of a tensor loaded as float16, kept quantized or dequantized alike: a
+    ``d`` near float16's largest times a 6-bit scale is a finite float32 scale that float16
+    turns into infinity (kept: its whole group ``inf``/``NaN``), while the dequantized values
+    of the same group may fit, or overflow elsewhere. Non-finite numbers of the file itself
+    are not counted: they decode to ``inf``/``NaN`` in every dtype, as in llama.cpp.
+    """
+    if kind == "F16":
+        return None
+    with np.errstate(all="ignore"):  # a file's own inf/NaN: not counted, below
+        if kind in AFFINE_FORMATS:
+            q, scales, biases = affine_parts(kind, blocks)
+            n, groups = scales.shape
+            codes = q.reshape(n, groups, -1)
+            low, high = codes.min(axis=-1), codes.max(axis=-1)  # (n, groups)
+            ends = np.concatenate([scales * low + biases, scales * high + biases])
+            parts = (("scales", scales), ("biases", biases), ("values", ends))
+        else:
+            parts = (("values", dequantize_blocks(kind, blocks)),)
+    for what, a in parts:
+        size = np.abs(a[np.isfinite(a)])
+        biggest = float(size.max()) if size.size else 0.0
+        if biggest >= FLOAT16_INF:
+            return what, biggest
+    return None
 
 
 def pack_codes(q: np.ndarray, bits: int) -> np.ndarray:
