@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from portable_llm.backends import resolve
+from portable_llm.core.arrays import creation_device
 from portable_llm.core.checks import check_float, check_int, check_ndim, check_real
 from portable_llm.core.dispatch import pick, portable
 from portable_llm.core.types import Array, Namespace
@@ -33,7 +34,7 @@ def temperature_body(
     """
     ct = xp.float64 if q.dtype == xp.float64 else xp.float32
     L = q.shape[-2]
-    device = getattr(q, "device", None)  # MLX arrays have none (unified memory)
+    device = creation_device(q)  # a tensor-parallel q's own sharding would not fit (L,)
     steps = xp.arange(L, device=device)  # (L,)
     if getattr(start, "ndim", 0) == 1:  # (B,) row starts: (B, 1, L, 1)
         pos = xp.reshape(start, (start.shape[0], 1, 1, 1))  # (B, 1, 1, 1)

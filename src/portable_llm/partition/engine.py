@@ -70,7 +70,14 @@ class Engine:
     def bind_groups(self, tp: Any, pp: Any) -> None:
         """Hold the TP and PP groups (``None``: not split that way), each with ``size()`` and
         ``rank()`` (a torch ``ProcessGroup``, an ``mx.distributed.Group``), and read their
-        sizes and this process's ranks."""
+        sizes and this process's ranks. One group given to both is refused (it would make
+        each process TP rank ``r`` of stage ``r``: a split that holds no model)."""
+        if tp is not None and tp is pp:
+            raise ValueError(
+                f"load: tensor_parallel and pipeline_parallel are the same group (of "
+                f"{tp.size()} ranks); a split both ways needs a TP group and a PP group per "
+                "process (launch_groups makes them), a split one way one keyword"
+            )
         self.tp, self.pp = tp, pp
         if tp is not None:
             self.tp_size, self.tp_rank = tp.size(), tp.rank()

@@ -53,12 +53,25 @@ class JaxEngine(Engine):
     def __init__(self, tensor_parallel: Any, pipeline_parallel: Any) -> None:
         from jax.sharding import Mesh
 
-        tp = _axis(tensor_parallel, "tensor_parallel", "tp") if tensor_parallel else None
-        pp = _axis(pipeline_parallel, "pipeline_parallel", "pp") if pipeline_parallel else None
+        # None: not split that way; any other value is a handle, checked (0, False, () too)
+        tp = None if tensor_parallel is None else _axis(tensor_parallel, "tensor_parallel", "tp")
+        pp = (
+            None
+            if pipeline_parallel is None
+            else _axis(pipeline_parallel, "pipeline_parallel", "pp")
+        )
+        if tp is None and pp is None:
+            raise ValueError("load: give tensor_parallel or pipeline_parallel (a JAX mesh)")
         if tp and pp and tp[0] is not pp[0]:
             raise ValueError(
                 "load: tensor_parallel and pipeline_parallel on JAX must be one 2-D mesh (axes "
                 "'pp' and 'tp') passed to both"
+            )
+        if tp and pp and tp[1] == pp[1]:
+            raise ValueError(
+                f"load: tensor_parallel and pipeline_parallel on JAX both name the mesh axis "
+                f"{tp[1]!r} (its axes: {tp[0].axis_names}); one axis cannot split both ways: "
+                "pass one 2-D mesh with axes 'pp' and 'tp' to both, or one keyword"
             )
         mesh = (tp or pp)[0]  # type: ignore[index]
         devices = np.asarray(mesh.devices)
