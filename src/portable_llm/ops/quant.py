@@ -450,8 +450,12 @@ def quantize(
     Returns
     -------
     QuantizedWeight
-        ``dequantize(quantize(w))`` is within half a step (``|scale| / 2``) of ``w`` per element,
-        plus the rounding of scales and biases to w's dtype.
+        ``dequantize(quantize(w))`` is within one step (``|scale|``) of ``w`` per element, and
+        within half a step (``|scale| / 2``) where the code is strictly inside
+        ``(0, 2**bits - 1)``, plus the rounding of scales and biases to w's dtype. A whole step
+        is reached: anchoring the group's larger end moves the step (``s = edge / q0``), and
+        the far end's code, clipped to ``2**bits - 1``, can then miss it by up to one step
+        (exactly one at 2 bits for ``w = [-1.5, 1.5]``: ``s = -0.75``).
 
     Raises
     ------
