@@ -225,6 +225,7 @@ def float16_overflow(kind: str, blocks: np.ndarray) -> tuple[str, float] | None:
     """
     if kind == "F16":
         return None
+    parts: tuple[tuple[str, np.ndarray], ...]
     with np.errstate(all="ignore"):  # a file's own inf/NaN: not counted, below
         if kind in AFFINE_FORMATS:
             q, scales, biases = affine_parts(kind, blocks)
