@@ -1,4 +1,5 @@
-"""Hypothesis strategies shared by every test: shapes ``N.. x D``, float dtypes, seeds."""
+"""Hypothesis strategies shared by every test: shapes ``N.. x D``, float dtypes, seeds, token
+ids, JSON schemas."""
 
 from __future__ import annotations
 
@@ -9,7 +10,16 @@ from hypothesis import strategies as st
 
 from portable_llm.backends import get_backend
 
-__all__ = ["LAST_SIDES", "SIDES", "float_dtypes", "seeds", "shapes", "sizes", "token_ids"]
+__all__ = [
+    "LAST_SIDES",
+    "SIDES",
+    "float_dtypes",
+    "json_schemas",
+    "seeds",
+    "shapes",
+    "sizes",
+    "token_ids",
+]
 
 
 #: Sizes the strategies draw from. A small fixed set, so that compiling backends (JAX compiles
@@ -57,3 +67,49 @@ def token_ids(
     if favoured:
         ids = st.one_of(ids, st.sampled_from(list(favoured)))
     return st.lists(ids, max_size=max_size)
+
+
+def json_schemas(*, max_depth: int = 2) -> st.SearchStrategy[dict[str, Any]]:
+    """JSON object schemas whose every instance is short (structured outputs' tests): bounded
+    strings (``maxLength``, a ``pattern`` or an ``enum``), integer ranges, booleans, ``null``,
+    arrays of at most 3 items and objects nested up to ``max_depth``, each property required
+    or not, no other properties."""
+    leaves = st.one_of(
+        st.integers(0, 6).map(lambda n: {"type": "string", "maxLength": n}),
+        st.just({"type": "string", "pattern": "^[a-z]{1,4}$"}),
+        st.lists(st.sampled_from(["a", "bb", "c d", "é"]), min_size=1, max_size=3, unique=True)
+        .map(lambda v: {"enum": v}),
+        st.tuples(st.integers(-50, 50), st.integers(0, 100))
+        .map(lambda t: {"type": "integer", "minimum": t[0], "maximum": t[0] + t[1]}),
+        st.just({"type": "boolean"}),
+        st.just({"type": "null"}),
+    )  # fmt: skip
+
+    def grow(children: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[dict[str, Any]]:
+        arrays = children.map(lambda c: {"type": "array", "items": c, "maxItems": 3})
+        return st.one_of(arrays, _objects(children))
+
+    schemas = st.recursive(leaves, grow, max_leaves=6).filter(lambda s: _depth(s) <= max_depth)
+    return schemas.map(lambda s: s if s.get("type") == "object" else _object({"v": s}, ["v"]))
+
+
+def _objects(children: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[dict[str, Any]]:
+    props = st.dictionaries(st.sampled_from(["a", "b", "name", "x_1"]), children, max_size=3)
+    return props.flatmap(
+        lambda p: st.lists(st.sampled_from(sorted(p) or [""]), unique=True).map(
+            lambda required: _object(p, [r for r in required if r in p])
+        )
+    )
+
+
+def _object(props: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    return {"type": "object", "properties": props, "required": sorted(required),
+            "additionalProperties": False}  # fmt: skip
+
+
+def _depth(schema: dict[str, Any]) -> int:
+    inner = [
+        *schema.get("properties", {}).values(),
+        *[schema[k] for k in ("items",) if k in schema],
+    ]
+    return 1 + max((_depth(s) for s in inner), default=0)
