@@ -536,7 +536,7 @@ class BatchGenerator:
             sib.caches = [PagedKVCache(pool) for pool in self.pools]
             for cache, parent in zip(sib.caches, seq.caches, strict=True):
                 cache.share(parent.block_table, P)  # copy on write: a partly filled last page
-                cache.reserve(P + sib.max_new_tokens - 1 - P)
+                cache.reserve(sib.max_new_tokens - 1)  # the last token is never stored
             sib.prefilled = P
         return siblings
 
