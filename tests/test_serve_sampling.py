@@ -216,3 +216,18 @@ def test_health_counts_a_request_of_n_once(client):
     assert _health(url)["running"] == 1
     stream.close()
     assert _idle(url)["running"] == 0
+
+
+def test_n_streamed_chat_choices(client):
+    messages = [{"role": "user", "content": "the river"}]
+    ask = {"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0, "n": 2}
+    whole = client.chat.completions.create(**ask)
+    texts, roles, reasons = ["", ""], [None, None], [None, None]
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        for ch in chunk.choices:
+            texts[ch.index] += ch.delta.content or ""
+            roles[ch.index] = ch.delta.role or roles[ch.index]
+            reasons[ch.index] = ch.finish_reason or reasons[ch.index]
+    assert texts == [c.message.content for c in whole.choices]
+    assert roles == ["assistant"] * 2
+    assert reasons == [c.finish_reason for c in whole.choices]
