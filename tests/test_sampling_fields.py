@@ -449,3 +449,18 @@ def test_stop_may_be_a_set(folder):
     want = free[: free.index(stop)]
     assert list(pl.generate(model, PROMPT, max_new_tokens=6, stop={stop})) == want
     assert list(pl.generate(model, PROMPT, max_new_tokens=6, stop=frozenset({stop}))) == want
+
+
+def test_a_decode_step_penalises_every_row_in_one_call(folder):
+    """Four decoding requests with different penalties (and one with none): one
+    ``apply_penalties`` per step for the whole batch, never one per row."""
+    model = _model(folder, "numpy")
+    gen = BatchGenerator(model, prefill_chunk=64)
+    for o in OPTIONS:
+        gen.add(Request(PROMPT, 6, stop=(), **o))
+    gen.step()  # every prefill and first token
+    assert len(gen._running) == len(OPTIONS)
+    with pl.trace() as t:
+        events = gen.step()
+    assert len(events) == len(OPTIONS)
+    assert len(t.ops("apply_penalties")) == 1
