@@ -447,3 +447,48 @@ def test_unsupported_schema_is_400(client: Any) -> None:
             model="tiny", messages=ASK, response_format=FORMAT, extra_body={"ignore_eos": True}
         )
     assert err.value.body["param"] == "response_format"
+
+
+def test_mistral_calls_through_a_special_token(tmp_path: Any) -> None:
+    """Mistral's format, whose ``[TOOL_CALLS]`` is a special token: a forced call is generated
+    as that token then the JSON array, kept in the text (decoded with special tokens), parsed
+    back into a valid call, whole and streamed."""
+    pytest.importorskip("starlette")
+    openai = pytest.importorskip("openai")
+    from tokenizers import Tokenizer as RustTokenizer
+
+    from portable_llm.serve import create_app
+    from test_serve import serving
+
+    cfg = tiny_config("llama", max_position_embeddings=2048)
+    write_checkpoint(tmp_path, cfg, seed=2)
+    write_tokenizer(tmp_path, vocab_size=cfg["vocab_size"] - 1)
+    tok = RustTokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    tok.add_special_tokens(["[TOOL_CALLS]"])
+    assert tok.get_vocab_size() <= cfg["vocab_size"]
+    tok.save(str(tmp_path / "tokenizer.json"))
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS] "
+        "Answer with [TOOL_CALLS] and a JSON array{% endif %}"
+        "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    m = pl.load(tmp_path, backend="numpy", dtype="float32")
+    special = m.tokenizer.token_id("[TOOL_CALLS]")
+    with serving(create_app(m, model_name="t")) as url:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        ask = {"model": "t", "messages": ASK, "tools": TOOLS, "max_tokens": 400,
+               "tool_choice": "required", "temperature": 0}  # fmt: skip
+        r = c.chat.completions.create(**ask, logprobs=True)
+        assert r.choices[0].finish_reason == "tool_calls"
+        assert r.choices[0].logprobs.content[0].token == "[TOOL_CALLS]"  # the token itself
+        (call,) = r.choices[0].message.tool_calls
+        whole = _valid_call(call, ("weather", "forecast"))
+        chunks = list(c.chat.completions.create(**ask, stream=True))
+        deltas = [t for ch in chunks for t in (ch.choices[0].delta.tool_calls or [])]
+        assert deltas[0].function.name == call.function.name
+        assert json.loads("".join(d.function.arguments or "" for d in deltas)) == whole
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert special is not None
