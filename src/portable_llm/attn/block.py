@@ -90,6 +90,7 @@ def attention(
     temperature: tuple[float, float] | None = None,
     softcap: float | None = None,
     scale: float | None = None,
+    sinks: Any = None,
     offset: Any = 0,
     cache: Any = None,
     left_padding: Any = None,
@@ -145,6 +146,9 @@ def attention(
     temperature : (floor_scale, scale), optional
         Llama 4's attention temperature tuning of a layer without RoPE
         (:func:`~portable_llm.attention_temperature`), at the queries' positions.
+    sinks : array, shape ``(H,)``, optional
+        gpt-oss's attention sinks (HF ``self_attn.sinks``): one logit per query head in every
+        softmax row's denominator, with no value (see :func:`scaled_dot_product_attention`).
     offset : int >= 0 or integer array of shape ``(B,)``
         Position of the first token (per sequence for an array); only RoPE reads it. With a
         cache, positions start at ``cache.offset`` (leave ``offset`` at 0).
@@ -198,12 +202,12 @@ def attention(
             None if n in quantized else w for n, w in zip(names, (wq, wk, wv, wo), strict=True)
         )
     be, arrays = resolve(
-        OP, backend, x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, left_padding, *extra
+        OP, backend, x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, left_padding, sinks, *extra
     )
-    x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, pad = arrays[:11]
+    x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, pad, sinks = arrays[:12]
     if quantized:
         wq, wk, wv, wo = (quantized.get(n, w) for n, w in zip(names, (wq, wk, wv, wo), strict=True))
-    mask = arrays[11] if extra else mask
+    mask = arrays[12] if extra else mask
     check_float(OP, "x", x, be)
     if x.ndim != 3:
         raise ValueError(f"{OP}: x must have shape (B, L, E), got {tuple(x.shape)}")
@@ -235,6 +239,13 @@ def attention(
                 raise ValueError(
                     f"{OP}: {name} must have shape ({D},) (head_dim), got {tuple(nw.shape)}"
                 )
+    if sinks is not None:
+        check_float(OP, "sinks", sinks, be)
+        if tuple(sinks.shape) != (h,):
+            raise ValueError(
+                f"{OP}: sinks must have shape ({h},) (one logit per head, num_heads={h}), got "
+                f"{tuple(sinks.shape)}"
+            )
     if not norm_eps >= 0:  # also rejects NaN
         raise ValueError(f"{OP}: norm_eps must be >= 0, got {norm_eps!r}")
     chunk = int_option(OP, "chunk", chunk, low=1, optional=True)
@@ -250,11 +261,11 @@ def attention(
         )
     # One mixed-precision rule (docs/mixed-precision.md): float weights in x's dtype.
     # A QuantizedWeight keeps its own dtype: quantized_linear computes in x's and returns it.
-    wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm = (
+    wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, sinks = (
         w if isinstance(w, QuantizedWeight) else match_weight(OP, name, w, x, be)
         for name, w in (
             ("wq", wq), ("wk", wk), ("wv", wv), ("wo", wo), ("bq", bq), ("bk", bk), ("bv", bv),
-            ("q_norm", q_norm), ("k_norm", k_norm),
+            ("q_norm", q_norm), ("k_norm", k_norm), ("sinks", sinks),
         )
     )  # fmt: skip
     floats = {"wq": wq, "wk": wk, "wv": wv, "wo": wo}
@@ -270,6 +281,7 @@ def attention(
         wq=wq, wk=wk, wv=wv, wo=wo, bq=bq, bk=bk, bv=bv, bo=None, q_norm=q_norm, k_norm=k_norm,
         window=window, num_heads=h, num_kv_heads=h_kv, head_dim=D, norm_eps=norm_eps,
         rope=rope is not None, qk_l2_norm=bool(qk_l2_norm), temperature=temperature, chunk=chunk,
+        sinks=sinks,
     )  # fmt: skip
     state = _CallState(be, impl, rope, offset, rows, cache, pad, mask, softcap, scale, block_size)
     kernels = Kernels(be, "portable" if impl == "tiled" else impl)
@@ -302,6 +314,7 @@ class AttnWeights:
     qk_l2_norm: bool = False  # Llama 4: weightless RMS norm of q and k heads, after RoPE
     temperature: tuple[float, float] | None = None  # Llama 4: (floor_scale, attn_scale)
     chunk: int | None = None  # Llama 4: attention_chunk_size of a chunked_attention layer
+    sinks: Any = None  # (H,) or None: gpt-oss's per-head sink logits (x's dtype)
 
 
 class AttentionState(Protocol):
@@ -315,11 +328,13 @@ class AttentionState(Protocol):
 
     def attend(
         self, kn: Any, i: int, q: Array, k: Array, v: Array, window: int | None,
-        chunk: int | None = None,
+        chunk: int | None = None, *, sinks: Array | None = None,
     ) -> Array:  # fmt: skip
         """Layer ``i``'s attention of ``q`` over the new keys and values ``(B, H_kv, L, D)``
         (after RoPE) and what came before them: ``(B, H, L, D)``; ``chunk``: Llama 4's chunked
-        attention (the one visibility rule's ``chunk``)."""
+        attention (the one visibility rule's ``chunk``); ``sinks`` ``(H,)``: gpt-oss's attention
+        sinks (:func:`~portable_llm.scaled_dot_product_attention`'s ``sinks``; the body passes
+        it only to a layer that has them)."""
         ...
 
     def positions(self) -> Any:
@@ -359,7 +374,10 @@ def attention_body(
         k = kn.rms_norm(xp, k, None, eps=w.norm_eps)
     if w.temperature is not None:  # Llama 4's no-RoPE layers: q scaled by its position
         q = temperature_body(xp, q, state.positions(), *w.temperature)
-    o = state.attend(kn, i, q, k, v, w.window, w.chunk)  # (B, H, L, D)
+    if w.sinks is None:
+        o = state.attend(kn, i, q, k, v, w.window, w.chunk)  # (B, H, L, D)
+    else:  # gpt-oss
+        o = state.attend(kn, i, q, k, v, w.window, w.chunk, sinks=w.sinks)
     o = xp.reshape(xp.permute_dims(o, (0, 2, 1, 3)), (B, L, H * D))  # (B, L, H*D)
     o = kn.project(xp, o, w.wo, None)  # (B, L, E_out)
     return o if w.bo is None else o + w.bo
@@ -393,7 +411,7 @@ class _CallState:
 
     def attend(
         self, kn: Any, i: int, q: Array, k: Array, v: Array, window: int | None,
-        chunk: int | None = None,
+        chunk: int | None = None, *, sinks: Array | None = None,
     ) -> Array:  # fmt: skip
         be, xp, mask = self.be, self.be.xp, self.mask
         if self.cache is not None or self.pad is not None or chunk is not None:
@@ -403,6 +421,6 @@ class _CallState:
             )
         args, opts = sdpa_args(
             OP, be, q, k, v, mask, scale=self.scale, window=window, softcap=self.softcap,
-            block_size=self.block_size,
+            block_size=self.block_size, sinks=sinks,
         )  # fmt: skip
         return pick(be, SDPA, self.impl, *args, **opts)(xp, *args, **opts)  # (B, H, L, D)

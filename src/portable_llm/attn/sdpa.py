@@ -25,6 +25,8 @@ __all__ = [
     "scaled_dot_product_attention",
     "sdpa_args",
     "sdpa_direct",
+    "sink_rows",
+    "sink_step",
     "softmax_finish",
     "tiled_block",
     "tiled_finish",
@@ -104,6 +106,27 @@ def softmax_finish(xp: Any, acc: Any, total: Any, q: Any) -> Any:
     return xp.astype(xp.reshape(out, q.shape), q.dtype)  # (B.., H, L, D)
 
 
+def sink_rows(xp: Any, sinks: Any, grid: tuple[int, ...], dtype: Any) -> Any:
+    """gpt-oss's per-head sink logits ``(H,)`` as one logit per grouped query row,
+    ``(H_kv, G*L, 1)`` in ``dtype`` (broadcasts against the batch axes)."""
+    *_, h_kv, g, n_q = grid
+    s = xp.reshape(xp.astype(sinks, dtype), (h_kv, g, 1))  # (H_kv, G, 1)
+    s = xp.broadcast_to(s, (h_kv, g, n_q))  # (H_kv, G, L)
+    return xp.reshape(s, (h_kv, g * n_q, 1))  # (H_kv, G*L, 1)
+
+
+def sink_step(xp: Any, run_max: Any, total: Any, acc: Any, sink: Any) -> tuple[Any, Any]:
+    """The attention sink as one more online-softmax step: a key of score ``sink`` whose value
+    is zero, so it joins the denominator ``total`` and adds nothing to ``acc``:
+    ``softmax([scores, sink])[:-1]``. ``run_max``: the row max so far (``-inf`` or any finite
+    value below it where no key was seen). Returns ``(total, acc)``; neither overflows, whatever
+    the sink (every exponent is ``<= 0``)."""
+    new_max = xp.maximum(run_max, sink)
+    shift = xp.where(new_max == -math.inf, 0.0, new_max)  # a sink of -inf and no key: 0 / 0
+    alpha = xp.exp(run_max - shift)
+    return alpha * total + xp.exp(sink - shift), alpha * acc
+
+
 def _prepare(xp: Any, q: Any, k: Any, mask: Any, scale: float) -> tuple[Any, Any, tuple[int, ...]]:
     qg, mask, grid = _group(xp, q, k, mask)
     qg = xp.astype(qg, float_compute_dtype(xp, q.dtype)) * scale
@@ -117,17 +140,23 @@ def sdpa_direct(
     k: Any,
     v: Any,
     mask: Any,
+    sinks: Any = None,
     *,
     opts: SdpaOptions,
 ) -> Any:
     """The portable attention in one step (all ``S`` keys' scores at once): ``(B.., H, L, D)``
-    in q's dtype, accumulated in float32 (float64 for float64)."""
+    in q's dtype, accumulated in float32 (float64 for float64); ``sinks`` ``(H,)``: the
+    attention sinks (:func:`sink_step`)."""
     qg, mask, grid = _prepare(xp, q, k, mask, opts.scale)
     shift = q.shape[-2] - k.shape[-2]  # key 0 minus query 0's position: L - S
     s = _block_scores(xp, qg, k, mask, shift, grid=grid, opts=opts)
-    p = xp.exp(s - _safe_max(xp, s))  # (B.., H_kv, G*L, S)
+    m = _safe_max(xp, s)
+    p = xp.exp(s - m)  # (B.., H_kv, G*L, S)
     total = xp.sum(p, axis=-1, keepdims=True)
-    return softmax_finish(xp, xp.matmul(p, xp.astype(v, qg.dtype, copy=False)), total, q)
+    acc = xp.matmul(p, xp.astype(v, qg.dtype, copy=False))  # (B.., H_kv, G*L, D)
+    if sinks is not None:
+        total, acc = sink_step(xp, m, total, acc, sink_rows(xp, sinks, grid, qg.dtype))
+    return softmax_finish(xp, acc, total, q)
 
 
 # The tiled path is a Python loop over key blocks, so it is not one compiled program: JAX would
@@ -172,6 +201,14 @@ def tiled_block(
     return new_max, total, acc
 
 
+@portable(_TILED, "sink", pure=True)
+def _tiled_sink(
+    xp: Any, run_max: Any, total: Any, acc: Any, sinks: Any, *, grid: tuple[int, ...]
+) -> tuple[Any, Any]:
+    """The sinks as the tiled path's last online-softmax step (:func:`sink_step`)."""
+    return sink_step(xp, run_max, total, acc, sink_rows(xp, sinks, grid, acc.dtype))
+
+
 @portable(_TILED, "finish", pure=True)
 def tiled_finish(xp: Any, acc: Any, total: Any, q: Any) -> Any:
     """The tiled path's last step: :func:`softmax_finish` of the running state."""
@@ -185,14 +222,16 @@ def _sdpa_tiled(
     k: Any,
     v: Any,
     mask: Any,
+    sinks: Any = None,
     *,
     opts: SdpaOptions,
 ) -> Any:
     """Flash-attention's online softmax over key blocks: memory O(G*L x block_size) per head.
 
     Per block: ``m' = max(m, rowmax(s))``, ``a = exp(m - m')``, ``p = exp(s - m')``,
-    ``total = a * total + rowsum(p)``, ``acc = a * acc + p @ v_block``; at the end
-    ``acc / total``. Blocks that no query can see (left of every sliding window) are skipped.
+    ``total = a * total + rowsum(p)``, ``acc = a * acc + p @ v_block``; the sinks (if any) one
+    more step of one key of value 0; at the end ``acc / total``. Blocks that no query can see
+    (left of every sliding window) are skipped.
     """
     bk = backend_of(q)  # q is an array: never None
     assert bk is not None
@@ -210,11 +249,13 @@ def _sdpa_tiled(
         run_max, total, acc = block_fn(
             xp, qg, kb, vb, mb, run_max, total, acc, start - (S - L), grid=grid, opts=step
         )
+    if sinks is not None:
+        total, acc = pick(bk, _TILED, "sink")(xp, run_max, total, acc, sinks, grid=grid)
     return finish_fn(xp, acc, total, q)
 
 
 @auto_portable(OP)
-def _auto(q: Any, k: Any, v: Any, mask: Any, **options: Any) -> str:
+def _auto(q: Any, k: Any, v: Any, mask: Any, sinks: Any = None, **options: Any) -> str:
     return "tiled" if q.shape[-2] * k.shape[-2] >= TILED_MIN_SCORES else "portable"
 
 
@@ -228,6 +269,7 @@ def scaled_dot_product_attention(
     mask: Any = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: Any = None,
     block_size: int = 256,
     impl: str = "auto",
     backend: str | None = None,
@@ -252,6 +294,12 @@ def scaled_dot_product_attention(
     softcap : float, > 0, optional
         Gemma-2's cap, applied to the scaled scores before the mask:
         ``softcap * tanh(scores / softcap)``.
+    sinks : array, shape ``(H,)``, float dtype, optional
+        gpt-oss's attention sinks: one learned logit per query head that joins every softmax
+        row's denominator and takes no value, ``softmax([scores, sinks[h]])[:-1] @ v``: the
+        weights of a row sum to less than 1. Cast to q's dtype (the mixed-precision rule), then
+        used in float32. A sink of ``-inf`` is plain attention. Native kernels that cannot
+        take sinks (torch's, JAX's) are not chosen; MLX's takes them.
     block_size : int, >= 1
         Keys per block of ``impl="tiled"`` (ignored by the other paths).
     impl : {"auto", "portable", "tiled", "native"}
@@ -270,12 +318,13 @@ def scaled_dot_product_attention(
         every backend; ``S = 0`` (no keys) is a ValueError.
     """
     arrays = (q, k, v) if isinstance(mask, str) or mask is None else (q, k, v, mask)
-    bk, arrays = resolve(OP, backend, *arrays)
+    bk, (*arrays, sinks) = resolve(OP, backend, *arrays, sinks)
     q, k, v = arrays[:3]
     mask = arrays[3] if len(arrays) == 4 else mask
     args, opts = sdpa_args(
-        OP, bk, q, k, v, mask, scale=scale, window=window, softcap=softcap, block_size=block_size
-    )
+        OP, bk, q, k, v, mask, scale=scale, window=window, softcap=softcap, sinks=sinks,
+        block_size=block_size,
+    )  # fmt: skip
     fn = pick(bk, OP, impl, *args, **opts)
     if empty(q):  # L, H, D or a batch dim is 0: nothing to compute
         return bk.xp.zeros(q.shape, dtype=q.dtype, device=bk.device_of(q))

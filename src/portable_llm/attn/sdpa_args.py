@@ -2,7 +2,9 @@
 
 :func:`sdpa_args` turns the public arguments into the ``(arrays, options)`` every
 implementation (portable, tiled, native) is called with: ``fn(xp, q, k, v, mask, opts=o)``,
-``o`` one :class:`SdpaOptions`.
+``o`` one :class:`SdpaOptions`; a call with attention sinks has a fifth array, ``fn(xp, q, k,
+v, mask, sinks, opts=o)``, and so does each kernel's ``applies`` (a kernel that cannot take
+sinks refuses them there).
 """
 
 from __future__ import annotations
@@ -13,13 +15,20 @@ from typing import Any
 
 from portable_llm.attn.visibility import visible, zero_unseen
 from portable_llm.backends import Backend
-from portable_llm.core.checks import check_float, check_int, check_real, check_same_dtype
+from portable_llm.core.checks import (
+    check_float,
+    check_int,
+    check_real,
+    check_same_dtype,
+    match_weight,
+)
 from portable_llm.core.types import Array
 
 __all__ = [
     "OP",
     "SdpaOptions",
     "check_sdpa",
+    "check_sinks",
     "check_window",
     "int_option",
     "real_option",
@@ -180,8 +189,10 @@ def sdpa_args(
     window: Any,
     softcap: Any,
     block_size: Any,
+    sinks: Any = None,
 ) -> tuple[tuple[Any, ...], dict[str, SdpaOptions]]:
-    """The ``(arrays, {"opts": SdpaOptions})`` every implementation of the op is called with.
+    """The ``(arrays, {"opts": SdpaOptions})`` every implementation of the op is called with:
+    ``(q, k, v, mask)``, and ``sinks`` (in q's dtype) fifth when given.
 
     An array mask of fewer than 2 dimensions (``(S,)``: one row for every query) is given the
     query axis, ``(1, S)``: the NumPy broadcasting the docs promise, which fused kernels do not
@@ -199,6 +210,7 @@ def sdpa_args(
     scale = check_sdpa(op, bk, q, k, v, mask, causal=causal, scale=scale)
     if mask is not None and mask.ndim < 2:
         mask = bk.xp.reshape(mask, (1,) * (2 - mask.ndim) + _shape(mask))  # (S,) -> (1, S)
+    arrays = (q, k, v, mask) if sinks is None else (q, k, v, mask, check_sinks(op, bk, sinks, q))
     opts = SdpaOptions(
         scale=scale,
         causal=causal,
@@ -206,4 +218,16 @@ def sdpa_args(
         softcap=softcap,
         block_size=block_size,
     )
-    return (q, k, v, mask), {"opts": opts}
+    return arrays, {"opts": opts}
+
+
+def check_sinks(op: str, bk: Backend, sinks: Any, q: Any) -> Any:
+    """``sinks`` ``(H,)`` (one logit per query head of ``q`` ``(B.., H, L, D)``) in q's dtype."""
+    check_float(op, "sinks", sinks, bk)
+    h = _shape(q)[-3]
+    if _shape(sinks) != (h,):
+        raise ValueError(
+            f"{op}: sinks must have shape ({h},) (one logit per query head H of q "
+            f"{_shape(q)}), got {_shape(sinks)}"
+        )
+    return match_weight(op, "sinks", sinks, q, bk)

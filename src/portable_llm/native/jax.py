@@ -65,8 +65,8 @@ def _platform(x: Any) -> str:
         return str(jax.default_backend())
 
 
-def _sdpa_applies(q: Any, k: Any, v: Any, mask: Any, *, opts: Any) -> bool:
-    if opts.softcap is not None:  # no score hook
+def _sdpa_applies(q: Any, k: Any, v: Any, mask: Any, sinks: Any = None, *, opts: Any) -> bool:
+    if opts.softcap is not None or sinks is not None:  # no score hook, no sink logit
         return False
     if q.dtype == _F64:  # it takes the softmax in float32: 1.8e-7 error, beyond float64's tolerance
         return False

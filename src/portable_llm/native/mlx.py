@@ -57,8 +57,23 @@ def linear(xp: Any, x: Any, weight: Any, bias: Any = None) -> Any:
 _HALF = (mx.float16, mx.bfloat16)
 
 
-def _sdpa_applies(q: Any, k: Any, v: Any, mask: Any, *, opts: Any) -> bool:
+def _probe_sinks() -> bool:
+    """Whether ``mx.fast.scaled_dot_product_attention`` takes ``sinks=`` (MLX >= 0.29)."""
+    t = mx.zeros((1, 1, 1, 1))
+    try:
+        mx.fast.scaled_dot_product_attention(t, t, t, scale=1.0, sinks=mx.zeros((1,)))
+    except TypeError:
+        return False
+    return True
+
+
+_HAS_SINKS = _probe_sinks()
+
+
+def _sdpa_applies(q: Any, k: Any, v: Any, mask: Any, sinks: Any = None, *, opts: Any) -> bool:
     if opts.softcap is not None:  # no score hook in the fused kernel
+        return False
+    if sinks is not None and not _HAS_SINKS:
         return False
     if q.dtype in _HALF and mx.default_device() == mx.cpu:
         # On the CPU it computes the scores in q's dtype (as HF's eager attention does): at
@@ -86,6 +101,7 @@ def scaled_dot_product_attention(
     k: Any,
     v: Any,
     mask: Any,
+    sinks: Any = None,
     *,
     opts: Any,
 ) -> Any:
@@ -98,7 +114,9 @@ def scaled_dot_product_attention(
         attn: Any = "causal"  # MLX's "causal" is bottom-right aligned, as ours
     else:
         attn = opts.combined_mask(xp, mask, L, S, None)
-    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=opts.scale, mask=attn)
+    # The sinks (H,) join each row's softmax in the kernel, as sdpa_direct's sink_step does.
+    extra = {} if sinks is None else {"sinks": sinks}
+    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=opts.scale, mask=attn, **extra)
     if mask is not None:  # rows that see no key: MLX gives NaN or a mean; ours are zeros
         out = opts.zero_unseen(xp, out, attn)
     return out.reshape(shape)

@@ -189,8 +189,8 @@ def _probe_enable_gqa() -> bool:
 _HAS_GQA = _probe_enable_gqa()
 
 
-def _sdpa_applies(q: Any, k: Any, v: Any, mask: Any, *, opts: Any) -> bool:
-    if opts.softcap is not None:  # no score hook in the fused kernel
+def _sdpa_applies(q: Any, k: Any, v: Any, mask: Any, sinks: Any = None, *, opts: Any) -> bool:
+    if opts.softcap is not None or sinks is not None:  # no score hook, no sink logit
         return False
     if mask is not None and mask.dtype != torch.bool and mask.dtype != q.dtype:
         return False  # torch would round an additive mask to q's dtype

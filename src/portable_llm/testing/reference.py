@@ -144,8 +144,12 @@ def scaled_dot_product_attention(
     mask: str | np.ndarray | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: np.ndarray | None = None,
 ) -> np.ndarray:
-    """softmax(q k^T * scale + mask) v, with K/V repeated to q's heads; no-key rows are 0."""
+    """softmax(q k^T * scale + mask) v, with K/V repeated to q's heads; no-key rows are 0.
+
+    ``sinks`` ``(H,)`` (gpt-oss): head h's row is ``softmax([scores, sinks[h]])[:-1] @ v``, the
+    sink one more logit in the denominator with no value."""
     q, k, v = _f64(q), _f64(k), _f64(v)
     h, L, d = q.shape[-3:]
     S = k.shape[-2]
@@ -170,13 +174,15 @@ def scaled_dot_product_attention(
     flat_a = np.broadcast_to(allowed, scores.shape).reshape(flat_s.shape)
     flat_v = v.reshape(-1, S, v.shape[-1])
     flat_o = out.reshape(-1, L, d)
+    sink = np.full(h, -np.inf) if sinks is None else _f64(sinks)
     for n in range(flat_s.shape[0]):
         for i in range(L):
             seen = flat_a[n, i]
             if not seen.any():
-                continue  # a query that sees no key returns zeros
-            w = np.exp(flat_s[n, i, seen] - flat_s[n, i, seen].max())
-            flat_o[n, i] = (w / w.sum()) @ flat_v[n, seen]
+                continue  # a query that sees no key returns zeros (with a sink too: no value)
+            logits = np.append(flat_s[n, i, seen], sink[n % h])  # the row's scores, its sink
+            w = np.exp(logits - logits.max())
+            flat_o[n, i] = (w[:-1] / w.sum()) @ flat_v[n, seen]
     return out
 
 
@@ -205,6 +211,7 @@ def attention(
     chunk: int | None = None,
     qk_l2_norm: bool = False,
     temperature: tuple[float, float] | None = None,
+    sinks: np.ndarray | None = None,
 ) -> np.ndarray:
     """The attention block: project, split heads, q/k RMSNorm, RoPE, attention, merge, project.
 
@@ -212,6 +219,7 @@ def attention(
     positions are ``offset + l``, ``offset`` an int or one per sequence ``(B,)``. Llama 4:
     ``chunk`` (chunked causal mask, ``mask="causal"`` and an int offset of 0), ``qk_l2_norm``
     (weightless RMS norm after RoPE), ``temperature`` ``(floor_scale, scale)`` (int offset).
+    gpt-oss: ``sinks`` ``(H,)`` (see :func:`scaled_dot_product_attention`).
     """
     b, L, E = np.shape(x)
     d = head_dim or E // num_heads
@@ -236,7 +244,7 @@ def attention(
         q = attention_temperature(q, int(offset) + np.arange(L), *temperature)
     if chunk is not None:
         mask = causal_mask(L, L, window, chunk)
-    o = scaled_dot_product_attention(q, k, v, mask=mask, window=window)  # (B, H, L, d)
+    o = scaled_dot_product_attention(q, k, v, mask=mask, window=window, sinks=sinks)
     return linear(o.transpose(0, 2, 1, 3).reshape(b, L, num_heads * d), wo)
 
 
