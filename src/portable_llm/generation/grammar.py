@@ -189,17 +189,18 @@ def grammar_of(response_format: Any, /) -> Grammar | None:
 
 
 class Constraint:
-    """One sequence kept inside a grammar: :meth:`allowed` takes the ids the sequence has
-    generated so far (the matcher accepts the new ones) and gives the mask of the next."""
+    """One sequence kept inside a grammar: :meth:`allowed` takes the sequence's ids so far,
+    whose generated ones begin at ``start`` (the matcher accepts those it has not seen), and
+    gives the mask of the next."""
 
     def __init__(self, matcher: Matcher) -> None:
         self.matcher = matcher
         self.seen = 0  # generated ids the matcher accepted
 
-    def allowed(self, generated: Sequence[int], /) -> np.ndarray:
-        for token in generated[self.seen :]:
-            self.matcher.accept(int(token))
-        self.seen = len(generated)
+    def allowed(self, ids: Sequence[int], /, *, start: int = 0) -> np.ndarray:
+        for i in range(start + self.seen, len(ids)):
+            self.matcher.accept(int(ids[i]))
+        self.seen = len(ids) - start
         return self.matcher.allowed()
 
 
@@ -234,7 +235,7 @@ def constrained_logits(matchers: Sequence[Matcher], /) -> Callable[[Any, Array],
             prompts.extend(len(row) for row in tokens)
         if len(tokens) != len(rows):
             raise ValueError(f"constrained_logits: {len(rows)} matchers for {len(tokens)} rows")
-        masks = [c.allowed(list(row)[p:]) for c, row, p in zip(rows, tokens, prompts, strict=True)]
+        masks = [c.allowed(row, start=p) for c, row, p in zip(rows, tokens, prompts, strict=True)]
         return mask_logits(logits, masks)
 
     return processor
