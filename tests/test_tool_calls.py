@@ -154,6 +154,32 @@ def test_stream_sends_arguments_as_they_come() -> None:
     assert stream.calls[0].id == head.id
 
 
+ARGS = '{"text": "a } \\" {", "n": [1, {"m": 2}]}'
+STREAMED = [
+    ("hermes", f'<tool_call>\n{{"name": "note", "arguments": {ARGS}}}\n</tool_call>'),
+    ("llama3_json", f'{{"name": "note", "parameters": {ARGS}}}'),
+    ("mistral", f'[TOOL_CALLS][{{"name": "note", "arguments": {ARGS}}}]'),
+    ("mistral", f"[TOOL_CALLS]note[ARGS]{ARGS}"),
+]
+
+
+@pytest.mark.parametrize("name, text", STREAMED)
+def test_every_json_format_streams_its_arguments(name: str, text: str) -> None:
+    """Fed one character at a time, each JSON format sends the call's head as soon as the
+    ``{`` of its arguments is there, then its arguments as they come (the model's own text)."""
+    stream = ToolCallStream(tool_parser(name))
+    deltas = []
+    for i, ch in enumerate(text):
+        _, d = stream.feed(ch)
+        deltas += [(i, x) for x in d]
+    deltas += [(len(text), x) for x in stream.feed("", final=True)[1]]
+    head_at = next(i for i, d in deltas if d.id is not None)
+    assert head_at == text.index(ARGS)  # the arguments' "{"
+    pieces = [d.arguments for _, d in deltas if d.id is None]
+    assert "".join(pieces) == ARGS == stream.calls[0].arguments
+    assert len(pieces) > len(ARGS) // 2  # piece by piece, not at the end
+
+
 def test_stream_holds_back_what_may_begin_a_call() -> None:
     stream = ToolCallStream(tool_parser("hermes"))
     assert stream.feed("Hi <tool") == ("Hi ", [])

@@ -87,9 +87,7 @@ class ToolCallDelta:
 
 #: A call's JSON up to its arguments' value: ``{"name": "...", "arguments": `` (or
 #: ``"parameters"``); group 1 the name as a JSON string.
-_HEAD = re.compile(
-    r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*'
-)
+_HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 
 
 def _raw_call(text: str, start: int = 0) -> ToolCall | None:
@@ -117,8 +115,14 @@ def _open_arguments(text: str, start: int = 0) -> tuple[str, str] | None:
     head = _HEAD.match(text, start)
     if head is None or not text.startswith("{", head.end()):
         return None
+    return json.loads(head.group(1)), _object_so_far(text, head.end())
+
+
+def _object_so_far(text: str, start: int) -> str:
+    """The JSON object (or array) that begins at ``text[start]``, as far as it goes: up to its
+    closing bracket, else to the end of ``text`` (brackets inside strings do not count)."""
     depth, in_string, escaped = 0, False, False
-    for i in range(head.end(), len(text)):
+    for i in range(start, len(text)):
         c = text[i]
         if escaped:
             escaped = False
@@ -131,8 +135,8 @@ def _open_arguments(text: str, start: int = 0) -> tuple[str, str] | None:
         elif c in "}]":
             depth -= 1
             if depth == 0:
-                return json.loads(head.group(1)), text[head.end() : i + 1]
-    return json.loads(head.group(1)), text[head.end() :]
+                return text[start : i + 1]
+    return text[start:]
 
 
 def _call(obj: Any, arguments_key: str = "arguments") -> ToolCall | None:
@@ -330,24 +334,61 @@ class MistralParser(ToolParser):
     def calls(self, text: str) -> tuple[list[ToolCall], bool]:
         out: list[ToolCall] = []
         for part in text.split("[TOOL_CALLS]")[1:]:
-            body = part.strip()
-            if body.startswith("["):  # a JSON array of calls
-                values, whole = _json_objects(body)
-                items = values[0] if values and isinstance(values[0], list) else []
-                calls = [_call(v) for v in items]
-                done = whole and len(values) == 1 and bool(items)
-            else:  # name[ARGS]{...}
-                name, sep, args = body.partition("[ARGS]")
-                values, done = _json_objects(args)
-                ok = sep and name.strip() and len(values) == 1
-                calls = [_call({"name": name.strip(), "arguments": values[0]})] if ok else []
-                done = done and bool(ok)
-            if not calls or any(c is None for c in calls):
-                return out, False
-            out += [c for c in calls if c is not None]
+            calls, done, _ = _mistral_segment(part)
+            out += calls
             if not done:
                 return out, False
         return out, bool(out)
+
+    def pending(self, text: str, done: int) -> tuple[str, str] | None:
+        parts = text.split("[TOOL_CALLS]")[1:]
+        before = sum(len(_mistral_segment(p)[0]) for p in parts[:-1])
+        if not parts:
+            return None
+        calls, _, opened = _mistral_segment(parts[-1])
+        return opened if before + len(calls) == done else None
+
+
+def _mistral_segment(text: str) -> tuple[list[ToolCall], bool, tuple[str, str] | None]:
+    """What follows one ``[TOOL_CALLS]``: its complete calls, whether it is complete and well
+    formed, and the call in progress (name, arguments so far) if any."""
+    i = len(text) - len(text.lstrip())
+    if text.startswith("[", i):  # a JSON array of calls
+        return _mistral_array(text, i + 1)
+    name, sep, _ = text.partition("[ARGS]")  # name[ARGS]{...}
+    if not sep or not name.strip():
+        return [], False, None
+    start = len(name) + len(sep)
+    start += len(text[start:]) - len(text[start:].lstrip())
+    try:
+        args, end = json.JSONDecoder().raw_decode(text, start)
+    except ValueError:
+        opened = text.startswith("{", start)
+        return [], False, (name.strip(), _object_so_far(text, start)) if opened else None
+    if not isinstance(args, dict) or text[end:].strip():
+        return [], False, None
+    call = ToolCall(name.strip(), text[start:end], "call_" + uuid.uuid4().hex[:24])
+    return [call], True, None
+
+
+def _mistral_array(text: str, i: int) -> tuple[list[ToolCall], bool, tuple[str, str] | None]:
+    """The calls of ``[{...}, {...}]`` from ``text[i]`` (just past the ``[``)."""
+    decoder = json.JSONDecoder()
+    calls: list[ToolCall] = []
+    while True:
+        while i < len(text) and (text[i].isspace() or (text[i] == "," and calls)):
+            i += 1
+        if text.startswith("]", i):
+            return calls, bool(calls) and not text[i + 1 :].strip(), None
+        try:
+            value, end = decoder.raw_decode(text, i)
+        except ValueError:
+            return calls, False, _open_arguments(text, i)
+        call = _raw_call(text, i) or _call(value)
+        if call is None:
+            return calls, False, None
+        calls.append(call)
+        i = end
 
 
 class Llama3JsonParser(ToolParser):
