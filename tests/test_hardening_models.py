@@ -294,6 +294,19 @@ def test_k_quant_past_float16_is_refused_kept_or_not(
     assert bool(np.isfinite(pl.to_numpy(w).astype(np.float32)).all())
 
 
+def test_k_quant_past_float16_is_refused_per_rank(tmp_path: Path, monkeypatch: Any) -> None:
+    """A partitioned load reads each rank's blocks (``GGUFSlices``): cast to float16, the
+    blocks read are refused by the same rule, kept or as floats."""
+    from portable_llm.checkpoint.gguf import GGUFSlices
+
+    file, words = _k_quant_file(tmp_path, monkeypatch, 65504.0)
+    name = "model.layers.0.mlp.down_proj.weight"
+    for keep in (True, False):
+        with pytest.raises(CheckpointError, match=re.escape(words)):
+            GGUFSlices(file, keep=keep, float16=True).read(name, (slice(0, 16),))
+        assert GGUFSlices(file, keep=keep).read(name, (slice(0, 16),)) is not None  # float32
+
+
 def dequantize_weight(w: Any) -> Any:
     return dequantize(w) if isinstance(w, pl.QuantizedWeight) else w
 

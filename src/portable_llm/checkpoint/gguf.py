@@ -192,10 +192,12 @@ class GGUFSlices:
     maps each HF name to its full shape (checked as :func:`read_gguf` checks them);
     ``touched`` counts the bytes of the blocks read; ``size`` is the file's.
     A slice of a matrix's columns must hold whole blocks (32 values, 256 for K-quants).
+    ``float16``: the reader casts to float16, so the blocks read are refused where float16
+    cannot hold them, as :func:`read_gguf` refuses them (a ``CheckpointError``).
     """
 
-    def __init__(self, path: str | Path, /, *, keep: bool = False) -> None:
-        self.file, self.keep = Path(path), keep
+    def __init__(self, path: str | Path, /, *, keep: bool = False, float16: bool = False) -> None:
+        self.file, self.keep, self.float16 = Path(path), keep, float16
         meta, self.tensors, self.config = _open(self.file)
         self.names, self.parts = _check(self.file, self.config, self.tensors)
         self.shapes = expected_shapes(self.config)
@@ -227,6 +229,8 @@ class GGUFSlices:
         index = tuple(index) + (slice(None),) * (len(shape) - len(index))
         if len(shape) != 2:
             self.touched += blocks.nbytes
+            if self.float16:
+                _check_float16(self.file, t, kind, blocks)
             host = dequantize_blocks(kind, blocks).reshape(shape)[part]
             return _unstored(name, self.config, host)[index]
         (N, K), per = shape, BLOCK_SIZES[kind][0]
@@ -242,6 +246,8 @@ class GGUFSlices:
             )
         held = blocks.reshape(N, K // per, -1)[rows, c0 // per : c1 // per]  # reads these only
         self.touched += held.nbytes
+        if self.float16:  # the rank's blocks: each rank checks what it holds
+            _check_float16(self.file, t, kind, held.reshape(-1, held.shape[-1]))
         fmt = self.quantized(name)
         if fmt is not None:  # kept quantized: the codes of whole groups
             q, scales, biases = affine_parts(kind, held.reshape(-1, held.shape[-1]))

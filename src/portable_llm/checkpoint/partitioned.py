@@ -58,9 +58,10 @@ def read_partitioned(
     source = Path(path)
     deq = options.dequantize
     if source.suffix == ".gguf" and not source.is_dir():
-        gguf = GGUFSlices(source, keep=deq is not True)  # True: llama.cpp's floats
-        engine.plans(gguf.config, gguf.column_block)  # a bad group fails before any read
         bk, target, dev = options.placement("float32")
+        float16 = bk.dtype_name(target) == "float16"  # blocks float16 cannot hold: refused
+        gguf = GGUFSlices(source, keep=deq is not True, float16=float16)  # True: floats
+        engine.plans(gguf.config, gguf.column_block)  # a bad group fails before any read
         return _build(engine, gguf, gguf, bk, target, dev, gguf.size, gguf.column_block, deq)
     if not source.is_dir():
         raise FileNotFoundError(f"load: {str(path)!r} is not a folder")
