@@ -58,8 +58,11 @@ from portable_llm.generation.prompt import prompt_ids, stop_ids
 from portable_llm.generation.protocol import (
     LanguageModel,
     PagedLanguageModel,
+    check_logits,
     check_model,
+    check_page_pools,
     check_paged_model,
+    num_layers,
 )
 from portable_llm.generation.sampler import Sampler
 from portable_llm.ops.sampling import greedy
@@ -229,7 +232,8 @@ class BatchGenerator:
         pages = fixed if fixed is not None else self.max_batch * math.ceil(256 / page_size)
         self.pools: list[PagePool] = []
         if self._paged is not None:
-            self.pools = self._paged.make_page_pools(pages, page_size)
+            pools = self._paged.make_page_pools(pages, page_size)
+            self.pools = check_page_pools(OP, model, pools, num_layers(model), page_size)
         self._lock = threading.Lock()  # guards the queue and the request ids
         self._owner: int | None = None  # the thread that steps the requests holding caches
         self._stepping = False  # a step() runs
@@ -472,14 +476,20 @@ class BatchGenerator:
     def _forward(self, seqs: list[_Seq], chunks: list[list[int]], *, logits: bool = True) -> Any:
         """Logits ``(B, V)`` of each row's last position after its ``chunks[b]``; ``None``
         when not ``logits``."""
+        V = self.model.vocab_size
         if self._paged is not None:
-            return self._paged.forward_paged(chunks, caches=[s.caches for s in seqs], logits=logits)
+            out = self._paged.forward_paged(chunks, caches=[s.caches for s in seqs], logits=logits)
+            if not logits:
+                return None
+            return check_logits(OP, self.model, out, (len(seqs), V), "forward_paged")
         rows = [
-            self.model(np.asarray([chunk], dtype=np.int64), cache=s.caches, last_only=True)[
-                :, -1, :
-            ]
+            check_logits(
+                OP, self.model,
+                self.model(np.asarray([chunk], dtype=np.int64), cache=s.caches, last_only=True),
+                (1, None, V), "__call__",
+            )[:, -1, :]
             for s, chunk in zip(seqs, chunks, strict=True)
-        ]  # each (1, V)
+        ]  # each (1, V)  # fmt: skip
         if not logits:
             return None
         if len(rows) == 1:

@@ -21,7 +21,7 @@ from portable_llm.core.checks import check_int, check_optional_int, check_real
 from portable_llm.generation.grammar import constrained_logits, grammar_engine, grammar_of
 from portable_llm.generation.penalties import Penalties
 from portable_llm.generation.prompt import is_text_batch, prompt_ids, sampling_options, stop_ids
-from portable_llm.generation.protocol import LanguageModel, check_model, num_layers
+from portable_llm.generation.protocol import LanguageModel, check_cache_list, check_model
 from portable_llm.generation.sampler import (
     LogitsProcessor,
     Sampler,
@@ -207,19 +207,7 @@ def generate(
     if prompt_cache is not None and batch:
         raise ValueError("generate: prompt_cache is for one prompt, not a batch")
     if prompt_cache is not None:
-        layers = num_layers(model)
-        if not isinstance(prompt_cache, list | tuple) or len(prompt_cache) != layers:
-            got = len(prompt_cache) if isinstance(prompt_cache, list | tuple) else prompt_cache
-            raise ValueError(
-                f"generate: prompt_cache must hold one cache per layer ({layers}, from "
-                f"model.make_cache()), got {got!r}"
-            )
-        empty = [i for i, c in enumerate(prompt_cache) if c is None]
-        if empty:
-            raise TypeError(
-                f"generate: prompt_cache holds None at {empty}; give the caches of "
-                "model.make_cache()"
-            )
+        prompt_cache = check_cache_list(OP, "prompt_cache", prompt_cache, model)
     chunk = check_prefill_step_size(OP, prefill_step_size)
     stats = GenerationStats(prompt_tokens=sum(len(r) for r in rows))
     run = _Run(model, make_sampler(**options, seed=seed), processors, stops, stats, chunk)

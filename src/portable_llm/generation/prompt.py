@@ -17,7 +17,7 @@ from portable_llm.core.arrays import to_numpy
 from portable_llm.core.checks import check_int, check_optional_int, check_real
 from portable_llm.generation.protocol import LanguageModel
 
-__all__ = ["is_text_batch", "prompt_ids", "sampling_options", "stop_ids"]
+__all__ = ["batch_ids", "is_text_batch", "prompt_ids", "sampling_options", "stop_ids"]
 
 
 def prompt_ids(
@@ -67,6 +67,47 @@ def prompt_ids(
             f"{op}: {name}: token ids must lie in [0, {V}) (vocab_size), got {low} to {high}"
         )
     return ids
+
+
+def batch_ids(
+    model: LanguageModel, ids: Any, /, *, op: str = "generate_step", name: str = "ids"
+) -> tuple[np.ndarray, bool]:
+    """Token ids of shape ``(L,)`` or ``(B, L)`` (a sequence or an integer array of any
+    backend), checked: integers, ``B, L >= 1``, each in ``[0, model.vocab_size)``.
+
+    Returns
+    -------
+    (host, single) : NumPy int64 ``(B, L)``, and whether ``ids`` was 1-D (``B = 1``)
+
+    Raises
+    ------
+    ValueError
+        Another rank, a non-integer dtype, no tokens, an id outside ``[0, V)``.
+    """
+    if isinstance(ids, str | bytes):
+        raise ValueError(
+            f"{op}: {name} must be token ids (ints) of shape (L,) or (B, L), got "
+            f"{type(ids).__name__} (encode text with model.tokenizer.encode_prompt)"
+        )
+    try:
+        host = np.asarray(to_numpy(ids) if backend_of(ids) is not None else ids)
+    except ValueError:  # ragged nesting: NumPy's "inhomogeneous shape"
+        raise ValueError(f"{op}: {name} must have shape (L,) or (B, L), got ragged rows") from None
+    if host.ndim not in (1, 2) or (host.size and host.dtype.kind not in "iu"):
+        raise ValueError(
+            f"{op}: {name} must be token ids (ints) of shape (L,) or (B, L), got shape "
+            f"{host.shape} of {host.dtype}"
+        )
+    single = host.ndim == 1
+    host = host.astype(np.int64).reshape((1, -1) if single else host.shape)
+    if host.size == 0:
+        raise ValueError(f"{op}: {name} has no tokens (shape {host.shape}): give at least one")
+    V, low, high = model.vocab_size, int(host.min()), int(host.max())
+    if low < 0 or high >= V:
+        raise ValueError(
+            f"{op}: {name}: token ids must lie in [0, {V}) (vocab_size), got {low} to {high}"
+        )
+    return host, single
 
 
 def is_text_batch(prompt: Any) -> bool:

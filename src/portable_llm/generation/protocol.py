@@ -15,10 +15,12 @@ of the library and device of the model's logits: ``xp.asarray(ids)`` takes both.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, Protocol, runtime_checkable
 
+from portable_llm.backends import Backend, backend_of
 from portable_llm.caches.page_pool import PagePool
 
 __all__ = [
@@ -26,7 +28,11 @@ __all__ = [
     "LanguageModel",
     "PagedLanguageModel",
     "RecomputingModel",
+    "array_library",
+    "check_cache_list",
+    "check_logits",
     "check_model",
+    "check_page_pools",
     "check_paged_model",
     "decode_step",
     "num_layers",
@@ -134,9 +140,20 @@ class PagedLanguageModel(LanguageModel, Protocol):
         ...
 
 
-def check_model(op: str, model: Any) -> LanguageModel:
-    """``model`` if it has every member of :class:`LanguageModel`, else a ``TypeError`` naming
-    the missing ones (checked once per generation call)."""
+def check_model(op: str, model: Any, /, *, rewinds: bool = False) -> LanguageModel:
+    """``model`` checked at the front of a generation call: every member of
+    :class:`LanguageModel` present and of its type, else a ``TypeError`` naming it.
+
+    The one check :func:`~portable_llm.generate`, :func:`~portable_llm.generate_step`,
+    :class:`~portable_llm.BatchGenerator` and :func:`~portable_llm.speculative_generate` run
+    (``docs/bring-your-own-model.md``): ``vocab_size`` an int ``>= 1``; ``eos_token_ids`` a
+    sequence of ints; ``tokenizer`` ``None`` or an object with the members text generation
+    calls; ``make_cache()`` a list or tuple; the optional members' types where present
+    (``decode_step`` callable, ``recompute_after`` an int or ``None``, a paged model's
+    ``max_seq_len`` an int or ``None``, ``make_page_pools`` and ``forward_paged`` callable).
+    ``rewinds``: each cache must also have ``trim(n)`` (speculative decoding rewinds them).
+    What the model returns is checked where it returns it (:func:`check_logits`).
+    """
     if not isinstance(model, LanguageModel):
         missing = [m for m in _MEMBERS if not hasattr(model, m)]
         if not callable(model):
@@ -146,7 +163,139 @@ def check_model(op: str, model: Any) -> LanguageModel:
             f"tokenizer, eos_token_ids, make_cache(), __call__(ids, *, cache, last_only)); "
             f"{type(model).__name__} lacks {', '.join(missing)}"
         )
+    name = type(model).__name__
+    _check_count(op, f"{name}.vocab_size", model.vocab_size, low=1)
+    eos = model.eos_token_ids
+    if isinstance(eos, str | bytes) or not isinstance(eos, Sequence | frozenset | set):
+        raise TypeError(
+            f"{op}: {name}.eos_token_ids must be a tuple of token ids (ints), got "
+            f"{type(eos).__name__} {eos!r}"
+        )
+    for i, t in enumerate(eos):
+        _check_count(op, f"{name}.eos_token_ids[{i}]", t, low=0)
+    tok = model.tokenizer
+    lacks = [m for m in _TOKENIZER if tok is not None and not callable(getattr(tok, m, None))]
+    if lacks:
+        raise TypeError(
+            f"{op}: {name}.tokenizer must be None or a portable_llm.Tokenizer; "
+            f"{type(tok).__name__} lacks {', '.join(lacks)}"
+        )
+    _check_optional_members(op, model)
+    caches = model.make_cache()
+    if not isinstance(caches, list | tuple):
+        raise TypeError(
+            f"{op}: {name}.make_cache() must return a list of caches (one per layer), got "
+            f"{type(caches).__name__}"
+        )
+    if rewinds:
+        for i, c in enumerate(caches):
+            if not callable(getattr(c, "trim", None)):
+                raise TypeError(
+                    f"{op}: {name}.make_cache()[{i}] ({type(c).__name__}) has no trim(n): "
+                    "speculative decoding rewinds each cache by the rejected tokens"
+                )
     return model
+
+
+def _check_count(op: str, name: str, value: Any, *, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__} {value!r}")
+    if value < low:
+        raise ValueError(f"{op}: {name} must be >= {low}, got {value}")
+    return int(value)
+
+
+def _check_optional_members(op: str, model: Any) -> None:
+    """The types of the optional members a model has (see :func:`check_model`)."""
+    name = type(model).__name__
+    step = getattr(model, "decode_step", None)
+    if step is not None and not callable(step):
+        raise TypeError(f"{op}: {name}.decode_step must be callable, got {type(step).__name__}")
+    for member in ("recompute_after", "max_seq_len"):
+        value = getattr(model, member, None)
+        if value is not None:
+            _check_count(op, f"{name}.{member}", value, low=1)
+    for member in ("make_page_pools", "forward_paged"):
+        value = getattr(model, member, None)
+        if value is not None and not callable(value):
+            raise TypeError(f"{op}: {name}.{member} must be callable, got {type(value).__name__}")
+
+
+def array_library(x: Any) -> Backend | None:
+    """The backend of the array ``x``, ``None`` for anything else (a list, a string, a Python
+    scalar): what a model or a sampler returned, before it is trusted to be an array."""
+    try:
+        return backend_of(x)
+    except TypeError:  # a type no backend knows
+        return None
+
+
+def check_logits(op: str, model: Any, logits: Any, shape: tuple[int | None, ...], call: str) -> Any:
+    """``logits`` as ``model``'s ``call`` returned them, checked: an array of a supported
+    library of ``shape`` (``None``: any size on that axis), else a ``TypeError`` (not an
+    array) or ``ValueError`` (another rank or shape) naming the call."""
+    name = type(model).__name__
+    if array_library(logits) is None:
+        raise TypeError(
+            f"{op}: {name}.{call} must return logits as an array of a supported library, got "
+            f"{type(logits).__name__}"
+        )
+    got = tuple(logits.shape)
+    if len(got) != len(shape) or any(
+        w is not None and g != w for g, w in zip(got, shape, strict=False)
+    ):
+        want = "(" + ", ".join("any" if w is None else str(w) for w in shape) + ")"
+        raise ValueError(
+            f"{op}: {name}.{call} returned logits of shape {got}, expected {want} "
+            f"({_LAYOUTS[len(shape)]}, V = vocab_size)"
+        )
+    return logits
+
+
+def check_page_pools(op: str, model: Any, pools: Any, layers: int, page_size: int) -> list[Any]:
+    """A paged model's ``make_page_pools(num_pages, page_size)`` result, checked: one
+    :class:`~portable_llm.PagePool` of ``page_size`` tokens per layer."""
+    name = type(model).__name__
+    kinds = [type(p).__name__ for p in pools] if isinstance(pools, list | tuple) else None
+    if kinds is None or not all(isinstance(p, PagePool) for p in pools):
+        raise TypeError(
+            f"{op}: {name}.make_page_pools() must return a list of portable_llm.PagePool, got "
+            f"{type(pools).__name__} {kinds[:4] if kinds else ''}"
+        )
+    if len(pools) != layers or any(p.page_size != page_size for p in pools):
+        raise ValueError(
+            f"{op}: {name}.make_page_pools(..., page_size={page_size}) must return one pool "
+            f"per layer ({layers}, as make_cache()) of page_size {page_size}, got {len(pools)} "
+            f"of page sizes {sorted({p.page_size for p in pools})}"
+        )
+    return list(pools)
+
+
+def check_cache_list(op: str, name: str, caches: Any, model: LanguageModel) -> list[Any]:
+    """Caches a caller gives (``prompt_cache``), checked: a list of ``model.make_cache()``'s
+    length whose entries have ``offset`` (an int) and ``trim(n)``."""
+    layers = num_layers(model)
+    if not isinstance(caches, list | tuple) or len(caches) != layers:
+        got = f"{len(caches)} caches" if isinstance(caches, list | tuple) else repr(caches)
+        raise ValueError(
+            f"{op}: {name} must hold one cache per layer ({layers}, from model.make_cache()), "
+            f"got {got}"
+        )
+    empty = [i for i, c in enumerate(caches) if c is None]
+    if empty:
+        raise TypeError(
+            f"{op}: {name} holds None at {empty}; give the caches of model.make_cache()"
+        )
+    for i, c in enumerate(caches):
+        offset = getattr(c, "offset", None)
+        if isinstance(offset, bool) or not isinstance(offset, numbers.Integral):
+            raise TypeError(
+                f"{op}: {name}[{i}] must be a cache of model.make_cache() (with an int offset "
+                f"and trim(n)), got {type(c).__name__} {repr(c)[:40]}"
+            )
+        if not callable(getattr(c, "trim", None)):
+            raise TypeError(f"{op}: {name}[{i}] ({type(c).__name__}) has no trim(n)")
+    return caches if isinstance(caches, list) else list(caches)
 
 
 def check_paged_model(model: LanguageModel) -> PagedLanguageModel | None:
@@ -173,3 +322,6 @@ def num_layers(model: LanguageModel) -> int:
 
 
 _MEMBERS = ("vocab_size", "tokenizer", "eos_token_ids", "make_cache")
+#: What text generation calls on a tokenizer (:class:`~portable_llm.Tokenizer`).
+_TOKENIZER = ("encode_prompt", "decode", "stream", "stream_decoder")
+_LAYOUTS = {2: "(B, V)", 3: "(B, L, V)"}

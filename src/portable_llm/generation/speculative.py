@@ -26,7 +26,7 @@ from portable_llm.core.checks import check_int, check_optional_int
 from portable_llm.core.types import Array
 from portable_llm.generation.generate import Generation, GenerationStats
 from portable_llm.generation.prompt import is_text_batch, prompt_ids, sampling_options, stop_ids
-from portable_llm.generation.protocol import LanguageModel, check_model
+from portable_llm.generation.protocol import LanguageModel, check_logits, check_model
 from portable_llm.generation.steps import PREFILL_STEP_SIZE, check_prefill_step_size, prefill
 from portable_llm.ops.sampling import GREEDY_BELOW, greedy, logprobs, sample
 
@@ -114,7 +114,8 @@ def speculative_generate(
     :class:`~portable_llm.KVCache`, whose mask applies the window: a ring cannot rewind more
     than one token once it wrapped.
     """
-    model, draft_model = check_model(OP, model), check_model(OP, draft_model)
+    model = check_model(OP, model, rewinds=True)
+    draft_model = check_model(OP, draft_model, rewinds=True)
     text = isinstance(prompt, str)
     _check_pair(model, draft_model)
     if is_text_batch(prompt):
@@ -189,8 +190,9 @@ class _Speculation:
 
     def _forward(self, model: LanguageModel, ids: list[int], cache: list[Any], last: bool) -> Array:
         x = np.asarray([ids], dtype=np.int64)  # (1, L)
-        out = model(x, cache=cache, last_only=last)[0, ...]  # (L | 1, V)
-        if not last and out.shape[0] != len(ids):
+        out = model(x, cache=cache, last_only=last)
+        out = check_logits(OP, model, out, (1, None, model.vocab_size), "__call__")[0, ...]
+        if not last and out.shape[0] != len(ids):  # (L | 1, V)
             raise ValueError(
                 f"{OP}: the model returned logits for {out.shape[0]} positions of {len(ids)} "
                 "with last_only=False (verifying needs every position's)"

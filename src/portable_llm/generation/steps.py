@@ -19,8 +19,12 @@ from portable_llm.core.arrays import to_numpy
 from portable_llm.core.checks import check_optional_int
 from portable_llm.core.dispatch import pick
 from portable_llm.core.types import Array
+from portable_llm.generation.prompt import batch_ids
 from portable_llm.generation.protocol import (
     LanguageModel,
+    array_library,
+    check_cache_list,
+    check_logits,
     check_model,
     decode_step,
     recompute_after,
@@ -123,12 +127,7 @@ def decode(
     ``max_tokens``: no step is queued for a token past this many."""
     model = check_model("generate_step", model)
     fresh = cache is None  # made here: generation may make it again (RecomputingModel)
-    host = np.asarray(to_numpy(ids) if backend_of(ids) is not None else ids, dtype=np.int64)
-    single = host.ndim == 1
-    if single:
-        host = host[None]  # (1, L)
-    if host.ndim != 2:
-        raise ValueError(f"generate_step: ids must have shape (L,) or (B, L), got {host.shape}")
+    host, single = batch_ids(model, ids)  # (B, L)
     pads = np.zeros(len(host), np.int64)
     if left_padding is not None:
         pads = np.asarray(to_numpy(left_padding) if backend_of(left_padding) else left_padding)
@@ -150,6 +149,8 @@ def decode(
         )
     elif left_padding is not None:
         raise ValueError("generate_step: with a cache, give left_padding to make_cache()")
+    else:
+        cache = check_cache_list("generate_step", "cache", cache, model)
     # What the processors see: each row's ids without its padding.
     tokens = [row[int(p) :].tolist() for row, p in zip(host, np.reshape(pads, -1), strict=True)]
     return Decode(
@@ -266,13 +267,10 @@ class Decode:
     def _prefill(self) -> tuple[Any, Any, Any]:
         model = self.model
         start = prefill(model, self.host, self.cache, self.chunk)
-        logits = model(self.host[:, start:], cache=self.cache, last_only=True)[:, -1, :]  # (B, V)
+        out = model(self.host[:, start:], cache=self.cache, last_only=True)
+        logits = self._checked(out, "__call__")[:, -1, :]  # (B, V)
         bk = backend_of(logits)
-        if bk is None:
-            raise TypeError(
-                f"generate: the model returned {type(logits).__name__}, not an array of a "
-                "supported library"
-            )
+        assert bk is not None
         self.bk = bk
         self.pipelined = not self.processors and bk.pipelines(bk.device_of(logits))
         self.index = bk.xp.asarray(0).dtype
@@ -280,8 +278,13 @@ class Decode:
 
     def _forward(self, ids: Any) -> tuple[Any, Any, Any]:
         """Logits of ``ids`` ``(B, 1)`` (the sampler's ids, on the device), sampled."""
-        logits = self._step_logits(ids)[:, -1, :]  # (B, V)
+        logits = self._checked(self._step_logits(ids), "decode_step")[:, -1, :]  # (B, V)
         return self._sample(logits)
+
+    def _checked(self, logits: Any, call: str) -> Any:
+        """The model's logits ``(B, L | 1, V)``, checked (:func:`check_logits`)."""
+        shape = (len(self.host), None, self.vocab)
+        return check_logits("generate", self.model, logits, shape, call)
 
     def _step_logits(self, ids: Any) -> Any:
         """The decode step of ``ids`` ``(B, 1)``; at the recompute length, every token again
@@ -325,11 +328,18 @@ class Decode:
             ids = pick(bk, "greedy", "auto", logits)(xp, logits)  # (B,) the default int dtype
             return xp.reshape(ids, (-1, 1)), None, lp
         drawn = self.sampler(logits)
-        if tuple(getattr(drawn, "shape", ())) != (len(self.host),):
+        kind = array_library(drawn)
+        if kind is not bk or not bk.dtype_name(drawn.dtype).startswith(("int", "uint")):
+            what = "" if kind is None else f" ({kind.name}, {kind.dtype_name(drawn.dtype)})"
+            raise TypeError(
+                f"generate: the sampler must return an integer array of the logits' library "
+                f"({bk.name}), shape (B,) = ({len(self.host)},); got {type(drawn).__name__}"
+                f"{what} {repr(drawn)[:40]}"
+            )
+        if tuple(drawn.shape) != (len(self.host),):
             raise ValueError(
                 f"generate: the sampler must return ids of shape (B,) = ({len(self.host)},) for "
-                f"logits of shape {tuple(logits.shape)}, got "
-                f"{type(drawn).__name__} of shape {tuple(getattr(drawn, 'shape', ()))}"
+                f"logits of shape {tuple(logits.shape)}, got shape {tuple(drawn.shape)}"
             )
         return xp.reshape(drawn, (-1, 1)), None, lp
 
