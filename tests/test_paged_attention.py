@@ -261,6 +261,22 @@ def test_invalid_metadata(spy: list[int]) -> None:
     assert spy == []
 
 
+def test_pages_of_no_tokens_are_refused(spy: list[int]) -> None:
+    """A pool whose pages hold 0 tokens (any object with k_pages and v_pages) is a ValueError
+    naming page_size, not NumPy's division by zero and empty reduction."""
+
+    class Pool:
+        k_pages = np.zeros((4, 2, 0, D), dtype=np.float32)
+        v_pages = np.zeros((4, 2, 0, D), dtype=np.float32)
+
+    q, _ = random_array(2, (1, 4, 1, D), "float32")
+    tables, lens = np.zeros((1, 2), dtype=np.int32), np.asarray([1], dtype=np.int32)
+    for impl in ("auto", "portable", "blocked", "pool"):
+        with pytest.raises(ValueError, match=r"page_size >= 1 tokens, got page_size=0"):
+            paged_attention(q, Pool(), tables, lens, impl=impl)
+    assert spy == []
+
+
 def test_unused_entries_are_not_read() -> None:
     """Table entries past a row's pages may hold anything (here: ids past the pool, -1)."""
     s = Scattered(4, LENS)

@@ -165,7 +165,7 @@ def test_tracing_off_records_nothing(backend):
         pass
     pl.rms_norm(x, w)  # after the block: not recorded anywhere
     pl.silu(x)
-    assert t == [] and dispatch._TRACES == []
+    assert t == [] and dispatch._OPEN.traces == []
     with pl.trace() as again:
         assert again == []  # nothing from before the block either
         pl.silu(x)
@@ -176,7 +176,7 @@ def test_a_trace_closes_when_its_block_raises(backend):
     (x, _), (w, _) = _x_w(backend)
     with pytest.raises(ValueError, match="rms_norm"), pl.trace() as t:
         pl.rms_norm(x, w[:3])
-    assert dispatch._TRACES == []
+    assert dispatch._OPEN.traces == []
     pl.silu(x)
     assert [e.op for e in t] == []  # the failed call never reached the dispatcher
 

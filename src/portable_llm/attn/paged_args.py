@@ -211,6 +211,11 @@ def paged_args(
     N, H_kv, P, D_k = _shape(k_pages)
     if D_k != D:
         raise ValueError(f"{op}: q {_shape(q)} and pool.k_pages {_shape(k_pages)} differ in D")
+    if P < 1:
+        raise ValueError(
+            f"{op}: the pool's pages must hold page_size >= 1 tokens, got page_size={P} "
+            f"(pool.k_pages {_shape(k_pages)} is (num_pages, H_kv, page_size, D))"
+        )
     if H_kv == 0 or H % H_kv:
         raise ValueError(
             f"{op}: q's heads H={H} must be a multiple of the pool's H_kv={H_kv}; q {_shape(q)}, "

@@ -11,6 +11,8 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 
 def make_namespace(mx: Any) -> types.SimpleNamespace:
     ns = types.SimpleNamespace(**{k: getattr(mx, k) for k in dir(mx) if not k.startswith("__")})
@@ -42,6 +44,11 @@ def make_namespace(mx: Any) -> types.SimpleNamespace:
     def asarray(obj: Any, /, *, dtype: Any = None, device: Any = None, copy: Any = None) -> Any:
         if isinstance(obj, mx.array):
             return obj if dtype is None or obj.dtype == dtype else obj.astype(dtype)
+        if isinstance(obj, list | tuple):
+            try:
+                return mx.array(obj, dtype=dtype)
+            except ValueError:  # NumPy scalars in a list ("Invalid type int64 received")
+                obj = np.asarray(obj)  # their NumPy dtype, as torch and JAX read them
         return mx.array(obj, dtype=dtype)
 
     def astype(x: Any, dtype: Any, /, *, copy: bool = True, device: Any = None) -> Any:

@@ -15,6 +15,7 @@ the portable implementation ``auto`` falls back to for given arguments (default 
 from __future__ import annotations
 
 import importlib
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple
@@ -448,7 +449,17 @@ class Trace(list[TraceEntry]):
         return [e for e in self if e.op == op]
 
 
-_TRACES: list[Trace] = []
+class _Open(threading.local):
+    """The :func:`trace` blocks open in each thread: a block records the op calls of the
+    thread that opened it (a global list let one thread's :func:`capture` clear, and its exit
+    remove, another thread's blocks: ``list.remove(x): x not in list`` with 8 threads
+    generating on one MLX model)."""
+
+    def __init__(self) -> None:
+        self.traces: list[Trace] = []
+
+
+_OPEN = _Open()
 
 
 @contextmanager
@@ -470,17 +481,17 @@ def trace() -> Iterator[Trace]:
     ('rms_norm', 'portable')
     """
     t = Trace()
-    _TRACES.append(t)
+    _OPEN.traces.append(t)
     try:
         yield t
     finally:
-        _TRACES.remove(t)
+        _OPEN.traces.remove(t)
 
 
 def tracing() -> bool:
     """Whether a :func:`trace` block is open (a forward that binds its kernels once then asks
     the dispatcher per call instead, so the trace records each kernel it runs)."""
-    return bool(_TRACES)
+    return bool(_OPEN.traces)
 
 
 @contextmanager
@@ -488,26 +499,27 @@ def capture() -> Iterator[Trace]:
     """A :func:`trace` block whose entries go to it alone, not to the blocks open around it:
     what a compiled program records while it is traced (once), to :func:`replay` each time it
     runs."""
-    outer = _TRACES[:]
-    _TRACES.clear()
+    traces = _OPEN.traces
+    outer = traces[:]
+    traces.clear()
     try:
         with trace() as t:
             yield t
     finally:
-        _TRACES[:] = outer
+        traces[:] = outer
 
 
 def replay(entries: Sequence[TraceEntry]) -> None:
     """Append ``entries`` (a :func:`capture`'s) to every open :func:`trace` block: the kernels
     that a compiled program ran, which the dispatcher saw only when it was traced."""
-    for t in _TRACES:
+    for t in _OPEN.traces:
         t.extend(entries)
 
 
 def _record(d: Dispatcher, op: str, fn: Callable[..., Any]) -> None:
     impl, kernel = d.label(fn)
     entry = TraceEntry(op, d.backend.name, impl, kernel)
-    for t in _TRACES:
+    for t in _OPEN.traces:
         t.append(entry)
 
 
@@ -518,7 +530,7 @@ def pick(bk: Backend, op: str, impl: str, *args: Any, **options: Any) -> Callabl
     except KeyError:
         d = dispatcher(bk)
     fn = d.pick(op, impl, *args, **options)
-    if _TRACES:
+    if _OPEN.traces:
         _record(d, op, fn)
     return fn
 
