@@ -267,3 +267,17 @@ def test_mlx_generating_on_a_worker_thread_exits_cleanly(llama: object) -> None:
             timeout=120, check=False,
         )  # fmt: skip
         assert (run.returncode, run.stdout.strip()) == (0, "24"), run.stderr[-500:]
+
+
+@numpy_only
+def test_a_request_sampler_returning_a_string(llama: object) -> None:
+    """BatchGenerator: a request's sampler that returns a string is a TypeError naming the
+    sampler (was to_numpy's "arrays of type builtins.str are not supported"), and the pages
+    are freed."""
+    model = pl.load(llama, backend="numpy", dtype="float32")
+    gen = pl.BatchGenerator(model, page_size=4)
+    gen.add(pl.Request(PROMPT, 3, sampler=lambda logits: "7", stop=()))
+    with pytest.raises(TypeError, match=r"sampler of request 0 must return an integer array"):
+        while gen.has_work:
+            gen.step()
+    assert all(pool.num_free == pool.num_pages for pool in gen.pools)

@@ -58,6 +58,7 @@ from portable_llm.generation.prompt import prompt_ids, stop_ids
 from portable_llm.generation.protocol import (
     LanguageModel,
     PagedLanguageModel,
+    array_library,
     check_logits,
     check_model,
     check_page_pools,
@@ -569,7 +570,13 @@ class BatchGenerator:
                 assert top is not None
                 token = int(top[b])
             else:
-                drawn = np.asarray(to_numpy(seq.sampler(logits[b : b + 1, :]))).reshape(-1)
+                got = seq.sampler(logits[b : b + 1, :])
+                if array_library(got) is None:
+                    raise TypeError(
+                        f"{OP}: the sampler of request {seq.rid} must return an integer array "
+                        f"(one id), got {type(got).__name__} {repr(got)[:40]}"
+                    )
+                drawn = np.asarray(to_numpy(got)).reshape(-1)
                 if drawn.shape != (1,) or drawn.dtype.kind not in "iu":
                     raise ValueError(
                         f"{OP}: the sampler of request {seq.rid} must return one integer id "
