@@ -252,7 +252,7 @@ def answer_parser(tokenizer: Any, structure: Structure) -> ToolParser | None:
     ``None``); 400 naming ``tools`` when the template writes no format this server parses."""
     if not structure.tools:
         return None
-    parser = tool_parser_for(getattr(tokenizer, "chat_template", None))
+    parser = tool_parser_for(tokenizer.chat_template if tokenizer is not None else None)
     if parser is None:
         raise _bad(
             "tools",
