@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from portable_llm.core.dispatch import native
+from portable_llm.native import numba_cpu
 
 #: Bytes of the float32 block buffer (measured best of 128 KiB-2 MiB on a 1 MiB L2).
 BLOCK_BYTES = 1 << 20
@@ -165,3 +166,31 @@ def _round(w: Any, half: Any) -> None:
     """Round the float32 ``w`` to ``half``'s dtype in place (through ``half``)."""
     np.copyto(half, w, casting="unsafe")
     np.copyto(w, half)
+
+
+# -- quantized codes times 8-bit activations (activations="int8"): numba's kernel --------------
+
+
+def _numba_int8_applies(
+    x: Any, packed: Any, scales: Any, biases: Any, bias: Any, *, bits: int, group_size: int
+) -> bool:
+    return (
+        numba_cpu.int8_applies(bits, group_size)
+        and packed.ndim == 2
+        and x.dtype != np.float64  # float64 keeps the portable path's float64 arithmetic
+    )
+
+
+@native(
+    "numpy",
+    "quantized_linear_int8",
+    kernel="numba: int8 dots of Q8_0 blocks with the packed codes",
+    applies=_numba_int8_applies,
+)
+def quantized_linear_int8(
+    xp: Any, x: Any, packed: Any, scales: Any, biases: Any, bias: Any, *, bits: int,
+    group_size: int,
+) -> Any:  # fmt: skip
+    return numba_cpu.quantized_linear_int8(
+        x, packed, scales, biases, bias, bits=bits, group_size=group_size
+    )

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from portable_llm.core.dispatch import native
+from portable_llm.native import numba_cpu
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -695,3 +696,44 @@ def paged_attention(
     k, v = _paged_gather(k_pages, tables), _paged_gather(v_pages, tables)  # (B, H_kv, S, D)
     mask = opts.mask(xp, lens, q.shape[2], k.shape[2], 0, q.device)  # (B, 1, L, S)
     return scaled_dot_product_attention(xp, q, k, v, mask, opts=opts.sdpa)
+
+
+# -- quantized codes times 8-bit activations (activations="int8"): numba's kernel --------------
+# CPU tensors through their buffers (x, scales and biases read as float32 NumPy arrays, the
+# packed codes as they are); not where autograd, torch.compile or a torch.func transform sees
+# the tensors (NumPy is outside their graphs).
+
+
+def _numba_int8_applies(
+    x: Any, packed: Any, scales: Any, biases: Any, bias: Any, *, bits: int, group_size: int
+) -> bool:
+    return (
+        numba_cpu.int8_applies(bits, group_size)
+        and packed.ndim == 2
+        and x.device.type == "cpu"
+        and packed.device.type == "cpu"
+        and x.dtype != torch.float64
+        and not (torch.is_grad_enabled() and x.requires_grad)
+        and not torch.compiler.is_compiling()
+        and not _functorch_wrapped(x)
+    )
+
+
+@native(
+    "torch",
+    "quantized_linear_int8",
+    kernel="numba: int8 dots of Q8_0 blocks with the packed codes",
+    applies=_numba_int8_applies,
+)
+def quantized_linear_int8(
+    xp: Any, x: Any, packed: Any, scales: Any, biases: Any, bias: Any, *, bits: int,
+    group_size: int,
+) -> Any:  # fmt: skip
+    def host(t: Any) -> Any:
+        return t.detach().to(torch.float32).numpy()
+
+    y = numba_cpu.quantized_linear_int8(
+        host(x), packed.detach().numpy(), host(scales), host(biases),
+        None if bias is None else host(bias), bits=bits, group_size=group_size,
+    )  # fmt: skip
+    return torch.from_numpy(y).to(x.dtype)

@@ -21,10 +21,11 @@ import math
 from typing import Any
 
 from portable_llm.backends import Backend, backend_of, get_backend, resolve
-from portable_llm.core.arrays import creation_device
 from portable_llm.core.checks import check_float, check_int, check_ndim, float_compute_dtype
 from portable_llm.core.dispatch import auto_portable, pick, portable
 from portable_llm.ops.affine import affine
+from portable_llm.ops.quant_codes import exact_divide, pack_codes, unpack_codes
+from portable_llm.ops.quant_int8 import ACTIVATIONS
 
 __all__ = [
     "BITS",
@@ -226,56 +227,6 @@ def _itemsize(bk: Backend, a: Any) -> int:
 # -- the portable implementations ---------------------------------------------------------------
 
 
-def _positions(bits: int) -> list[tuple[int, int]]:
-    """(word, shift) of each of the 32 codes of one block of ``bits`` words."""
-    return [divmod(bits * j, 32) for j in range(32)]
-
-
-def _unpack(xp: Any, packed: Any, *, bits: int) -> Any:
-    """uint32 words ``(.., W)`` -> int32 codes ``(.., W * 32 / bits)``."""
-    words = xp.astype(packed, xp.int32)  # wraps: the bit pattern is kept
-    mask = (1 << bits) - 1
-    lead, w = tuple(packed.shape[:-1]), packed.shape[-1]
-    if 32 % bits == 0:  # whole codes per word: code i of a word sits at bits*i
-        # One broadcast shift (measured 2-4x faster on torch than a stack of 32/bits shifts,
-        # whose last-axis stack writes with a stride).
-        device = creation_device(packed)  # MLX: None; a JAX weight over a mesh: its mesh
-        shifts = xp.arange(0, 32, bits, dtype=xp.int32, device=device)  # (32/bits,)
-        codes = (words[..., None] >> shifts) & mask  # (.., W, 32/bits)
-        return xp.reshape(codes, (*lead, w * 32 // bits))
-    blocks = xp.reshape(words, (*lead, w // bits, bits))  # (.., W/bits, bits): 32 codes each
-    parts = []
-    for word, shift in _positions(bits):
-        code = blocks[..., word] >> shift
-        if shift + bits > 32:  # straddles: the high part is the low bits of the next word
-            code = (code & ((1 << (32 - shift)) - 1)) | (blocks[..., word + 1] << (32 - shift))
-        parts.append(code & mask)
-    codes = xp.stack(parts, axis=-1)  # (.., W/bits, 32)
-    return xp.reshape(codes, (*lead, w * 32 // bits))
-
-
-def _pack(xp: Any, codes: Any, *, bits: int) -> Any:
-    """int32 codes ``(.., K)`` in ``[0, 2**bits)`` -> uint32 words ``(.., K * bits / 32)``."""
-    lead, k = tuple(codes.shape[:-1]), codes.shape[-1]
-    if 32 % bits == 0:
-        per = 32 // bits
-        c = xp.reshape(codes, (*lead, k // per, per))  # (.., W, 32/bits)
-        word = c[..., 0]
-        for i in range(1, per):
-            word = word | (c[..., i] << (bits * i))  # int32 wraps at bit 31: the bits are kept
-        return xp.astype(word, xp.uint32)
-    c = xp.reshape(codes, (*lead, k // 32, 32))  # (.., K/32, 32): one block of `bits` words each
-    words: list[Any] = [None] * bits
-    for j, (word, shift) in enumerate(_positions(bits)):
-        low = c[..., j] << shift
-        words[word] = low if words[word] is None else words[word] | low
-        if shift + bits > 32:
-            high = c[..., j] >> (32 - shift)
-            words[word + 1] = high if words[word + 1] is None else words[word + 1] | high
-    out = xp.stack(words, axis=-1)  # (.., K/32, bits)
-    return xp.astype(xp.reshape(out, (*lead, k * bits // 32)), xp.uint32)
-
-
 # Not compiled on JAX: XLA fuses the multiply and the add into one fma (rounded once, where MLX
 # rounds twice: measured one ulp apart in 2% of float32 elements). Run op by op it equals
 # mx.dequantize; inside quantized_linear (compiled) the fma is part of the matmul's rounding.
@@ -283,23 +234,12 @@ def _pack(xp: Any, codes: Any, *, bits: int) -> Any:
 def _dequantize(
     xp: Any, packed: Any, scales: Any, biases: Any, *, bits: int, group_size: int
 ) -> Any:
-    codes = _unpack(xp, packed, bits=bits)  # (.., N, K) int32
+    codes = unpack_codes(xp, packed, bits=bits)  # (.., N, K) int32
     lead, k = tuple(codes.shape[:-1]), codes.shape[-1]
     q = xp.reshape(xp.astype(codes, scales.dtype), (*lead, k // group_size, group_size))
     # MLX's order and dtype: multiply, then add, each rounded to the scales' dtype.
     w = q * scales[..., None] + biases[..., None]  # (.., N, K/group, group)
     return xp.reshape(w, (*lead, k))
-
-
-def _div(xp: Any, a: Any, b: Any) -> Any:
-    """``a / b`` correctly rounded, ``b`` broadcast to ``a``'s shape first by a select.
-
-    XLA rewrites a division by a broadcast operand into a multiplication by its reciprocal (two
-    roundings: measured 16-70% of float32 quotients one ulp off, enough to move codes that sit
-    near a rounding boundary). A select whose condition XLA cannot fold keeps a true division;
-    where ``a`` is NaN the quotient is NaN either way. Elsewhere it costs one elementwise select.
-    """
-    return a / xp.where(xp.isnan(a), a, b)
 
 
 @portable("quantize", pure=True)
@@ -315,7 +255,7 @@ def _quantize(xp: Any, w: Any, *, bits: int, group_size: int) -> tuple[Any, Any,
     # Anchor the group at the endpoint of larger magnitude, so that it is represented exactly.
     mask = xp.abs(w_min) > xp.abs(w_max)
     diff = w_max - w_min
-    scale = _div(xp, diff, xp.full_like(diff, n_bins))
+    scale = exact_divide(xp, diff, xp.full_like(diff, n_bins))
     eps = xp.full_like(scale, _EPS)
     scale = xp.where(scale < eps, eps, scale)  # std::max(scale, eps): NaN stays NaN
     scale = xp.where(mask, scale, -scale)
@@ -325,9 +265,9 @@ def _quantize(xp: Any, w: Any, *, bits: int, group_size: int) -> tuple[Any, Any,
     one = xp.ones_like(q0)
     scale = xp.where(nonzero, edge / xp.where(nonzero, q0, one), scale)
     bias = xp.where(nonzero, edge, xp.zeros_like(edge))
-    q = xp.clip(xp.round(_div(xp, g - bias, scale)), 0.0, n_bins)  # (.., N, G, gs)
+    q = xp.clip(xp.round(exact_divide(xp, g - bias, scale)), 0.0, n_bins)  # (.., N, G, gs)
     codes = xp.reshape(xp.astype(q, xp.int32), (*lead, k))
-    packed = _pack(xp, codes, bits=bits)
+    packed = pack_codes(xp, codes, bits=bits)
     return packed, xp.astype(scale[..., 0], w.dtype), xp.astype(bias[..., 0], w.dtype)
 
 
@@ -364,7 +304,7 @@ def _quantized_linear_grouped(
     # b * sum(x) would (measured on one projection: 4x less error, as small as the dequantizing
     # path's).
     half = float(1 << (bits - 1))
-    codes = _unpack(xp, packed, bits=bits) - (1 << (bits - 1))  # (O, I) int32, centred
+    codes = unpack_codes(xp, packed, bits=bits) - (1 << (bits - 1))  # (O, I) int32, centred
     q = xp.reshape(xp.astype(codes, ct), (n, g, group_size))  # (O, G, gs)
     xg = xp.reshape(xp.astype(x, ct), (-1, g, group_size))  # (M, G, gs)
     xg = xp.permute_dims(xg, (1, 0, 2))  # (G, M, gs)
@@ -521,10 +461,16 @@ def quantized_linear(
     bias: Any = None,
     /,
     *,
+    activations: str = "float",
     impl: str = "auto",
     backend: str | Backend | None = None,
 ) -> Any:
     """``x @ dequantize(qw).T + bias``, accumulated in float32, returned in x's dtype.
+
+    With ``activations="int8"`` the rows of x are rounded to 8 bits per block of 32 first, as
+    llama.cpp's Q8_0 blocks, and multiplied by the codes in integers
+    (:mod:`portable_llm.ops.quant_int8`): a product judged by the KL divergence of a model's
+    token distributions (:func:`~portable_llm.perplexity`), not element by element.
 
     The dequantized weight (qw's dtype) is cast to x's dtype when they differ (the one
     mixed-precision rule of the weights), then multiplied as :func:`~portable_llm.linear` does.
@@ -535,6 +481,11 @@ def quantized_linear(
     qw : QuantizedWeight, shape ``(O, I)``
     bias : array, shape ``(O,)``, optional
         Cast to x's dtype when it differs.
+    activations : {"float", "int8"}
+        ``float`` (default): the exact product above. ``int8``: x in Q8_0 blocks (``max|x| /
+        127`` per block of ``min(32, group_size)`` values) times the codes, summed in integers,
+        scaled back in float32; ``impl`` then picks among ``quantized_linear_int8``'s paths
+        (``portable``; ``native``: the numba kernel on NumPy and torch's CPU, where installed).
     impl : {"auto", "portable", "grouped", "native"}
         ``native``: ``mx.quantized_matmul`` on MLX; on torch CPU,
         ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (4-bit, bfloat16),
@@ -580,7 +531,18 @@ def quantized_linear(
             bias = bk.astype(bias, x.dtype)
     p, s, b = qw.arrays
     opts = {"bits": qw.bits, "group_size": qw.group_size}
+    if activations != "float":
+        op = _int8_op(activations)
     return pick(bk, op, impl, x, p, s, b, bias, **opts)(bk.xp, x, p, s, b, bias, **opts)
+
+
+def _int8_op(activations: Any) -> str:
+    """The op of an ``activations`` mode other than ``"float"``, or the error naming it."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(
+            f"quantized_linear: activations must be one of {ACTIVATIONS}, got {activations!r}"
+        )
+    return "quantized_linear_int8"
 
 
 def quantized_embedding(ids: Any, qw: QuantizedWeight, bk: Backend) -> Any:

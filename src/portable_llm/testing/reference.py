@@ -8,6 +8,7 @@ compare every op and backend against them.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -528,3 +529,31 @@ def quantized_linear(
 ) -> np.ndarray:
     """``x @ dequantize(...).T`` in float64."""
     return linear(x, dequantize(packed, scales, biases, bits=bits, group_size=group_size))
+
+
+def quantized_linear_int8(
+    x: np.ndarray,
+    packed: np.ndarray,
+    scales: np.ndarray,
+    biases: np.ndarray,
+    *,
+    bits: int,
+    group_size: int,
+    compute: Any = np.float32,
+) -> np.ndarray:
+    """``quantized_linear(..., activations="int8")``: x rounded to Q8_0 blocks, then
+    ``x_q @ dequantize(...).T`` in float64.
+
+    The blocks' scales ``d = max|x| / 127`` and codes ``round(x / d)`` (half to even) are
+    formed in ``compute`` (float32; float64 for float64 x), as the op defines them: the codes of
+    a value near a rounding boundary depend on that precision, and the reference must round the
+    same values the op rounds. Everything after (the dequantized weight, the products and sums)
+    is float64."""
+    a = min(32, group_size)
+    xc = np.asarray(x, dtype=compute)
+    lead, k = xc.shape[:-1], xc.shape[-1]
+    xb = xc.reshape(-1, k // a, a)  # (M, J, A)
+    d = np.max(np.abs(xb), axis=-1, keepdims=True) / compute(127.0)  # (M, J, 1), in compute
+    xq = np.round(xb / np.where(d > 0, d, compute(1.0)))  # half to even, in compute
+    xd = (xq.astype(np.float64) * d.astype(np.float64)).reshape(*lead, k)  # the rounded x
+    return linear(xd, dequantize(packed, scales, biases, bits=bits, group_size=group_size))

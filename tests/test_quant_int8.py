@@ -1,0 +1,108 @@
+"""Quantized weights times 8-bit activations (``quantized_linear(..., activations="int8")``).
+
+The portable path against the float64 reference of the same definition (the activations'
+Q8_0 blocks formed in the op's compute precision, everything after in float64), numba's kernel
+against the portable path, the bound on the difference from the exact mode that the rounding
+of the activations allows, and bad input.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import portable_llm as pl
+from portable_llm.core.dispatch import dispatcher
+from portable_llm.ops.quant import quantize
+from portable_llm.ops.quant import quantized_linear as qlinear
+from portable_llm.testing import assert_close, random_array, random_weight, reference, tolerance
+from portable_llm.testing.strategies import seeds
+
+INT8_BITS = st.sampled_from([2, 3, 4, 8])
+GROUPS = st.sampled_from([16, 32, 64])
+
+
+def _case(backend: str, dtype: str, bits: int, group: int, rows: int, seed: int):
+    k = 2 * math.lcm(group, 32)  # whole blocks of 32 codes at 3 bits, two groups at least
+    x, x64 = random_array(seed, (rows, k), dtype, backend=backend)
+    w, _ = random_weight(seed + 1, (24, k), dtype, backend=backend)
+    qw = quantize(w, bits=bits, group_size=group)
+    bk = pl.get_backend(backend)
+    arrays = [bk.to_numpy(a) for a in qw.arrays]
+    return x, x64, qw, arrays
+
+
+@given(bits=INT8_BITS, group=GROUPS, rows=st.sampled_from([1, 3]), seed=seeds())
+def test_portable_int8_equals_the_reference(backend, dtype, bits, group, rows, seed):
+    x, x64, qw, (p, s, b) = _case(backend, dtype, bits, group, rows, seed)
+    got = qlinear(x, qw, activations="int8", impl="portable")
+    compute = np.float64 if dtype == "float64" else np.float32
+    want = reference.quantized_linear_int8(
+        x64, p, s, b, bits=bits, group_size=group, compute=compute
+    )
+    assert_close(got, want, backend=backend, dtype=dtype)
+
+
+@given(bits=st.sampled_from([2, 4, 8]), group=GROUPS, rows=st.sampled_from([1, 5]), seed=seeds())
+def test_native_int8_equals_portable(backend, dtype, bits, group, rows, seed):
+    """numba's kernel (NumPy, torch's CPU): the same integer dots, the blocks summed in another
+    order in float32: within the dtype's tolerance of the portable path."""
+    if "quantized_linear_int8" not in dispatcher(pl.get_backend(backend)).native:
+        pytest.skip(f"{backend} has no native quantized_linear_int8")
+    if dtype == "float64":
+        pytest.skip("float64 keeps the portable path's float64 arithmetic")
+    x, _, qw, _ = _case(backend, dtype, bits, group, rows, seed)
+    bias, _ = random_array(seed + 2, (24,), dtype, backend=backend)
+    native = qlinear(x, qw, bias, activations="int8", impl="native")
+    assert_close(native, qlinear(x, qw, bias, activations="int8", impl="portable"))
+    with pl.trace() as t:
+        qlinear(x, qw, activations="int8")
+    assert [(e.op, e.impl) for e in t] == [("quantized_linear_int8", "native")]
+
+
+@given(bits=INT8_BITS, group=GROUPS, seed=seeds())
+def test_int8_differs_from_the_exact_mode_by_at_most_the_activations_rounding(
+    backend, bits, group, seed
+):
+    """Each activation moves by at most half its block's step ``d / 2``, so each output moves
+    by at most ``sum_j d_j / 2 * sum_(k in j) |w[n, k]|`` (the dequantized weight), plus the
+    float32 rounding of the two products."""
+    dtype = "float32"
+    if dtype not in pl.get_backend(backend).float_dtypes():
+        pytest.skip(f"{backend} has no float32")
+    x, x64, qw, (p, s, b) = _case(backend, dtype, bits, group, 2, seed)
+    got = pl.to_numpy(qlinear(x, qw, activations="int8")).astype(np.float64)
+    exact = pl.to_numpy(qlinear(x, qw)).astype(np.float64)
+    w = np.abs(reference.dequantize(p, s, b, bits=bits, group_size=group))  # (N, K)
+    a = min(32, group)
+    d = np.abs(x64).reshape(2, -1, a).max(axis=-1) / 127  # (M, J)
+    wsum = w.reshape(w.shape[0], -1, a).sum(axis=-1)  # (N, J)
+    bound = (d / 2) @ wsum.T  # (M, N)
+    tol = tolerance(dtype, backend)
+    slack = 2 * (tol.atol + tol.rtol * np.abs(exact))
+    assert np.all(np.abs(got - exact) <= bound + slack)
+    assert np.any(got != exact)  # the mode does round: it is not the exact product
+
+
+def test_activations_must_be_float_or_int8():
+    w, _ = random_weight(0, (8, 32), "float32")
+    x, _ = random_array(1, (2, 32), "float32")
+    with pytest.raises(ValueError, match=r"activations must be one of \('float', 'int8'\)"):
+        qlinear(x, quantize(w, bits=4, group_size=32), activations="int4")
+
+
+def test_an_all_zero_block_gives_zero_codes():
+    """A block of zeros has scale 0 and codes 0 (no division by zero): its products are 0."""
+    w, _ = random_weight(0, (8, 64), "float32")
+    qw = quantize(w, bits=4, group_size=32)
+    x = np.zeros((1, 64), np.float32)
+    x[0, 40] = 3.0  # only the second block is not zero
+    got = qlinear(x, qw, activations="int8", impl="portable")
+    want = reference.quantized_linear_int8(x, *(np.asarray(a) for a in qw.arrays), bits=4,
+                                           group_size=32)  # fmt: skip
+    assert np.all(np.isfinite(got))
+    assert_close(got, want, backend="numpy", dtype="float32")
