@@ -49,7 +49,7 @@ def _kernels() -> tuple[Any, Any]:
         j = k // a
         xq = np.empty((m, k), np.int8)
         d = np.empty((m, j), np.float32)
-        sums = np.empty((m, j), np.int32)
+        sums = np.empty((m, j), np.float32)
         for r in range(m):
             for b in range(j):
                 amax = np.float32(0.0)
@@ -64,36 +64,43 @@ def _kernels() -> tuple[Any, Any]:
                     q = np.round(x[r, t] / inv)
                     xq[r, t] = q
                     total += int(q)
-                sums[r, b] = total
+                sums[r, b] = np.float32(total)
         return xq, d, sums
 
-    @numba.njit(parallel=True, cache=True, fastmath=False)
+    # fastmath: the products (|xq (q - c)| <= 127 * 128) and every partial sum of a block (at
+    # most 32 of them, < 2**24) are integers that float32 holds exactly, so reassociating and
+    # vectorizing their sums changes nothing; the float32 combination of the blocks may round
+    # differently from the portable path's (within float32's tolerance).
+    @numba.njit(parallel=True, cache=True, fastmath=True)
     def dots(
         planes: Any, d: Any, sums: Any, codes: Any, s: Any, b: Any, bits: int, a: int, per: int
     ) -> Any:  # pragma: no cover - compiled
-        # planes[c, r, i]: the activation code that meets code c (of 8 / bits) of byte i
+        # planes[c, r, i]: the activation code (a float32 integer) that meets code c of byte i
         per_byte, m, nbytes = planes.shape
         n = codes.shape[0]
         mask = (1 << bits) - 1
-        half = 1 << (bits - 1)
+        half = np.float32(1 << (bits - 1))
         bpb = a // per_byte  # bytes per activation block
         j = nbytes // bpb
         out = np.empty((m, n), np.float32)
         for o in numba.prange(n):
             row = codes[o]
+            prod = np.empty(nbytes, np.float32)  # per byte: its codes times their activations
             for r in range(m):
+                prod[:] = 0.0
+                for c in range(per_byte):
+                    shift = bits * c
+                    xr = planes[c, r]
+                    for i in range(nbytes):
+                        q = np.float32((np.int32(row[i]) >> shift) & mask) - half
+                        prod[i] += xr[i] * q
                 acc = np.float32(0.0)
                 for blk in range(j):
-                    isum = np.int32(0)
-                    for c in range(per_byte):
-                        shift = bits * c
-                        xr = planes[c, r]
-                        for i in range(blk * bpb, (blk + 1) * bpb):
-                            isum += xr[i] * (((np.int32(row[i]) >> shift) & mask) - half)
+                    isum = np.float32(0.0)
+                    for t in range(blk * bpb, (blk + 1) * bpb):
+                        isum += prod[t]
                     g = blk // per
-                    acc += d[r, blk] * (
-                        s[o, g] * np.float32(isum) + b[o, g] * np.float32(sums[r, blk])
-                    )
+                    acc += d[r, blk] * (s[o, g] * isum + b[o, g] * sums[r, blk])
                 out[r, o] = acc
         return out
 
@@ -117,7 +124,7 @@ def quantized_linear_int8(
     per_byte = 8 // bits
     # (8 / bits, M, K * bits / 8): code c of byte i multiplies activation per_byte * i + c
     planes = np.ascontiguousarray(
-        xq.reshape(xq.shape[0], -1, per_byte).transpose(2, 0, 1), dtype=np.int32
+        xq.reshape(xq.shape[0], -1, per_byte).transpose(2, 0, 1), dtype=np.float32
     )
     y = dots(planes, d, sums, codes, s, b, bits, a, group_size // a)
     if bias is not None:
