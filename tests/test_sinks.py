@@ -169,3 +169,37 @@ def test_attention_block_bad_sinks(sinks, error, match):
     kv = np.zeros((8, 16), np.float32)
     with pytest.raises(error, match=match):
         pl.attention(x, wq=w, wk=kv, wv=kv, wo=w, num_heads=4, num_kv_heads=2, sinks=sinks)
+
+
+@pytest.mark.parametrize("impl", ["auto", "portable", "blocked", "pool"])
+def test_paged_attention_with_sinks_matches_reference(backend, impl):
+    # Two rows of 7 and 3 keys in shuffled pages of 2; one decode query per row (L = 1, G = 2:
+    # G * L <= P, so impl="pool" applies). Each row against the dense float64 reference.
+    rng = np.random.default_rng(0)
+    h, h_kv, page, lens = 4, 2, 2, (7, 3)
+    need = [-(-n // page) for n in lens]
+    pool = pl.PagePool(sum(need), page, h_kv, 8, "float32", backend=backend)
+    ids = pool.allocate(sum(need))
+    order = [ids[i] for i in rng.permutation(sum(need))]
+    tables = np.zeros((2, max(need)), np.int32)
+    keys = []
+    for b, n in enumerate(lens):
+        pages, order = order[: need[b]], order[need[b] :]
+        tables[b, : need[b]] = pages
+        (k, k64), (v, v64) = (random_array(10 * b + j, (h_kv, n, 8), "float32", backend=backend)
+                              for j in (1, 2))  # fmt: skip
+        pool.write(pages, 0, k, v)
+        keys.append((k64, v64))
+    q, q64 = random_array(5, (2, h, 1, 8), "float32", backend=backend)
+    sinks, s64 = random_array(6, (h,), "float32", backend=backend, low=-3.0, high=3.0)
+    out = pl.paged_attention(
+        q, pool, pl.asarray(tables, backend=backend),
+        pl.asarray(np.asarray(lens, np.int32), backend=backend), sinks=sinks, impl=impl,
+        block_pages=1,
+    )  # fmt: skip
+    want = np.concatenate([
+        reference.scaled_dot_product_attention(q64[b : b + 1], k64[None], v64[None],
+                                               mask="causal", sinks=s64)
+        for b, (k64, v64) in enumerate(keys)
+    ])  # fmt: skip
+    assert_close(out, want, backend=backend, dtype="float32")

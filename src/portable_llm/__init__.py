@@ -58,6 +58,7 @@ from portable_llm.generation import (
 from portable_llm.ops.activations import (
     ACTIVATIONS,
     activation,
+    clamped_swiglu,
     gelu,
     gelu_tanh,
     relu,
@@ -82,6 +83,7 @@ __all__ = [
     "attention",
     "attention_temperature",
     "causal_mask",
+    "clamped_swiglu",
     "dequantize",
     "embedding",
     "gelu",

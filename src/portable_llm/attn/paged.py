@@ -7,7 +7,8 @@ attend causally, bottom-right per row, so one call serves a decode batch of uneq
 (``L = 1``) and chunked prefill (``L > 1``).
 
 Implementations (all called ``fn(xp, q, k_pages, v_pages, tables, context_lens, page_map,
-opts=o)``):
+opts=o)``; with attention sinks, ``sinks`` ``(H,)`` is an eighth array, as in
+:mod:`portable_llm.attn.sdpa_args`):
 
 - ``"portable"``: gather the pages each row uses into contiguous keys with one ``take``, then the
   direct attention of :mod:`portable_llm.attn.sdpa` under the per-row mask (scores, softmax and
@@ -29,7 +30,15 @@ from typing import Any
 
 from portable_llm.attn import paged_pool  # noqa: F401  (registers impl="pool")
 from portable_llm.attn.paged_args import OP, PagedOptions, paged_args
-from portable_llm.attn.sdpa import empty, sdpa_direct, tiled_block, tiled_finish
+from portable_llm.attn.sdpa import (
+    empty,
+    sdpa_direct,
+    sink_rows,
+    sink_step,
+    tiled_block,
+    tiled_finish,
+)
+from portable_llm.attn.sdpa_args import check_sinks
 from portable_llm.backends import backend_of, resolve
 from portable_llm.core.arrays import to_numpy
 from portable_llm.core.checks import float_compute_dtype
@@ -55,6 +64,7 @@ def _paged_direct(
     tables: Any,
     lens: Any,
     page_map: Any,
+    sinks: Any = None,
     *,
     opts: PagedOptions,
 ) -> Any:
@@ -62,7 +72,7 @@ def _paged_direct(
     k = opts.gather(xp, k_pages, tables)  # (B, H_kv, S, D)
     v = opts.gather(xp, v_pages, tables)
     mask = opts.mask(xp, lens, q.shape[2], k.shape[2], 0, _device(q))  # (B, 1, L, S)
-    return sdpa_direct(xp, q, k, v, mask, opts=opts.sdpa)
+    return sdpa_direct(xp, q, k, v, mask, sinks, opts=opts.sdpa)
 
 
 _BLOCKED = OP + ".blocked"
@@ -113,6 +123,7 @@ def _paged_blocked(
     tables: Any,
     lens: Any,
     page_map: Any,
+    sinks: Any = None,
     *,
     opts: PagedOptions,
 ) -> Any:
@@ -138,7 +149,16 @@ def _paged_blocked(
         run_max, total, acc = block_fn(
             xp, qg, k_pages, v_pages, tb, lens, j * P, run_max, total, acc, grid=grid, opts=opts
         )
+    if sinks is not None:  # gpt-oss: one more step, a key of score sink and value 0
+        total, acc = pick(bk, _BLOCKED, "sink")(xp, run_max, total, acc, sinks, grid=grid)
     return finish_fn(xp, acc, total, q)
+
+
+@portable(_BLOCKED, "sink", pure=True)
+def _blocked_sink(
+    xp: Any, run_max: Any, total: Any, acc: Any, sinks: Any, *, grid: tuple[int, ...]
+) -> tuple[Any, Any]:
+    return sink_step(xp, run_max, total, acc, sink_rows(xp, sinks, grid, acc.dtype))
 
 
 @portable(_BLOCKED, "finish", pure=True)
@@ -148,8 +168,9 @@ def _blocked_finish(xp: Any, acc: Any, total: Any, q: Any) -> Any:
 
 @auto_portable(OP)
 def _auto(
-    q: Any, k_pages: Any, v_pages: Any, tables: Any, lens: Any, page_map: Any, **options: Any
-) -> str:
+    q: Any, k_pages: Any, v_pages: Any, tables: Any, lens: Any, page_map: Any, sinks: Any = None,
+    **options: Any,
+) -> str:  # fmt: skip
     if page_map is not None:  # paged_args found that the pool-wide path pays
         return "pool"
     scores = q.shape[2] * (q.shape[1] // k_pages.shape[1]) * tables.shape[1] * k_pages.shape[2]
@@ -167,6 +188,7 @@ def paged_attention(
     window: int | None = None,
     chunk: int | None = None,
     softcap: float | None = None,
+    sinks: Any = None,
     block_pages: int = 16,
     impl: str = "auto",
     backend: str | None = None,
@@ -195,6 +217,9 @@ def paged_attention(
         ``p // chunk * chunk .. p``.
     softcap : float, > 0, optional
         Gemma-2's ``softcap * tanh(scores / softcap)``, before the mask.
+    sinks : array, shape ``(H,)``, optional
+        gpt-oss's attention sinks (see :func:`~portable_llm.scaled_dot_product_attention`):
+        every path takes them but torch's native kernel, which auto then passes over.
     block_pages : int, >= 1
         Pages per block of ``impl="blocked"``.
     impl : {"auto", "portable", "blocked", "pool", "native"}
@@ -224,7 +249,9 @@ def paged_attention(
     for name in ("k_pages", "v_pages"):
         if not hasattr(pool, name):
             raise TypeError(f"{OP}: pool must have k_pages and v_pages (a PagePool), got {pool!r}")
-    bk, arrays = resolve(OP, backend, q, pool.k_pages, pool.v_pages, block_tables, context_lens)
+    bk, (*arrays, sinks) = resolve(
+        OP, backend, q, pool.k_pages, pool.v_pages, block_tables, context_lens, sinks
+    )
     args, opts = paged_args(
         OP,
         bk,
@@ -236,6 +263,8 @@ def paged_attention(
         block_pages=block_pages,
         impl=impl,
     )
+    if sinks is not None:  # the eighth array
+        args = (*args, check_sinks(OP, bk, sinks, args[0]))
     fn = pick(bk, OP, impl, *args, **opts)
     if empty(args[0]):
         return bk.xp.zeros(q.shape, dtype=q.dtype, device=bk.device_of(args[0]))

@@ -26,7 +26,7 @@ import math
 from typing import Any
 
 from portable_llm.attn.paged_args import OP, UNUSED, PagedOptions
-from portable_llm.attn.sdpa import softmax_finish
+from portable_llm.attn.sdpa import sink_rows, sink_step, softmax_finish
 from portable_llm.attn.visibility import visible
 from portable_llm.core.checks import float_compute_dtype
 from portable_llm.core.dispatch import portable
@@ -47,6 +47,7 @@ def _paged_pool(
     tables: Any,
     lens: Any,
     page_map: Any,
+    sinks: Any = None,
     *,
     opts: PagedOptions,
 ) -> Any:
@@ -98,4 +99,6 @@ def _paged_pool(
     tot = xp.matmul(sel, xp.reshape(p, (N, h_kv * G * L * P)))  # (B, H_kv*G*L*P)
     tot = xp.sum(xp.reshape(tot, (B, h_kv, G * L, P)), axis=-1, keepdims=True)
     acc = xp.reshape(acc, (B, h_kv, G * L, D))
+    if sinks is not None:  # gpt-oss: a key of score sink and value 0, on the row's scale top
+        tot, acc = sink_step(xp, top, tot, acc, sink_rows(xp, sinks, (B, h_kv, G, L), qg.dtype))
     return softmax_finish(xp, acc, tot, q)  # (B, H, L, D)

@@ -317,8 +317,8 @@ def scaled_dot_product_attention(
         (``L``, ``H``, ``D`` or a batch dimension 0) gives an empty result of that shape on
         every backend; ``S = 0`` (no keys) is a ValueError.
     """
-    arrays = (q, k, v) if isinstance(mask, str) or mask is None else (q, k, v, mask)
-    bk, (*arrays, sinks) = resolve(OP, backend, *arrays, sinks)
+    given = (q, k, v) if isinstance(mask, str) or mask is None else (q, k, v, mask)
+    bk, (*arrays, sinks) = resolve(OP, backend, *given, sinks)
     q, k, v = arrays[:3]
     mask = arrays[3] if len(arrays) == 4 else mask
     args, opts = sdpa_args(

@@ -55,10 +55,11 @@ class PagedStep(Step):
 
     def attend(
         self, kn: Any, i: int, q: Any, k: Any, v: Any, window: int | None,
-        chunk: int | None = None,
+        chunk: int | None = None, *, sinks: Any = None,
     ) -> Any:  # fmt: skip
         """Append the rows' keys and values ``(B, H_kv, L, D)`` to their caches of layer ``i``;
-        the paged attention of ``q`` ``(B, H, L, D)`` over them."""
+        the paged attention of ``q`` ``(B, H, L, D)`` over them (``sinks`` ``(H,)``: the
+        layer's attention sinks)."""
         layer = [seq[i] for seq in self.paged_seqs]
         if len(layer) == 1:
             layer[0].append(k, v)
@@ -71,7 +72,7 @@ class PagedStep(Step):
         pool, scale = layer[0].pool, self.p.scale
         return paged_attention(
             q, pool, tables, lengths, scale=scale, window=window, chunk=chunk,
-            softcap=self.p.softcap,
+            softcap=self.p.softcap, sinks=sinks,
         )  # fmt: skip
 
 

@@ -442,20 +442,25 @@ class Step:
 
     def attend(
         self, kn: Any, i: int, q: Any, k: Any, v: Any, window: int | None,
-        chunk: int | None = None,
+        chunk: int | None = None, *, sinks: Any = None,
     ) -> Any:  # fmt: skip
         """Layer ``i``'s attention of ``q`` ``(B, H, L, D)`` over its cache and the new keys
-        and values ``(B, H_kv, L, D)`` (after RoPE): the output ``(B, H, L, D)``. A forward
-        over another kind of cache (paged) overrides this."""
+        and values ``(B, H_kv, L, D)`` (after RoPE): the output ``(B, H, L, D)``; ``sinks``
+        ``(H,)``: the layer's attention sinks (the SDPA's fifth array). A forward over another
+        kind of cache (paged) overrides this."""
         p = self.p
         k, v, mask, window = self.kv(i, k, v, window, chunk)
         causal = isinstance(mask, str) or window is not None
         mask = None if isinstance(mask, str) else mask
         opts = SdpaOptions(scale=p.scale, causal=causal, window=window, softcap=p.softcap)
-        key = (causal, window, None if mask is None else tuple(mask.shape), tuple(k.shape))
+        arrays = (q, k, v, mask) if sinks is None else (q, k, v, mask, sinks)
+        key: tuple[Any, ...] = (
+            causal, window, None if mask is None else tuple(mask.shape), tuple(k.shape),
+            sinks is not None,
+        )  # fmt: skip
         fn = self.sdpa.get(key)
         if not kn.bound:  # inside a trace: asked (and recorded) per layer
-            fn = kn.choose(SDPA, q, k, v, mask, opts=opts)
+            fn = kn.choose(SDPA, *arrays, opts=opts)
         elif fn is None:  # auto's choice, as kn.choose makes it, once per forward
-            fn = self.sdpa[key] = p.dispatch.pick(SDPA, "auto", q, k, v, mask, opts=opts)
-        return fn(p.xp, q, k, v, mask, opts=opts)  # (B, H, L, D)
+            fn = self.sdpa[key] = p.dispatch.pick(SDPA, "auto", *arrays, opts=opts)
+        return fn(p.xp, *arrays, opts=opts)  # (B, H, L, D)

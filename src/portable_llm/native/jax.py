@@ -156,13 +156,15 @@ def _ragged_preferred(x: Any, *_: Any, **__: Any) -> bool:
 @native("jax", "moe_experts", kernel="jax.lax.ragged_dot_general", prefer=_ragged_preferred)
 def moe_experts(
     xp: Any, x: Any, weights: Any, ids: Any, gate: Any, up: Any, down: Any, *,
-    act: Any, linear: Any, to_host: Any,
+    act: Any, linear: Any, to_host: Any, glu: Any = None,
 ) -> Any:  # fmt: skip
-    return _moe_experts(x, weights, ids, gate, up, down, act=act)
+    return _moe_experts(x, weights, ids, gate, up, down, act=act, glu=glu)
 
 
-@partial(jax.jit, static_argnames=("act",))  # one program per shape, also when called eagerly
-def _moe_experts(x: Any, weights: Any, ids: Any, gate: Any, up: Any, down: Any, *, act: Any) -> Any:
+@partial(jax.jit, static_argnames=("act", "glu"))  # one program per shape, also when eager
+def _moe_experts(
+    x: Any, weights: Any, ids: Any, gate: Any, up: Any, down: Any, *, act: Any, glu: Any
+) -> Any:
     # Static shapes throughout (group sizes stay on the device), so this traces under jax.jit.
     n, k = ids.shape
     acc = _compute(x.dtype)
@@ -176,7 +178,9 @@ def _moe_experts(x: Any, weights: Any, ids: Any, gate: Any, up: Any, down: Any, 
         return y.astype(x.dtype)
 
     xs = x[tokens]  # (A, E)
-    y = proj(act(jnp, proj(xs, gate)) * proj(xs, up), down)  # (A, E)
+    g, u = proj(xs, gate), proj(xs, up)  # (A, I)
+    h = act(jnp, g) * u if glu is None else glu(jnp, g, u)  # glu: ops.moe.ClampedGlu (gpt-oss)
+    y = proj(h, down)  # (A, E)
     y = y.astype(weights.dtype) * weights.reshape(-1)[order][:, None]
     out = jnp.zeros((n, x.shape[-1]), weights.dtype).at[tokens].add(y)  # (N, E)
     return out.astype(x.dtype)

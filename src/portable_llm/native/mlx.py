@@ -133,7 +133,7 @@ def _gather_mm_applies(x: Any, *_: Any, **__: Any) -> bool:
 @native("mlx", "moe_experts", kernel="mx.gather_mm", applies=_gather_mm_applies)
 def moe_experts(
     xp: Any, x: Any, weights: Any, ids: Any, gate: Any, up: Any, down: Any, *,
-    act: Any, linear: Any, to_host: Any,
+    act: Any, linear: Any, to_host: Any, glu: Any = None,
 ) -> Any:  # fmt: skip
     # mlx-lm's SwitchGLU: each (token, slot) row multiplies its expert's matrix, gathered.
     n, k = ids.shape
@@ -145,7 +145,9 @@ def moe_experts(
     def proj(a: Any, w: Any) -> Any:  # (A, 1, in) x (X, out, in) -> (A, 1, out)
         return mx.gather_mm(a, w.swapaxes(-1, -2), rhs_indices=idx, sorted_indices=True)
 
-    y = proj(act(xp, proj(xs, gate)) * proj(xs, up), down)[:, 0, :]  # (A, E)
+    g, u = proj(xs, gate), proj(xs, up)  # (A, 1, I)
+    h = act(xp, g) * u if glu is None else glu(xp, g, u)  # glu: ops.moe.ClampedGlu (gpt-oss)
+    y = proj(h, down)[:, 0, :]  # (A, E)
     y = y.astype(weights.dtype) * weights.reshape(-1)[order][:, None]
     y = y[mx.argsort(order)].reshape(n, k, x.shape[-1])  # token-major
     return y.sum(axis=1).astype(x.dtype)
@@ -285,9 +287,10 @@ def quantized_linear(
 
 
 def _paged_applies(
-    q: Any, k_pages: Any, v_pages: Any, tables: Any, lens: Any, page_map: Any, *, opts: Any
-) -> bool:
-    return _sdpa_applies(q, k_pages, v_pages, None, opts=opts.sdpa)
+    q: Any, k_pages: Any, v_pages: Any, tables: Any, lens: Any, page_map: Any, sinks: Any = None,
+    *, opts: Any,
+) -> bool:  # fmt: skip
+    return _sdpa_applies(q, k_pages, v_pages, None, sinks, opts=opts.sdpa)
 
 
 def _paged_prefer(*args: Any, opts: Any) -> bool:
@@ -313,9 +316,10 @@ def paged_attention(
     tables: Any,
     lens: Any,
     page_map: Any,
+    sinks: Any = None,
     *,
     opts: Any,
 ) -> Any:
     k, v = opts.gather(xp, k_pages, tables), opts.gather(xp, v_pages, tables)  # (B, H_kv, S, D)
     mask = opts.mask(xp, lens, q.shape[2], k.shape[2], 0, None)  # (B, 1, L, S)
-    return scaled_dot_product_attention(xp, q, k, v, mask, opts=opts.sdpa)
+    return scaled_dot_product_attention(xp, q, k, v, mask, sinks, opts=opts.sdpa)

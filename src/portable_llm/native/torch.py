@@ -634,9 +634,10 @@ def _paged_gather(pages: Any, tables: Any) -> Any:
 
 
 def _paged_applies(
-    q: Any, k_pages: Any, v_pages: Any, tables: Any, lens: Any, page_map: Any, *, opts: Any
-) -> bool:
-    return _sdpa_applies(q, k_pages, v_pages, None, opts=opts.sdpa)
+    q: Any, k_pages: Any, v_pages: Any, tables: Any, lens: Any, page_map: Any, sinks: Any = None,
+    *, opts: Any,
+) -> bool:  # fmt: skip
+    return _sdpa_applies(q, k_pages, v_pages, None, sinks, opts=opts.sdpa)  # sinks: refused
 
 
 def _paged_pool(q: Any, k_pages: Any, v_pages: Any, lens: Any, tables: Any, page_map: Any,

@@ -1,4 +1,5 @@
-"""Elementwise activations (SiLU, GELU, ReLU), softmax, and the activation registry.
+"""Elementwise activations (SiLU, GELU, ReLU), gpt-oss's clamped SwiGLU, softmax, and the
+activation registry.
 
 Every activation computes in float32 (float64 for float64 input) and returns the input dtype.
 """
@@ -7,15 +8,25 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 from portable_llm.backends import resolve
-from portable_llm.core.checks import check_float, check_int, check_ndim, float_compute_dtype
+from portable_llm.core.checks import (
+    check_float,
+    check_int,
+    check_ndim,
+    check_real,
+    check_same_dtype,
+    float_compute_dtype,
+)
 from portable_llm.core.dispatch import pick, portable
 from portable_llm.core.types import Array, Namespace
 
 __all__ = [
     "ACTIVATIONS",
     "activation",
+    "check_swiglu",
+    "clamped_swiglu",
     "gelu",
     "gelu_tanh",
     "logistic",
@@ -82,6 +93,23 @@ def _gelu_tanh(xp: Namespace, x: Array) -> Array:
 @portable("relu", pure=True)
 def _relu(xp: Namespace, x: Array) -> Array:
     return xp.maximum(x, xp.zeros_like(x))  # NaN stays NaN
+
+
+@portable("clamped_swiglu", pure=True)
+def _clamped_swiglu(xp: Namespace, gate: Array, up: Array, *, limit: float, alpha: float) -> Array:
+    compute = float_compute_dtype(xp, gate.dtype)
+    g, u = xp.astype(gate, compute), xp.astype(up, compute)
+    top = xp.full_like(g, limit)  # as full arrays: not every namespace's clip takes keywords
+    g = xp.minimum(g, top)  # the gate: clamped above only
+    u = xp.maximum(xp.minimum(u, top), -top)
+    return xp.astype((u + 1.0) * (g * logistic(xp, alpha * g)), gate.dtype)
+
+
+def check_swiglu(op: str, limit: Any, alpha: Any) -> tuple[float, float]:
+    """``(limit, alpha)`` of the clamped SwiGLU as Python floats: ``limit > 0`` (``inf``: no
+    clamp), ``alpha`` finite; else a TypeError/ValueError naming ``op`` and the argument."""
+    limit = check_real(op, "swiglu_limit", limit, low=0.0, low_open=True, finite=False)
+    return limit, check_real(op, "swiglu_alpha", alpha)
 
 
 @portable("softmax", pure=True)
@@ -152,6 +180,56 @@ def relu(x: Array, /, *, impl: str = "auto", backend: str | None = None) -> Arra
     backend : str, optional
     """
     return _unary("relu", x, impl, backend)
+
+
+def clamped_swiglu(
+    gate: Array,
+    up: Array,
+    /,
+    *,
+    limit: float = 7.0,
+    alpha: float = 1.702,
+    impl: str = "auto",
+    backend: str | None = None,
+) -> Array:
+    """gpt-oss's clamped SwiGLU (HF ``GptOssExperts._apply_gate``) of the two halves of a
+    gated projection:
+
+    ``g = min(gate, limit)``, ``u = clip(up, -limit, limit)``,
+    ``(u + 1) * g * sigmoid(alpha * g)``.
+
+    With ``limit = inf`` and ``alpha = 1`` it is ``silu(gate) * (up + 1)``: the plain SwiGLU
+    of ``up + 1``.
+
+    Parameters
+    ----------
+    gate, up : array, any shape (the same), one float dtype
+    limit : float > 0
+        HF ``swiglu_limit`` (gpt-oss: 7.0); ``inf`` clamps nothing.
+    alpha : float
+        HF ``swiglu_alpha`` (gpt-oss: 1.702).
+    impl : {"auto", "portable", "native"}
+        No backend has a kernel for it: ``auto`` is the portable one.
+    backend : str, optional
+
+    Returns
+    -------
+    array
+        gate's shape and dtype; computed in float32 (float64 for float64 input) and rounded
+        once (HF rounds after each step in bfloat16: within the tolerance table).
+    """
+    op = "clamped_swiglu"
+    limit, alpha = check_swiglu(op, limit, alpha)
+    bk, (gate, up) = resolve(op, backend, gate, up)
+    check_float(op, "gate", gate, bk)
+    check_float(op, "up", up, bk)
+    check_same_dtype(op, bk, gate=gate, up=up)
+    if tuple(gate.shape) != tuple(up.shape):
+        raise ValueError(
+            f"{op}: up must have gate's shape {tuple(gate.shape)}, got {tuple(up.shape)}"
+        )
+    fn = pick(bk, op, impl, gate, up, limit=limit, alpha=alpha)
+    return fn(bk.xp, gate, up, limit=limit, alpha=alpha)
 
 
 def softmax(

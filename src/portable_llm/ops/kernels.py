@@ -4,7 +4,7 @@ A composite op (``mlp``, ``attention``, a model's layers) is a front that checks
 and a body that computes (:func:`~portable_llm.ops.linear.mlp_body`,
 :func:`~portable_llm.attn.block.attention_body`), as array-api-extra splits its functions. The
 body calls its kernels through one of two kernel sets with the same methods (``project``,
-``linear``, ``rms_norm``, ``act``, ``choose``):
+``linear``, ``rms_norm``, ``act``, ``glu``, ``choose``):
 
 - :class:`Kernels`: each call asks the dispatcher (:func:`~portable_llm.core.dispatch.pick`,
   the entry every public op uses), so :func:`~portable_llm.trace` records every kernel that
@@ -174,6 +174,11 @@ class Kernels:
         assert self.act_op is not None
         return pick(self.bk, self.act_op, self.impl, x)(xp, x)
 
+    def glu(self, xp: Any, gate: Any, up: Any, *, limit: float, alpha: float) -> Any:
+        """gpt-oss's clamped SwiGLU of a gated projection's halves (``clamped_swiglu``)."""
+        opts = {"limit": limit, "alpha": alpha}
+        return pick(self.bk, "clamped_swiglu", self.impl, gate, up, **opts)(xp, gate, up, **opts)
+
 
 @dataclass(frozen=True)
 class BoundKernels:
@@ -190,6 +195,7 @@ class BoundKernels:
     #: else :func:`projector`'s, which also runs :class:`Packed` and :class:`QLinear` ones.
     project: Fn
     layer_norm: Fn | None = None  # fn(xp, x, w, b, *, eps); None: a set without norms
+    glu: Fn | None = None  # fn(xp, gate, up, *, limit, alpha): gpt-oss's clamped SwiGLU
 
     bound = True
 
@@ -211,13 +217,17 @@ class BoundKernels:
             act_op=act,
             project=projector(linear) if bound else linear,
             layer_norm=d.pick("layer_norm", "auto", x, norm, norm, eps=eps),
+            glu=d.pick("clamped_swiglu", "auto", x, x, limit=7.0, alpha=1.702),
         )
 
     @classmethod
-    def for_mlp(cls, linear: Fn, act: Fn) -> BoundKernels:
-        """The kernels of a gated MLP of float weights (``linear``, ``act``) that a composite
-        op chose itself (a MoE's experts); no ``rms_norm``, no backend to ask for more."""
-        return cls(None, linear=linear, rms_norm=_no_norm, act=act, act_op="", project=linear)
+    def for_mlp(cls, linear: Fn, act: Fn, glu: Fn | None = None) -> BoundKernels:
+        """The kernels of a gated MLP of float weights (``linear``, ``act``, a clamped SwiGLU's
+        ``glu``) that a composite op chose itself (a MoE's experts); no ``rms_norm``, no
+        backend to ask for more."""
+        return cls(
+            None, linear=linear, rms_norm=_no_norm, act=act, act_op="", project=linear, glu=glu
+        )
 
     def traced(self) -> Kernels:
         """The same choices asked of the dispatcher per call, so a trace records them."""

@@ -1,4 +1,4 @@
-"""Linear layers and the gated MLP (SwiGLU) of Llama/Qwen/Mistral."""
+"""Linear layers and the gated MLP (SwiGLU) of Llama/Qwen/Mistral (and gpt-oss's clamped one)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,20 @@ from portable_llm.backends import Backend, resolve
 from portable_llm.core.checks import check_float, check_int, check_ndim, match_weight
 from portable_llm.core.dispatch import pick, portable
 from portable_llm.core.types import Array, Namespace
-from portable_llm.ops.activations import activation, activation_op
+from portable_llm.ops.activations import activation, activation_op, check_swiglu, clamped_swiglu
 from portable_llm.ops.affine import affine
 from portable_llm.ops.kernels import Kernels
 from portable_llm.ops.quant import QuantizedWeight, is_quantized, quantized_linear
 
-__all__ = ["MlpWeights", "check_linear", "intermediate_size", "linear", "mlp", "mlp_body"]
+__all__ = [
+    "MlpWeights",
+    "check_linear",
+    "intermediate_size",
+    "linear",
+    "mlp",
+    "mlp_body",
+    "swiglu_option",
+]
 
 
 @portable("linear", pure=True)
@@ -96,10 +104,13 @@ def mlp(
     b_gate: Array = None,
     b_up: Array = None,
     b_down: Array = None,
+    swiglu_limit: float | None = None,
+    swiglu_alpha: float = 1.702,
     impl: str = "auto",
     backend: str | None = None,
 ) -> Array:
-    """Gated feed-forward block: ``down(act(gate(x)) * up(x))`` (SwiGLU for ``act="silu"``).
+    """Gated feed-forward block: ``down(act(gate(x)) * up(x))`` (SwiGLU for ``act="silu"``);
+    with ``swiglu_limit``, gpt-oss's ``down(clamped_swiglu(gate(x), up(x)))``.
 
     The order of HF ``Qwen2MLP``/``LlamaMLP``: each projection and the activation round to x's
     dtype, the gate product happens in x's dtype.
@@ -116,6 +127,13 @@ def mlp(
         ``"gelu_tanh"`` (``"gelu_pytorch_tanh"``, ``"gelu_new"``), ``"relu"``.
     b_gate, b_up : array, shape ``(I,)``, optional
     b_down : array, shape ``(E,)``, optional
+    swiglu_limit : float > 0, optional
+        gpt-oss (HF ``swiglu_limit``): the gate product is
+        :func:`~portable_llm.clamped_swiglu` of the two projections, ``(clip(up, -limit,
+        limit) + 1) * g * sigmoid(swiglu_alpha * g)`` with ``g = min(gate, limit)``, computed
+        in float32 and rounded once; ``act`` must then be ``"silu"`` (its default).
+    swiglu_alpha : float
+        HF ``swiglu_alpha`` (gpt-oss: 1.702); read only with ``swiglu_limit``.
     impl : {"auto", "portable", "native"}
         Passed to the projections and the activation.
     backend : str, optional
@@ -124,10 +142,14 @@ def mlp(
     -------
     array, shape ``(N.., L, E)``, x's dtype
     """
+    swiglu = swiglu_option("mlp", act, swiglu_limit, swiglu_alpha)
     if is_quantized(w_gate, w_up, w_down):  # the same steps, each projection quantized or not
         gate = linear(x, w_gate, b_gate, impl=impl, backend=backend)  # (N.., I)
         up = linear(x, w_up, b_up, impl=impl, backend=backend)  # (N.., I)
-        h = activation(act)(gate, impl=impl) * up
+        if swiglu is None:
+            h = activation(act)(gate, impl=impl) * up
+        else:
+            h = clamped_swiglu(gate, up, limit=swiglu[0], alpha=swiglu[1], impl=impl)
         return linear(h, w_down, b_down, impl=impl, backend=backend)  # (N.., E)
     act_name = activation_op(act, "mlp")
     bk, (x, w_gate, w_up, w_down, b_gate, b_up, b_down) = resolve(
@@ -150,8 +172,21 @@ def mlp(
         raise ValueError(f"mlp: b_down must have shape ({e},), got {tuple(b_down.shape)}")
     w_down = match_weight("mlp", "w_down", w_down, x, bk)
     b_down = match_weight("mlp", "b_down", b_down, x, bk)
-    weights = MlpWeights(w_gate, w_up, w_down, b_gate, b_up, b_down)
+    weights = MlpWeights(w_gate, w_up, w_down, b_gate, b_up, b_down, swiglu)
     return mlp_body(bk.xp, Kernels(bk, impl, act_name), x, weights)
+
+
+def swiglu_option(op: str, act: str, limit: Any, alpha: Any) -> tuple[float, float] | None:
+    """The checked ``(swiglu_limit, swiglu_alpha)`` of a gated MLP (``None`` without a limit):
+    the clamped SwiGLU replaces ``act(gate) * up``, so ``act`` must be SiLU's."""
+    if limit is None:
+        return None
+    if activation_op(act, op) != "silu":
+        raise ValueError(
+            f"{op}: swiglu_limit gives gpt-oss's clamped SwiGLU, whose gate activation is "
+            f"x * sigmoid(swiglu_alpha * x); act must be 'silu', got {act!r}"
+        )
+    return check_swiglu(op, limit, alpha)
 
 
 @dataclass(frozen=True)
@@ -167,6 +202,8 @@ class MlpWeights:
     b_gate: Any  # (I,) or None
     b_up: Any  # (I,) or None
     b_down: Any  # (E,) or None
+    #: ``(limit, alpha)``: gpt-oss's clamped SwiGLU in place of ``act(gate) * up``; or None
+    swiglu: tuple[float, float] | None = None
 
 
 def mlp_body(xp: Namespace, kn: Any, x: Array, w: MlpWeights) -> Array:
@@ -181,6 +218,9 @@ def mlp_body(xp: Namespace, kn: Any, x: Array, w: MlpWeights) -> Array:
         return kn.project(xp, kn.act(xp, up), w.w_down, w.b_down)  # (N.., E)
     gate = kn.project(xp, x, w.w_gate, w.b_gate)  # (N.., I)
     up = kn.project(xp, x, w.w_up, w.b_up)  # (N.., I)
+    if w.swiglu is not None:  # gpt-oss: one fused, clamped gate product
+        h = kn.glu(xp, gate, up, limit=w.swiglu[0], alpha=w.swiglu[1])  # (N.., I)
+        return kn.project(xp, h, w.w_down, w.b_down)  # (N.., E)
     return kn.project(xp, kn.act(xp, gate) * up, w.w_down, w.b_down)  # (N.., E)
 
 

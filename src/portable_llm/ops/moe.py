@@ -1,8 +1,11 @@
-"""Mixture of Experts: the top-k routers and the sparse MoE block (Mixtral, Qwen2-MoE, Llama 4).
+"""Mixture of Experts: the top-k routers and the sparse MoE block (Mixtral, Qwen2-MoE, Llama 4,
+DeepSeek V3, gpt-oss).
 
-Two routers: ``"softmax"`` (Mixtral, Qwen2-MoE: softmax over all experts, the top k weight the
-experts' outputs) and ``"sigmoid"`` (Llama 4: the top k logits, their sigmoid scales each
-expert's *input*).
+Three routers: ``"softmax"`` (Mixtral, Qwen2-MoE: softmax over all experts, the top k weight the
+experts' outputs), ``"sigmoid"`` (Llama 4: the top k logits, their sigmoid scales each
+expert's *input*) and ``"grouped"`` (DeepSeek V3, Kimi K2, GLM-4.5: sigmoid scores, a
+correction bias for the selection, top-k within the best groups:
+:mod:`portable_llm.ops.grouped_router`).
 
 Experts are stacked as HF stores them: ``experts_gate``/``experts_up`` ``(X, I, E)`` (HF's fused
 ``experts.gate_up_proj`` of shape ``(X, 2I, E)`` split into its halves ``[:, :I]`` and
@@ -11,6 +14,7 @@ Experts are stacked as HF stores them: ``experts_gate``/``experts_up`` ``(X, I, 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from portable_llm.backends import Backend, resolve
@@ -24,14 +28,15 @@ from portable_llm.core.checks import (
 from portable_llm.core.dispatch import pick, portable
 from portable_llm.core.types import Array, Namespace
 from portable_llm.ops.activations import activation_op, logistic
+from portable_llm.ops.grouped_router import GROUPED, Grouping, check_grouping, grouped_route
 from portable_llm.ops.kernels import BoundKernels
-from portable_llm.ops.linear import MlpWeights, mlp, mlp_body
+from portable_llm.ops.linear import MlpWeights, mlp, mlp_body, swiglu_option
 from portable_llm.ops.quant import dequantized, is_quantized
 
 __all__ = ["ROUTERS", "moe", "route"]
 
 #: The routers of :func:`route` and :func:`moe`.
-ROUTERS: tuple[str, ...] = ("softmax", "sigmoid")
+ROUTERS: tuple[str, ...] = ("softmax", "sigmoid", GROUPED)
 
 
 @portable("top_k", pure=True)
@@ -47,19 +52,38 @@ def _expert_ranks(xp: Namespace, gate: Array, dtype: Any) -> Array:
     return xp.cumulative_sum(ones) - 1
 
 
+@dataclass(frozen=True)
+class ClampedGlu:
+    """gpt-oss's clamped SwiGLU as the experts' gate product: ``glu(xp, gate, up)`` in place of
+    ``act(xp, gate) * up``. Every ``moe_experts`` kernel takes it as ``glu=`` (hashable: JAX's
+    kernel compiles once per option set)."""
+
+    fn: Any  # the clamped_swiglu kernel, fn(xp, gate, up, *, limit, alpha)
+    limit: float
+    alpha: float
+
+    def __call__(self, xp: Namespace, gate: Array, up: Array) -> Array:
+        return self.fn(xp, gate, up, limit=self.limit, alpha=self.alpha)
+
+
 def _expert_mlp(
-    xp: Namespace, xs: Array, gate: Array, up: Array, down: Array, act: Any, linear: Any
-) -> Array:
+    xp: Namespace, xs: Array, gate: Array, up: Array, down: Array, act: Any, linear: Any,
+    glu: ClampedGlu | None = None,
+) -> Array:  # fmt: skip
     """One expert over its tokens ``xs`` ``(n, E)``: the gated MLP's body with the kernels the
-    call chose."""
-    kernels = BoundKernels.for_mlp(linear, act)
-    return mlp_body(xp, kernels, xs, MlpWeights(gate, up, down, None, None, None))  # (n, E)
+    call chose (``glu``: the clamped SwiGLU in place of ``act``)."""
+    if glu is None:
+        kernels = BoundKernels.for_mlp(linear, act)
+        return mlp_body(xp, kernels, xs, MlpWeights(gate, up, down, None, None, None))  # (n, E)
+    kernels = BoundKernels.for_mlp(linear, act, glu.fn)
+    weights = MlpWeights(gate, up, down, None, None, None, (glu.limit, glu.alpha))
+    return mlp_body(xp, kernels, xs, weights)  # (n, E)
 
 
 @portable("moe_experts")
 def _moe_gather(
     xp: Namespace, x: Array, weights: Array, ids: Array, gate: Array, up: Array, down: Array, *,
-    act: Any, linear: Any, to_host: Any,
+    act: Any, linear: Any, to_host: Any, glu: ClampedGlu | None = None,
 ) -> Array:  # fmt: skip
     """Sort the (token, slot) assignments by expert; run each expert on its own tokens only.
 
@@ -75,7 +99,7 @@ def _moe_gather(
     for e in range(gate.shape[0]):
         if bounds[e + 1] > bounds[e]:
             xs = xp.take(x, tokens[bounds[e] : bounds[e + 1]], axis=0)  # (count_e, E)
-            ys.append(_expert_mlp(xp, xs, gate[e, ...], up[e, ...], down[e, ...], act, linear))
+            ys.append(_expert_mlp(xp, xs, gate[e, ...], up[e, ...], down[e, ...], act, linear, glu))
     if not ys:  # no tokens
         return xp.zeros_like(x)
     w = xp.take(xp.reshape(weights, (-1,)), order)  # (A,) routing weight, expert order
@@ -87,22 +111,24 @@ def _moe_gather(
 @portable("moe_experts", "dense", pure=True)
 def _moe_dense(
     xp: Namespace, x: Array, weights: Array, ids: Array, gate: Array, up: Array, down: Array, *,
-    act: Any, linear: Any, to_host: Any = None,
+    act: Any, linear: Any, to_host: Any = None, glu: ClampedGlu | None = None,
 ) -> Array:  # fmt: skip
     """Every expert on every token, weighted by its routing weight (0 where not routed)."""
     out = xp.zeros_like(x, dtype=weights.dtype)  # (N, E)
     zero = xp.zeros_like(weights)
     for e in range(gate.shape[0]):
         w_e = xp.sum(xp.where(ids == e, weights, zero), axis=-1, keepdims=True)  # (N, 1)
-        y = _expert_mlp(xp, x, gate[e, ...], up[e, ...], down[e, ...], act, linear)
+        y = _expert_mlp(xp, x, gate[e, ...], up[e, ...], down[e, ...], act, linear, glu)
         out = out + xp.astype(y, weights.dtype) * w_e
     return xp.astype(out, x.dtype)
 
 
 def _route(
     bk: Backend, x: Array, w_router: Array, top_k: int, norm_topk_prob: bool, impl: str,
-    router: str = "softmax",
+    router: str = "softmax", grouping: Grouping | None = None,
 ) -> tuple[Array, Array]:  # fmt: skip
+    if grouping is not None:  # router="grouped"
+        return grouped_route(bk, x, w_router, top_k, norm_topk_prob, impl, grouping)
     xp = bk.xp
     logits = pick(bk, "linear", impl, x, w_router)(xp, x, w_router)  # (N.., X), x's dtype
     if router == "sigmoid":  # HF Llama4Router: top-k of the logits, then their sigmoid
@@ -116,6 +142,41 @@ def _route(
     if norm_topk_prob:
         weights = weights / xp.sum(weights, axis=-1, keepdims=True)
     return weights, xp.astype(ids, xp.asarray(0).dtype)
+
+
+def _grouping(
+    op: str, bk: Backend, x: Array, w_router: Array, top_k: int, router: str, opts: dict[str, Any]
+) -> Grouping | None:
+    """:func:`~portable_llm.ops.grouped_router.check_grouping` of the call's grouped options."""
+    return check_grouping(
+        op, bk, x, w_router.shape[0], top_k, router=router, n_group=opts["n_group"],
+        topk_group=opts["topk_group"], bias=opts["e_score_correction_bias"],
+        scale=opts["routed_scaling_factor"],
+    )  # fmt: skip
+
+
+def _run_experts(
+    bk: Backend, impl: str, xf: Array, weights: Array, ids: Array, experts: tuple[Array, ...],
+    act_name: str, swiglu: tuple[float, float] | None,
+) -> Array:  # fmt: skip
+    """The routed experts of checked arguments through the ``moe_experts`` kernel ``impl``
+    picks: ``(N, E)`` rows ``xf``, their ``(N, k)`` weights and expert ids."""
+    xp, sub = bk.xp, "portable" if impl == "portable" else "auto"
+    run = pick(bk, "moe_experts", impl, xf, weights, ids, *experts)
+    if run is _moe_gather and bk.is_traced(xf):
+        raise ValueError(
+            "moe: impl='portable' reads the per-expert token counts back to the host, which a "
+            "traced call (jax.jit) cannot do; use impl='auto' (jax.lax.ragged_dot) or 'dense'"
+        )
+    extra = {}
+    if swiglu is not None:  # gpt-oss: the clamped SwiGLU, in every moe_experts kernel
+        glu_fn = pick(bk, "clamped_swiglu", sub, xf, xf, limit=swiglu[0], alpha=swiglu[1])
+        extra["glu"] = ClampedGlu(glu_fn, *swiglu)
+    return run(
+        xp, xf, weights, ids, *experts,
+        act=pick(bk, act_name, sub, xf), linear=pick(bk, "linear", sub, xf, experts[0][0, ...]),
+        to_host=bk.to_numpy, **extra,
+    )  # fmt: skip
 
 
 def _check_router(op: str, router: Any, norm_topk_prob: Any) -> str:
@@ -153,6 +214,10 @@ def route(
     top_k: int,
     norm_topk_prob: bool = False,
     router: str = "softmax",
+    n_group: int = 1,
+    topk_group: int = 1,
+    e_score_correction_bias: Array = None,
+    routed_scaling_factor: float = 1.0,
     impl: str = "auto",
     backend: str | None = None,
 ) -> tuple[Array, Array]:
@@ -167,6 +232,14 @@ def route(
     - ``router="sigmoid"`` (Llama 4, HF ``Llama4Router``): the top-k of the logits, and the
       sigmoid of each chosen logit (float32) as its score, which :func:`moe` multiplies into
       the expert's *input*. The scores are independent (no normalisation).
+    - ``router="grouped"`` (DeepSeek V3, Kimi K2, GLM-4.5; HF ``DeepseekV3TopkRouter``): the
+      logits in float32 (x and w_router upcast, as HF), ``scores = sigmoid(logits)``; the
+      selection ranks ``scores + e_score_correction_bias``: the ``X`` experts in ``n_group``
+      groups of consecutive ids, the ``topk_group`` groups with the largest sum of their two
+      best biased scores kept, the ``top_k`` best experts of those; the weights are the
+      *unbiased* scores of the chosen experts, divided by their sum (``+ 1e-20``) when
+      ``norm_topk_prob``, times ``routed_scaling_factor``. ``n_group = topk_group = 1``, no
+      bias: the sigmoid of the top-k logits.
 
     Parameters
     ----------
@@ -177,7 +250,16 @@ def route(
     top_k : int in ``[1, X]``
         HF ``num_experts_per_tok``.
     norm_topk_prob : bool
-    router : {"softmax", "sigmoid"}
+    router : {"softmax", "sigmoid", "grouped"}
+    n_group : int >= 1, dividing X
+        ``router="grouped"``: HF ``n_group``.
+    topk_group : int in ``[1, n_group]``
+        ``router="grouped"``: HF ``topk_group``; ``top_k <= topk_group * X / n_group``.
+    e_score_correction_bias : array, shape ``(X,)``, float dtype, optional
+        ``router="grouped"``: HF ``gate.e_score_correction_bias``, added to the scores for the
+        selection only (used in float32).
+    routed_scaling_factor : float > 0
+        ``router="grouped"``: HF ``routed_scaling_factor``.
     impl : {"auto", "portable", "native"}
         For the router projection and the top-k (``jax.lax.top_k`` on JAX; the portable
         top-k is a stable descending ``argsort``).
@@ -186,15 +268,18 @@ def route(
     Returns
     -------
     weights : array, shape ``(B.., L, top_k)``, float32 (float64 for float64 x)
-        Descending along the last axis.
+        Descending along the last axis (``"grouped"``: in the order of the biased scores).
     ids : array, shape ``(B.., L, top_k)``, the backend's default integer dtype
         The experts chosen, in ``[0, X)``. They carry no gradient (on MLX they are cut from
         the graph, so ``mx.grad`` flows to x and w_router through the weights).
     """
     router = _check_router("route", router, norm_topk_prob)
-    bk, (x, w_router) = resolve("route", backend, x, w_router)
+    bk, (x, w_router, bias) = resolve("route", backend, x, w_router, e_score_correction_bias)
     w_router, top_k = _check_route("route", bk, x, w_router, top_k)
-    return _route(bk, x, w_router, top_k, bool(norm_topk_prob), impl, router)
+    opts = {"n_group": n_group, "topk_group": topk_group, "e_score_correction_bias": bias,
+            "routed_scaling_factor": routed_scaling_factor}  # fmt: skip
+    grouping = _grouping("route", bk, x, w_router, top_k, router, opts)
+    return _route(bk, x, w_router, top_k, bool(norm_topk_prob), impl, router, grouping)
 
 
 def _check_experts(
@@ -241,12 +326,19 @@ def moe(
     shared: tuple[Array, Array, Array] | None = None,
     shared_gate: Array = None,
     act: str = "silu",
+    n_group: int = 1,
+    topk_group: int = 1,
+    e_score_correction_bias: Array = None,
+    routed_scaling_factor: float = 1.0,
+    swiglu_limit: float | None = None,
+    swiglu_alpha: float = 1.702,
     impl: str = "auto",
     backend: str | None = None,
 ) -> Array:
     """Sparse MoE block: each token through its ``top_k`` experts, weighted by the router.
 
-    ``router="softmax"``: ``out = sum_j weights_j * mlp_{ids_j}(x) [+ shared]``;
+    ``router="softmax"`` or ``"grouped"``: ``out = sum_j weights_j * mlp_{ids_j}(x) [+
+    shared]``;
     ``router="sigmoid"`` (Llama 4's ``Llama4TextMoe``): ``out = sum_j mlp_{ids_j}(x *
     scores_j) [+ shared]``, each score rounded to x's dtype and multiplied into the expert's
     input; with ``(weights | scores, ids) = route(x, w_router, ..., router=router)``, each
@@ -267,8 +359,10 @@ def moe(
     norm_topk_prob : bool
         Renormalise the k routing weights to sum to 1 (Mixtral: always ``True``; not with
         ``router="sigmoid"``).
-    router : {"softmax", "sigmoid"}
+    router : {"softmax", "sigmoid", "grouped"}
         See :func:`route`; ``"sigmoid"`` scales the experts' inputs (Llama 4).
+    n_group, topk_group, e_score_correction_bias, routed_scaling_factor
+        The options of ``router="grouped"`` (DeepSeek V3, Kimi K2, GLM-4.5): see :func:`route`.
     shared : (w_gate, w_up, w_down), optional
         A shared expert run on every token, in :func:`~portable_llm.mlp`'s layout
         (``(I_s, E)``, ``(I_s, E)``, ``(E, I_s)``; HF ``shared_expert.{gate,up,down}_proj``).
@@ -277,6 +371,11 @@ def moe(
         without it the shared expert is added unscaled.
     act : str
         The experts' activation (HF ``hidden_act``).
+    swiglu_limit, swiglu_alpha : float
+        gpt-oss: the routed experts' gate product is :func:`~portable_llm.clamped_swiglu`
+        (as in :func:`~portable_llm.mlp`; ``act`` must be ``"silu"``); the shared expert keeps
+        ``act``. gpt-oss's router (HF ``GptOssTopKRouter``: a softmax over the top-k logits)
+        is ``router="softmax"`` with ``norm_topk_prob=True``, without its bias.
     impl : {"auto", "portable", "native", "dense"}
         How the routed experts run. ``"portable"``: sort the assignments by expert and run each
         expert on its own tokens; the per-expert counts are read back to the host (one sync per
@@ -297,6 +396,7 @@ def moe(
     """
     router = _check_router("moe", router, norm_topk_prob)
     act_name = activation_op(act, "moe")
+    swiglu = swiglu_option("moe", act, swiglu_limit, swiglu_alpha)
     if shared is not None and (not isinstance(shared, tuple | list) or len(shared) != 3):
         raise ValueError("moe: shared must be a tuple (w_gate, w_up, w_down) or None")
     if shared_gate is not None and shared is None:
@@ -309,12 +409,19 @@ def moe(
             x, *map(dequantized, (w_router, experts_gate, experts_up, experts_down)),
             top_k=top_k, norm_topk_prob=norm_topk_prob, router=router,
             shared=None if shared is None else tuple(map(dequantized, shared)),
-            shared_gate=dequantized(shared_gate), act=act, impl=impl, backend=backend,
+            shared_gate=dequantized(shared_gate), act=act, n_group=n_group,
+            topk_group=topk_group, routed_scaling_factor=routed_scaling_factor,
+            e_score_correction_bias=e_score_correction_bias, swiglu_limit=swiglu_limit,
+            swiglu_alpha=swiglu_alpha, impl=impl, backend=backend,
         )  # fmt: skip
-    bk, (x, w_router, gate, up, down, s_gate, s_up, s_down, shared_gate) = resolve(
-        "moe", backend, x, w_router, experts_gate, experts_up, experts_down, *s_w, shared_gate
-    )
+    bk, (x, w_router, gate, up, down, s_gate, s_up, s_down, shared_gate, bias) = resolve(
+        "moe", backend, x, w_router, experts_gate, experts_up, experts_down, *s_w, shared_gate,
+        e_score_correction_bias,
+    )  # fmt: skip
     w_router, top_k = _check_route("moe", bk, x, w_router, top_k)
+    grouped = {"n_group": n_group, "topk_group": topk_group, "e_score_correction_bias": bias,
+               "routed_scaling_factor": routed_scaling_factor}  # fmt: skip
+    grouping = _grouping("moe", bk, x, w_router, top_k, router, grouped)
     gate, up, down = _check_experts(bk, x, gate, up, down, w_router.shape[0])
     e = x.shape[-1]
     if shared_gate is not None and tuple(shared_gate.shape) != (1, e):
@@ -328,24 +435,16 @@ def moe(
         return xp.zeros_like(x)
     sub = "portable" if impl == "portable" else "auto"
     xf = xp.reshape(x, (-1, e))  # (N, E)
-    weights, ids = _route(bk, xf, w_router, top_k, bool(norm_topk_prob), sub, router)  # (N, k)
+    weights, ids = _route(
+        bk, xf, w_router, top_k, bool(norm_topk_prob), sub, router, grouping
+    )  # (N, k)
     n = xf.shape[0]
     if router == "sigmoid":  # each (token, slot) its own row: x * score, weight 1
         scaled = xp.expand_dims(xf, axis=1) * xp.expand_dims(xp.astype(weights, x.dtype), axis=2)
         xf = xp.reshape(scaled, (n * top_k, e))  # (N * k, E), token-major
         ids = xp.reshape(ids, (n * top_k, 1))  # (N * k, 1)
         weights = xp.ones_like(xp.reshape(weights, (n * top_k, 1)))  # (N * k, 1)
-    experts = pick(bk, "moe_experts", impl, xf, weights, ids, gate, up, down)
-    if experts is _moe_gather and bk.is_traced(xf):
-        raise ValueError(
-            "moe: impl='portable' reads the per-expert token counts back to the host, which a "
-            "traced call (jax.jit) cannot do; use impl='auto' (jax.lax.ragged_dot) or 'dense'"
-        )
-    out = experts(
-        xp, xf, weights, ids, gate, up, down,
-        act=pick(bk, act_name, sub, xf), linear=pick(bk, "linear", sub, xf, w_router),
-        to_host=bk.to_numpy,
-    )  # fmt: skip
+    out = _run_experts(bk, impl, xf, weights, ids, (gate, up, down), act_name, swiglu)  # (N*, E)
     if router == "sigmoid":  # the k slots of each token summed in float32, rounded once
         ys = xp.reshape(xp.astype(out, weights.dtype), (n, top_k, e))  # (N, k, E)
         out = xp.astype(xp.sum(ys, axis=1), x.dtype)  # (N, E)

@@ -16,9 +16,11 @@ __all__ = [
     "attention",
     "attention_temperature",
     "causal_mask",
+    "clamped_swiglu",
     "embedding",
     "gelu",
     "gelu_tanh",
+    "grouped_route",
     "layer_norm",
     "linear",
     "mlp",
@@ -65,6 +67,17 @@ def relu(x: np.ndarray) -> np.ndarray:
 
 
 ACTIVATIONS = {"silu": silu, "gelu": gelu, "gelu_tanh": gelu_tanh, "relu": relu}
+
+
+def clamped_swiglu(
+    gate: np.ndarray, up: np.ndarray, limit: float = 7.0, alpha: float = 1.702
+) -> np.ndarray:
+    """gpt-oss (HF ``GptOssExperts._apply_gate``): the gate clamped above at ``limit``, up to
+    ``[-limit, limit]``, then ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+    g = np.minimum(_f64(gate), limit)
+    u = np.clip(_f64(up), -limit, limit)
+    with np.errstate(over="ignore"):
+        return (u + 1.0) * (g / (1.0 + np.exp(-alpha * g)))
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
@@ -117,7 +130,12 @@ def mlp(
     w_up: np.ndarray,
     w_down: np.ndarray,
     act: str = "silu",
+    swiglu: tuple[float, float] | None = None,
 ) -> np.ndarray:
+    """``down(act(gate(x)) * up(x))``; ``swiglu`` ``(limit, alpha)``: ``down(clamped_swiglu(
+    gate(x), up(x)))`` (gpt-oss)."""
+    if swiglu is not None:
+        return linear(clamped_swiglu(linear(x, w_gate), linear(x, w_up), *swiglu), w_down)
     gate = ACTIVATIONS[act](linear(x, w_gate))
     return linear(gate * linear(x, w_up), w_down)
 
@@ -329,13 +347,16 @@ def penalties(
 
 def route(
     x: np.ndarray, w_router: np.ndarray, *, top_k: int, norm_topk_prob: bool = False,
-    router: str = "softmax",
+    router: str = "softmax", **grouped: Any,
 ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """(weights, ids), each ``(N.., top_k)``: softmax over experts, the k largest; ``router=
-    "sigmoid"`` (Llama 4): the k largest logits and their sigmoid.
+    "sigmoid"`` (Llama 4): the k largest logits and their sigmoid; ``router="grouped"``:
+    :func:`grouped_route` (``grouped``: its options).
 
     Ties: the lower expert id first.
     """
+    if router == "grouped":
+        return grouped_route(x, w_router, top_k=top_k, norm_topk_prob=norm_topk_prob, **grouped)
     if router == "sigmoid":
         logits = linear(x, w_router)
         ids = np.argsort(-logits, axis=-1, kind="stable")[..., :top_k]
@@ -345,6 +366,34 @@ def route(
     weights = np.take_along_axis(probs, ids, axis=-1)
     if norm_topk_prob:
         weights = weights / weights.sum(axis=-1, keepdims=True)
+    return weights, ids
+
+
+def grouped_route(
+    x: np.ndarray, w_router: np.ndarray, *, top_k: int, norm_topk_prob: bool = False,
+    n_group: int = 1, topk_group: int = 1, e_score_correction_bias: np.ndarray | None = None,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """DeepSeek V3's router, token by token: sigmoid scores; the biased scores pick the
+    ``topk_group`` groups (of ``X / n_group`` consecutive experts) whose two best sum highest,
+    then the ``top_k`` best experts in those groups; the weights are the unbiased scores
+    (divided by their sum + 1e-20 if ``norm_topk_prob``) times ``routed_scaling_factor``."""
+    scores = 1.0 / (1.0 + np.exp(-linear(x, w_router)))  # (N.., X)
+    n_x = scores.shape[-1]
+    bias = np.zeros(n_x) if e_score_correction_bias is None else _f64(e_score_correction_bias)
+    size = n_x // n_group
+    weights = np.zeros((*scores.shape[:-1], top_k))
+    ids = np.zeros((*scores.shape[:-1], top_k), dtype=np.int64)
+    for pos in np.ndindex(*scores.shape[:-1]):
+        biased = scores[pos] + bias
+        groups = [sorted(biased[g * size : (g + 1) * size])[-2:] for g in range(n_group)]
+        rank = sorted(range(n_group), key=lambda g: (-sum(groups[g]), g))  # ties: lower first
+        allowed = [e for e in range(n_x) if e // size in rank[:topk_group]]
+        chosen = sorted(allowed, key=lambda e: (-biased[e], e))[:top_k]
+        w = scores[pos][chosen]
+        if norm_topk_prob:
+            w = w / (w.sum() + 1e-20)
+        weights[pos], ids[pos] = w * routed_scaling_factor, chosen
     return weights, ids
 
 
@@ -361,11 +410,17 @@ def moe(
     shared_gate: np.ndarray | None = None,
     act: str = "silu",
     router: str = "softmax",
+    swiglu: tuple[float, float] | None = None,
+    **grouped: Any,
 ) -> np.ndarray:
     """Token by token: the weighted sum of its top-k experts' MLPs (``router="sigmoid"``: the
-    sum of the experts' MLPs of the input times its score), plus the gated shared MLP."""
+    sum of the experts' MLPs of the input times its score), plus the gated shared MLP.
+    ``swiglu`` ``(limit, alpha)``: the routed experts' clamped SwiGLU (gpt-oss); ``grouped``:
+    the options of :func:`grouped_route` (``router="grouped"``)."""
     x = _f64(x)
-    weights, ids = route(x, w_router, top_k=top_k, norm_topk_prob=norm_topk_prob, router=router)
+    weights, ids = route(
+        x, w_router, top_k=top_k, norm_topk_prob=norm_topk_prob, router=router, **grouped
+    )
     out = np.zeros_like(x)
     for pos in np.ndindex(*x.shape[:-1]):
         for w, e in zip(weights[pos], ids[pos], strict=True):
@@ -373,7 +428,7 @@ def moe(
             if router == "sigmoid":  # Llama 4: the score scales the expert's input
                 out[pos] += mlp(x[pos] * w, g, u, d, act)
             else:
-                out[pos] += w * mlp(x[pos], g, u, d, act)
+                out[pos] += w * mlp(x[pos], g, u, d, act, swiglu)
     if shared is not None:
         s_gate, s_up, s_down = shared
         s = mlp(x, s_gate, s_up, s_down, act)
