@@ -12,10 +12,12 @@ engine (read the vocabulary) and compile the schema.
     python benchmarks/grammar_mask.py [--tokens 200] [--rounds 5]
     python benchmarks/grammar_mask.py --decode [--backend torch] [--batch 1,16]
 
-``--decode``: the whole decode step instead, on SmolLM2-135M-Instruct (the GGUF file, kept
-quantized): a :class:`~portable_llm.BatchGenerator` with ``B`` requests of one chat prompt,
-sampled (temperature 1, seeded), with ``response_format`` json_schema and without, alternating
-runs; the median time of the steps in which all ``B`` rows decode, as tokens/s.
+``--decode``: the whole decode step instead, on SmolLM2-135M-Instruct (the GGUF file,
+dequantized to float32): a :class:`~portable_llm.BatchGenerator` with ``B`` requests of one chat
+prompt, sampled (temperature 1, seeded), with ``response_format`` json_schema and without,
+alternating runs; the median time of the steps in which all ``B`` rows decode, as tokens/s, and
+the time the mask takes inside the constrained steps (:class:`MaskClock`), as ms per step and as
+a share of those steps.
 
 xgrammar is optional (its wheel pulls torch and triton): install it into a folder and put it on
 ``PYTHONPATH`` to measure it.
@@ -105,8 +107,42 @@ def smollm2() -> Path:
     return file
 
 
-def decode_steps(model: Any, batch: int, constrained: bool, steps: int, seed: int) -> list[float]:
-    """Seconds of each step in which all ``batch`` requests decoded."""
+class MaskClock:
+    """Time spent in the mask inside ``BatchGenerator`` steps (its ``Constraint.allowed`` and
+    ``mask_logits``), measured in the same steps as their whole time: a share robust to the
+    load of a shared machine, which swings whole steps more than the mask costs."""
+
+    def __init__(self) -> None:
+        import portable_llm.generation.batch as batch_module
+        from portable_llm.generation.grammar import Constraint
+
+        self.seconds = 0.0
+        self._patched = [
+            (batch_module, "mask_logits", batch_module.mask_logits),
+            (Constraint, "allowed", Constraint.allowed),
+        ]
+        for owner, name, fn in self._patched:
+            setattr(owner, name, self._timed(fn))
+
+    def _timed(self, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        return timed
+
+    def close(self) -> None:
+        for owner, name, fn in self._patched:
+            setattr(owner, name, fn)
+
+
+def decode_steps(
+    model: Any, batch: int, constrained: bool, steps: int, seed: int
+) -> tuple[list[float], list[float]]:
+    """Seconds of each step in which all ``batch`` requests decoded, and of the mask in it."""
     import portable_llm as pl
     from portable_llm.generation import BatchGenerator, Request
 
@@ -117,32 +153,47 @@ def decode_steps(model: Any, batch: int, constrained: bool, steps: int, seed: in
     for b in range(batch):
         sampler = pl.make_sampler(temperature=1.0, seed=seed * 100 + b)
         gen.add(Request(ids, steps, sampler, response_format=fmt if constrained else None))
-    times = []
-    while gen.has_work:
-        start = time.perf_counter()
-        events = gen.step()
-        elapsed = time.perf_counter() - start
-        if len(events) == batch and not gen.admitted and any(e[2] is None for e in events):
-            times.append(elapsed)
-    return times[1:]  # the first decode step after the prefill warms the caches
+    clock = MaskClock()
+    times, masks = [], []
+    try:
+        while gen.has_work:
+            clock.seconds = 0.0
+            start = time.perf_counter()
+            events = gen.step()
+            elapsed = time.perf_counter() - start
+            if len(events) == batch and not gen.admitted and any(e[2] is None for e in events):
+                times.append(elapsed)
+                masks.append(clock.seconds)
+    finally:
+        clock.close()
+    return times[1:], masks[1:]  # the first decode step after the prefill warms the caches
 
 
 def decode(args: argparse.Namespace) -> None:
     import portable_llm as pl
 
-    model = pl.load(smollm2(), backend=args.backend)
-    print(f"SmolLM2-135M-Instruct Q4_1, {args.backend}, {args.steps} tokens per request")
-    print("| batch | free tok/s | json_schema tok/s | mask cost per step (ms) | steps timed |")
-    print("|---|---|---|---|---|")
+    model = pl.load(smollm2(), backend=args.backend, dequantize=True, dtype="float32")
+    name = "SmolLM2-135M-Instruct (Q4_1 dequantized to float32)"
+    print(f"{name}, {args.backend}, {args.steps} tokens per request")
+    print(
+        "| batch | free tok/s | json_schema tok/s | mask per step (ms) | mask share of a "
+        "constrained step | steps timed |"
+    )
+    print("|---|---|---|---|---|---|")
     for batch in [int(b) for b in args.batch.split(",")]:
         runs: dict[bool, list[float]] = {False: [], True: []}
+        masks: list[float] = []
         for r in range(args.rounds):
             for constrained in (False, True):
-                runs[constrained] += decode_steps(model, batch, constrained, args.steps, r)
+                times, mask = decode_steps(model, batch, constrained, args.steps, r)
+                runs[constrained] += times
+                masks += mask if constrained else []
         free, masked = (statistics.median(runs[c]) for c in (False, True))
+        share = sum(masks) / sum(runs[True])
         print(
             f"| {batch} | {batch / free:.1f} | {batch / masked:.1f} | "
-            f"{1e3 * (masked - free):.2f} | {len(runs[False])} / {len(runs[True])} |",
+            f"{1e3 * statistics.median(masks):.2f} | {100 * share:.1f}% | "
+            f"{len(runs[False])} / {len(runs[True])} |",
             flush=True,
         )
 
