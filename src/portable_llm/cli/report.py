@@ -55,7 +55,7 @@ from portable_llm.core.arrays import asarray, to_numpy
 from portable_llm.core.dispatch import TraceEntry, dispatcher, replay, trace
 from portable_llm.decoder.layer_weights import Packed, QLinear, bind_weight
 from portable_llm.extras import install_hint
-from portable_llm.ops.activations import gelu, gelu_tanh, relu, silu, softmax
+from portable_llm.ops.activations import clamped_swiglu, gelu, gelu_tanh, relu, silu, softmax
 from portable_llm.ops.embedding import embedding, unembed
 from portable_llm.ops.linear import linear, mlp
 from portable_llm.ops.moe import moe
@@ -445,6 +445,81 @@ CASES.extend([
     Case("attention+cache", "attention", _decode_case, _decode_call, _decode_reference, seed=190),
     Case("attention(llama4)", "attention", _attention_case, _llama4_attention_call,
          _llama4_attention_reference, seed=195),
+])  # fmt: skip
+
+
+# -- issue 31's blocks: gpt-oss's attention sinks and clamped SwiGLU, DeepSeek V3's router ------
+
+_GROUPED = {"n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5, "norm_topk_prob": True}
+_SWIGLU = {"limit": 2.0, "alpha": 1.702}  # a limit inside the inputs' [-3, 3]: it clamps
+
+
+def _sinks_case(seed: int, dtype: str, backend: str) -> Inputs:
+    qkv = [random_array(seed + j, shape, dtype, backend=backend)
+           for j, shape in enumerate((_Q, _KV, _KV))]  # fmt: skip
+    sinks = random_array(seed + 3, (_Q[1],), dtype, backend=backend)
+    return _inputs(*qkv, sinks, mask="causal")
+
+
+def _swiglu_case(seed: int, dtype: str, backend: str) -> Inputs:
+    gate, up = (random_array(seed + j, (*_X[:-1], 160), dtype, backend=backend) for j in (0, 1))
+    return _inputs(gate, up, **_SWIGLU)
+
+
+def _bias(seed: int, backend: str) -> tuple[Any, np.ndarray]:
+    """An e_score_correction_bias ``(X,)`` (float32, as HF keeps it)."""
+    return random_array(seed, (_EXPERTS,), "float32", backend=backend, low=-0.2, high=0.2)
+
+
+def _route_grouped_case(seed: int, dtype: str, backend: str) -> Inputs:
+    return _inputs(*_router(seed, dtype, backend), _bias(seed + 9, backend), top_k=_TOP_K,
+                   router="grouped", **_GROUPED)  # fmt: skip
+
+
+def _moe_grouped_case(seed: int, dtype: str, backend: str) -> Inputs:
+    c = _moe_case(seed, dtype, backend)
+    bias = _bias(seed + 9, backend)
+    return Inputs((*c.arrays, bias[0]), (*c.refs, bias[1]), {"top_k": _TOP_K, **_GROUPED})
+
+
+def _moe_grouped_call(x: Any, w: Any, g: Any, u: Any, d: Any, sg: Any, su: Any, sd: Any,
+                      sgate: Any, b: Any, **options: Any) -> Any:  # fmt: skip
+    return moe(x, w, g, u, d, shared=(sg, su, sd), shared_gate=sgate, router="grouped",
+               e_score_correction_bias=b, **options)  # fmt: skip
+
+
+def _moe_grouped_reference(x: Any, w: Any, g: Any, u: Any, d: Any, sg: Any, su: Any, sd: Any,
+                           sgate: Any, b: Any, **options: Any) -> np.ndarray:  # fmt: skip
+    return reference.moe(x, w, g, u, d, shared=(sg, su, sd), shared_gate=sgate,
+                         router="grouped", e_score_correction_bias=b, **options)  # fmt: skip
+
+
+def _moe_swiglu_call(*arrays: Any, **options: Any) -> Any:
+    swiglu = {"swiglu_limit": _SWIGLU["limit"], "swiglu_alpha": _SWIGLU["alpha"]}
+    return _moe_call(*arrays, **swiglu, **options)
+
+
+def _moe_swiglu_reference(x: Any, w: Any, g: Any, u: Any, d: Any, sg: Any, su: Any, sd: Any,
+                          sgate: Any, **options: Any) -> np.ndarray:  # fmt: skip
+    return reference.moe(x, w, g, u, d, shared=(sg, su, sd), shared_gate=sgate,
+                         swiglu=(_SWIGLU["limit"], _SWIGLU["alpha"]), **options)  # fmt: skip
+
+
+CASES.extend([
+    Case("sdpa+sinks", "scaled_dot_product_attention", _sinks_case,
+         lambda q, k, v, s, **o: scaled_dot_product_attention(q, k, v, sinks=s, **o),
+         lambda q, k, v, s, **o: reference.scaled_dot_product_attention(q, k, v, sinks=s, **o),
+         seed=196),
+    Case("clamped_swiglu", "clamped_swiglu", _swiglu_case, clamped_swiglu,
+         reference.clamped_swiglu, seed=197),
+    Case("moe(clamped swiglu)", "moe", _moe_case, _moe_swiglu_call, _moe_swiglu_reference,
+         seed=198),
+    Case("route(grouped)", "route", _route_grouped_case,
+         lambda x, w, b, **o: _route_weights(x, w, e_score_correction_bias=b, **o),
+         lambda x, w, b, **o: reference.route(x, w, e_score_correction_bias=b, **o)[0],
+         seed=199),
+    Case("moe(grouped)", "moe", _moe_grouped_case, _moe_grouped_call, _moe_grouped_reference,
+         seed=200),
 ])  # fmt: skip
 
 
