@@ -180,6 +180,39 @@ def test_every_json_format_streams_its_arguments(name: str, text: str) -> None:
     assert len(pieces) > len(ARGS) // 2  # piece by piece, not at the end
 
 
+#: Pieces of every format, glued at random into answers well-formed or not.
+PIECES = [
+    "<tool_call>", "</tool_call>", "\n", " ", "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>",
+    "<|python_start|>", "[", "]", "{", "}", ",", ";", ":", '"name"', '"arguments"',
+    '"parameters"', '"f"', '"x\\"}"', "1", "f(a=1)", "note", "hi", '{"a": [1, {"b": "}"}]}',
+    '{"name": "f", "arguments": {"k": "v"}}', '{"name": "g", "parameters": {}}',
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
+@given(data=st.data())
+def test_any_text_parses_and_streams_alike(name: str, data: st.DataObject) -> None:
+    """Property: on any text (garbage included) the parser and the stream never raise, and a
+    stream that was not cut inside a call it had begun sending ends with exactly the calls of
+    the whole parse (names and arguments text)."""
+    text = "".join(data.draw(st.lists(st.sampled_from(PIECES), max_size=24)))
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
+    content, whole = tool_parser(name).parse(text)
+    stream = ToolCallStream(tool_parser(name))
+    deltas = []
+    for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True):
+        deltas += stream.feed(text[a:b])[1]
+    open_at_end = stream._open is not None
+    deltas += stream.feed("", final=True)[1]
+    if not open_at_end:
+        assert [(c.name, c.arguments) for c in stream.calls] == [
+            (c.name, c.arguments) for c in whole
+        ]
+    assert [c.id for c in stream.calls] == [c["id"] for c in _joined(deltas)][: len(stream.calls)]
+    if not whole:
+        assert content == text
+
+
 def test_stream_holds_back_what_may_begin_a_call() -> None:
     stream = ToolCallStream(tool_parser("hermes"))
     assert stream.feed("Hi <tool") == ("Hi ", [])

@@ -92,13 +92,15 @@ class ToolParser:
         return hold
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """A whole answer as ``(content, calls)``: ``content`` is the text before the calls
-        (``None`` when empty); output that is not entirely well-formed calls is all content."""
+        """A whole answer as ``(content, calls)``: the complete calls from where they begin
+        (what follows them is dropped, as a stream must: it sent them already), ``content`` the
+        text before them (``None`` when empty); an answer without a complete call is all
+        content."""
         at = self.begin(text)
         if at is None:
             return text, []
-        calls, whole = self.calls(text[at:])
-        if not whole or not calls:
+        calls, _ = self.calls(text[at:])
+        if not calls:
             return text, []
         return (text[:at].strip() or None), calls
 

@@ -40,8 +40,8 @@ class ToolCallStream:
             return self._show(end), []
         shown = self._show(self._begin)
         body = text[self._begin :]
-        calls, whole = self.parser.calls(body)
-        if final and not (whole and calls) and not self.calls and self._open is None:
+        calls, _ = self.parser.calls(body)
+        if final and not calls and self._open is None:
             self._begin = len(text)  # never calls: all of it is text
             return shown + self._show(len(text)), []
         deltas = [d for call in calls[len(self.calls) :] for d in self._complete(call)]
