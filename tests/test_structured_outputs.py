@@ -155,11 +155,9 @@ def test_bad_response_format(model: pl.Model) -> None:
         pl.generate(model, "a", response_format=unsupported)
 
 
-@settings(max_examples=40, deadline=None)
-@given(schema=json_schemas(), seed=seeds())
-def test_every_walk_validates(model: pl.Model, schema: dict, seed: int) -> None:
-    """Property: any path through the mask (ids drawn at random among the allowed ones) that
-    reaches a stop token is JSON valid under the schema, and the mask never runs dry."""
+def _walk(model: pl.Model, schema: dict, seed: int) -> str:
+    """A random path through the mask (ids drawn among the allowed ones, seeded) up to a stop
+    token, as text; fails when the mask runs dry or no stop comes in 2000 steps."""
     import numpy as np
 
     engine = grammar_engine(model.tokenizer, vocab_size=model.vocab_size, stop_ids=[2])
@@ -169,12 +167,47 @@ def test_every_walk_validates(model: pl.Model, schema: dict, seed: int) -> None:
         assert allowed.size > 0
         token = int(rng.choice(allowed))
         if token == 2:
-            break
+            return str(model.tokenizer.decode(ids))
         m.accept(token)
         ids.append(token)
-    else:
-        pytest.fail("no stop token in 2000 steps")
-    jsonschema.validate(json.loads(model.tokenizer.decode(ids)), schema)
+    pytest.fail("no stop token in 2000 steps")
+
+
+@settings(max_examples=40, deadline=None)
+@given(schema=json_schemas(), seed=seeds())
+def test_every_walk_validates(model: pl.Model, schema: dict, seed: int) -> None:
+    """Property: any path through the mask that reaches a stop token is JSON valid under the
+    schema, and the mask never runs dry."""
+    jsonschema.validate(json.loads(_walk(model, schema, seed)), schema)
+
+
+#: An OpenAI strict-mode schema: $defs and $ref, anyOf, a nullable type, nested arrays.
+STRICT = {
+    "type": "object",
+    "properties": {
+        "steps": {"type": "array", "items": {"$ref": "#/$defs/step"}, "maxItems": 2},
+        "final": {"type": ["string", "null"], "maxLength": 5},
+    },
+    "required": ["steps", "final"],
+    "additionalProperties": False,
+    "$defs": {
+        "step": {
+            "type": "object",
+            "properties": {
+                "explanation": {"type": "string", "maxLength": 4},
+                "output": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9},
+                                     {"type": "boolean"}]},
+            },
+            "required": ["explanation", "output"],
+            "additionalProperties": False,
+        }
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_strict_schema_walks_validate(model: pl.Model, seed: int) -> None:
+    jsonschema.validate(json.loads(_walk(model, STRICT, seed)), STRICT)
 
 
 @settings(max_examples=6, deadline=None)
