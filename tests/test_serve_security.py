@@ -25,18 +25,18 @@ pytest.importorskip("starlette", reason="the serve extra (starlette) is not inst
 pytest.importorskip("uvicorn", reason="the serve extra (uvicorn) is not installed")
 pytest.importorskip("openai", reason="the openai client is not installed")
 
-import portable_llm as pl  # noqa: E402
-from portable_llm.serve import (  # noqa: E402
+import portable_llm as pl
+from portable_llm.serve import (
     create_app,
     guard,
 )
-from portable_llm.testing import tolerance  # noqa: E402
-from portable_llm.testing.checkpoints import (  # noqa: E402
+from portable_llm.testing import tolerance
+from portable_llm.testing.checkpoints import (
     tiny_config,
     write_checkpoint,
     write_tokenizer,
 )
-from test_serve import (  # noqa: E402  # the module skips itself without NumPy or the serve extra
+from test_serve import (  # the module skips itself without NumPy or the serve extra
     JSON,
     KEY,
     _alone,
