@@ -13,6 +13,7 @@ that tries to escape the sandbox is refused: ``test_chat_template.py``.
 
 from __future__ import annotations
 
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -266,6 +267,20 @@ def test_an_id_no_tokenizer_holds_is_a_value_error(tokenizer: Tokenizer, token: 
         tokenizer.decode([token])
     with pytest.raises(ValueError, match=rf"TextStream.step: token id {token} is not in"):
         tokenizer.stream_decoder().step(token)
+
+
+@pytest.mark.parametrize("text, index", [("a\udcffb", 1), ("ok \ud800", 3), ("\udfff", 0)])
+def test_a_lone_surrogate_is_named_with_its_index(
+    tokenizer: Tokenizer, text: str, index: int
+) -> None:
+    """A prompt holding a lone surrogate (an undecodable byte of a command-line argument read
+    with ``surrogateescape``, a JSON ``\\ud800`` escape) is no Unicode text: a ValueError
+    naming it and where (was the tokenizers library's 'TextInputSequence must be str')."""
+    want = rf"encode: text holds a lone surrogate {re.escape(repr(text[index]))} at index {index}"
+    with pytest.raises(ValueError, match=want):
+        tokenizer.encode(text)
+    with pytest.raises(ValueError, match="encode: text holds a lone surrogate"):
+        tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True)
 
 
 def test_sampled_text_from_a_sentencepiece_model(tmp_path: Path) -> None:

@@ -73,9 +73,18 @@ class Tokenizer:
         """Token ids of ``text`` (with the post-processor's special tokens, e.g. a BOS).
 
         A failure of the tokenizer's own files (a pre-tokenizer regex past the regex engine's
-        limits makes the Rust library panic) is a ``ValueError``."""
+        limits makes the Rust library panic) is a ``ValueError``; so is a lone surrogate in
+        ``text`` (``"\\udc80"``, as ``surrogateescape`` makes of an undecodable byte), which is
+        no Unicode text, named with its index."""
         if not isinstance(text, str):
             raise TypeError(f"encode: text must be a str, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"encode: text holds a lone surrogate {text[exc.start]!r} at index {exc.start}, "
+                "which is not Unicode text (an undecodable byte read with surrogateescape?)"
+            ) from None
         with foreign_errors("encode: the tokenizer failed on this text"):
             return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
