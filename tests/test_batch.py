@@ -337,7 +337,7 @@ def test_bad_arguments_are_clear_errors(folders: dict) -> None:
         (Request([], 3), ValueError, "no tokens"),
         (Request([1, 300], 3), ValueError, r"\[0, 300\) \(vocab_size\), got 1 to 300"),
         (Request([[1, 2]], 3), ValueError, r"shape \(1, 2\)"),
-        (Request([1, 2], 0), ValueError, "max_new_tokens"),
+        (Request([1, 2], -1), ValueError, "max_new_tokens"),  # 0: ends at once
         (Request([1, 2], 3, sampler=5), TypeError, "sampler must be callable"),  # type: ignore[arg-type]
         (Request([1, 2], 3, stop="x"), TypeError, "stop must be"),
     ]:

@@ -51,8 +51,8 @@ def _fronts(model: Any) -> dict[str, Callable[[], Any]]:
         "speculative (target)": lambda: list(
             pl.speculative_generate(model, good, PROMPT, max_new_tokens=2)
         ),
-        "speculative (draft)": lambda: list(
-            pl.speculative_generate(good, model, PROMPT, max_new_tokens=2)
+        "speculative (draft)": lambda: list(  # 3: the lazy draft runs from the 2nd token on
+            pl.speculative_generate(good, model, PROMPT, max_new_tokens=3, stop=())
         ),
     }
 
@@ -75,7 +75,8 @@ MEMBERS = [
     ("eos_token_ids", _bad_member("eos_token_ids", (2.0,)), TypeError,
      r"NumpyQwen2.eos_token_ids\[0\] must be an int, got float"),
     ("tokenizer", _bad_member("tokenizer", "gpt2"), TypeError,
-     r"NumpyQwen2.tokenizer must be None or a portable_llm.Tokenizer; str lacks encode_prompt"),
+     r"NumpyQwen2.tokenizer must be None or a portable_llm.Tokenizer \(or any object with "
+     r"encode\(text\) and decode\(ids\)\); str lacks encode_prompt"),
     ("make_cache", _bad_member("make_cache", lambda: (c for c in [])), TypeError,
      r"NumpyQwen2.make_cache\(\) must return a list of caches .* got generator"),
     ("decode_step", _bad_member("decode_step", 5), TypeError,

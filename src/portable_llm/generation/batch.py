@@ -56,6 +56,8 @@ from portable_llm.generation.grammar import Constraint, grammar_engine, grammar_
 from portable_llm.generation.penalties import Penalties, PenaltyRows, Row
 from portable_llm.generation.prompt import prompt_ids, stop_ids
 from portable_llm.generation.protocol import (
+    UNKNOWN_VOCAB,
+    BatchDecodingModel,
     LanguageModel,
     PagedLanguageModel,
     array_library,
@@ -63,9 +65,13 @@ from portable_llm.generation.protocol import (
     check_model,
     check_page_pools,
     check_paged_model,
+    materialize,
     num_layers,
+    release_cache,
+    vocab_size,
 )
 from portable_llm.generation.sampler import Sampler
+from portable_llm.generation.tokenizer import text_tokenizer
 from portable_llm.ops.sampling import greedy
 
 __all__ = ["DEFAULT_MAX_SEQ_LEN", "MAX_N", "BatchGenerator", "Request", "batch_generate"]
@@ -87,8 +93,9 @@ class Request:
     Parameters
     ----------
     prompt_ids : sequence or 1-D integer array of token ids, non-empty
-    max_new_tokens : int, >= 1
-        The most tokens to generate (a final stop token included).
+    max_new_tokens : int, >= 0
+        The most tokens to generate (a final stop token included). ``0``: the request ends
+        when :meth:`BatchGenerator.add` queues it (it gets an id, and no event).
     sampler : callable, optional
         ``sampler(logits (1, V)) -> ids (1,)`` (:func:`~portable_llm.make_sampler`), called
         once per token of this request; default :func:`~portable_llm.greedy`.
@@ -145,6 +152,7 @@ class _Seq:
     generated: int = 0
     pending: int = -1  # the last token sampled, fed to the model by the next decode step
     out: list[int] = field(default_factory=list)  # the tokens sampled so far
+    forced: deque[int] = field(default_factory=deque)  # BatchGenerator.feed: the next tokens
 
 
 class BatchGenerator:
@@ -246,7 +254,8 @@ class BatchGenerator:
         self.prefix_cache = PrefixCache(self.pools) if prefix_cache and self.pools else None
         self.admitted: list[tuple[int, int]] = []
         self._promised = 0  # pages held back for the siblings of requests in prefill (n > 1)
-        self._penalties = PenaltyRows(self.model.vocab_size)  # the decode batch's rows
+        self._V = vocab_size(self.model)  # None: the first logits tell
+        self._penalties: PenaltyRows | None = None  # the decode batch's rows (once V is known)
 
     @property
     def has_work(self) -> bool:
@@ -264,14 +273,14 @@ class BatchGenerator:
         if not isinstance(request, Request):
             raise TypeError(f"{op}: expected a Request, got {type(request).__name__}")
         prompt = prompt_ids(self.model, request.prompt_ids, op=op, name="prompt_ids", text=False)
-        new = check_int(op, "max_new_tokens", request.max_new_tokens, low=1)
+        new = check_int(op, "max_new_tokens", request.max_new_tokens, low=0)
         if request.sampler is not None and not callable(request.sampler):
             raise TypeError(
                 f"{op}: sampler must be callable or None, got {type(request.sampler).__name__}"
             )
         stops = stop_ids(self.model, request.stop, op=op, ignore_eos=request.ignore_eos)
         penalties = Penalties.check(
-            op, vocab_size=self.model.vocab_size, max_new_tokens=new,
+            op, vocab_size=self._V or UNKNOWN_VOCAB, max_new_tokens=new,
             frequency_penalty=request.frequency_penalty,
             presence_penalty=request.presence_penalty,
             repetition_penalty=request.repetition_penalty, logit_bias=request.logit_bias,
@@ -295,6 +304,9 @@ class BatchGenerator:
                 )
         with self._lock:
             rid = self._next_id
+            if new == 0:  # nothing to generate: the request ends here
+                self._next_id += n
+                return rid
             seqs = [_Seq(rid + i, prompt, new, request.sampler, stops, penalties) for i in range(n)]
             for seq, constraint in zip(seqs, constraints, strict=True):
                 seq.constraint = constraint
@@ -360,6 +372,32 @@ class BatchGenerator:
                     return True
         return any(self._drop_sibling(seq, rid, admitted=True) for seq in list(self._prefilling))
 
+    def feed(self, request_id: int, tokens: Iterable[int], /) -> bool:
+        """Hand request ``request_id`` its next tokens, decoded elsewhere (another model, a
+        grammar's forced text, a user's edit): each of its next steps takes the next of
+        ``tokens`` instead of sampling, and reports it as an event as it would a sampled one
+        (stop tokens and ``max_new_tokens`` apply; penalties and ``response_format`` see it).
+        The request's forward of that step still runs (it puts the previous token into the
+        caches). Call it from the thread that steps, or before the request is admitted;
+        ``False`` when no such request waits or runs. Ids must be ints ``>= 0`` (``< V``,
+        checked when the token is taken)."""
+        op = f"{OP}.feed"
+        rid = check_int(op, "request_id", request_id)
+        if isinstance(tokens, str | bytes) or not isinstance(tokens, Iterable):
+            raise TypeError(f"{op}: tokens must be an iterable of token ids (ints)")
+        ids = [check_int(op, f"tokens[{i}]", t, low=0) for i, t in enumerate(tokens)]
+        V = self._V
+        if V is not None and ids and max(ids) >= V:
+            raise ValueError(f"{op}: tokens must lie in [0, {V}) (vocab_size), got {max(ids)}")
+        with self._lock:
+            waiting = [q for s in self._waiting for q in (s, *s.siblings)]
+        for seq in (*waiting, *self._prefilling, *self._running):
+            for q in (seq, *seq.siblings):
+                if q.rid == rid:
+                    q.forced.extend(ids)
+                    return True
+        return False
+
     def _drop_sibling(self, seq: _Seq, rid: int, *, admitted: bool) -> bool:
         """Drop the sibling ``rid`` of ``seq`` (``n > 1``, not yet forked); whether it was one."""
         for sib in seq.siblings:
@@ -384,9 +422,9 @@ class BatchGenerator:
             return [None] * n
         if not stops:
             raise ValueError(f"{op}: response_format needs a stop token (ignore_eos or stop=())")
-        engine = grammar_engine(
-            self.model.tokenizer, vocab_size=self.model.vocab_size, stop_ids=sorted(stops)
-        )
+        if self._V is None:
+            raise ValueError(f"{op}: response_format needs the model's vocab_size")
+        engine = grammar_engine(self.model.tokenizer, vocab_size=self._V, stop_ids=sorted(stops))
         return [Constraint(engine.matcher(grammar)) for _ in range(n)]
 
     # -- one step -----------------------------------------------------------------------------
@@ -476,21 +514,29 @@ class BatchGenerator:
 
     def _forward(self, seqs: list[_Seq], chunks: list[list[int]], *, logits: bool = True) -> Any:
         """Logits ``(B, V)`` of each row's last position after its ``chunks[b]``; ``None``
-        when not ``logits``."""
-        V = self.model.vocab_size
+        when not ``logits``.
+
+        A paged model runs the rows in one ``forward_paged``; a
+        :class:`~portable_llm.generation.BatchDecodingModel` runs a decode step's rows (one
+        token each) in one ``decode_batch`` over their own caches; any other model, or a
+        prefill chunk, runs each row alone (``__call__``)."""
         if self._paged is not None:
             out = self._paged.forward_paged(chunks, caches=[s.caches for s in seqs], logits=logits)
             if not logits:
                 return None
-            return check_logits(OP, self.model, out, (len(seqs), V), "forward_paged")
-        rows = [
-            check_logits(
-                OP, self.model,
-                self.model(np.asarray([chunk], dtype=np.int64), cache=s.caches, last_only=True),
-                (1, None, V), "__call__",
-            )[:, -1, :]
-            for s, chunk in zip(seqs, chunks, strict=True)
-        ]  # each (1, V)  # fmt: skip
+            return self._checked(out, (len(seqs), self._V), "forward_paged")
+        model = self.model
+        if len(seqs) > 1 and isinstance(model, BatchDecodingModel) and max(map(len, chunks)) == 1:
+            ids = np.asarray(chunks, dtype=np.int64)  # (B, 1)
+            out = model.decode_batch(ids, caches=[s.caches for s in seqs])
+            return self._checked(out, (len(seqs), None, self._V), "decode_batch")[:, -1, :]
+        rows = []
+        for s, chunk in zip(seqs, chunks, strict=True):
+            out = model(np.asarray([chunk], dtype=np.int64), cache=s.caches, last_only=True)
+            if not logits:  # a prefill chunk: computed now (MaterializingModel)
+                materialize(model, out, s.caches)
+                continue
+            rows.append(self._checked(out, (1, None, self._V), "__call__")[:, -1, :])  # (1, V)
         if not logits:
             return None
         if len(rows) == 1:
@@ -499,6 +545,14 @@ class BatchGenerator:
         assert bk is not None
         return bk.xp.concat(rows, axis=0)  # (B, V)
 
+    def _checked(self, out: Any, shape: tuple[int | None, ...], call: str) -> Any:
+        """The model's logits checked (:func:`~portable_llm.generation.protocol.check_logits`);
+        the first ones give ``V`` to a model without ``vocab_size``."""
+        if self._V is None and array_library(out) is not None:
+            self._V = int(out.shape[-1])
+            shape = (*shape[:-1], self._V)
+        return check_logits(OP, self.model, out, shape, call)
+
     def _step(self) -> list[tuple[int, int, str | None]]:
         self.admitted = []
         self._admit()
@@ -506,6 +560,8 @@ class BatchGenerator:
         if self._running:
             running = self._running
             logits = self._forward(running, [[s.pending] for s in running])
+            if self._penalties is None:
+                self._penalties = PenaltyRows(int(logits.shape[-1]))
             tokens = self._sample(running, logits, self._penalties)
             for seq, token in zip(running, tokens, strict=True):
                 events.append(self._emit(seq, token))
@@ -530,7 +586,7 @@ class BatchGenerator:
                     bk = backend_of(logits)
                     assert bk is not None
                     logits = bk.xp.concat([logits] * len(group), axis=0)  # (n, V)
-                first = PenaltyRows(self.model.vocab_size)  # fresh rows: nothing generated yet
+                first = PenaltyRows(int(logits.shape[-1]))  # fresh rows: nothing generated yet
                 for s, token in zip(group, self._sample(group, logits, first), strict=True):
                     events.append(self._emit(s, token))
                     if s.caches:
@@ -563,9 +619,18 @@ class BatchGenerator:
         top = None
         if any(s.sampler is None for s in seqs):
             top = to_numpy(greedy(logits)).reshape(-1)  # (B,)
-        V = self.model.vocab_size
+        V = int(logits.shape[-1])
         out = []
         for b, seq in enumerate(seqs):
+            if seq.forced:  # a token decoded elsewhere (feed): the row's logits are not used
+                token = seq.forced.popleft()
+                if token >= V:
+                    raise ValueError(
+                        f"{OP}.feed: request {seq.rid} was fed {token}, outside [0, {V}) (the "
+                        "logits' vocabulary)"
+                    )
+                out.append(token)
+                continue
             if seq.sampler is None:
                 assert top is not None
                 token = int(top[b])
@@ -623,6 +688,8 @@ class BatchGenerator:
         if self._paged is not None:
             for cache in seq.caches:
                 cache.release()
+        elif seq.caches:  # the model's own caches (ReleasingModel)
+            release_cache(self.model, seq.caches)
         seq.caches = []
         self._live.pop(seq.rid, None)
 
@@ -680,7 +747,7 @@ def batch_generate(
     text = bool(prompts) and all(texts)
     new = check_int(op, "max_new_tokens", max_new_tokens, low=0)
     rows = [prompt_ids(model, p, op=op, name=f"prompts[{i}]") for i, p in enumerate(prompts)]
-    tokenizer = model.tokenizer
+    tokenizer = text_tokenizer(model.tokenizer)
     gen = BatchGenerator(model, max_batch=max_batch, prefill_chunk=prefill_chunk)
     out: list[list[int]] = [[] for _ in rows]
     if new > 0:

@@ -21,7 +21,13 @@ from portable_llm.core.checks import check_int, check_optional_int, check_real
 from portable_llm.generation.grammar import constrained_logits, grammar_engine, grammar_of
 from portable_llm.generation.penalties import Penalties
 from portable_llm.generation.prompt import is_text_batch, prompt_ids, sampling_options, stop_ids
-from portable_llm.generation.protocol import LanguageModel, check_cache_list, check_model
+from portable_llm.generation.protocol import (
+    UNKNOWN_VOCAB,
+    LanguageModel,
+    check_cache_list,
+    check_model,
+    vocab_size,
+)
 from portable_llm.generation.sampler import (
     LogitsProcessor,
     Sampler,
@@ -29,6 +35,7 @@ from portable_llm.generation.sampler import (
     make_sampler,
 )
 from portable_llm.generation.steps import PREFILL_STEP_SIZE, check_prefill_step_size, decode
+from portable_llm.generation.tokenizer import text_tokenizer
 
 __all__ = ["Generation", "GenerationStats", "generate", "stop_tokens"]
 
@@ -181,11 +188,12 @@ def generate(
     else:
         rows = [prompt_ids(model, prompt, op=OP)]
     max_new_tokens = check_int(OP, "max_new_tokens", max_new_tokens, low=0)
-    options = sampling_options(temperature, top_k, top_p, min_p, vocab_size=model.vocab_size)
+    V = vocab_size(model)  # None: the first logits tell
+    options = sampling_options(temperature, top_k, top_p, min_p, vocab_size=V)
     seed = check_optional_int(OP, "seed", seed, low=0)
     stops = stop_ids(model, stop, op=OP, ignore_eos=ignore_eos)
     p = Penalties.check(
-        OP, vocab_size=model.vocab_size, max_new_tokens=max_new_tokens,
+        OP, vocab_size=V or UNKNOWN_VOCAB, max_new_tokens=max_new_tokens,
         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
         logit_bias=logit_bias, min_tokens=min_tokens,
     )  # fmt: skip
@@ -195,14 +203,15 @@ def generate(
             OP, "repetition_context_size", repetition_context_size, low=1
         ),
         frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
-        logit_bias=dict(p.logit_bias), min_tokens=p.min_tokens, stop=stops,
-        vocab_size=model.vocab_size,
+        logit_bias=dict(p.logit_bias), min_tokens=p.min_tokens, stop=stops, vocab_size=V,
     )  # fmt: skip
     grammar = grammar_of(response_format)
     if grammar is not None:
         if not stops:
             raise ValueError("generate: response_format needs a stop token (stop=() has none)")
-        engine = grammar_engine(model.tokenizer, vocab_size=model.vocab_size, stop_ids=stops)
+        if V is None:
+            raise ValueError("generate: response_format needs the model's vocab_size")
+        engine = grammar_engine(model.tokenizer, vocab_size=V, stop_ids=stops)
         processors.append(constrained_logits([engine.matcher(grammar) for _ in rows]))
     if prompt_cache is not None and batch:
         raise ValueError("generate: prompt_cache is for one prompt, not a batch")
@@ -210,14 +219,18 @@ def generate(
         prompt_cache = check_cache_list(OP, "prompt_cache", prompt_cache, model)
     chunk = check_prefill_step_size(OP, prefill_step_size)
     stats = GenerationStats(prompt_tokens=sum(len(r) for r in rows))
+    if max_new_tokens == 0 and prompt_cache is None:  # nothing to run, no caches to make
+        stats.finish_reason = "length"
+        return Generation(iter(()), stats)
     run = _Run(model, make_sampler(**options, seed=seed), processors, stops, stats, chunk)
+    tokenizer = text_tokenizer(model.tokenizer)
     if batch:
-        assert model.tokenizer is not None
-        return Generation(_batch_pieces(run, rows, max_new_tokens, model.tokenizer), stats)
+        assert tokenizer is not None
+        return Generation(_batch_pieces(run, rows, max_new_tokens, tokenizer), stats)
     tokens = run.tokens(rows[0], max_new_tokens, prompt_cache)
     if text:
-        assert model.tokenizer is not None
-        return Generation(model.tokenizer.stream(tokens), stats)
+        assert tokenizer is not None
+        return Generation(tokenizer.stream(tokens), stats)
     return Generation(tokens, stats)
 
 
@@ -261,20 +274,22 @@ class _Run:
         )  # fmt: skip
         stops = self.stops
         held = None if prompt_cache is None else [c.offset for c in prompt_cache]
-        for step in range(max_new_tokens):
-            try:
-                last = self.timed(steps, step)
-            except BaseException:
-                if step == 0 and held is not None:  # the prompt_cache as it was given
-                    _rewind(prompt_cache or [], held)
-                raise
-            if last in stops:
-                stats.stop_token = last
-                break
-            stats.generated_tokens += 1
-            yield last
-        stats.finish_reason = "length" if stats.stop_token is None else "stop"
-        steps.close()
+        try:
+            for step in range(max_new_tokens):
+                try:
+                    last = self.timed(steps, step)
+                except BaseException:
+                    if step == 0 and held is not None:  # the prompt_cache as it was given
+                        _rewind(prompt_cache or [], held)
+                    raise
+                if last in stops:
+                    stats.stop_token = last
+                    break
+                stats.generated_tokens += 1
+                yield last
+            stats.finish_reason = "length" if stats.stop_token is None else "stop"
+        finally:
+            steps.close()  # caches made here go back to the model (ReleasingModel)
         if prompt_cache is not None:  # the cache then holds every token of the conversation
             steps.feed_last()
 
@@ -289,6 +304,15 @@ def _batch_pieces(
         left_padding=left_padding, logprobs=False, prefill_step_size=run.prefill_step_size,
         max_tokens=max_new_tokens,
     )  # fmt: skip
+    try:
+        yield from _batch_steps(run, steps, rows, max_new_tokens, tokenizer)
+    finally:
+        steps.close()  # the caches go back to the model (ReleasingModel)
+
+
+def _batch_steps(
+    run: _Run, steps: Any, rows: list[list[int]], max_new_tokens: int, tokenizer: Any
+) -> Iterator[list[str]]:
     texts = [tokenizer.stream_decoder() for _ in rows]
     done = [False] * len(rows)
     for step in range(max_new_tokens):
@@ -311,7 +335,6 @@ def _batch_pieces(
     if any(rest):
         yield rest
     run.stats.finish_reason = "stop" if all(done) else "length"
-    steps.close()
 
 
 def _rewind(caches: Sequence[Any], offsets: list[int]) -> None:

@@ -15,7 +15,8 @@ import numpy as np
 from portable_llm.backends import backend_of
 from portable_llm.core.arrays import to_numpy
 from portable_llm.core.checks import check_int, check_optional_int, check_real
-from portable_llm.generation.protocol import LanguageModel
+from portable_llm.generation.protocol import LanguageModel, vocab_size
+from portable_llm.generation.tokenizer import text_tokenizer
 
 __all__ = ["batch_ids", "is_text_batch", "prompt_ids", "sampling_options", "stop_ids"]
 
@@ -29,14 +30,17 @@ def prompt_ids(
     name: str = "prompt",
     text: bool = True,
 ) -> list[int]:
-    """A prompt's token ids, checked: non-empty, each in ``[0, model.vocab_size)``.
+    """A prompt's token ids, checked: non-empty, each in ``[0, model.vocab_size)`` (``>= 0``
+    for a model without ``vocab_size``: the first logits tell ``V``).
 
     Parameters
     ----------
     model : LanguageModel
     prompt : str, a sequence of ints, or a 1-D integer array (any backend)
         A string is encoded with ``model.tokenizer.encode_prompt`` (no BOS added where the text
-        starts with the tokenizer's ``bos_token``, as a rendered chat template does).
+        starts with the tokenizer's ``bos_token``, as a rendered chat template does), or the
+        ``encode`` of another library's tokenizer (:func:`~portable_llm.generation.tokenizer.
+        text_tokenizer`).
     op, name : str
         The caller and the argument, for the messages.
     text : bool
@@ -55,14 +59,14 @@ def prompt_ids(
     if isinstance(prompt, str) and text:
         if model.tokenizer is None:
             raise ValueError(f"{op}: a text prompt needs the checkpoint's tokenizer.json")
-        ids = [int(i) for i in model.tokenizer.encode_prompt(prompt)]
+        ids = [int(i) for i in text_tokenizer(model.tokenizer).encode_prompt(prompt)]
     else:
         ids = _ids(prompt, op, name, text)
     if not ids:
         raise ValueError(f"{op}: {name} has no tokens")
-    V = model.vocab_size
+    V = vocab_size(model)
     low, high = min(ids), max(ids)
-    if low < 0 or high >= V:
+    if low < 0 or (V is not None and high >= V):
         raise ValueError(
             f"{op}: {name}: token ids must lie in [0, {V}) (vocab_size), got {low} to {high}"
         )
@@ -102,8 +106,8 @@ def batch_ids(
     host = host.astype(np.int64).reshape((1, -1) if single else host.shape)
     if host.size == 0:
         raise ValueError(f"{op}: {name} has no tokens (shape {host.shape}): give at least one")
-    V, low, high = model.vocab_size, int(host.min()), int(host.max())
-    if low < 0 or high >= V:
+    V, low, high = vocab_size(model), int(host.min()), int(host.max())
+    if low < 0 or (V is not None and high >= V):
         raise ValueError(
             f"{op}: {name}: token ids must lie in [0, {V}) (vocab_size), got {low} to {high}"
         )
@@ -149,12 +153,12 @@ def sampling_options(
     min_p: Any,
     /,
     *,
-    vocab_size: int,
+    vocab_size: int | None,
     op: str = "generate",
 ) -> dict[str, Any]:
     """:func:`~portable_llm.sample`'s options, checked as it checks them, as Python numbers:
-    ``temperature >= 0``, ``top_k`` in ``[1, vocab_size]``, ``top_p`` in ``(0, 1]``, ``min_p``
-    in ``[0, 1]`` (each but ``temperature`` may be ``None``)."""
+    ``temperature >= 0``, ``top_k`` in ``[1, vocab_size]`` (``>= 1`` for ``None``), ``top_p``
+    in ``(0, 1]``, ``min_p`` in ``[0, 1]`` (each but ``temperature`` may be ``None``)."""
     top_p = None if top_p is None else check_real(op, "top_p", top_p, low=0, low_open=True, high=1)
     return {
         "temperature": check_real(op, "temperature", temperature, low=0),

@@ -24,10 +24,16 @@ from portable_llm.backends import Backend, backend_of
 from portable_llm.caches.page_pool import PagePool
 
 __all__ = [
+    "BatchDecodingModel",
     "DecodeStepModel",
     "LanguageModel",
+    "MaterializingModel",
     "PagedLanguageModel",
     "RecomputingModel",
+    "ReleasingModel",
+    "RewindingModel",
+    "SizedVocabularyModel",
+    "UNKNOWN_VOCAB",
     "array_library",
     "check_cache_list",
     "check_logits",
@@ -35,8 +41,12 @@ __all__ = [
     "check_page_pools",
     "check_paged_model",
     "decode_step",
+    "materialize",
     "num_layers",
     "recompute_after",
+    "release_cache",
+    "rewind_cache",
+    "vocab_size",
 ]
 
 
@@ -46,17 +56,19 @@ class LanguageModel(Protocol):
 
     Attributes
     ----------
-    vocab_size : int
-        ``V``: the logits' last dimension; token ids lie in ``[0, V)``.
-    tokenizer : Tokenizer or None
-        A :class:`~portable_llm.Tokenizer` for text prompts (``encode_prompt``, ``stream``,
-        ``decode``, ``stream_decoder``); ``None``: token ids only.
+    tokenizer : Tokenizer, any object with ``encode`` and ``decode``, or None
+        A :class:`~portable_llm.Tokenizer`, or another library's (transformers', tokenizers',
+        a course's: ``encode(text)`` gives ids or an object with ``.ids``, ``decode(ids)``
+        text; :func:`~portable_llm.generation.tokenizer.text_tokenizer` wraps it), for text
+        prompts; ``None``: token ids only.
     eos_token_ids : tuple of int
         The default stop ids (a checkpoint's EOS ids); ``()``: none.
-    """
 
-    @property
-    def vocab_size(self) -> int: ...
+    ``vocab_size`` is optional (:class:`SizedVocabularyModel`): without it, ``V`` is read from
+    the first logits. The other optional members, each with its default: :class:`DecodeStepModel`,
+    :class:`RecomputingModel`, :class:`ReleasingModel`, :class:`MaterializingModel`,
+    :class:`RewindingModel`, :class:`BatchDecodingModel` and :class:`PagedLanguageModel`.
+    """
 
     @property
     def tokenizer(self) -> Any: ...
@@ -76,6 +88,70 @@ class LanguageModel(Protocol):
         """Logits ``(B, L, V)`` of the next token after each of the ``L`` new tokens ``ids``
         ``(B, L)``, which follow those ``cache`` holds; the caches then hold them too.
         ``last_only``: only the last position is needed, and ``(B, 1, V)`` may be returned."""
+        ...
+
+
+@runtime_checkable
+class SizedVocabularyModel(Protocol):
+    """A model that states ``V`` before it runs: prompts, ``top_k`` and ``logit_bias`` are then
+    checked against it at the front (without it, against the first logits' last dimension)."""
+
+    @property
+    def vocab_size(self) -> int | None:
+        """``V``: the logits' last dimension; token ids lie in ``[0, V)``. ``None``: unknown
+        until the first logits."""
+        ...
+
+
+@runtime_checkable
+class ReleasingModel(Protocol):
+    """A model whose caches hold something to give back when a request ends (a pool's slots,
+    a device buffer); without it generation just drops the caches."""
+
+    def release_cache(self, cache: Sequence[Any], /) -> None:
+        """Called once per list of :meth:`~LanguageModel.make_cache` caches that generation made,
+        when the request that used it ends (finished, cancelled, failed, or its iterator
+        closed): :class:`~portable_llm.BatchGenerator` per request,
+        :func:`~portable_llm.speculative_generate` for the target's and the draft's,
+        :func:`~portable_llm.generate` for its own (never a caller's ``prompt_cache``)."""
+        ...
+
+
+@runtime_checkable
+class MaterializingModel(Protocol):
+    """A lazy model (MLX) that computes its pending work itself: generation never forces a
+    forward but at a prefill chunk (to bound memory) and at the host read of the sampled ids."""
+
+    def materialize(self, cache: Sequence[Any], /) -> None:
+        """Compute what ``cache`` holds so far (MLX: ``mx.eval([c.keys for c in cache])``):
+        called after each prefill chunk whose logits are dropped, in place of the default,
+        the backend's ``synchronize`` of that chunk's logits (:func:`materialize`)."""
+        ...
+
+
+@runtime_checkable
+class RewindingModel(Protocol):
+    """A model that rewinds its own caches (a course's ``rewind(n)``, mlx-lm's
+    ``trim_prompt_cache``); without it, :func:`rewind_cache` calls each cache's ``trim(n)``."""
+
+    def rewind_cache(self, cache: Sequence[Any], n: int, /) -> None:
+        """Forget the last ``n >= 1`` tokens of every cache in ``cache`` (speculative decoding's
+        rejected proposals)."""
+        ...
+
+
+@runtime_checkable
+class BatchDecodingModel(Protocol):
+    """A model that decodes several requests, each over its own :meth:`~LanguageModel.
+    make_cache`, in one forward: :class:`~portable_llm.BatchGenerator` then runs each step's
+    rows together without page pools (a :class:`PagedLanguageModel` uses its pools instead)."""
+
+    def decode_batch(self, ids: Any, /, *, caches: Sequence[Sequence[Any]]) -> Any:
+        """Logits ``(B, 1, V)`` of one new token per row, ``ids`` ``(B, 1)`` (NumPy int64),
+        row ``b`` following what its caches ``caches[b]`` hold (which may differ in length);
+        each ``caches[b]`` then holds its row's token too. The model stacks the rows itself
+        (e.g. the keys right-padded to the longest row, the pad masked, each row's position
+        its cache's offset)."""
         ...
 
 
@@ -146,12 +222,15 @@ def check_model(op: str, model: Any, /, *, rewinds: bool = False) -> LanguageMod
 
     The one check :func:`~portable_llm.generate`, :func:`~portable_llm.generate_step`,
     :class:`~portable_llm.BatchGenerator` and :func:`~portable_llm.speculative_generate` run
-    (``docs/bring-your-own-model.md``): ``vocab_size`` an int ``>= 1``; ``eos_token_ids`` a
-    sequence of ints; ``tokenizer`` ``None`` or an object with the members text generation
-    calls; ``make_cache()`` a list or tuple; the optional members' types where present
-    (``decode_step`` callable, ``recompute_after`` an int or ``None``, a paged model's
-    ``max_seq_len`` an int or ``None``, ``make_page_pools`` and ``forward_paged`` callable).
-    ``rewinds``: each cache must also have ``trim(n)`` (speculative decoding rewinds them).
+    (``docs/bring-your-own-model.md``): ``vocab_size`` (when present and not ``None``) an int
+    ``>= 1``; ``eos_token_ids`` a sequence of ints; ``tokenizer`` ``None``, a
+    :class:`~portable_llm.Tokenizer` or an object with ``encode`` and ``decode``;
+    ``make_cache()`` a list or tuple; the optional members' types where present
+    (``decode_step``, ``release_cache``, ``materialize``, ``rewind_cache``, ``decode_batch``
+    callable, ``recompute_after`` an int or ``None``, a paged model's ``max_seq_len`` an int or
+    ``None``, ``make_page_pools`` and ``forward_paged`` callable). ``rewinds``: each cache must
+    also have ``trim(n)``, unless the model has ``rewind_cache`` (speculative decoding rewinds
+    them).
     What the model returns is checked where it returns it (:func:`check_logits`).
     """
     if not isinstance(model, LanguageModel):
@@ -159,12 +238,13 @@ def check_model(op: str, model: Any, /, *, rewinds: bool = False) -> LanguageMod
         if not callable(model):
             missing.append("__call__")
         raise TypeError(
-            f"{op}: model must follow portable_llm.generation.LanguageModel (vocab_size, "
-            f"tokenizer, eos_token_ids, make_cache(), __call__(ids, *, cache, last_only)); "
+            f"{op}: model must follow portable_llm.generation.LanguageModel (tokenizer, "
+            f"eos_token_ids, make_cache(), __call__(ids, *, cache, last_only)); "
             f"{type(model).__name__} lacks {', '.join(missing)}"
         )
     name = type(model).__name__
-    _check_count(op, f"{name}.vocab_size", model.vocab_size, low=1)
+    if vocab_size(model) is not None:
+        _check_count(op, f"{name}.vocab_size", vocab_size(model), low=1)
     eos = model.eos_token_ids
     if isinstance(eos, str | bytes) or not isinstance(eos, Sequence | frozenset | set):
         raise TypeError(
@@ -175,10 +255,10 @@ def check_model(op: str, model: Any, /, *, rewinds: bool = False) -> LanguageMod
         _check_count(op, f"{name}.eos_token_ids[{i}]", t, low=0)
     tok = model.tokenizer
     lacks = [m for m in _TOKENIZER if tok is not None and not callable(getattr(tok, m, None))]
-    if lacks:
+    if lacks and any(not callable(getattr(tok, m, None)) for m in ("encode", "decode")):
         raise TypeError(
-            f"{op}: {name}.tokenizer must be None or a portable_llm.Tokenizer; "
-            f"{type(tok).__name__} lacks {', '.join(lacks)}"
+            f"{op}: {name}.tokenizer must be None or a portable_llm.Tokenizer (or any object "
+            f"with encode(text) and decode(ids)); {type(tok).__name__} lacks {', '.join(lacks)}"
         )
     _check_optional_members(op, model)
     caches = model.make_cache()
@@ -187,13 +267,15 @@ def check_model(op: str, model: Any, /, *, rewinds: bool = False) -> LanguageMod
             f"{op}: {name}.make_cache() must return a list of caches (one per layer), got "
             f"{type(caches).__name__}"
         )
-    if rewinds:
+    if rewinds and not isinstance(model, RewindingModel):
         for i, c in enumerate(caches):
             if not callable(getattr(c, "trim", None)):
                 raise TypeError(
-                    f"{op}: {name}.make_cache()[{i}] ({type(c).__name__}) has no trim(n): "
-                    "speculative decoding rewinds each cache by the rejected tokens"
+                    f"{op}: {name}.make_cache()[{i}] ({type(c).__name__}) has no trim(n) (and "
+                    f"{name} no rewind_cache(cache, n)): speculative decoding rewinds each cache "
+                    "by the rejected tokens"
                 )
+    release_cache(model, caches)  # made only to be checked
     return model
 
 
@@ -215,7 +297,7 @@ def _check_optional_members(op: str, model: Any) -> None:
         value = getattr(model, member, None)
         if value is not None:
             _check_count(op, f"{name}.{member}", value, low=1)
-    for member in ("make_page_pools", "forward_paged"):
+    for member in (*_OPTIONAL_METHODS, "make_page_pools", "forward_paged"):
         value = getattr(model, member, None)
         if value is not None and not callable(value):
             raise TypeError(f"{op}: {name}.{member} must be callable, got {type(value).__name__}")
@@ -316,12 +398,54 @@ def recompute_after(model: LanguageModel) -> int | None:
     return model.recompute_after if isinstance(model, RecomputingModel) else None
 
 
+def vocab_size(model: Any) -> int | None:
+    """:attr:`SizedVocabularyModel.vocab_size` of ``model``; ``None`` when it has none (then
+    ``V`` is the first logits' last dimension)."""
+    return model.vocab_size if isinstance(model, SizedVocabularyModel) else None
+
+
+def release_cache(model: LanguageModel, cache: Sequence[Any] | None) -> None:
+    """Hand ``cache`` (made by generation with ``model.make_cache()``) back to ``model``'s
+    :meth:`ReleasingModel.release_cache`; nothing for other models or ``cache=None``."""
+    if cache is not None and isinstance(model, ReleasingModel):
+        model.release_cache(cache)
+
+
+def materialize(model: LanguageModel, out: Any, cache: Sequence[Any]) -> None:
+    """Compute a prefill chunk now: ``model.materialize(cache)`` (:class:`MaterializingModel`),
+    else the backend's ``synchronize`` of the chunk's logits ``out`` (dropped)."""
+    if isinstance(model, MaterializingModel):
+        model.materialize(cache)
+        return
+    bk = backend_of(out) if array_library(out) is not None else None
+    if bk is not None:
+        bk.synchronize(out)
+
+
+def rewind_cache(model: LanguageModel, cache: Sequence[Any], n: int) -> None:
+    """Forget the last ``n`` tokens of ``cache``: ``model.rewind_cache(cache, n)``
+    (:class:`RewindingModel`), else each cache's ``trim(n)``; nothing for ``n == 0``."""
+    if n == 0:
+        return
+    if isinstance(model, RewindingModel):
+        model.rewind_cache(cache, n)
+        return
+    for c in cache:
+        c.trim(n)
+
+
 def num_layers(model: LanguageModel) -> int:
-    """How many caches ``model.make_cache()`` makes (fresh caches hold no memory)."""
-    return len(model.make_cache())
+    """How many caches ``model.make_cache()`` makes (given back at once: :func:`release_cache`)."""
+    caches = model.make_cache()
+    release_cache(model, caches)
+    return len(caches)
 
 
-_MEMBERS = ("vocab_size", "tokenizer", "eos_token_ids", "make_cache")
+#: The bound the front checks token ids against when a model states no ``vocab_size`` (ids are
+#: int32 at most); the first logits then give ``V``.
+UNKNOWN_VOCAB = 2**31 - 1
+_MEMBERS = ("tokenizer", "eos_token_ids", "make_cache")
+_OPTIONAL_METHODS = ("release_cache", "materialize", "rewind_cache", "decode_batch")
 #: What text generation calls on a tokenizer (:class:`~portable_llm.Tokenizer`).
 _TOKENIZER = ("encode_prompt", "decode", "stream", "stream_decoder")
 _LAYOUTS = {2: "(B, V)", 3: "(B, L, V)"}

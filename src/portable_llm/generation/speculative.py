@@ -26,8 +26,16 @@ from portable_llm.core.checks import check_int, check_optional_int
 from portable_llm.core.types import Array
 from portable_llm.generation.generate import Generation, GenerationStats
 from portable_llm.generation.prompt import is_text_batch, prompt_ids, sampling_options, stop_ids
-from portable_llm.generation.protocol import LanguageModel, check_logits, check_model
+from portable_llm.generation.protocol import (
+    LanguageModel,
+    check_logits,
+    check_model,
+    release_cache,
+    rewind_cache,
+    vocab_size,
+)
 from portable_llm.generation.steps import PREFILL_STEP_SIZE, check_prefill_step_size, prefill
+from portable_llm.generation.tokenizer import check_same_tokenizer, text_tokenizer
 from portable_llm.ops.sampling import GREEDY_BELOW, greedy, logprobs, sample
 
 __all__ = ["SpeculativeStats", "speculative_generate"]
@@ -121,7 +129,7 @@ def speculative_generate(
     if is_text_batch(prompt):
         raise ValueError(f"{OP}: prompt must be one prompt (str or token ids), not a batch")
     ids = prompt_ids(model, prompt, op=OP)
-    V = model.vocab_size
+    V = vocab_size(model)  # None: the target's first logits tell
     run = _Speculation(
         model=model,
         draft=draft_model,
@@ -135,30 +143,27 @@ def speculative_generate(
     max_new_tokens = check_int(OP, "max_new_tokens", max_new_tokens, low=0)
     tokens = run.tokens(ids, max_new_tokens, stops)
     if text:
-        assert model.tokenizer is not None
-        return Generation(model.tokenizer.stream(tokens), run.stats)
+        tokenizer = text_tokenizer(model.tokenizer)
+        assert tokenizer is not None
+        return Generation(tokenizer.stream(tokens), run.stats)
     return Generation(tokens, run.stats)
 
 
 def _check_pair(model: LanguageModel, draft: LanguageModel) -> None:
-    """The draft's ids must mean the target's: same vocab_size and tokenizer vocabulary."""
-    vm, vd = model.vocab_size, draft.vocab_size
-    if vm != vd:
-        raise ValueError(
-            f"{OP}: the draft's vocab_size ({vd}) differs from the target's ({vm}); the draft "
-            "must use the target's tokenizer"
-        )
-    tm, td = model.tokenizer, draft.tokenizer
-    if tm is None or td is None:
-        return
-    # The tokenizers' own vocabularies (token -> id, added tokens included).
-    am, ad = tm.vocab(), td.vocab()
-    if am != ad:
-        diff = sorted(set(am.items()) ^ set(ad.items()), key=lambda item: item[1])[:3]
-        raise ValueError(
-            f"{OP}: the draft's tokenizer differs from the target's ({len(ad)} and {len(am)} "
-            f"tokens; first differences (token, id): {diff})"
-        )
+    """The draft's ids must mean the target's: the same ``vocab_size`` (where both state one;
+    else the same ``V`` in their first logits, checked then) and the same tokenizer
+    (:func:`~portable_llm.generation.tokenizer.check_same_tokenizer`, any two tokenizers)."""
+    vm, vd = vocab_size(model), vocab_size(draft)
+    if vm is not None and vd is not None and vm != vd:
+        _vocab_differs(vm, vd)
+    check_same_tokenizer(OP, model.tokenizer, draft.tokenizer)
+
+
+def _vocab_differs(vm: int, vd: int) -> None:
+    raise ValueError(
+        f"{OP}: the draft's vocab_size ({vd}) differs from the target's ({vm}); the draft must "
+        "use the target's tokenizer"
+    )
 
 
 def _caches(model: LanguageModel) -> list[Any]:
@@ -180,6 +185,7 @@ class _Speculation:
     keys: np.random.Generator  # seeds of the draws, in order
     chunk: int | None
     stats: SpeculativeStats
+    V: int | None = None  # the target's vocab_size, else its first logits'
 
     @property
     def greedy(self) -> bool:
@@ -191,7 +197,12 @@ class _Speculation:
     def _forward(self, model: LanguageModel, ids: list[int], cache: list[Any], last: bool) -> Array:
         x = np.asarray([ids], dtype=np.int64)  # (1, L)
         out = model(x, cache=cache, last_only=last)
-        out = check_logits(OP, model, out, (1, None, model.vocab_size), "__call__")[0, ...]
+        V = self.V
+        if V is None and model is self.model:  # the target's first logits give V
+            V = self.V = int(out.shape[-1]) if backend_of(out) is not None else None
+        elif model is self.draft and V is not None and getattr(out, "shape", (V,))[-1] != V:
+            _vocab_differs(V, int(out.shape[-1]))
+        out = check_logits(OP, model, out, (1, None, V), "__call__")[0, ...]
         if not last and out.shape[0] != len(ids):  # (L | 1, V)
             raise ValueError(
                 f"{OP}: the model returned logits for {out.shape[0]} positions of {len(ids)} "
@@ -221,57 +232,85 @@ class _Speculation:
             return
         start = time.perf_counter()
         target_cache = _caches(self.model)
-        draft_cache = _caches(self.draft) if self.k else []
-        first, _ = self._draw(self.model, self._prefill(self.model, ids, target_cache))
-        if self.k:
-            self._prefill(self.draft, ids, draft_cache)
-        stats.prefill_seconds = time.perf_counter() - start
-        done = 0
-        pending = [first]  # tokens the draft has not seen, the last one also new to the target
-        round_tokens = [first]
-        while True:
-            for token in round_tokens:
-                if token in stops:
-                    stats.stop_token = token
-                    stats.finish_reason = "stop"
-                    return
-                stats.generated_tokens += 1
-                done += 1
-                yield token
-                if done == max_new:
-                    stats.finish_reason = "length"
-                    return
-            start = time.perf_counter()
-            n = min(self.k, max_new - done - 1)  # a round yields up to n + 1 tokens
-            round_tokens, pending = self._round(n, pending, target_cache, draft_cache)
-            stats.decode_seconds += time.perf_counter() - start
-            stats.decode_steps += _counted(round_tokens, stops)
-            stats.rounds += 1
+        # The draft is lazy: its caches are made, and the prompt prefilled into them, at its
+        # first proposal (never when the first token stops or is the last one asked for).
+        draft_cache: list[Any] | None = None
+        try:
+            first, _ = self._draw(self.model, self._prefill(self.model, ids, target_cache))
+            stats.prefill_seconds = time.perf_counter() - start
+            done = 0
+            # Tokens the draft has not seen (the prompt too, until it first runs); the last
+            # one is also new to the target.
+            pending = [*ids, first]
+            round_tokens = [first]
+            while True:
+                for token in round_tokens:
+                    if token in stops:
+                        stats.stop_token = token
+                        stats.finish_reason = "stop"
+                        return
+                    stats.generated_tokens += 1
+                    done += 1
+                    yield token
+                    if done == max_new:
+                        stats.finish_reason = "length"
+                        return
+                start = time.perf_counter()
+                n = min(self.k, max_new - done - 1)  # a round yields up to n + 1 tokens
+                if n and draft_cache is None:
+                    draft_cache = _caches(self.draft)
+                round_tokens, pending = self._round(
+                    n, pending, stops, target_cache, draft_cache or []
+                )
+                stats.decode_seconds += time.perf_counter() - start
+                stats.decode_steps += _counted(round_tokens, stops)
+                stats.rounds += 1
+        finally:  # both models' caches go back to them (ReleasingModel)
+            release_cache(self.model, target_cache)
+            release_cache(self.draft, draft_cache)
 
-    def _round(
-        self, n: int, pending: list[int], target_cache: list[Any], draft_cache: list[Any]
-    ) -> tuple[list[int], list[int]]:
-        """Propose ``n`` tokens, verify them; return the round's tokens and the new pending."""
+    def _propose(
+        self, n: int, pending: list[int], stops: frozenset[int], draft_cache: list[Any]
+    ) -> tuple[list[int], list[Array]]:
+        """Up to ``n`` proposals of the draft after ``pending`` (the first call prefills the
+        prompt in chunks): it stops after a stop token, which would end the output."""
         proposals: list[int] = []
         qs: list[Array] = []
-        feed = pending
+        host = np.asarray([pending], dtype=np.int64)  # (1, L)
+        feed = pending[prefill(self.draft, host, draft_cache, self.chunk) :] if n else []
         for _ in range(n):
             logits = self._forward(self.draft, feed, draft_cache, True)[-1, ...]  # (V,)
             token, q = self._draw(self.draft, logits)
             proposals.append(token)
             if q is not None:
                 qs.append(q)
+            if token in stops:  # nothing after it is ever yielded
+                break
             feed = [token]
+        return proposals, qs
+
+    def _round(
+        self,
+        n: int,
+        pending: list[int],
+        stops: frozenset[int],
+        target_cache: list[Any],
+        draft_cache: list[Any],
+    ) -> tuple[list[int], list[int]]:
+        """Propose up to ``n`` tokens, verify them; return the round's tokens and the new
+        pending."""
+        proposals, qs = self._propose(n, pending, stops, draft_cache)
+        m = len(proposals)
         logits = self._forward(self.model, [pending[-1], *proposals], target_cache, False)
-        accepted, nxt = self._verify(logits, proposals, qs)  # logits (n + 1, V)
-        self.stats.draft_tokens += n
+        accepted, nxt = self._verify(logits, proposals, qs)  # logits (m + 1, V)
+        self.stats.draft_tokens += m
         self.stats.accepted_tokens += accepted
-        _trim(target_cache, n - accepted)
-        if n == 0:  # the draft did not run: what it has not seen grows (k = 0: it never runs)
+        rewind_cache(self.model, target_cache, m - accepted)
+        if m == 0:  # the draft did not run: what it has not seen grows (k = 0: it never runs)
             return [nxt], [*pending, nxt] if self.k else [nxt]
-        if accepted == n:  # the draft never saw its last proposal
+        if accepted == m:  # the draft never saw its last proposal
             return [*proposals, nxt], [proposals[-1], nxt]
-        _trim(draft_cache, n - 1 - accepted)
+        rewind_cache(self.draft, draft_cache, m - 1 - accepted)
         return [*proposals[:accepted], nxt], [nxt]
 
     def _verify(self, logits: Array, proposals: list[int], qs: list[Array]) -> tuple[int, int]:
@@ -326,12 +365,6 @@ def _host(model: LanguageModel, ids: Array) -> list[int]:
             "overflowed"
         )
     return out
-
-
-def _trim(cache: list[Any], n: int) -> None:
-    if n:
-        for c in cache:
-            c.trim(n)
 
 
 def _counted(tokens: list[int], stops: frozenset[int]) -> int:

@@ -27,7 +27,10 @@ from portable_llm.generation.protocol import (
     check_logits,
     check_model,
     decode_step,
+    materialize,
     recompute_after,
+    release_cache,
+    vocab_size,
 )
 from portable_llm.generation.sampler import LogitsProcessor, Sampler
 from portable_llm.ops.sampling import greedy
@@ -157,7 +160,7 @@ def decode(
         model, host, cache, single=single, sampler=sampler, processors=list(logits_processors),
         tokens=tokens, logprobs=logprobs, prefill_step_size=prefill_step_size,
         max_tokens=max_tokens, recompute=recompute_after(model) if fresh else None,
-        left_padding=left_padding,
+        left_padding=left_padding, fresh=fresh,
     )  # fmt: skip
 
 
@@ -189,7 +192,7 @@ class Decode:
         self, model: LanguageModel, host: np.ndarray, cache: Sequence[Any], *, single: bool,
         sampler: Sampler | None, processors: list[LogitsProcessor], tokens: list[list[int]],
         logprobs: bool, prefill_step_size: int | None, max_tokens: int | None,
-        recompute: int | None = None, left_padding: Any = None,
+        recompute: int | None = None, left_padding: Any = None, fresh: bool = False,
     ) -> None:  # fmt: skip
         self.model, self.host, self.cache, self.single = model, host, cache, single
         self.recompute = recompute if recompute is not None and recompute >= host.shape[1] else None
@@ -199,7 +202,8 @@ class Decode:
         self.seen: list[np.ndarray] = [host]  # the ids fed, while a recompute may come
         self.fed = host.shape[1]  # tokens in the caches once the prompt is in
         self.decode_step = decode_step(model)
-        self.vocab = model.vocab_size
+        self.vocab = vocab_size(model)  # None: the prefill's logits tell
+        self.fresh = fresh  # the caches were made here: close() releases them
         self.sampler = sampler
         self.processors, self.tokens, self.logprobs = processors, tokens, logprobs
         self.chunk, self.max_tokens = prefill_step_size, max_tokens
@@ -234,7 +238,7 @@ class Decode:
                 f"{self.host.shape[1] + self.step} tokens) are NaN or all -inf; the weights or "
                 "the dtype overflowed"
             )
-        if max(chosen) >= self.vocab:
+        if self.vocab is not None and max(chosen) >= self.vocab:
             raise ValueError(
                 f"generate: the sampler of step {self.step} drew {max(chosen)}, outside [0, "
                 f"{self.vocab}) (vocab_size)"
@@ -250,8 +254,13 @@ class Decode:
         return np.asarray(chosen, dtype=np.int64), lp
 
     def close(self) -> None:
-        """Stop: nothing is held (a queued step's tokens are in the caches already)."""
+        """Stop: nothing is held (a queued step's tokens are in the caches already); caches
+        made here go back to the model (:func:`~portable_llm.generation.protocol.
+        release_cache`)."""
         self._next = None
+        if self.fresh:
+            self.fresh = False
+            release_cache(self.model, self.cache)
 
     def feed_last(self) -> None:
         """Put the last token yielded into the caches where no step has yet (after the
@@ -268,6 +277,8 @@ class Decode:
         model = self.model
         start = prefill(model, self.host, self.cache, self.chunk)
         out = model(self.host[:, start:], cache=self.cache, last_only=True)
+        if self.vocab is None:  # a model without vocab_size: V from its first logits
+            self.vocab = int(out.shape[-1]) if array_library(out) is not None else None
         logits = self._checked(out, "__call__")[:, -1, :]  # (B, V)
         bk = backend_of(logits)
         assert bk is not None
@@ -298,6 +309,7 @@ class Decode:
         new = np.asarray(self.bk.to_numpy(ids), dtype=np.int64).reshape(-1, 1)  # (B, 1)
         pad = {} if self.left_padding is None else {"left_padding": self.left_padding}
         assert isinstance(self.cache, list)
+        release_cache(self.model, list(self.cache))
         self.cache[:] = self.model.make_cache(**pad)
         self.recompute, self.seen = None, []
         return self.model(np.concatenate([seen, new], axis=1), cache=self.cache, last_only=True)
@@ -354,15 +366,14 @@ def prefill(model: LanguageModel, host: np.ndarray, cache: Sequence[Any], chunk:
     where the last chunk starts (``0``: the prompt fits one chunk of ``chunk`` tokens).
 
     Those chunks need no logits (``last_only``: the head runs on one position) and are
-    computed before the next one starts (:meth:`~portable_llm.backends.Backend.synchronize`:
-    a lazy library would otherwise hold every chunk's activations at once).
+    computed before the next one starts (:func:`~portable_llm.generation.protocol.materialize`:
+    the model's ``materialize(cache)``, else the backend's ``synchronize``; a lazy library
+    would otherwise hold every chunk's activations at once).
     """
     L = host.shape[1]
     start = 0
     while chunk is not None and L - start > chunk:
         out = model(host[:, start : start + chunk], cache=cache, last_only=True)  # dropped
-        bk = backend_of(out)
-        if bk is not None:
-            bk.synchronize(out)
+        materialize(model, out, cache)
         start += chunk
     return start
