@@ -31,6 +31,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from portable_llm.core.checks import check_int
+from portable_llm.generation.protocol import UNKNOWN_VOCAB, vocab_size
 from portable_llm.generation.sampler import make_sampler
 from portable_llm.serve.engine import Engine, Job, TokenEvent
 from portable_llm.serve.guard import (
@@ -402,7 +403,7 @@ def _job(served: _Served, s: Sampling, prompt: list[int]) -> Job:
             f"this model's context ({context})",
             param="max_tokens", code="context_length_exceeded",
         )  # fmt: skip
-    vocab = served.engine.generator.model.vocab_size
+    vocab = vocab_size(served.engine.generator.model) or UNKNOWN_VOCAB  # None: not stated
     if min(prompt, default=0) < 0 or max(prompt, default=0) >= vocab:
         raise APIError(f"prompt token ids must lie in [0, {vocab})", param="prompt")
     if not prompt:
