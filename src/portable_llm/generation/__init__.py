@@ -5,10 +5,15 @@ from portable_llm.generation.generate import Generation, GenerationStats, genera
 from portable_llm.generation.perplexity import PerplexityResult, perplexity
 from portable_llm.generation.prompt import prompt_ids, sampling_options, stop_ids
 from portable_llm.generation.protocol import (
+    BatchDecodingModel,
     DecodeStepModel,
     LanguageModel,
+    MaterializingModel,
     PagedLanguageModel,
     RecomputingModel,
+    ReleasingModel,
+    RewindingModel,
+    SizedVocabularyModel,
 )
 from portable_llm.generation.sampler import make_logits_processors, make_sampler
 from portable_llm.generation.speculative import SpeculativeStats, speculative_generate
@@ -16,10 +21,15 @@ from portable_llm.generation.steps import generate_step
 
 __all__ = [
     # the model protocol (docs/bring-your-own-model.md)
+    "BatchDecodingModel",
     "DecodeStepModel",
     "LanguageModel",
+    "MaterializingModel",
     "PagedLanguageModel",
     "RecomputingModel",
+    "ReleasingModel",
+    "RewindingModel",
+    "SizedVocabularyModel",
     # the decode loop and its fronts
     "BatchGenerator",
     "Generation",
