@@ -31,9 +31,12 @@ least recently used cached pages that no request holds are evicted when the pool
 
 The model is any :class:`~portable_llm.generation.LanguageModel`. One that is a
 :class:`~portable_llm.generation.PagedLanguageModel` (:class:`~portable_llm.Model`) makes the
-pools and runs the rows of a step in one forward (``forward_paged``); any other runs each
+pools and runs the rows of a step in one forward (``forward_paged``); one that is a
+:class:`~portable_llm.generation.BatchDecodingModel` keeps each request in its own
+``make_cache()`` and decodes the rows of a step in one ``decode_batch``; any other runs each
 request alone over its own ``make_cache()`` (no pools: ``max_batch`` bounds the memory), with
-the same tokens.
+the same tokens. A model's own caches go back to its ``release_cache`` when the request ends.
+:meth:`BatchGenerator.feed` hands a request tokens decoded elsewhere.
 """
 
 from __future__ import annotations

@@ -183,7 +183,8 @@ class RecomputingModel(Protocol):
 class PagedLanguageModel(LanguageModel, Protocol):
     """A :class:`LanguageModel` that runs a batch of sequences over paged KV caches
     (:class:`~portable_llm.BatchGenerator` batches their rows in one forward; a model without
-    these members runs each request alone over its own :meth:`~LanguageModel.make_cache`).
+    these members decodes its rows in one :meth:`BatchDecodingModel.decode_batch` where it has
+    one, else runs each request alone over its own :meth:`~LanguageModel.make_cache`).
 
     Attributes
     ----------

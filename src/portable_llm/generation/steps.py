@@ -89,7 +89,9 @@ def generate_step(
     logprobs : array ``(V,)`` or ``(B, V)``, float32 (float64 for float64 logits)
         ``log_softmax`` of the processed logits, on the model's backend.
 
-    The iterator never ends by itself: stop iterating when done. On NumPy,
+    The iterator never ends by itself: stop iterating when done (its ``close()`` hands caches
+    it made back to a model's ``release_cache``, :class:`~portable_llm.generation.
+    ReleasingModel`). On NumPy,
     array-api-strict, torch's CPU and MLX's CPU, token ``t`` is fed to the model only when token
     ``t + 1`` is asked for, so stopping costs no forward pass. Where queuing ahead pays
     (:meth:`Backend.pipelines <portable_llm.backends.Backend.pipelines>`: JAX, MLX on a GPU,
