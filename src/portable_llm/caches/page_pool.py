@@ -111,7 +111,11 @@ class PagePool:
         shape = (n, self.num_kv_heads, self.page_size, self.head_dim)
         # On a JAX mesh (a tensor-parallel model's replicated device): split by heads.
         where = self.backend.split_heads(self.device, shape, 1)
-        return self.backend.xp.zeros(shape, dtype=self.dtype, device=where)
+        # computed now: a pool made in one thread is written in another (the server's engine
+        # thread), and MLX evaluates a lazy array on a stream of the thread that made it
+        return self.backend.synchronize(
+            self.backend.xp.zeros(shape, dtype=self.dtype, device=where)
+        )
 
     @property
     def num_pages(self) -> int:

@@ -448,7 +448,7 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_partition_arguments(p: argparse.ArgumentParser) -> None:
     """``--tensor-parallel T`` and ``--pipeline-parallel P``: the model split over ranks
-    (``generate``)."""
+    (``generate``, ``serve``)."""
     p.add_argument(
         "--tensor-parallel",
         type=positive_int,

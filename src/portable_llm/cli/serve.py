@@ -3,12 +3,14 @@
 
 Every flag value is checked by argparse before anything loads (a bad one: one line, exit 2);
 the port is bound next (a failure: one line, exit 1), then the model loads, and only then is
-the URL, with the port really bound, announced.
+the URL, with the port really bound, announced. A model split over ranks (``--tensor-parallel``,
+``--pipeline-parallel``) is served by rank 0; the other ranks step its batch (docs/serve.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import socket
 import sys
 from collections.abc import Callable
@@ -19,6 +21,7 @@ from portable_llm.cli.options import (
     add_engine_arguments,
     add_max_new_tokens_argument,
     add_model_arguments,
+    add_partition_arguments,
     apply_threads,
     non_negative_int,
     positive_int,
@@ -88,6 +91,7 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     add_model_arguments(p)  # path, --backend, --dtype, --device, --dequantize, --threads
     add_max_new_tokens_argument(p)  # of a request that sets no max_tokens
     add_engine_arguments(p)  # --prefill-step-size, --max-batch
+    add_partition_arguments(p)  # --tensor-parallel, --pipeline-parallel
     p.add_argument(
         "--host", type=_flag(_host, "host"), default="127.0.0.1",
         help="address to listen on (127.0.0.1; 0.0.0.0: every address of the machine)",
@@ -143,7 +147,11 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Load the model, build the app, run uvicorn until interrupted; return the exit code."""
+    """Load the model, build the app, run uvicorn until interrupted; return the exit code.
+
+    With ``--tensor-parallel``/``--pipeline-parallel`` every rank (torchrun, mlx.launch) loads
+    its share; rank 0 binds the port and serves, the others step its batch until it stops
+    (:func:`_follow`); JAX drives its mesh from this one process."""
     try:
         import uvicorn
 
@@ -155,44 +163,127 @@ def run_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    from portable_llm.checkpoint.loader import load
-
+    try:
+        groups, main = _groups(args)
+    except (ValueError, RuntimeError, ImportError) as exc:
+        print(f"portable-llm serve: error: {str(exc)[:2000]}", file=sys.stderr)
+        return 1
+    sock = None
     try:  # before loading: a port in use fails at once
-        sock = listen(args.host, args.port)
+        sock = listen(args.host, args.port) if main else None
     except OSError as exc:
         print(f"portable-llm serve: error: cannot listen on {args.host} port {args.port}: "
               f"{exc.strerror or exc}", file=sys.stderr)  # fmt: skip
         return 1
-    threads = apply_threads(args.threads, [args.backend])
-    on = f"{args.backend} ({plural(threads, 'thread')})"
-    print(f"portable-llm serve: loading {args.path} on {on}", file=sys.stderr)
-    try:
-        with Phases("portable-llm serve")("loading", announce=False):  # a line every 10 s
-            model = load(
-                args.path, backend=args.backend, dtype=args.dtype, device=args.device,
-                dequantize=args.dequantize,
-            )  # fmt: skip
-    except (FileNotFoundError, ValueError, TypeError, ImportError, OSError) as exc:
-        sock.close()
-        print(f"portable-llm serve: error: {str(exc)[:2000]}", file=sys.stderr)
+    model = _load(args, groups, announce=main)
+    if model is None:
+        if sock is not None:
+            sock.close()
         return 1
+    options = {
+        "max_batch": args.max_batch, "prefill_chunk": args.prefill_step_size,
+        "pool_pages": args.pool_pages, "page_size": args.page_size,
+        "prefix_cache": not args.no_prefix_cache,
+    }  # fmt: skip
+    ranks = None  # rank 0's messages to the other ranks of a model split over processes
+    if groups and _over_processes(model):
+        ranks = _Ranks(model.engine.broadcast_object)
+    if sock is None:
+        assert ranks is not None  # only torch and MLX ranks other than 0 get here
+        return _follow(model, options, ranks.broadcast)
     name = args.model_name or str(args.path)
     app = create_app(
         model, model_name=name, aliases=(Path(str(args.path)).name,), api_key=args.api_key,
-        max_queue=args.max_queue, max_batch=args.max_batch, prefill_chunk=args.prefill_step_size,
-        pool_pages=args.pool_pages, page_size=args.page_size,
-        prefix_cache=not args.no_prefix_cache, default_max_tokens=args.max_new_tokens,
+        max_queue=args.max_queue, default_max_tokens=args.max_new_tokens,
         allowed_hosts=(args.host, *args.allowed_hosts), allowed_origins=args.allowed_origins,
+        broadcast=ranks, **options,
     )  # fmt: skip
     address, port = sock.getsockname()[:2]
     shown = f"[{address}]" if ":" in address else address
     print(f"portable-llm serve: {name} on http://{shown}:{port}/v1", file=sys.stderr)
     print(f"portable-llm serve: chat page at http://{shown}:{port}/", file=sys.stderr)
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level))
-    with sock:
-        server.run(sockets=[sock])
+    if ranks is not None:
+        ranks.server = server
+    with sock, contextlib.suppress(KeyboardInterrupt):  # uvicorn raises Ctrl-C's again
+        server.run(sockets=[sock])  # once it stopped: that was the way out, not an error
     if not server.started:
         print("portable-llm serve: error: the server did not start (see above)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _groups(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
+    """:func:`~portable_llm.partition.launch_groups` of the partition flags: ``load``'s
+    keywords (none without the flags) and whether this process serves HTTP (rank 0)."""
+    from portable_llm.partition.engine import launch_groups
+
+    return launch_groups(
+        args.backend,
+        tensor_parallel=getattr(args, "tensor_parallel", 1),
+        pipeline_parallel=getattr(args, "pipeline_parallel", 1),
+    )
+
+
+def _load(args: argparse.Namespace, groups: dict[str, Any], *, announce: bool) -> Any:
+    """The model (this rank's share with ``groups``), or ``None`` after one error line;
+    ``announce``: say what loads, and every 10 s that it still does."""
+    from portable_llm.checkpoint.loader import load
+
+    threads = apply_threads(args.threads, [args.backend])
+    on = f"{args.backend} ({plural(threads, 'thread')})"
+    if announce:
+        print(f"portable-llm serve: loading {args.path} on {on}", file=sys.stderr)
+    still = Phases("portable-llm serve")("loading", announce=False)  # a line every 10 s
+    try:
+        with still if announce else contextlib.nullcontext():
+            return load(
+                args.path, backend=args.backend, dtype=args.dtype, device=args.device,
+                dequantize=args.dequantize, **groups,
+            )  # fmt: skip
+    except (FileNotFoundError, ValueError, TypeError, ImportError, OSError) as exc:
+        print(f"portable-llm serve: error: {str(exc)[:2000]}", file=sys.stderr)
+        return None
+
+
+def _over_processes(model: Any) -> bool:
+    """Whether ``model`` is one rank's share of a model split over processes (torch, MLX);
+    JAX drives its whole mesh from one process (with tensor parallelism alone: a plain
+    model)."""
+    from portable_llm.partition.model import PartitionedModel
+
+    return isinstance(model, PartitionedModel) and not model.engine.single_controller
+
+
+class _Ranks:
+    """Rank 0's ``broadcast`` to the other ranks of the model; when it fails (a rank is gone:
+    the model cannot step any more) the HTTP server (``server``, once it runs) stops."""
+
+    def __init__(self, broadcast: Callable[[Any], Any]) -> None:
+        self.broadcast = broadcast
+        self.server: Any = None
+
+    def __call__(self, message: Any) -> Any:
+        try:
+            return self.broadcast(message)
+        except Exception:
+            if self.server is not None:
+                self.server.should_exit = True
+            raise
+
+
+def _follow(model: Any, options: dict[str, Any], broadcast: Callable[[Any], Any]) -> int:
+    """A rank other than 0: its engine (``options`` as rank 0's) steps rank 0's batch until
+    rank 0 stops; the exit code."""
+    from portable_llm.serve.engine import Engine
+
+    try:
+        Engine(model, **options, broadcast=broadcast).follow()
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank; rank 0 stops the server
+        return 130
+    except Exception as exc:  # rank 0 is gone (its group closed), or the ranks fell apart
+        print(f"portable-llm serve: error: {type(exc).__name__}: {str(exc)[:2000]}",
+              file=sys.stderr)  # fmt: skip
         return 1
     return 0
 

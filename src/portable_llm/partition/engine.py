@@ -6,7 +6,8 @@ group or ``DeviceMesh``, an ``mx.distributed.Group``. It says which plans this p
 (:meth:`Engine.plans`), places each weight (:meth:`Engine.place`), and gives the forward its
 collectives: the all-reduce after ``o_proj`` and ``down_proj`` (:meth:`Engine.all_reduce`), the
 hand-over of hidden states between pipeline stages (:meth:`Engine.send`, :meth:`Engine.recv`,
-:meth:`Engine.move`) and the logits shared by every rank (:meth:`Engine.share_logits`).
+:meth:`Engine.move`), the logits shared by every rank (:meth:`Engine.share_logits`) and rank 0's
+objects sent to the others (:meth:`Engine.broadcast_object`).
 :func:`engine_for` picks the engine of a backend; the engines live in ``jax_mesh.py``,
 ``torch_dist.py`` and ``mlx_dist.py``, and import their library only when asked for.
 """
@@ -123,6 +124,13 @@ class Engine:
     def share_logits(self, logits: Any, shape: tuple[int, ...], like: Any) -> Any:
         """The last stage's ``logits`` (``None`` elsewhere) on every rank."""
         return logits
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` (TP rank 0 of stage 0; any picklable object) on every rank of the
+        model: what keeps ranks that make their own decisions in step (the server's events,
+        docs/serve.md). A collective: every rank calls it, in the same order; the other ranks'
+        ``obj`` is ignored. Where one process drives every rank (JAX), ``obj`` itself."""
+        return obj
 
 
 def engine_for(backend: str, tensor_parallel: Any, pipeline_parallel: Any) -> Engine:

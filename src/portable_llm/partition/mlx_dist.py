@@ -14,7 +14,10 @@ send and recv.
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
+
+import numpy as np
 
 from portable_llm.partition.engine import Engine
 
@@ -127,9 +130,12 @@ class MlxEngine(Engine):
     def all_reduce(self, x: Any) -> Any:
         if self.tp is None or self.tp_size == 1:
             return x
-        if isinstance(self.tp, NeighborGroup):
-            return self.tp.all_sum(x)
-        return self.mx.distributed.all_sum(x, group=self.tp)
+        return self._all_sum(self.tp, x)
+
+    def _all_sum(self, group: Any, x: Any) -> Any:
+        if isinstance(group, NeighborGroup):
+            return group.all_sum(x)
+        return self.mx.distributed.all_sum(x, group=group)
 
     def send(self, h: Any, stage: int) -> None:
         if isinstance(self.pp, NeighborGroup):
@@ -139,7 +145,9 @@ class MlxEngine(Engine):
     def recv(self, stage: int, shape: tuple[int, ...], like: Any) -> Any:
         if isinstance(self.pp, NeighborGroup):
             return self.pp.recv(shape, like.dtype, stage)
-        return self.mx.distributed.recv(shape, like.dtype, stage, group=self.pp)
+        h = self.mx.distributed.recv(shape, like.dtype, stage, group=self.pp)
+        self.mx.eval(h)  # now, in the order of the messages (see NeighborGroup.all_sum)
+        return h
 
     def share_logits(self, logits: Any, shape: tuple[int, ...], like: Any) -> Any:
         mx = self.mx
@@ -147,9 +155,23 @@ class MlxEngine(Engine):
             return logits
         if logits is None:
             logits = mx.zeros(shape, dtype=like.dtype)
-        if isinstance(self.pp, NeighborGroup):
-            return self.pp.all_sum(logits)
-        return mx.distributed.all_sum(logits, group=self.pp)
+        return self._all_sum(self.pp, logits)
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """As the base class says; MLX has no broadcast: the group's rank 0 pickles ``obj``,
+        and its length, then its bytes, are summed with the others' zeros (stage 0's TP group
+        first, then each pipeline from its stage 0)."""
+        mx = self.mx
+        for group in (self.tp, self.pp):
+            if group is None or group.size() == 1:
+                continue
+            data = pickle.dumps(obj) if group.rank() == 0 else b""
+            n = self._all_sum(group, mx.array([len(data)], dtype=mx.int32))
+            size = int(np.asarray(n)[0])
+            mine = np.frombuffer(data, np.uint8) if data else np.zeros(size, np.uint8)
+            got = self._all_sum(group, mx.array(mine))
+            obj = pickle.loads(np.asarray(got, dtype=np.uint8).tobytes())  # rank 0: trusted
+        return obj
 
 
 def make_engine(tensor_parallel: Any, pipeline_parallel: Any) -> MlxEngine:

@@ -1,5 +1,6 @@
 """torch.distributed: one process per rank; ``all_reduce`` after ``o_proj`` and ``down_proj``,
-``send``/``recv`` of the hidden states between stages, the logits broadcast from the last one.
+``send``/``recv`` of the hidden states between stages, the logits broadcast from the last one,
+rank 0's objects with ``broadcast_object_list``.
 
 ``tensor_parallel`` / ``pipeline_parallel``: a ``torch.distributed`` process group (the default
 group: ``torch.distributed.group.WORLD``) or a 1-D ``DeviceMesh`` (its group). Gloo on CPU,
@@ -74,6 +75,15 @@ class TorchEngine(Engine):
             logits = logits.contiguous()
         self.dist.broadcast(logits, group=self.pp, group_src=self.pp_size - 1)
         return logits
+
+    def broadcast_object(self, obj: Any) -> Any:
+        box = [obj]
+        # stage 0's TP group from its rank 0, then each pipeline from its stage 0 (the other
+        # stages' TP broadcasts carry what their ranks 0 held, then overwritten)
+        for group in (self.tp, self.pp):
+            if group is not None and group.size() > 1:
+                self.dist.broadcast_object_list(box, group=group, group_src=0)
+        return box[0]
 
 
 def make_engine(tensor_parallel: Any, pipeline_parallel: Any) -> TorchEngine:

@@ -15,9 +15,10 @@ import asyncio
 import contextlib
 import json
 import math
+import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -93,6 +94,7 @@ def create_app(
     default_max_tokens: int = 512,
     allowed_hosts: Sequence[str] = (),
     allowed_origins: Sequence[str] = (),
+    broadcast: Callable[[Any], Any] | None = None,
 ) -> Starlette:
     """The server as an ASGI app (run it with uvicorn, or mount it in another app).
 
@@ -125,6 +127,11 @@ def create_app(
         Web page origins (``http://localhost:3000``) that may call the server (CORS, their
         preflights answered); a request with another ``Origin`` header gets 403. Default:
         none (CORS off).
+    broadcast : callable, optional
+        Rank 0's of a model split over processes: each step's events go to the other ranks
+        through it, whose engines run :meth:`~portable_llm.serve.engine.Engine.follow` (see
+        :class:`~portable_llm.serve.engine.Engine`; ``portable-llm serve --tensor-parallel``
+        wires both).
 
     The engine thread starts with the app's lifespan (or at the first request when the app is
     mounted without one) and stops at its end; ``app.state.engine`` is the
@@ -139,7 +146,7 @@ def create_app(
     origins = normalize_origins(allowed_origins)
     engine = Engine(
         model, max_batch=max_batch, prefill_chunk=prefill_chunk, pool_pages=pool_pages,
-        page_size=page_size, prefix_cache=prefix_cache,
+        page_size=page_size, prefix_cache=prefix_cache, broadcast=broadcast,
     )  # fmt: skip
     served = _Served(
         engine, model_name, frozenset((model_name, *aliases)), api_key, max_queue,
@@ -411,11 +418,13 @@ def _job(served: _Served, s: Sampling, prompt: list[int]) -> Job:
     if s.top_k is not None and s.top_k > vocab:
         raise APIError(f"top_k: must be <= {vocab} (the vocabulary)", param="top_k")
     sampler = None
-    if s.temperature > 0:
-        sampler = make_sampler(
-            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, seed=s.seed
-        )
-    job = Job(prompt, max_tokens, sampler, s.top_logprobs)
+    sampling: dict[str, Any] | None = None  # make_sampler's keywords
+    if s.temperature > 0:  # a seed drawn for an unseeded request: every rank draws alike
+        seed = s.seed if s.seed is not None else secrets.randbits(63)
+        sampling = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
+                    "min_p": s.min_p, "seed": seed}  # fmt: skip
+        sampler = make_sampler(**sampling)
+    job = Job(prompt, max_tokens, sampler, s.top_logprobs, sampling=sampling)
     _sampling_fields(s, job, vocab, served.engine.generator.model.eos_token_ids)
     return job
 

@@ -7,6 +7,13 @@ joins the batch at the next step), steps the generator while it has work, and po
 events back to its loop with ``call_soon_threadsafe``. Only that thread touches the generator,
 its pools and its prefix cache; the handlers read :meth:`Engine.health`, a snapshot the thread
 refreshes after every step.
+
+A model split over processes (torchrun or mlx.launch ranks) steps in lockstep: its forward is
+a collective. Rank 0's engine (``broadcast=``) sends, before each step, the events it applied
+since the last one (the requests it added, with their sampler's keywords and a drawn seed; the
+sequences it cancelled), whether it steps, and at the end that it stopped; every other rank's
+engine runs :meth:`Engine.follow`, which applies the same events to its own generator and steps
+when rank 0 does, so every rank steps the same batch and draws the same tokens.
 """
 
 from __future__ import annotations
@@ -23,10 +30,14 @@ import numpy as np
 
 from portable_llm.core.arrays import to_numpy
 from portable_llm.generation.batch import BatchGenerator, Request
-from portable_llm.generation.sampler import Sampler
+from portable_llm.generation.sampler import Sampler, make_sampler
 from portable_llm.ops.sampling import greedy, log_softmax
 
-__all__ = ["Engine", "EngineObserver", "Job", "TokenEvent"]
+__all__ = ["HEARTBEAT", "Engine", "EngineObserver", "Job", "TokenEvent"]
+
+#: Seconds between the messages rank 0's engine sends to the other ranks while nothing runs (a
+#: collective that waits longer may fail: torch's gloo gives up after 30 minutes).
+HEARTBEAT = 60.0
 
 
 @dataclass
@@ -55,6 +66,9 @@ class Job:
     n: int = 1  # sequences from the prompt (prefilled once): the choices
     options: dict[str, Any] = field(default_factory=dict)  # Request's penalties, min_tokens
     response_format: Any = None  # a Grammar: constrained decoding (serve.tools)
+    # make_sampler's keywords of ``sampler``, the seed drawn: what the other ranks of a model
+    # split over processes rebuild it from (None: greedy)
+    sampling: dict[str, Any] | None = None
     loop: asyncio.AbstractEventLoop | None = None
     queue: asyncio.Queue[tuple[str, Any]] = field(default_factory=asyncio.Queue)
     rid: int = -1
@@ -111,6 +125,19 @@ def _logprob_sampler(job: Job, to_np: Callable[[Any], np.ndarray]) -> Sampler:
     return sampler
 
 
+def _request_of(spec: dict[str, Any]) -> Request | None:
+    """The :class:`Request` of an ``add`` event (the other ranks'): its sampler rebuilt from
+    ``sampling`` (``make_sampler``'s keywords, the seed rank 0 drew); ``None`` when it does not
+    build (rank 0 built it)."""
+    options = dict(spec)
+    sampling = options.pop("sampling")
+    try:
+        sampler = None if sampling is None else make_sampler(**sampling)
+        return Request(sampler=sampler, **options)
+    except (ValueError, TypeError):
+        return None
+
+
 class EngineObserver(Protocol):
     """What the engine thread tells about its jobs (times from ``time.perf_counter``), before
     the job's client may see it: :class:`~portable_llm.serve.metrics.ServeMetrics` listens."""
@@ -136,6 +163,11 @@ class Engine:
         As for :class:`~portable_llm.generation.batch.BatchGenerator`.
     prefix_cache : bool
         Reuse the pages of earlier prompts (default ``True``).
+    broadcast : callable, optional
+        For a model split over processes: ``broadcast(message)`` returns rank 0's message on
+        every rank (a collective, e.g. :meth:`portable_llm.partition.Engine.broadcast_object`).
+        Rank 0's engine sends its events through it; the other ranks' engines, made with the
+        same options, run :meth:`follow`.
 
     Attributes
     ----------
@@ -158,6 +190,7 @@ class Engine:
         pool_pages: int | None = None,
         page_size: int = 16,
         prefix_cache: bool = True,
+        broadcast: Callable[[Any], Any] | None = None,
     ) -> None:
         self.model = model
         self.generator = BatchGenerator(
@@ -179,6 +212,9 @@ class Engine:
         self.observer: EngineObserver | None = None  # told of each job's progress (/metrics)
         self._health: dict[str, Any] = {}
         self._counted = 0.0  # when the idle cached pages were last counted
+        self._broadcast = broadcast
+        self._events: list[tuple[Any, ...]] = []  # applied since the last message (rank 0)
+        self._released = broadcast is None  # the other ranks were told to stop
         self._snapshot()
 
     # -- the handlers' side ---------------------------------------------------------------------
@@ -199,7 +235,10 @@ class Engine:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+            if self._thread.is_alive():  # still in a step: it tells the other ranks itself
+                return
             self._thread = None
+        self._release()  # a thread never started (or gone): the other ranks stop too
 
     @property
     def queue_depth(self) -> int:
@@ -269,10 +308,12 @@ class Engine:
 
     def _run(self) -> None:
         gen = self.generator
+        beat = None if self._broadcast is None else HEARTBEAT  # idle: tell the other ranks
         while True:
             with self._cond:
                 while not (self._stop or self._inbox or self._cancels or gen.has_work):
-                    self._cond.wait()
+                    if not self._cond.wait(beat):
+                        break
                 if self._stop:
                     break
                 adds, self._inbox = self._inbox, []
@@ -284,24 +325,89 @@ class Engine:
                     if self._drop(job):  # the job's last sequence went
                         self.cancelled += 1
                         self._ended(job, job.finish_reason or "abort")
-                if gen.has_work:
+                step = gen.has_work
+                self._publish(step=step)
+                if step:
                     self._step()
             except Exception as exc:  # a bug of ours: fail the requests, keep serving
                 self._fail_all(f"internal error: {type(exc).__name__}: {str(exc)[:500]}")
             with self._cond:
                 self._snapshot()
         self._fail_all("the server is shutting down")
+        self._release()
+
+    # -- the other ranks of a model split over processes ----------------------------------------
+    def _publish(self, *, step: bool, stop: bool = False) -> None:
+        """Rank 0: send the events applied since the last message, and whether it steps now
+        (or stops), to the other ranks (nothing without ``broadcast``)."""
+        if self._broadcast is None:
+            return
+        events, self._events = self._events, []
+        self._broadcast((events, step, stop))
+
+    def _release(self) -> None:
+        """Rank 0: tell the other ranks to stop (once; they may be gone already)."""
+        if self._released:
+            return
+        self._released = True
+        with contextlib.suppress(Exception):
+            self._publish(step=False, stop=True)
+
+    def _cancel(self, rid: int) -> None:
+        """Cancel sequence ``rid`` in the generator, and on the other ranks before their next
+        step."""
+        if self._broadcast is not None:
+            self._events.append(("cancel", rid))
+        self.generator.cancel(rid)
+
+    def follow(self) -> None:
+        """Run a rank other than 0 of a model split over processes: apply rank 0's events to
+        this rank's generator, step when rank 0 steps, until rank 0 stops (its engine's close,
+        or the end of its thread). Runs in the calling thread; a failed step is rank 0's too
+        (same batch, same logits), so its requests go as they went there.
+
+        Raises
+        ------
+        RuntimeError
+            Without ``broadcast``, or when this rank's generator gave a request another id than
+            rank 0's did (the ranks no longer hold the same batch).
+        """
+        if self._broadcast is None:
+            raise RuntimeError("Engine.follow: needs broadcast= (rank 0's messages)")
+        gen = self.generator
+        while True:
+            events, step, stop = self._broadcast(None)
+            for kind, rid, *spec in events:
+                if kind == "cancel":
+                    gen.cancel(rid)
+                    continue
+                got = _request_of(spec[0])
+                if got is None or gen.add(got) != rid:
+                    raise RuntimeError(
+                        f"Engine.follow: rank 0 added request {rid}, which this rank could not "
+                        "add as the same id: the ranks no longer step the same batch"
+                    )
+            if stop:
+                return
+            if step:
+                with contextlib.suppress(Exception):  # rank 0 failed it alike
+                    gen.step()
 
     def _add(self, job: Job) -> None:
         sampler = job.sampler
         if job.top_logprobs is not None:
             sampler = _logprob_sampler(job, self._to_np)
+        spec = {
+            "prompt_ids": job.prompt, "max_new_tokens": job.max_tokens, "stop": job.stop,
+            "response_format": job.response_format, "n": job.n, **job.options,
+        }  # fmt: skip
         try:
-            request = Request(
-                job.prompt, job.max_tokens, sampler, job.stop, response_format=job.response_format,
-                n=job.n, **job.options,
-            )  # fmt: skip
-            job.rid = self.generator.add(request)
+            if self._broadcast is not None and job.sampler is not None and job.sampling is None:
+                raise ValueError(
+                    "a model split over processes needs the sampler's keywords (Job.sampling) "
+                    "to draw the same tokens on every rank"
+                )
+            job.rid = self.generator.add(Request(sampler=sampler, **spec))
             job.left = job.n
         except (ValueError, TypeError) as exc:
             with self._cond:
@@ -311,13 +417,15 @@ class Engine:
             return
         for i in range(job.n):
             self._jobs[job.rid + i] = job
+        if self._broadcast is not None:
+            self._events.append(("add", job.rid, {**spec, "sampling": job.sampling}))
 
     def _drop(self, job: Job) -> bool:
         """Cancel the sequences of ``job`` in ``job.dropping`` still running; whether that
         ended the job (none of its sequences runs any more)."""
         rids = [job.rid + i for i in sorted(job.dropping) if self._jobs.get(job.rid + i) is job]
         for rid in rids:
-            self.generator.cancel(rid)
+            self._cancel(rid)
             del self._jobs[rid]
         job.left -= len(rids)
         if not rids or job.left:
@@ -379,7 +487,7 @@ class Engine:
             self._ended(job, "error")
         for rid in list(self._jobs):
             with contextlib.suppress(Exception):  # the generator may be what failed
-                self.generator.cancel(rid)
+                self._cancel(rid)
         self._jobs.clear()
         with self._cond:
             for job in self._inbox:
