@@ -6,10 +6,11 @@ The lockstep is checked in this process first: rank 0's engine (the app's, drive
 runs :meth:`~portable_llm.serve.engine.Engine.follow`; both record every token they draw, and
 they must be the same, step by step, for greedy, sampled (seeded or not), ``n`` > 1,
 penalized, constrained and cancelled requests. Then the real thing, in processes of their own
-with bounded time: ``portable-llm serve --tensor-parallel 2`` as 2 torch ranks over gloo, and
-``--tensor-parallel 2 --pipeline-parallel 2`` on a JAX mesh of 4 host devices; each answers
-token for token as the one-device server of its backend does at temperature 0, and every rank
-exits when rank 0 stops.
+with bounded time: ``portable-llm serve --tensor-parallel 2`` (and ``--pipeline-parallel 2``)
+as 2 torch ranks over gloo and as 2 MLX ranks over its ring, and ``--tensor-parallel 4`` (and
+``--tensor-parallel 2 --pipeline-parallel 2``, slow) on a JAX mesh of 4 host devices; each
+answers token for token as the one-device server of its backend does at temperature 0, and
+every rank exits when rank 0 stops.
 """
 
 from __future__ import annotations
@@ -78,16 +79,22 @@ def _recorded(engine: Engine) -> list[list[tuple[int, int, str | None]]]:
 
 
 @pytest.mark.skipif(bool(skip_reason("numpy")), reason=str(skip_reason("numpy")))
-def test_a_follower_draws_the_tokens_of_rank_0(tmp_path: Path) -> None:
+def test_a_follower_draws_the_tokens_of_rank_0(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The messages carry everything a request's tokens depend on: a follower steps the same
     batch and draws the same tokens as rank 0, unseeded sampling included (rank 0 draws the
-    seed), and returns when rank 0 stops."""
+    seed); rank 0 speaks every ``HEARTBEAT`` s while idle, and the follower returns when rank 0
+    stops."""
+    monkeypatch.setattr("portable_llm.serve.engine.HEARTBEAT", 0.05)
     folder = _folder(tmp_path)
     lead, other = (pl.load(folder, backend="numpy", dtype="float32") for _ in range(2))
     wire: queue.Queue[bytes] = queue.Queue()
+    sent: list[tuple[Any, bool, bool]] = []
 
     def send(message: Any) -> Any:  # rank 0: the message as the other ranks get it
         wire.put(pickle.dumps(message))
+        sent.append(message)
         return message
 
     def receive(message: Any) -> Any:
@@ -123,10 +130,12 @@ def test_a_follower_draws_the_tokens_of_rank_0(tmp_path: Path) -> None:
                 pool.map(lambda r: client.completions.create(model="tiny", **r), requests)
             )
         assert answers[4].choices[0].finish_reason == "stop"  # cancelled by its stop string
-        thread.join(0.1)
+        time.sleep(0.3)  # idle
         assert thread.is_alive()  # still following while rank 0 serves
     thread.join(30)  # rank 0's server stopped: so does the follower
     assert not thread.is_alive()
+    assert sent[-1] == ([], False, True)  # the stop
+    assert sent[-3:-1] == [([], False, False)] * 2  # idle: heartbeats, nothing to do
     assert len(ours) > 1 and sum(len(step) > 1 for step in ours) > 1  # batched steps
     assert theirs == ours
     assert answers[2].choices[0].text != answers[2].choices[1].text  # the draws are random
