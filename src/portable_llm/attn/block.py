@@ -19,7 +19,7 @@ from portable_llm.attn.kv_glue import block_kv_mask, block_offset
 from portable_llm.attn.padding import nonnegative, row_offsets
 from portable_llm.attn.sdpa import OP as SDPA
 from portable_llm.attn.sdpa import empty, sdpa_args
-from portable_llm.attn.sdpa_args import int_option
+from portable_llm.attn.sdpa_args import check_sinks, int_option
 from portable_llm.attn.temperature import temperature_body
 from portable_llm.backends import resolve
 from portable_llm.core.arrays import to_numpy
@@ -239,13 +239,7 @@ def attention(
                 raise ValueError(
                     f"{OP}: {name} must have shape ({D},) (head_dim), got {tuple(nw.shape)}"
                 )
-    if sinks is not None:
-        check_float(OP, "sinks", sinks, be)
-        if tuple(sinks.shape) != (h,):
-            raise ValueError(
-                f"{OP}: sinks must have shape ({h},) (one logit per head, num_heads={h}), got "
-                f"{tuple(sinks.shape)}"
-            )
+    sinks = None if sinks is None else check_sinks(OP, be, sinks, x, h, f"head, num_heads={h}")
     if not norm_eps >= 0:  # also rejects NaN
         raise ValueError(f"{OP}: norm_eps must be >= 0, got {norm_eps!r}")
     chunk = int_option(OP, "chunk", chunk, low=1, optional=True)
@@ -261,11 +255,11 @@ def attention(
         )
     # One mixed-precision rule (docs/mixed-precision.md): float weights in x's dtype.
     # A QuantizedWeight keeps its own dtype: quantized_linear computes in x's and returns it.
-    wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, sinks = (
+    wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm = (
         w if isinstance(w, QuantizedWeight) else match_weight(OP, name, w, x, be)
         for name, w in (
             ("wq", wq), ("wk", wk), ("wv", wv), ("wo", wo), ("bq", bq), ("bk", bk), ("bv", bv),
-            ("q_norm", q_norm), ("k_norm", k_norm), ("sinks", sinks),
+            ("q_norm", q_norm), ("k_norm", k_norm),
         )
     )  # fmt: skip
     floats = {"wq": wq, "wk": wk, "wv": wv, "wo": wo}

@@ -264,7 +264,9 @@ def paged_attention(
         impl=impl,
     )
     if sinks is not None:  # the eighth array
-        args = (*args, check_sinks(OP, bk, sinks, args[0]))
+        q = args[0]
+        sinks = check_sinks(OP, bk, sinks, q, q.shape[1], f"query head H of q {tuple(q.shape)}")
+        args = (*args, sinks)
     fn = pick(bk, OP, impl, *args, **opts)
     if empty(args[0]):
         return bk.xp.zeros(q.shape, dtype=q.dtype, device=bk.device_of(args[0]))

@@ -210,7 +210,9 @@ def sdpa_args(
     scale = check_sdpa(op, bk, q, k, v, mask, causal=causal, scale=scale)
     if mask is not None and mask.ndim < 2:
         mask = bk.xp.reshape(mask, (1,) * (2 - mask.ndim) + _shape(mask))  # (S,) -> (1, S)
-    arrays = (q, k, v, mask) if sinks is None else (q, k, v, mask, check_sinks(op, bk, sinks, q))
+    if sinks is not None:
+        sinks = check_sinks(op, bk, sinks, q, _shape(q)[-3], f"query head H of q {_shape(q)}")
+    arrays = (q, k, v, mask) if sinks is None else (q, k, v, mask, sinks)
     opts = SdpaOptions(
         scale=scale,
         causal=causal,
@@ -221,13 +223,12 @@ def sdpa_args(
     return arrays, {"opts": opts}
 
 
-def check_sinks(op: str, bk: Backend, sinks: Any, q: Any) -> Any:
-    """``sinks`` ``(H,)`` (one logit per query head of ``q`` ``(B.., H, L, D)``) in q's dtype."""
+def check_sinks(op: str, bk: Backend, sinks: Any, like: Any, heads: int, per: str) -> Any:
+    """The attention sinks ``(heads,)``, one logit per ``per`` (the message's words), in the
+    dtype of ``like`` (the queries or the block's ``x``: the mixed-precision rule)."""
     check_float(op, "sinks", sinks, bk)
-    h = _shape(q)[-3]
-    if _shape(sinks) != (h,):
+    if _shape(sinks) != (heads,):
         raise ValueError(
-            f"{op}: sinks must have shape ({h},) (one logit per query head H of q "
-            f"{_shape(q)}), got {_shape(sinks)}"
+            f"{op}: sinks must have shape ({heads},) (one logit per {per}), got {_shape(sinks)}"
         )
-    return match_weight(op, "sinks", sinks, q, bk)
+    return match_weight(op, "sinks", sinks, like, bk)

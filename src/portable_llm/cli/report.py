@@ -495,8 +495,8 @@ def _moe_grouped_reference(x: Any, w: Any, g: Any, u: Any, d: Any, sg: Any, su: 
 
 
 def _moe_swiglu_call(*arrays: Any, **options: Any) -> Any:
-    swiglu = {"swiglu_limit": _SWIGLU["limit"], "swiglu_alpha": _SWIGLU["alpha"]}
-    return _moe_call(*arrays, **swiglu, **options)
+    return _moe_call(*arrays, swiglu_limit=_SWIGLU["limit"], swiglu_alpha=_SWIGLU["alpha"],
+                     **options)  # fmt: skip
 
 
 def _moe_swiglu_reference(x: Any, w: Any, g: Any, u: Any, d: Any, sg: Any, su: Any, sd: Any,
