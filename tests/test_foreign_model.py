@@ -11,6 +11,7 @@ Each front's greedy tokens are checked against the plain loop below (``model(...
 from __future__ import annotations
 
 import math
+import tracemalloc
 from typing import Any
 
 import numpy as np
@@ -348,3 +349,48 @@ def test_a_tokenizer_with_only_encode_and_decode() -> None:
     other = TinyQwen("numpy", seed=1, tokenizer=CharTokenizer(ALPHABET[::-1]))
     with pytest.raises(ValueError, match="the draft's tokenizer differs from the target's"):
         pl.speculative_generate(model, other, "hello", max_new_tokens=2)
+
+
+class SizedTinyQwen(TinyQwen):
+    vocab_size = V
+
+
+def test_without_vocab_size_every_option_reads_v_from_the_logits() -> None:
+    """Sampling filters, penalties and ``logit_bias`` give the same tokens whether the model
+    states ``V`` or generation reads it from the first logits."""
+    options = dict(
+        max_new_tokens=10, temperature=0.9, top_k=8, seed=3, logit_bias={5: 4.0},
+        frequency_penalty=0.5, stop=(),
+    )  # fmt: skip
+    for prompt in PROMPTS:
+        want = list(pl.generate(SizedTinyQwen("numpy"), prompt, **options))
+        assert list(pl.generate(TinyQwen("numpy"), prompt, **options)) == want
+    request = dict(max_new_tokens=8, presence_penalty=1.0, logit_bias={9: 3.0}, stop=())
+    got = []
+    for model in (SizedTinyQwen("numpy"), TinyQwen("numpy")):
+        gen = pl.BatchGenerator(model)
+        out: dict[int, list[int]] = {gen.add(pl.Request(p, **request)): [] for p in PROMPTS}
+        while gen.has_work:
+            for rid, token, _ in gen.step():
+                out[rid].append(token)
+        got.append(out)
+    assert got[0] == got[1]
+    with pytest.raises(ValueError, match=r"\[0, 64\) \(vocab_size\)"):
+        pl.generate(SizedTinyQwen("numpy"), [V], max_new_tokens=1)
+
+
+def test_logit_bias_without_v_builds_no_row_of_2_31_floats() -> None:
+    """Without ``V``, ``logit_bias`` is checked pair by pair (a dense row of the unknown
+    vocabulary's bound was 8 GiB of float32: ``make_logits_processors(logit_bias=...)``)."""
+    tracemalloc.start()
+    try:
+        processors = pl.make_logits_processors(logit_bias={5: 2.0, "7": -1.5})
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**20
+    logits = np.zeros((1, V), np.float32)
+    (biased,) = [p([[1, 2]], logits) for p in processors]
+    assert biased[0, 5] == 2.0 and biased[0, 7] == -1.5 and np.count_nonzero(biased) == 2
+    with pytest.raises(ValueError, match=r"logit_bias: token id 64 is outside \[0, 64\)"):
+        pl.make_logits_processors(logit_bias={V: 1.0})[0]([[1]], logits)

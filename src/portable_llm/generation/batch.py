@@ -59,7 +59,6 @@ from portable_llm.generation.grammar import Constraint, grammar_engine, grammar_
 from portable_llm.generation.penalties import Penalties, PenaltyRows, Row
 from portable_llm.generation.prompt import prompt_ids, stop_ids
 from portable_llm.generation.protocol import (
-    UNKNOWN_VOCAB,
     BatchDecodingModel,
     LanguageModel,
     PagedLanguageModel,
@@ -283,7 +282,7 @@ class BatchGenerator:
             )
         stops = stop_ids(self.model, request.stop, op=op, ignore_eos=request.ignore_eos)
         penalties = Penalties.check(
-            op, vocab_size=self._V or UNKNOWN_VOCAB, max_new_tokens=new,
+            op, vocab_size=self._V, max_new_tokens=new,
             frequency_penalty=request.frequency_penalty,
             presence_penalty=request.presence_penalty,
             repetition_penalty=request.repetition_penalty, logit_bias=request.logit_bias,

@@ -22,7 +22,6 @@ from portable_llm.generation.grammar import constrained_logits, grammar_engine, 
 from portable_llm.generation.penalties import Penalties
 from portable_llm.generation.prompt import is_text_batch, prompt_ids, sampling_options, stop_ids
 from portable_llm.generation.protocol import (
-    UNKNOWN_VOCAB,
     LanguageModel,
     check_cache_list,
     check_model,
@@ -193,7 +192,7 @@ def generate(
     seed = check_optional_int(OP, "seed", seed, low=0)
     stops = stop_ids(model, stop, op=OP, ignore_eos=ignore_eos)
     p = Penalties.check(
-        OP, vocab_size=V or UNKNOWN_VOCAB, max_new_tokens=max_new_tokens,
+        OP, vocab_size=V, max_new_tokens=max_new_tokens,
         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
         logit_bias=logit_bias, min_tokens=min_tokens,
     )  # fmt: skip

@@ -25,7 +25,7 @@ from portable_llm.ops.penalties import (
     FREQUENCY_PENALTY_RANGE,
     PRESENCE_PENALTY_RANGE,
     apply_penalties,
-    logit_bias_row,
+    logit_bias_items,
 )
 
 __all__ = ["Penalties", "PenaltyProcessor", "PenaltyRows", "Row"]
@@ -62,7 +62,7 @@ class Penalties:
         cls,
         op: str,
         *,
-        vocab_size: int,
+        vocab_size: int | None,
         max_new_tokens: int | None = None,
         frequency_penalty: Any = 0.0,
         presence_penalty: Any = 0.0,
@@ -71,7 +71,8 @@ class Penalties:
         min_tokens: Any = 0,
     ) -> Penalties:
         """The options checked (``TypeError``/``ValueError`` naming the first bad one):
-        penalties in their ranges, ``logit_bias`` keys token ids in ``[0, vocab_size)``,
+        penalties in their ranges, ``logit_bias`` keys token ids in ``[0, vocab_size)``
+        (``>= 0`` for ``None``: the logits' ``V`` bounds them when the rows are built),
         ``min_tokens <= max_new_tokens``."""
         lo, hi = FREQUENCY_PENALTY_RANGE
         frequency = check_real(op, "frequency_penalty", frequency_penalty, low=lo, high=hi)
@@ -83,8 +84,8 @@ class Penalties:
                                     low_open=True)  # fmt: skip
         bias: tuple[tuple[int, float], ...] = ()
         if logit_bias is not None:
-            row = logit_bias_row(logit_bias, vocab_size=vocab_size, op=op)
-            bias = tuple((int(i), float(row[i])) for i in np.flatnonzero(row))
+            pairs = dict(logit_bias_items(logit_bias, vocab_size=vocab_size, op=op))
+            bias = tuple((i, float(np.float32(pairs[i]))) for i in sorted(pairs) if pairs[i])
         least = check_int(op, "min_tokens", min_tokens, low=0, high=max_new_tokens)
         return cls(frequency, presence, repetition, bias, least)
 
@@ -198,6 +199,10 @@ class PenaltyRows:
             np.add.at(counts[b], np.asarray(r.out, np.int64), 1)
             prompt[b, np.asarray(r.prompt, np.int64)] = True
             for token, value in r.penalties.logit_bias:
+                if token >= V:  # a model without vocab_size: checked against its logits here
+                    raise ValueError(
+                        f"logit_bias: token id {token} is outside [0, {V}) (the logits' vocabulary)"
+                    )
                 bias[b, token] = value
             stop = [t for t in r.stops if 0 <= t < V]
             stops[b, stop] = True

@@ -114,7 +114,7 @@ def make_logits_processors(
     op = "make_logits_processors"
     context = check_optional_int(op, "repetition_context_size", repetition_context_size, low=1)
     penalties = Penalties.check(
-        op, vocab_size=2**31 - 1 if vocab_size is None else vocab_size,
+        op, vocab_size=vocab_size,
         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
         repetition_penalty=1.0 if context is not None else repetition_penalty,
         logit_bias=logit_bias, min_tokens=min_tokens,

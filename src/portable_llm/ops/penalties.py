@@ -43,6 +43,7 @@ __all__ = [
     "LOGIT_BIAS_RANGE",
     "PRESENCE_PENALTY_RANGE",
     "apply_penalties",
+    "logit_bias_items",
     "logit_bias_row",
 ]
 
@@ -223,13 +224,26 @@ def logit_bias_row(
     :func:`apply_penalties`, checked: ids in ``[0, vocab_size)`` (ints, or the strings of ints
     that JSON keys are), biases in ``[-100, 100]``."""
     V = check_int(op, "vocab_size", vocab_size, low=1)
+    row = np.zeros(V, np.float32)
+    for token, bias in logit_bias_items(logit_bias, vocab_size=V, op=op):
+        row[token] = bias
+    return row
+
+
+def logit_bias_items(
+    logit_bias: Mapping[Any, Any], /, *, vocab_size: int | None, op: str = "logit_bias"
+) -> list[tuple[int, float]]:
+    """OpenAI's ``logit_bias`` as ``(token id, bias)`` pairs, checked as
+    :func:`logit_bias_row` checks it; ``vocab_size=None``: ids ``>= 0`` (a model that states no
+    vocabulary: its logits bound them later), without a row of ``V`` floats."""
     if not isinstance(logit_bias, Mapping):
         raise TypeError(
             f"{op}: logit_bias must be a mapping of token ids to biases, got "
             f"{type(logit_bias).__name__}"
         )
-    row = np.zeros(V, np.float32)
-    low, high = LOGIT_BIAS_RANGE
+    high = None if vocab_size is None else vocab_size - 1
+    low, top = LOGIT_BIAS_RANGE
+    items = []
     for key, value in logit_bias.items():
         token = key
         if isinstance(key, str):
@@ -237,6 +251,6 @@ def logit_bias_row(
                 token = int(key, 10)
             except ValueError:
                 raise ValueError(f"{op}: logit_bias key {key[:40]!r} is not a token id") from None
-        token = check_int(op, f"logit_bias key {key!r}", token, low=0, high=V - 1)
-        row[token] = check_real(op, f"logit_bias[{key!r}]", value, low=low, high=high)
-    return row
+        token = check_int(op, f"logit_bias key {key!r}", token, low=0, high=high)
+        items.append((token, check_real(op, f"logit_bias[{key!r}]", value, low=low, high=top)))
+    return items
