@@ -14,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import portable_llm as pl
+from conftest import numpy_only
 from portable_llm.attn.sdpa import OP, sdpa_args
 from portable_llm.core.dispatch import dispatcher, pick
 from portable_llm.testing import assert_close, random_array, random_weight, reference
@@ -203,3 +204,24 @@ def test_paged_attention_with_sinks_matches_reference(backend, impl):
         for b, (k64, v64) in enumerate(keys)
     ])  # fmt: skip
     assert_close(out, want, backend=backend, dtype="float32")
+
+
+@numpy_only
+def test_a_registered_kernel_without_sinks_is_never_called_without_them():
+    # A user's kernel written before sinks existed: auto must not run it and drop the sinks.
+    def old_kernel(xp, q, k, v, mask, *, opts):  # no sinks parameter
+        return pl.scaled_dot_product_attention(q, k, v, impl="portable")
+
+    p = {"batch": (1,), "h": 4, "h_kv": 2, "L": 5, "S": 7, "D": 8, "mask": "causal",
+         "window": None, "seed": 4}  # fmt: skip
+    (q, k, v, sinks), _, op, _ = _inputs(p, "float32", "numpy")
+    pl.register_kernel("numpy", OP, old_kernel)
+    try:
+        with pytest.raises(TypeError):
+            pl.scaled_dot_product_attention(q, k, v, sinks=sinks, **op)
+        assert_close(  # without sinks it still runs
+            pl.scaled_dot_product_attention(q, k, v, **op),
+            pl.scaled_dot_product_attention(q, k, v, impl="portable"),
+        )
+    finally:
+        pl.unregister_kernel("numpy", OP)
