@@ -27,6 +27,7 @@ from portable_llm.generation.protocol import (
     RewindingModel,
     SizedVocabularyModel,
 )
+from portable_llm.testing.checkpoints import write_tokenizer
 
 V, E, H, H_KV, D, FFN, LAYERS = 64, 32, 4, 2, 8, 48, 2
 
@@ -75,7 +76,7 @@ class TinyQwen:
 
     eos_token_ids = ()
 
-    def __init__(self, backend: str, seed: int = 0, tokenizer: Any = None) -> None:
+    def __init__(self, backend: str, seed: int = 0, tokenizer: Any = None, vocab: int = V) -> None:
         self.xp: Any = np
         if backend == "mlx":
             import mlx.core as mx
@@ -87,7 +88,7 @@ class TinyQwen:
         def w(*shape: int) -> Any:
             return self.asarray((rng.standard_normal(shape) / math.sqrt(shape[0])).astype(dtype))
 
-        self.embed, self.head = w(V, E) * math.sqrt(E), w(E, V) * 4  # untied: no echo
+        self.embed, self.head = w(vocab, E) * math.sqrt(E), w(E, vocab) * 4  # untied: no echo
         self.layers = [
             {"q": w(E, H * D), "k": w(E, H_KV * D), "v": w(E, H_KV * D), "o": w(H * D, E),
              "gate": w(E, FFN), "up": w(E, FFN), "down": w(FFN, E)}
@@ -394,3 +395,24 @@ def test_logit_bias_without_v_builds_no_row_of_2_31_floats() -> None:
     assert biased[0, 5] == 2.0 and biased[0, 7] == -1.5 and np.count_nonzero(biased) == 2
     with pytest.raises(ValueError, match=r"logit_bias: token id 64 is outside \[0, 64\)"):
         pl.make_logits_processors(logit_bias={V: 1.0})[0]([[1]], logits)
+
+
+def test_a_tokenizers_library_tokenizer_as_it_is(tmp_path: Any) -> None:
+    """A ``tokenizers.Tokenizer`` (``encode`` gives an ``Encoding``) gives the text a
+    ``pl.Tokenizer`` of the same file gives; the pair check compares their vocabularies."""
+    raw = write_tokenizer(tmp_path, vocab_size=300)
+    ours = pl.Tokenizer(raw)
+    prompt = "the cat sat"
+    for tok in (raw, ours):
+        model = TinyQwen("numpy", tokenizer=tok, vocab=300)
+        want = ours.decode(plain_greedy(model, ours.encode_prompt(prompt), 12))
+        assert "".join(pl.generate(model, prompt, max_new_tokens=12, stop=())) == want
+    target = TinyQwen("numpy", tokenizer=raw, vocab=300)  # the two libraries' vocabularies
+    draft = TinyQwen("numpy", seed=1, tokenizer=ours, vocab=300)
+    gen = pl.speculative_generate(target, draft, prompt, max_new_tokens=12, stop=())
+    assert "".join(gen) == want
+    other = write_tokenizer(tmp_path / "other", vocab_size=280)
+    with pytest.raises(ValueError, match=r"draft's tokenizer differs .* first differences"):
+        pl.speculative_generate(
+            target, TinyQwen("numpy", tokenizer=other, vocab=300), prompt, max_new_tokens=2
+        )
