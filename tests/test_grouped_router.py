@@ -170,3 +170,18 @@ def test_grouped_route_rejects_bad_input(change, error, match):
           "e_score_correction_bias": np.zeros(X, np.float32), **change}  # fmt: skip
     with pytest.raises(error, match=match):
         pl.route(x, np.zeros((X, E), np.float32), **kw)
+
+
+def test_quantized_experts_keep_the_grouped_and_swiglu_options(backend):
+    # moe dequantizes quantized experts and calls itself: every option of the new routers and
+    # the clamped SwiGLU must reach that call (the same result as the dequantized weights).
+    arrays, _ = _inputs(5, "float32", backend, (2, 3), bias=True)
+    gate, up = (random_weight(30 + j, (X, 16, E), "float32", backend=backend)[0] for j in (0, 1))
+    down = random_weight(32, (X, E, 16), "float32", backend=backend)[0]
+    quantized = [gate, up, pl.quantize(down, bits=8, group_size=16)]  # one quantized: enough
+    kw = {"top_k": 3, "router": "grouped", "n_group": 4, "topk_group": 2,
+          "e_score_correction_bias": arrays[2], "routed_scaling_factor": 2.5,
+          "norm_topk_prob": True, "swiglu_limit": 0.5, "swiglu_alpha": 1.2}  # fmt: skip
+    got = pl.moe(arrays[0], arrays[1], *quantized, **kw)
+    want = pl.moe(arrays[0], arrays[1], gate, up, pl.dequantize(quantized[2]), **kw)
+    assert_close(got, want, backend=backend)
