@@ -282,3 +282,28 @@ def test_a_request_sampler_returning_a_string(llama: object) -> None:
         while gen.has_work:
             gen.step()
     assert all(pool.num_free == pool.num_pages for pool in gen.pools)
+
+
+@numpy_only
+@pytest.mark.parametrize("drawn", [-5, -(2**40), 300])
+def test_a_sampler_drawing_outside_the_vocabulary_is_named(llama: object, drawn: int) -> None:
+    """A sampler's id outside ``[0, V)`` is named as drawn, by generate_step and BatchGenerator
+    alike; only ``-1`` (the mark of :func:`~portable_llm.sample` for a row with no
+    distribution) is reported as NaN logits (a negative id was reported so)."""
+    model = pl.load(llama, backend="numpy", dtype="float32")
+    V = model.vocab_size
+    assert drawn < 0 or drawn >= V
+
+    def sampler(logits: Any) -> Any:
+        return np.full((logits.shape[0],), drawn, dtype=np.int64)
+
+    with pytest.raises(ValueError, match=rf"sampler of step 0 drew {drawn}, outside \[0, {V}\)"):
+        next(pl.generate_step(model, PROMPT, sampler=sampler))
+    gen = pl.BatchGenerator(model, page_size=4)
+    gen.add(pl.Request(PROMPT, 3, sampler=sampler, stop=()))
+    with pytest.raises(ValueError, match=rf"sampler of request 0 drew {drawn}, outside \[0, {V}\)"):
+        while gen.has_work:
+            gen.step()
+    mark = lambda logits: np.full((logits.shape[0],), -1, dtype=np.int64)  # noqa: E731
+    with pytest.raises(ValueError, match="are NaN or all -inf"):
+        next(pl.generate_step(model, PROMPT, sampler=mark))

@@ -650,13 +650,13 @@ class BatchGenerator:
                         f"for logits of shape (1, {V}), got {drawn.dtype} with {drawn.size} values"
                     )
                 token = int(drawn[0])
-            if token < 0:  # sample's mark for a row with no distribution
+            if token == -1:  # sample's mark for a row with no distribution
                 raise ValueError(
                     f"{OP}: the logits of request {seq.rid} after "
                     f"{seq.prefilled + seq.generated} tokens are NaN or all -inf; the weights or "
                     "the dtype overflowed"
                 )
-            if token >= V:
+            if not 0 <= token < V:  # any other id outside the vocabulary: drawn so
                 raise ValueError(
                     f"{OP}: the sampler of request {seq.rid} drew {token}, outside [0, {V}) "
                     "(vocab_size)"

@@ -234,16 +234,17 @@ class Decode:
             self._next, self._unfed = queued, None
         chosen = bk.to_numpy(ids).reshape(-1).tolist()  # (B,): the step's host read
         # No distribution: greedy's row maximum is NaN or -inf; a sampler marks the row -1.
-        if not (bk.to_numpy(top) > -math.inf).all() if top is not None else min(chosen) < 0:
+        if not (bk.to_numpy(top) > -math.inf).all() if top is not None else -1 in chosen:
             raise ValueError(
                 f"generate: the logits of step {self.step} (after "
                 f"{self.host.shape[1] + self.step} tokens) are NaN or all -inf; the weights or "
                 "the dtype overflowed"
             )
-        if self.vocab is not None and max(chosen) >= self.vocab:
+        low, high = min(chosen), max(chosen)  # any other id outside the vocabulary: drawn so
+        if low < 0 or (self.vocab is not None and high >= self.vocab):
             raise ValueError(
-                f"generate: the sampler of step {self.step} drew {max(chosen)}, outside [0, "
-                f"{self.vocab}) (vocab_size)"
+                f"generate: the sampler of step {self.step} drew {low if low < 0 else high}, "
+                f"outside [0, {'V' if self.vocab is None else self.vocab}) (vocab_size)"
             )
         if self.processors:
             for row, t in zip(self.tokens, chosen, strict=True):
