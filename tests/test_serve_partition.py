@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from conftest import skip_reason
@@ -40,9 +41,16 @@ openai = pytest.importorskip("openai", reason="the openai client is not installe
 httpx = pytest.importorskip("httpx2", reason="the openai client's HTTP library")
 
 import portable_llm as pl  # noqa: E402
+from portable_llm.partition import Engine as PartitionEngine  # noqa: E402
+from portable_llm.partition.engine import HEAD_BYTES  # noqa: E402
 from portable_llm.serve import create_app  # noqa: E402
 from portable_llm.serve.engine import Engine  # noqa: E402
-from portable_llm.testing.checkpoints import tiny_config, write_checkpoint, write_tokenizer  # noqa: E402
+from portable_llm.testing.checkpoints import (  # noqa: E402
+    SENTENCES,
+    tiny_config,
+    write_checkpoint,
+    write_tokenizer,
+)
 from portable_llm.testing.partition import free_port  # noqa: E402
 from servers import serving  # noqa: E402
 
@@ -143,7 +151,8 @@ def test_a_follower_draws_the_tokens_of_rank_0(
 
 def _answers(url: str, which: range = range(5)) -> list[str]:
     """The texts of a few greedy requests sent at once (``which`` of: chat whole and streamed,
-    three completions), then of an unseeded sampled one (its text is random; the ranks must
+    three completions, the last of a prompt whose message to the other ranks takes a second
+    collective), then of an unseeded sampled one (its text is random; the ranks must
     keep step)."""
     chat = [{"role": "user", "content": "What does the cache keep?"}]
 
@@ -159,7 +168,7 @@ def _answers(url: str, which: range = range(5)) -> list[str]:
                     model="m", messages=chat, max_tokens=8, temperature=0, stream=True
                 )
                 return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-            prompts = ["Rotary embeddings turn", "Each page holds", "The keys"]
+            prompts = ["Rotary embeddings turn", "Each page holds", " ".join(SENTENCES * 2)]
             c = client.completions.create(
                 model="m", prompt=prompts[i - 2], max_tokens=6 + i, temperature=0
             )
@@ -305,3 +314,54 @@ def test_a_split_needs_a_backend_with_collectives(capsys: pytest.CaptureFixture[
     assert main(["serve", "m", "--backend", "numpy", "--tensor-parallel", "2"]) == 1
     err = capsys.readouterr().err
     assert "need a backend with collectives (jax, torch, mlx); got 'numpy'" in err
+
+
+class _Ranks(PartitionEngine):
+    """Rank ``rank`` of a TP pair whose broadcast is a list: rank 0 appends, rank 1 takes."""
+
+    def __init__(self, rank: int, wire: list[np.ndarray]) -> None:
+        class Group:
+            def size(self) -> int:
+                return 2
+
+            def rank(self) -> int:
+                return rank
+
+        self.bind_groups(Group(), None)
+        self.wire = wire
+
+    def broadcast_bytes(self, group: Any, data: np.ndarray) -> np.ndarray:
+        if group.rank() == 0:
+            self.wire.append(data.copy())
+            return data
+        sent = self.wire.pop(0)
+        assert sent.shape == data.shape and sent.dtype == data.dtype == np.uint8
+        return sent
+
+
+def _boundary(extra: int) -> bytes:
+    """Bytes whose pickle fills the head (8 bytes of length, then the pickle) and ``extra``."""
+    overhead = len(pickle.dumps(b"x" * 600)) - 600
+    return b"x" * (HEAD_BYTES - 8 - overhead + extra)
+
+
+@pytest.mark.parametrize(
+    ("message", "collectives"),
+    [
+        pytest.param(([], True, False), 1, id="a step"),
+        pytest.param(([("add", 7, {"prompt_ids": list(range(2000))})], True, False), 2,
+                     id="a long prompt"),
+        pytest.param(_boundary(0), 1, id="a full head"),
+        pytest.param(_boundary(1), 2, id="one byte more"),
+    ],
+)  # fmt: skip
+def test_broadcast_object_sends_a_short_message_in_one_collective(
+    message: Any, collectives: int
+) -> None:
+    """The framing of ``Engine.broadcast_object`` (over any engine's byte broadcast): the
+    object arrives whole, in one collective when it fits in ``HEAD_BYTES``, else two."""
+    wire: list[np.ndarray] = []
+    assert _Ranks(0, wire).broadcast_object(message) == message
+    assert len(wire) == collectives
+    assert _Ranks(1, wire).broadcast_object(None) == message
+    assert wire == []

@@ -14,6 +14,7 @@ objects sent to the others (:meth:`Engine.broadcast_object`).
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable
 from importlib import import_module
 from typing import Any, NamedTuple
@@ -23,7 +24,19 @@ import numpy as np
 from portable_llm.decoder.config import DecoderConfig
 from portable_llm.partition.plan import PartitionPlan, plan_partition
 
-__all__ = ["ENGINES", "Engine", "QuantizedSlice", "Reader", "engine_for", "launch_groups"]
+__all__ = [
+    "ENGINES",
+    "HEAD_BYTES",
+    "Engine",
+    "QuantizedSlice",
+    "Reader",
+    "engine_for",
+    "launch_groups",
+]
+
+#: The first collective of :meth:`Engine.broadcast_object` carries this many bytes: the server's
+#: message of a decode step fits (one collective per step), a longer one takes a second.
+HEAD_BYTES = 1024
 
 #: The backends that partition a model, and the module of each one's engine.
 ENGINES = {
@@ -63,6 +76,8 @@ class Engine:
     of a process that runs its own ranks (torch, MLX).
     """
 
+    tp: Any = None  # the groups of a process per rank (bind_groups); None: not split so
+    pp: Any = None
     tp_size: int = 1
     tp_rank: int = 0
     pp_size: int = 1
@@ -129,8 +144,34 @@ class Engine:
         """Rank 0's ``obj`` (TP rank 0 of stage 0; any picklable object) on every rank of the
         model: what keeps ranks that make their own decisions in step (the server's events,
         docs/serve.md). A collective: every rank calls it, in the same order; the other ranks'
-        ``obj`` is ignored. Where one process drives every rank (JAX), ``obj`` itself."""
+        ``obj`` is ignored. Where one process drives every rank (JAX), ``obj`` itself.
+
+        Pickled, sent over stage 0's TP group, then along each pipeline from its stage 0 (the
+        other stages' TP groups carry what their rank 0 held, then overwritten), each time as
+        :data:`HEAD_BYTES` bytes (the length, then the first bytes: one collective for a short
+        message) and, for a longer one, the rest (:meth:`broadcast_bytes`)."""
+        for group in (self.tp, self.pp):
+            if self.single_controller or group is None or group.size() == 1:
+                continue
+            data = pickle.dumps(obj) if group.rank() == 0 else b""
+            head = np.zeros(HEAD_BYTES, np.uint8)
+            head[: min(len(data) + 8, HEAD_BYTES)] = np.frombuffer(
+                len(data).to_bytes(8, "little") + data[: HEAD_BYTES - 8], np.uint8
+            )
+            head = self.broadcast_bytes(group, head)
+            n = int.from_bytes(head[:8].tobytes(), "little")
+            body = head[8 : 8 + n].tobytes()
+            if n > HEAD_BYTES - 8:  # the rest: rank 0's bytes, the others' zeros as room
+                rest = np.frombuffer(data[HEAD_BYTES - 8 :], np.uint8) if data else None
+                room = np.zeros(n - (HEAD_BYTES - 8), np.uint8) if rest is None else rest
+                body += self.broadcast_bytes(group, room).tobytes()
+            obj = pickle.loads(body)  # from rank 0 of this very model
         return obj
+
+    def broadcast_bytes(self, group: Any, data: np.ndarray) -> np.ndarray:
+        """``group``'s rank 0's ``data`` (uint8 ``(N,)``; the same ``N`` on every rank) on every
+        rank of ``group``: the engine's broadcast."""
+        raise NotImplementedError
 
 
 def engine_for(backend: str, tensor_parallel: Any, pipeline_parallel: Any) -> Engine:

@@ -14,7 +14,6 @@ send and recv.
 
 from __future__ import annotations
 
-import pickle
 from typing import Any
 
 import numpy as np
@@ -157,21 +156,12 @@ class MlxEngine(Engine):
             logits = mx.zeros(shape, dtype=like.dtype)
         return self._all_sum(self.pp, logits)
 
-    def broadcast_object(self, obj: Any) -> Any:
-        """As the base class says; MLX has no broadcast: the group's rank 0 pickles ``obj``,
-        and its length, then its bytes, are summed with the others' zeros (stage 0's TP group
-        first, then each pipeline from its stage 0)."""
-        mx = self.mx
-        for group in (self.tp, self.pp):
-            if group is None or group.size() == 1:
-                continue
-            data = pickle.dumps(obj) if group.rank() == 0 else b""
-            n = self._all_sum(group, mx.array([len(data)], dtype=mx.int32))
-            size = int(np.asarray(n)[0])
-            mine = np.frombuffer(data, np.uint8) if data else np.zeros(size, np.uint8)
-            got = self._all_sum(group, mx.array(mine))
-            obj = pickle.loads(np.asarray(got, dtype=np.uint8).tobytes())  # rank 0: trusted
-        return obj
+    def broadcast_bytes(self, group: Any, data: np.ndarray) -> np.ndarray:
+        """MLX has no broadcast: ``data`` summed with the other ranks' zeros."""
+        if group.rank() != 0:
+            data = np.zeros_like(data)
+        got = self._all_sum(group, self.mx.array(data))
+        return np.asarray(got, dtype=np.uint8)
 
 
 def make_engine(tensor_parallel: Any, pipeline_parallel: Any) -> MlxEngine:

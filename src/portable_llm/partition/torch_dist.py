@@ -1,6 +1,7 @@
 """torch.distributed: one process per rank; ``all_reduce`` after ``o_proj`` and ``down_proj``,
 ``send``/``recv`` of the hidden states between stages, the logits broadcast from the last one,
-rank 0's objects with ``broadcast_object_list``.
+rank 0's objects (:meth:`~portable_llm.partition.engine.Engine.broadcast_object`) with
+``broadcast``.
 
 ``tensor_parallel`` / ``pipeline_parallel``: a ``torch.distributed`` process group (the default
 group: ``torch.distributed.group.WORLD``) or a 1-D ``DeviceMesh`` (its group). Gloo on CPU,
@@ -10,6 +11,8 @@ NCCL on CUDA: the collectives are the group's own.
 from __future__ import annotations
 
 from typing import Any
+
+import numpy as np
 
 from portable_llm.partition.engine import Engine
 
@@ -76,14 +79,15 @@ class TorchEngine(Engine):
         self.dist.broadcast(logits, group=self.pp, group_src=self.pp_size - 1)
         return logits
 
-    def broadcast_object(self, obj: Any) -> Any:
-        box = [obj]
-        # stage 0's TP group from its rank 0, then each pipeline from its stage 0 (the other
-        # stages' TP broadcasts carry what their ranks 0 held, then overwritten)
-        for group in (self.tp, self.pp):
-            if group is not None and group.size() > 1:
-                self.dist.broadcast_object_list(box, group=group, group_src=0)
-        return box[0]
+    def broadcast_bytes(self, group: Any, data: np.ndarray) -> np.ndarray:
+        import torch
+
+        device = torch.device("cpu")
+        if self.dist.get_backend(group) == "nccl":  # NCCL moves CUDA tensors only
+            device = torch.device("cuda", torch.cuda.current_device())
+        x = torch.from_numpy(data.copy()).to(device)
+        self.dist.broadcast(x, group=group, group_src=0)
+        return np.asarray(x.cpu().numpy())
 
 
 def make_engine(tensor_parallel: Any, pipeline_parallel: Any) -> TorchEngine:
