@@ -259,6 +259,9 @@ def _rank_envs(engine: str, world: int, folder: Path) -> list[dict[str, str]]:
     return [{**base, "MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile)} for r in range(world)]
 
 
+BOTH = ["--tensor-parallel", "2", "--pipeline-parallel", "2"]
+
+
 @pytest.mark.parametrize(
     ("engine", "flags"),
     [
@@ -266,20 +269,24 @@ def _rank_envs(engine: str, world: int, folder: Path) -> list[dict[str, str]]:
         pytest.param("torch", ["--pipeline-parallel", "2"], id="torch-pp2"),
         pytest.param("mlx", ["--tensor-parallel", "2"], id="mlx-tp2"),
         pytest.param("mlx", ["--pipeline-parallel", "2"], id="mlx-pp2"),  # chunked prefill
+        # 4 ranks: the message goes over stage 0's TP group, then along both pipelines
+        pytest.param("torch", BOTH, id="torch-pp2xtp2", marks=pytest.mark.slow),
+        pytest.param("mlx", BOTH, id="mlx-pp2xtp2", marks=pytest.mark.slow),  # NeighborGroups
     ],
 )  # fmt: skip
-def test_two_ranks_answer_as_one_device(tmp_path: Path, engine: str, flags: list[str]) -> None:
-    """``serve --tensor-parallel 2`` (or ``--pipeline-parallel 2``) as 2 ranks (torch over
-    gloo, MLX over its ring), each started as its launcher starts it: rank 0 answers as one
-    device of the backend, and both exit when it stops."""
+def test_ranks_answer_as_one_device(tmp_path: Path, engine: str, flags: list[str]) -> None:
+    """``serve --tensor-parallel 2`` (or ``--pipeline-parallel 2``, or both on 4 ranks) as
+    ranks of torch over gloo or MLX over its ring, each started as its launcher starts it:
+    rank 0 answers as one device of the backend, and every rank exits when it stops."""
     if skip_reason(engine):
         pytest.skip(str(skip_reason(engine)))
     folder = _folder(tmp_path / "ckpt")
     want = _one_device(folder, engine)
     port = free_port()
-    command = _serve(folder, engine, port, *flags)
-    envs = _rank_envs(engine, 2, tmp_path)
-    with _ranks(tmp_path / "log", [command, command], envs, port) as (url, procs):
+    world = 4 if flags == BOTH else 2
+    commands = [_serve(folder, engine, port, *flags)] * world
+    envs = _rank_envs(engine, world, tmp_path)
+    with _ranks(tmp_path / "log", commands, envs, port) as (url, procs):
         assert _answers(url) == want
         _stop(procs, tmp_path / "log")
 
