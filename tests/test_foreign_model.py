@@ -416,3 +416,26 @@ def test_a_tokenizers_library_tokenizer_as_it_is(tmp_path: Any) -> None:
         pl.speculative_generate(
             target, TinyQwen("numpy", tokenizer=other, vocab=300), prompt, max_new_tokens=2
         )
+
+
+@pytest.mark.parametrize("member", ["release_cache", "materialize", "rewind_cache", "decode_batch"])
+def test_an_optional_member_that_is_not_callable_is_named(member: str) -> None:
+    model = TinyQwen("numpy")
+    setattr(model, member, 5)
+    for front in (
+        lambda: pl.generate(model, [1, 2], max_new_tokens=1),
+        lambda: pl.BatchGenerator(model),
+        lambda: pl.speculative_generate(model, TinyQwen("numpy"), [1, 2], max_new_tokens=1),
+    ):
+        with pytest.raises(TypeError, match=rf"TinyQwen.{member} must be callable, got int"):
+            front()
+
+
+def test_a_draft_of_another_vocabulary_is_refused_at_its_first_logits() -> None:
+    """Neither model states ``vocab_size``: the draft's first logits are checked against the
+    target's ``V``."""
+    target, draft = TinyQwen("numpy"), TinyQwen("numpy", vocab=300)
+    gen = pl.speculative_generate(target, draft, PROMPTS[0], max_new_tokens=4, stop=())
+    with pytest.raises(ValueError, match=r"the draft's vocab_size \(300\) differs from the tar"):
+        list(gen)
+    assert draft.released == draft.made and target.released == target.made  # on failure too
