@@ -471,6 +471,8 @@ def test_create_app_checks_options(
         (["--host", "http://x"], "--host"),
         (["--allowed-hosts", "a.lan,b.lan:80"], "--allowed-hosts"),
         (["--allowed-origins", "http://x.lan/path"], "--allowed-origins"),
+        (["--model-name", ""], "--model-name: model_name must be a non-empty string"),
+        (["--model-name", "a\udcff"], "--model-name: model_name must be a non-empty string"),
     ],
 )
 def test_cli_bad_flag_is_one_line(

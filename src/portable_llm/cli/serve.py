@@ -67,6 +67,12 @@ def _api_key(text: str) -> str:
     return str(check_api_key(text))
 
 
+def _model_name(text: str) -> str:
+    from portable_llm.serve.app import check_model_name
+
+    return check_model_name(text, op="model_name")
+
+
 def _hosts(text: str) -> list[str]:
     from portable_llm.serve.guard import normalize_hosts
 
@@ -101,7 +107,7 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
         help="port (default 8000; 0: a free port, announced at start)",
     )  # fmt: skip
     p.add_argument(
-        "--model-name", default=None, metavar="NAME",
+        "--model-name", type=_flag(_model_name, "model_name"), default=None, metavar="NAME",
         help="the model id clients send and /v1/models lists (default: PATH as given; its "
         "last part is accepted too)",
     )  # fmt: skip

@@ -56,7 +56,7 @@ from portable_llm.serve.tools import (
     template_messages,
 )
 
-__all__ = ["create_app"]
+__all__ = ["check_model_name", "create_app"]
 
 #: The largest request body read (bytes); a larger one gets 413.
 MAX_BODY = 4 << 20
@@ -140,8 +140,7 @@ def create_app(
     api_key = check_api_key(api_key)
     check_int("create_app", "max_queue", max_queue, low=0)
     check_int("create_app", "default_max_tokens", default_max_tokens, low=1)
-    if not isinstance(model_name, str) or not model_name or not _is_text(model_name):
-        raise ValueError(f"create_app: model_name must be a non-empty string, got {model_name!r}")
+    check_model_name(model_name, op="create_app")
     hosts = normalize_hosts(allowed_hosts)
     origins = normalize_origins(allowed_origins)
     engine = Engine(
@@ -361,6 +360,18 @@ async def _read_json(request: Request, limit: int) -> Any:
             "Unicode text", code="invalid_json",
         )  # fmt: skip
     return body
+
+
+def check_model_name(name: Any, /, *, op: str) -> str:
+    """``name`` when it is a model id a client can send (a non-empty string of Unicode text:
+    no lone surrogate, which no JSON body or response can hold), else a ``ValueError`` naming
+    ``model_name`` after ``op``: the rule of :func:`create_app` and of ``serve --model-name``
+    (checked there before the model loads)."""
+    if not isinstance(name, str) or not name or not _is_text(name):
+        raise ValueError(
+            f"{op}: model_name must be a non-empty string of Unicode text, got {name!r:.80}"
+        )
+    return name
 
 
 def _is_text(value: Any) -> bool:
