@@ -222,13 +222,11 @@ def generate(
         stats.finish_reason = "length"
         return Generation(iter(()), stats)
     run = _Run(model, make_sampler(**options, seed=seed), processors, stops, stats, chunk)
-    tokenizer = text_tokenizer(model.tokenizer)
+    tokenizer = text_tokenizer(model.tokenizer)  # not None for text: prompt_ids refused it
     if batch:
-        assert tokenizer is not None
         return Generation(_batch_pieces(run, rows, max_new_tokens, tokenizer), stats)
     tokens = run.tokens(rows[0], max_new_tokens, prompt_cache)
     if text:
-        assert tokenizer is not None
         return Generation(tokenizer.stream(tokens), stats)
     return Generation(tokens, stats)
 

@@ -142,10 +142,8 @@ def speculative_generate(
     stops = stop_ids(model, stop, op=OP)
     max_new_tokens = check_int(OP, "max_new_tokens", max_new_tokens, low=0)
     tokens = run.tokens(ids, max_new_tokens, stops)
-    if text:
-        tokenizer = text_tokenizer(model.tokenizer)
-        assert tokenizer is not None
-        return Generation(tokenizer.stream(tokens), run.stats)
+    if text:  # prompt_ids refused text without a tokenizer
+        return Generation(text_tokenizer(model.tokenizer).stream(tokens), run.stats)
     return Generation(tokens, run.stats)
 
 
