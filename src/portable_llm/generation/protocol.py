@@ -1,5 +1,10 @@
-"""What generation needs from a model: :class:`LanguageModel`, and :class:`PagedLanguageModel`
-for batching over paged caches.
+"""What generation needs from a model: :class:`LanguageModel`; and what it uses where a model
+has it, each member optional with a default: ``vocab_size`` (:class:`SizedVocabularyModel`;
+else ``V`` from the first logits), :class:`ReleasingModel` (caches given back when a request
+ends), :class:`MaterializingModel` (a lazy model computes its prefill chunks itself),
+:class:`RewindingModel` (a course's ``rewind``), :class:`BatchDecodingModel` (batched decode
+over the model's own caches), :class:`DecodeStepModel`, :class:`RecomputingModel`, and
+:class:`PagedLanguageModel` for batching over paged caches.
 
 :func:`~portable_llm.generate`, :func:`~portable_llm.generate_step`,
 :class:`~portable_llm.BatchGenerator` and :func:`~portable_llm.speculative_generate` drive any
