@@ -88,7 +88,7 @@ def test_one_expert_is_the_mlp_of_the_scaled_input(backend):
 @pytest.mark.parametrize(
     ("options", "match"),
     [
-        ({"router": "softplus"}, r"router must be one of \('softmax', 'sigmoid'\)"),
+        ({"router": "softplus"}, r"router must be one of \('softmax', 'sigmoid', 'grouped'\)"),
         ({"router": "sigmoid", "norm_topk_prob": True}, "router=.sigmoid. scores are not renorm"),
     ],
 )
