@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import portable_llm as pl
-from conftest import skip_reason
+from conftest import only_on, skip_reason
 from portable_llm.generation import LanguageModel
 from portable_llm.generation.protocol import (
     BatchDecodingModel,
@@ -31,6 +31,7 @@ from portable_llm.testing.checkpoints import write_tokenizer
 
 V, E, H, H_KV, D, FFN, LAYERS = 64, 32, 4, 2, 8, 48, 2
 
+numpy_only = only_on("numpy")  # checks of generation itself, run once (in the NumPy env)
 BACKENDS = [
     pytest.param(name, marks=pytest.mark.skipif(bool(skip_reason(name)), reason=name))
     for name in ("numpy", "mlx")
@@ -221,6 +222,7 @@ def plain_greedy(model: TinyQwen, prompt: list[int], n: int) -> list[int]:
 PROMPTS = [[3, 14, 15, 9, 26, 5, 35], [8, 9], [7, 9, 3, 2]]
 
 
+@numpy_only
 def test_the_model_follows_the_protocol_without_pl_types() -> None:
     model = TinyQwen("numpy")
     assert isinstance(model, LanguageModel)
@@ -277,6 +279,7 @@ def _draft_forwards(target: TinyQwen, draft: TinyQwen, prompt: list[int], **opti
     return len(draft.calls)
 
 
+@numpy_only
 def test_the_draft_is_lazy_about_stops() -> None:
     """The draft runs only when its proposals can be used: not when the target's first token
     stops or is the last one asked for, and never past a stop token it proposes. The same
@@ -298,6 +301,7 @@ def test_the_draft_is_lazy_about_stops() -> None:
     assert draft.released == draft.made and target.released == target.made
 
 
+@numpy_only
 def test_max_new_tokens_0_returns_nothing_on_every_front() -> None:
     model = TinyQwen("numpy", tokenizer=CharTokenizer(ALPHABET))
     prompt = PROMPTS[0]
@@ -314,6 +318,7 @@ def test_max_new_tokens_0_returns_nothing_on_every_front() -> None:
     assert model.released == model.made
 
 
+@numpy_only
 def test_a_request_takes_tokens_decoded_elsewhere() -> None:
     """``BatchGenerator.feed``: the request's next tokens are the fed ones, then it goes on
     from them as the plain loop does from the prompt plus those tokens."""
@@ -337,6 +342,7 @@ def test_a_request_takes_tokens_decoded_elsewhere() -> None:
         gen.feed(a, [-1])
 
 
+@numpy_only
 def test_a_tokenizer_with_only_encode_and_decode() -> None:
     tok = CharTokenizer(ALPHABET)
     model = TinyQwen("numpy", tokenizer=tok)
@@ -356,6 +362,7 @@ class SizedTinyQwen(TinyQwen):
     vocab_size = V
 
 
+@numpy_only
 def test_without_vocab_size_every_option_reads_v_from_the_logits() -> None:
     """Sampling filters, penalties and ``logit_bias`` give the same tokens whether the model
     states ``V`` or generation reads it from the first logits."""
@@ -380,6 +387,7 @@ def test_without_vocab_size_every_option_reads_v_from_the_logits() -> None:
         pl.generate(SizedTinyQwen("numpy"), [V], max_new_tokens=1)
 
 
+@numpy_only
 def test_logit_bias_without_v_builds_no_row_of_2_31_floats() -> None:
     """Without ``V``, ``logit_bias`` is checked pair by pair (a dense row of the unknown
     vocabulary's bound was 8 GiB of float32: ``make_logits_processors(logit_bias=...)``)."""
@@ -397,6 +405,7 @@ def test_logit_bias_without_v_builds_no_row_of_2_31_floats() -> None:
         pl.make_logits_processors(logit_bias={V: 1.0})[0]([[1]], logits)
 
 
+@numpy_only
 def test_a_tokenizers_library_tokenizer_as_it_is(tmp_path: Any) -> None:
     """A ``tokenizers.Tokenizer`` (``encode`` gives an ``Encoding``) gives the text a
     ``pl.Tokenizer`` of the same file gives; the pair check compares their vocabularies."""
@@ -418,6 +427,7 @@ def test_a_tokenizers_library_tokenizer_as_it_is(tmp_path: Any) -> None:
         )
 
 
+@numpy_only
 @pytest.mark.parametrize("member", ["release_cache", "materialize", "rewind_cache", "decode_batch"])
 def test_an_optional_member_that_is_not_callable_is_named(member: str) -> None:
     model = TinyQwen("numpy")
@@ -431,6 +441,7 @@ def test_an_optional_member_that_is_not_callable_is_named(member: str) -> None:
             front()
 
 
+@numpy_only
 def test_a_draft_of_another_vocabulary_is_refused_at_its_first_logits() -> None:
     """Neither model states ``vocab_size``: the draft's first logits are checked against the
     target's ``V``."""
