@@ -291,6 +291,23 @@ def test_ranks_answer_as_one_device(tmp_path: Path, engine: str, flags: list[str
         _stop(procs, tmp_path / "log")
 
 
+@pytest.mark.skipif(bool(skip_reason("torch")), reason=str(skip_reason("torch")))
+def test_a_rank_gone_stops_the_server(tmp_path: Path) -> None:
+    """When a rank dies, rank 0's next message fails: the request gets an error, and rank 0
+    stops serving and exits with 1, saying why (a launcher then ends the job)."""
+    folder = _folder(tmp_path / "ckpt")
+    port = free_port()
+    commands = [_serve(folder, "torch", port, "--tensor-parallel", "2")] * 2
+    log = tmp_path / "log"
+    with _ranks(log, commands, _rank_envs("torch", 2, tmp_path), port) as (url, procs):
+        procs[1].kill()
+        procs[1].wait()
+        with _client(url) as client, pytest.raises(openai.APIError):
+            client.completions.create(model="m", prompt="Hi", max_tokens=4, temperature=0)
+        assert procs[0].wait(timeout=60) == 1
+    assert "the other ranks cannot be reached" in log.with_suffix(".0").read_text()
+
+
 @pytest.mark.skipif(bool(skip_reason("jax")), reason=str(skip_reason("jax")))
 @pytest.mark.parametrize(
     "flags",

@@ -216,6 +216,10 @@ def run_serve(args: argparse.Namespace) -> int:
     if not server.started:
         print("portable-llm serve: error: the server did not start (see above)", file=sys.stderr)
         return 1
+    if ranks is not None and ranks.failure is not None:
+        print(f"portable-llm serve: error: the other ranks cannot be reached ({ranks.failure}); "
+              "the server stopped", file=sys.stderr)  # fmt: skip
+        return 1
     return 0
 
 
@@ -268,11 +272,14 @@ class _Ranks:
     def __init__(self, broadcast: Callable[[Any], Any]) -> None:
         self.broadcast = broadcast
         self.server: Any = None
+        self.failure: str | None = None  # the first failure, one line
 
     def __call__(self, message: Any) -> Any:
         try:
             return self.broadcast(message)
-        except Exception:
+        except Exception as exc:
+            if self.failure is None and not message[2]:  # not the stop of a server stopping
+                self.failure = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
             if self.server is not None:
                 self.server.should_exit = True
             raise
