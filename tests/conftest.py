@@ -97,16 +97,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """``@pytest.mark.slow_on("jax", ...)``: on those backends the test is a long-running sweep
     (JAX compiles every new shape); it gets the ``slow`` marker there, which the default tox
     envs deselect and the opt-in ``tox -e slow`` runs. On the other backends it runs as usual.
-    Likewise a test parametrized over :data:`SLOW_DTYPES`' dtype on that backend."""
+    ``slow_on("jax", dtypes=("float64",))``: only its runs in those dtypes (the ``dtype``
+    parameter) are slow there. Likewise a test parametrized over :data:`SLOW_DTYPES`' dtype on
+    that backend."""
     for item in items:
         callspec = getattr(item, "callspec", None)
         if callspec is None:
             continue
         name = callspec.params.get("backend")
+        dtype = callspec.params.get("dtype")
         mark = item.get_closest_marker("slow_on")
-        if (mark is not None and name in mark.args) or callspec.params.get(
-            "dtype"
-        ) in SLOW_DTYPES.get(name, ()):
+        if (
+            mark is not None and name in mark.args and dtype in mark.kwargs.get("dtypes", (dtype,))
+        ) or dtype in SLOW_DTYPES.get(name, ()):
             item.add_marker(pytest.mark.slow)
 
 

@@ -23,6 +23,11 @@ X, INTER, E, INTER_SHARED = 4, 12, 8, 6  # X experts, I, E, the shared I; one se
 # JAX compiles each op once per shape.
 TOKENS = st.sampled_from([(1,), (2, 3)])
 TOP_K = st.sampled_from([1, 2, X])
+#: The MoE identities' float64 runs on JAX are slow there (``tox -e slow``): each compiles every
+#: expert path anew, as float32 does, and the float32 run already checks JAX's adapter and
+#: tracing; every other backend's env runs float64 in full, and JAX's float64 still runs the
+#: route and MoE references (test_route_matches_reference, test_unused_experts_are_skipped).
+JAX_FLOAT64_SLOW = pytest.mark.slow_on("jax", dtypes=("float64",))
 
 
 @dataclass
@@ -143,6 +148,7 @@ def test_moe_matches_reference(backend, dtype, tokens, top_k, norm, shared, seed
     assert_close(out, inp.reference(top_k, norm, shared), backend=backend, dtype=dtype)
 
 
+@JAX_FLOAT64_SLOW
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 def test_one_expert_top_1_is_the_dense_mlp(backend, dtype, act):
     inp = _inputs(0, dtype, backend, (2, 3), 1, n_experts=1)
@@ -153,6 +159,7 @@ def test_one_expert_top_1_is_the_dense_mlp(backend, dtype, act):
     assert_close(out, want)
 
 
+@JAX_FLOAT64_SLOW
 @pytest.mark.parametrize("norm", [True, False])
 def test_all_experts_is_the_router_weighted_sum(backend, dtype, norm):
     # top_k = X keeps every expert; the weights are the full softmax (renormalising changes
@@ -217,6 +224,7 @@ def test_the_gather_runs_top_k_rows_per_token_not_x(backend, top_k, monkeypatch)
     assert_close(gathered, inp.call(top_k, True, False, impl="dense"))
 
 
+@JAX_FLOAT64_SLOW
 @pytest.mark.parametrize("impl", ["auto", "dense", "native"])
 @pytest.mark.parametrize("shared", [False, True])
 def test_impls_equal_the_portable_gather(backend, dtype, impl, shared):
@@ -240,6 +248,7 @@ def test_no_tokens(backend):
     assert_close(out, np.zeros((2, 0, E), np.float32), backend=backend)
 
 
+@JAX_FLOAT64_SLOW
 def test_moe_under_jit(backend, dtype):
     if backend != "jax":
         pytest.skip("tracing (jax.jit) is JAX's")

@@ -265,7 +265,9 @@ def launch_jax(folder: str | Path, out: str | Path, cases: list[str], *, dtype: 
     (``batch``: :func:`run_jax`'s)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    # The caller's XLA flags kept (the JAX test env's compile settings), 8 host devices added.
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
+    env = {**os.environ, "XLA_FLAGS": flags.strip()}
     args = ["jax", str(folder), str(out), dtype, str(dequantize), *cases]
     if batch:
         args.append("--batch")
