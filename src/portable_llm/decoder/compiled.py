@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -65,21 +66,33 @@ def _jax_update(bk: Backend) -> Callable[..., Any]:
 
 
 class _MlxProgram:
-    """An ``mx.compile``'d step that is dropped at interpreter exit, before MLX shuts down.
+    """An ``mx.compile``'d step, compiled once per thread that runs it, each thread's program
+    dropped when the thread ends and the rest at interpreter exit, before MLX shuts down.
 
     MLX 0.32 aborts the process at exit ("terminate called without an active exception", rc
     134) when a compiled function that ran on a thread other than the main one is still alive
     then: one worker thread generating on an MLX model (as the server's engine thread does)
-    aborted 4 of 6 runs, 8 threads 4 of 6; with the programs dropped first, 0 of 6 (measured).
+    aborted 4 of 6 runs; with the programs dropped at exit, 0 of 20. One program shared by 8
+    threads still aborted 3 of 20 runs (5 of 20 a script's 8 threads of 8 tokens) even so, and
+    0 of 20 with each thread's own program (measured on a 2-core CPU, issue 33 audit).
     """
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self.fn: Callable[..., Any] | None = fn
+    def __init__(self, compile_: Callable[..., Any], fn: Callable[..., Any]) -> None:
+        self._compile, self._fn = compile_, fn
+        self._local: threading.local | None = threading.local()  # .fn: this thread's program
         _MLX_PROGRAMS.add(self)
 
     def __call__(self, *args: Any) -> Any:
-        assert self.fn is not None, "the MLX program was released at interpreter exit"
-        return self.fn(*args)
+        local = self._local
+        assert local is not None, "the MLX program was released at interpreter exit"
+        program = getattr(local, "fn", None)
+        if program is None:
+            program = local.fn = self._compile(self._fn)
+        return program(*args)
+
+    def release(self) -> None:
+        """Drop every thread's program (the thread-local store goes, and with it its values)."""
+        self._local = None
 
 
 _MLX_PROGRAMS: weakref.WeakSet[_MlxProgram] = weakref.WeakSet()
@@ -88,12 +101,12 @@ _MLX_PROGRAMS: weakref.WeakSet[_MlxProgram] = weakref.WeakSet()
 @atexit.register
 def _release_mlx_programs() -> None:
     for program in list(_MLX_PROGRAMS):
-        program.fn = None
+        program.release()
 
 
 def _mlx_jit(bk: Backend) -> Callable[..., Any]:
     compile_ = bk.mx.compile  # type: ignore[attr-defined]
-    return lambda fn: _MlxProgram(compile_(fn))
+    return lambda fn: _MlxProgram(compile_, fn)
 
 
 def _mlx_update(bk: Backend) -> Callable[..., Any]:
