@@ -306,5 +306,7 @@ def test_an_object_without_the_members_is_a_clear_type_error() -> None:
 def test_logits_of_the_wrong_shape_are_a_clear_error(checkpoint: tuple) -> None:
     own = _own("numpy", checkpoint)
     own.vocab_size = 100  # the logits have 300 columns
-    with pytest.raises(ValueError, match=r"returned logits of shape \(1, 1, 300\), expected \(1, any, 100\)"):
+    with pytest.raises(
+        ValueError, match=r"returned logits of shape \(1, 1, 300\), expected \(1, any, 100\)"
+    ):
         list(pl.generate(own, PROMPTS[1], max_new_tokens=2))

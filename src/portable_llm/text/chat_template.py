@@ -111,9 +111,7 @@ def _environment() -> Any:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
         from jinja2.utils import Namespace
     except ImportError as exc:
-        raise ImportError(
-            f"apply_chat_template needs jinja2: {install_hint('chat')}"
-        ) from exc
+        raise ImportError(f"apply_chat_template needs jinja2: {install_hint('chat')}") from exc
 
     class Generation(jinja2.ext.Extension):
         """``{% generation %}...{% endgeneration %}`` (assistant-mask markers): the body."""
