@@ -68,10 +68,17 @@ def _exists(path: str) -> bool:
 
 
 def _importable(dotted: str) -> bool:
+    """Whether ``dotted`` names a module or an attribute of one. A module that needs an
+    optional library this env lacks (the server's starlette) cannot be looked into here: it
+    counts as existing, and the env that installs the extra checks it."""
     parts = dotted.split(".")
     for cut in range(len(parts), 0, -1):
         try:
             obj = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError as exc:
+            if exc.name is not None and exc.name.split(".")[0] != "portable_llm":
+                return True  # a missing optional dependency, not a missing name of ours
+            continue
         except ImportError:
             continue
         for name in parts[cut:]:

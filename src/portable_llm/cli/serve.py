@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import socket
 import sys
 from collections.abc import Callable
@@ -37,6 +38,8 @@ def _flag(check: Callable[[str], Any], name: str) -> Callable[[str], Any]:
     text: its ``ValueError`` becomes a usage error in the flag's words."""
 
     def parse(text: str) -> Any:
+        if importlib.util.find_spec("starlette") is None:
+            return text  # no serve extra: run_serve says how to install it, before any use
         try:
             return check(text)
         except (ValueError, TypeError) as exc:
