@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from portable_llm.text.failures import foreign_errors
+from portable_llm.text.tokenizer import stream_pieces
 
 __all__ = ["EncodeDecodeTokenizer", "IdStream", "check_same_tokenizer", "text_tokenizer"]
 
@@ -60,14 +61,7 @@ class EncodeDecodeTokenizer:
 
     def stream(self, ids: Iterable[int]) -> Iterator[str]:
         """Text pieces whose concatenation is ``decode(all ids)``."""
-        text = self.stream_decoder()
-        for token in ids:
-            piece = text.step(token)
-            if piece:
-                yield piece
-        rest = text.finish()
-        if rest:
-            yield rest
+        return stream_pieces(self.stream_decoder(), ids)
 
     def vocab(self) -> dict[str, int] | None:
         for name in ("get_vocab", "vocab"):

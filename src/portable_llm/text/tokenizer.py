@@ -15,7 +15,7 @@ from typing import Any
 
 from portable_llm.text.failures import foreign_errors
 
-__all__ = ["TEMPLATE_FILES", "TextStream", "Tokenizer", "default_template"]
+__all__ = ["TEMPLATE_FILES", "TextStream", "Tokenizer", "default_template", "stream_pieces"]
 
 
 class Tokenizer:
@@ -122,14 +122,7 @@ class Tokenizer:
         tokens), and text held back at the end (an incomplete character, U+FFFD in
         :meth:`decode`) comes as a last piece.
         """
-        text = self.stream_decoder()
-        for token in ids:
-            piece = text.step(token)
-            if piece:
-                yield piece
-        rest = text.finish()
-        if rest:
-            yield rest
+        return stream_pieces(self.stream_decoder(), ids)
 
     def _stream_rules(self, skip_special_tokens: bool) -> tuple[frozenset[int], frozenset[int]]:
         """What :class:`TextStream` needs of ``decode``: the ids it drops (special tokens, when
@@ -313,3 +306,16 @@ def default_template(value: Any) -> Any:
     if isinstance(value, Mapping):
         value = value.get("default")
     return value
+
+
+def stream_pieces(stream: Any, ids: Iterable[int]) -> Iterator[str]:
+    """The text pieces of ``ids`` through an incremental decoder (``step(id) -> str``,
+    ``finish() -> str``): each non-empty piece as it settles, then what the decoder held back.
+    Their concatenation is the decoder's text of all the ids."""
+    for token in ids:
+        piece = stream.step(token)
+        if piece:
+            yield piece
+    rest = stream.finish()
+    if rest:
+        yield rest
