@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from portable_llm.text.failures import foreign_errors
-from portable_llm.text.tokenizer import stream_pieces
+from portable_llm.text.tokenizer import IdStream, stream_pieces
 
 __all__ = ["EncodeDecodeTokenizer", "IdStream", "check_same_tokenizer", "text_tokenizer"]
 
@@ -69,42 +69,6 @@ class EncodeDecodeTokenizer:
             if callable(table):
                 return dict(table())
         return None
-
-
-class IdStream:
-    """Incremental detokenization over any ``decode(ids) -> str``: ``step(id)`` returns the new
-    text, ``finish()`` what is held back; the pieces together are ``decode(ids)``.
-
-    A piece is released when the text decoded so far extends what was shown and does not end
-    in U+FFFD (an incomplete character that the next id may complete). Each step decodes the
-    ids since the last piece after the piece's own ids (so a decoder's rule for a first token
-    sees context): O(window) per id.
-    """
-
-    def __init__(self, decode: Any) -> None:
-        self._decode = decode
-        self._window: list[int] = []  # the last piece's ids (context), then pending ids
-        self._context = 0
-        self._shown = ""  # decode(window[:context])
-
-    def step(self, token: int) -> str:
-        self._window.append(int(token))
-        text = self._decode(self._window)
-        if len(text) <= len(self._shown) or text.endswith("\ufffd"):
-            return ""
-        if not text.startswith(self._shown):
-            return ""
-        piece = text[len(self._shown) :]
-        self._window = self._window[self._context :]
-        self._context = len(self._window)
-        self._shown = self._decode(self._window)
-        return piece
-
-    def finish(self) -> str:
-        text = self._decode(self._window)
-        rest = text[len(self._shown) :] if text.startswith(self._shown) else ""
-        self._context, self._shown = len(self._window), text
-        return rest
 
 
 def check_same_tokenizer(op: str, target: Any, draft: Any, /) -> None:

@@ -15,7 +15,14 @@ from typing import Any
 
 from portable_llm.text.failures import foreign_errors
 
-__all__ = ["TEMPLATE_FILES", "TextStream", "Tokenizer", "default_template", "stream_pieces"]
+__all__ = [
+    "TEMPLATE_FILES",
+    "IdStream",
+    "TextStream",
+    "Tokenizer",
+    "default_template",
+    "stream_pieces",
+]
 
 
 class Tokenizer:
@@ -201,7 +208,47 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
-class TextStream:
+class IdStream:
+    """Incremental detokenization over any ``decode(ids) -> str``: ``step(id)`` returns the new
+    text, ``finish()`` what is held back; the pieces together are ``decode(ids)``.
+
+    A piece is released when the text decoded so far extends what was shown and does not end
+    in U+FFFD (an incomplete character that the next id may complete). Each step decodes the
+    ids since the last piece after the piece's own ids (so a decoder's rule for a first token
+    sees context): O(window) per id.
+    """
+
+    def __init__(self, decode: Any) -> None:
+        self._decode = decode
+        self._window: list[int] = []  # the last piece's ids (context), then pending ids
+        self._context = 0
+        self._shown = ""  # decode(window[:context])
+
+    def step(self, token: int) -> str:
+        self._window.append(int(token))
+        return self._release()
+
+    def _release(self) -> str:
+        """The window's new text, if settled: the pending ids then become the context."""
+        text = self._decode(self._window)
+        if len(text) <= len(self._shown) or text.endswith("\ufffd"):
+            return ""
+        if not text.startswith(self._shown):
+            return ""
+        piece = text[len(self._shown) :]
+        self._window = self._window[self._context :]
+        self._context = len(self._window)
+        self._shown = self._decode(self._window)
+        return piece
+
+    def finish(self) -> str:
+        text = self._decode(self._window)
+        rest = text[len(self._shown) :] if text.startswith(self._shown) else ""
+        self._context, self._shown = len(self._window), text
+        return rest
+
+
+class TextStream(IdStream):
     """Incremental detokenization of one sequence: ``step(id)`` returns the new text that id
     completes (``""`` while the text is not settled), ``finish()`` what is still held back, so
     that all the pieces together equal ``tokenizer.decode(ids)``, U+FFFD included.
@@ -228,11 +275,9 @@ class TextStream:
         self._tok = tokenizer._tok
         self._skip = skip_special_tokens
         self._dropped, self._bytes = tokenizer._stream_rules(skip_special_tokens)
-        self._window: list[int] = []  # context ids (shown), then pending ids
-        self._context = 0  # how many of the window's ids are context
-        self._shown = ""  # decode(window[:context])
+        super().__init__(self._decode_ids)
 
-    def _decode(self, ids: list[int]) -> str:
+    def _decode_ids(self, ids: list[int]) -> str:
         with foreign_errors("decode: the tokenizer failed on these ids"):
             return str(self._tok.decode(ids, skip_special_tokens=self._skip))
 
@@ -245,24 +290,7 @@ class TextStream:
         self._window.append(token)
         if token in self._bytes:
             return ""  # the byte run may go on
-        text = self._decode(self._window)
-        if len(text) <= len(self._shown) or text[-1] == "\ufffd":
-            return ""  # nothing new yet, or a character that may still form
-        if not text.startswith(self._shown):  # a decoder whose text is not settled here
-            return ""
-        piece = text[len(self._shown) :]
-        self._window = self._window[self._context :]  # the pending ids: the next context
-        self._context = len(self._window)
-        self._shown = self._decode(self._window)
-        return piece
-
-    def finish(self) -> str:
-        """The text not yet returned: the pending ids, decoded after the context."""
-        text = self._decode(self._window)
-        rest = text[len(self._shown) :] if text.startswith(self._shown) else ""
-        self._context = len(self._window)
-        self._shown = text
-        return rest
+        return self._release()
 
 
 #: Where a checkpoint's chat template is read from, first found first (transformers 5's order).
