@@ -334,6 +334,19 @@ def test_auto_tool_choice_garbage_is_text(client: Any) -> None:
     assert r.choices[0].finish_reason in ("stop", "length")
 
 
+def test_tool_choice_none_renders_no_tools(client: Any) -> None:
+    """``none``: the tools are not rendered (the prompt is the one without them, the answer
+    too) and nothing is parsed as a call; ``auto`` renders them."""
+    ask = {"model": "tiny", "messages": ASK, "max_tokens": 6, "temperature": 0}
+    plain = client.chat.completions.create(**ask)
+    none = client.chat.completions.create(**ask, tools=TOOLS, tool_choice="none")
+    auto = client.chat.completions.create(**ask, tools=TOOLS, tool_choice="auto")
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens < auto.usage.prompt_tokens
+    assert none.choices[0].message.content == plain.choices[0].message.content
+    assert none.choices[0].message.tool_calls is None
+    assert none.choices[0].finish_reason == plain.choices[0].finish_reason != "tool_calls"
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_json_schema_chat(client: Any, stream: bool) -> None:
     options = {"model": "tiny", "messages": ASK, "response_format": FORMAT, "max_tokens": 300,
