@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 
 import portable_llm as pl
 from portable_llm.core.dispatch import dispatcher
-from portable_llm.ops.quant import quantize
+from portable_llm.ops.quant import QuantizedWeight, quantize
 from portable_llm.ops.quant import quantized_linear as qlinear
+from portable_llm.ops.quant_codes import pack_codes
 from portable_llm.testing import assert_close, random_array, random_weight, reference, tolerance
 from portable_llm.testing.strategies import seeds
 
@@ -47,10 +48,11 @@ def test_portable_int8_equals_the_reference(backend, dtype, bits, group, rows, s
     assert_close(got, want, backend=backend, dtype=dtype)
 
 
-@given(bits=st.sampled_from([2, 4, 8]), group=GROUPS, rows=st.sampled_from([1, 5]), seed=seeds())
+@given(bits=INT8_BITS, group=GROUPS, rows=st.sampled_from([1, 5]), seed=seeds())
 def test_native_int8_equals_portable(backend, dtype, bits, group, rows, seed):
     """numba's kernel (NumPy, torch's CPU): the same integer dots, the blocks summed in another
-    order in float32: within the dtype's tolerance of the portable path."""
+    order in float32: within the dtype's tolerance of the portable path. Its specialization
+    for a bound weight (the repack done once) gives the same bits as the call."""
     if "quantized_linear_int8" not in dispatcher(pl.get_backend(backend)).native:
         pytest.skip(f"{backend} has no native quantized_linear_int8")
     if dtype == "float64":
@@ -59,6 +61,11 @@ def test_native_int8_equals_portable(backend, dtype, bits, group, rows, seed):
     bias, _ = random_array(seed + 2, (24,), dtype, backend=backend)
     native = qlinear(x, qw, bias, activations="int8", impl="native")
     assert_close(native, qlinear(x, qw, bias, activations="int8", impl="portable"))
+    d = dispatcher(pl.get_backend(backend))
+    fmt = {"bits": bits, "group_size": group}
+    chosen = d.pick("quantized_linear_int8", "native", x, *qw.arrays, bias, **fmt)
+    bound = d.specialized("quantized_linear_int8", chosen, x, *qw.arrays, bias, **fmt)
+    assert np.array_equal(pl.to_numpy(bound(d.backend.xp, x, bias)), pl.to_numpy(native))
     with pl.trace() as t:
         qlinear(x, qw, activations="int8")
     assert [(e.op, e.impl) for e in t] == [("quantized_linear_int8", "native")]
@@ -86,6 +93,29 @@ def test_int8_differs_from_the_exact_mode_by_at_most_the_activations_rounding(
     slack = 2 * (tol.atol + tol.rtol * np.abs(exact))
     assert np.all(np.abs(got - exact) <= bound + slack)
     assert np.any(got != exact)  # the mode does round: it is not the exact product
+
+
+@pytest.mark.parametrize("bits", [3, 4, 8])
+def test_native_int8_at_the_largest_dots(backend, bits):
+    """The kernel's narrowest accumulator at its limit: every activation code +-127 and every
+    code at the end of its range, so each block's dot is ``127 * 32 * (q - c)`` (4 bits:
+    -32512 in the int16 accumulator, one step from overflowing). Equal to the portable path."""
+    if "quantized_linear_int8" not in dispatcher(pl.get_backend(backend)).native:
+        pytest.skip(f"{backend} has no native quantized_linear_int8")
+    k, n = 64, 70  # 70 rows: a second, padded tile of 64
+    codes = np.zeros((n, k), np.int32)  # the lowest code, q - c = -c
+    codes[1::2] = (1 << bits) - 1  # the highest, q - c = c - 1
+    packed = pack_codes(np, codes, bits=bits)
+    scales = np.linspace(0.01, 0.02, n * 2, dtype=np.float32).reshape(n, 2)
+    biases = np.linspace(-0.1, 0.1, n * 2, dtype=np.float32).reshape(n, 2)
+    x = np.full((2, k), 0.5, np.float32)
+    x[1, ::2] = -0.5  # codes +-127 in every block
+    bk = pl.get_backend(backend)
+    qw = QuantizedWeight(*(bk.from_numpy(a) for a in (packed, scales, biases)), bits=bits,
+                         group_size=32)  # fmt: skip
+    xb = bk.from_numpy(x)
+    native = qlinear(xb, qw, activations="int8", impl="native")
+    assert_close(native, qlinear(xb, qw, activations="int8", impl="portable"))
 
 
 def test_activations_must_be_float_or_int8():

@@ -1,31 +1,47 @@
 """CPU kernels written with numba: quantized codes times 8-bit activations (``activations="int8"``).
 
-``quantized_linear_int8`` (:mod:`portable_llm.ops.quant_int8`) as llama.cpp computes it: the
-rows of x rounded to Q8_0 blocks (``d = max|x| / 127`` per block of 32, codes in [-127, 127]),
-then per output row and block one integer dot of the int8 codes with the weight's centred codes
-read straight from the packed bytes (2, 4 or 8 bits), scaled back in float32. numba compiles
-the loops for the machine it runs on (LLVM, the CPU's own vector width: AVX2, AVX-512, NEON),
-so nothing is built at install time; the output rows run in parallel over numba's threads.
+``quantized_linear_int8`` (:mod:`portable_llm.ops.quant_int8`) as llama.cpp computes it: each
+row of x rounded to Q8_0 blocks (``d = max|x| / 127`` per block of ``A = min(32, group_size)``,
+codes in [-127, 127], the same true division and half-to-even rounding as the portable path),
+then integer dots of those codes with the weight's centred codes ``q - c``, scaled back in
+float32 per block: ``y[m, n] = sum_j d[m, j] (s I[m, n, j] + (b + c s) S[m, j])``.
 
-The integer dots equal the portable path's (exact integers both); the float32 combination
-sums the blocks in another order, so the two agree within float32's tolerance. Registered for
-NumPy arrays and, through their shared buffers, CPU torch tensors (``native/numpy.py``,
-``native/torch.py``). numba is optional (the ``numba`` extra): without it the portable path runs.
+The weight is repacked once (:func:`prepack`; cached per weight, or at bind time through
+``Native.specialize``) into tiles of 64 output rows, so that the kernel runs *across* the rows
+with whole vectors and never sums inside one (no horizontal reduction per block):
+
+- up to 4 bits (``nibbles``): ``w[tile, j, t, l]`` is one byte holding the codes of rows ``l``
+  (low nibble) and ``l + 32`` (high nibble) at position ``t`` of block ``j``: the same 0.5 byte
+  a code as the packed words. Each block's dots accumulate in int16: ``|q - c| <= 8`` and
+  ``|xq| <= 127`` over at most 32 positions give ``|I| <= 32512 < 2**15``, exact;
+- 5 to 8 bits (``bytes``): ``w[tile, j, t, l]`` is the centred code of row ``l`` (int8), and
+  the dots accumulate in int32.
+
+Per position the kernel multiplies a vector of codes by one broadcast activation code and adds
+(LLVM lowers the int16 loop to ``vpmullw``/``vpaddw`` on 32 lanes with AVX-512, 16 with AVX2,
+8 with NEON: numba compiles for the CPU it runs on, nothing is built at install time). The
+integer dots equal the portable path's (exact integers both); the float32 combination sums the
+blocks in another order, so the two agree within float32's tolerance (tested). Serial: one
+thread, like the decode it serves (the caller's threads are the model's). Registered for NumPy
+arrays and, through their buffers, CPU torch tensors (``native/numpy.py``, ``native/torch.py``).
+numba is optional (the ``numba`` extra): without it the portable path runs.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import sys
+import weakref
+from collections.abc import Callable
 from functools import cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["available", "int8_applies", "quantized_linear_int8"]
+__all__ = ["Prepacked", "available", "int8_applies", "linear", "prepack", "prepacked", "run"]
 
-#: The code widths whose codes never straddle a byte (2, 4 and 8 bits): read as bytes.
-BYTE_BITS = (2, 4, 8)
+#: Output rows per tile: 32 bytes of nibbles (two rows each) or 64 int8 codes per position.
+TILE = 64
 
 
 @cache
@@ -35,98 +51,181 @@ def available() -> bool:
 
 
 def int8_applies(bits: int, group_size: int) -> bool:
-    """Whether the kernel computes this format: byte-aligned codes on a little-endian CPU."""
-    return available() and bits in BYTE_BITS and sys.byteorder == "little" and group_size >= 16
+    """Whether the kernel computes this format: every width of the affine format, codes read
+    from the words' bytes (a little-endian CPU)."""
+    return available() and sys.byteorder == "little" and 1 <= bits <= 8 and group_size >= 16
+
+
+class Prepacked(NamedTuple):
+    """A weight ``(N, K)`` in the kernel's layout (see the module docstring)."""
+
+    w: np.ndarray  # (T, J, A, 32) uint8 nibbles, or (T, J, A, 64) int8 centred codes
+    s: np.ndarray  # (T, G, 64) float32 scales
+    b: np.ndarray  # (T, G, 64) float32 b + c * s: the centred codes' bias
+    n: int  # the output rows (the tiles pad them to a multiple of 64)
+    block: int  # A
+    nibbles: bool
+
+
+def prepack(packed: Any, scales: Any, biases: Any, *, bits: int, group_size: int) -> Prepacked:
+    """The kernel's layout of a weight given as NumPy arrays (``packed`` uint32 ``(N, W)``,
+    ``scales``/``biases`` ``(N, G)``); done once per weight."""
+    from portable_llm.ops.quant_codes import unpack_codes
+
+    n, g = scales.shape
+    codes = unpack_codes(np, np.asarray(packed), bits=bits)  # (N, K) int32 in [0, 2**bits)
+    k = codes.shape[1]
+    a = min(32, group_size)
+    half = 1 << (bits - 1)
+    t = -(-n // TILE)
+    pad = t * TILE - n
+    centred = np.pad(codes - half, ((0, pad), (0, 0)))  # (T*64, K): padded rows are zeros
+    s = np.pad(np.asarray(scales, np.float32), ((0, pad), (0, 0)))  # (T*64, G)
+    b = np.pad(np.asarray(biases, np.float32), ((0, pad), (0, 0))) + np.float32(half) * s
+    tiles = centred.reshape(t, TILE, k // a, a).transpose(0, 2, 3, 1)  # (T, J, A, 64)
+    nibbles = bits <= 4
+    if nibbles:  # rows l and l + 32 in one byte, each nibble the centred code's low 4 bits
+        lo, hi = tiles[..., :32] & 15, tiles[..., 32:] & 15
+        w = np.ascontiguousarray((lo | (hi << 4)).astype(np.uint8))  # (T, J, A, 32)
+    else:
+        w = np.ascontiguousarray(tiles.astype(np.int8))  # (T, J, A, 64)
+
+    def per_tile(v: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(v.reshape(t, TILE, g).transpose(0, 2, 1))  # (T, G, 64)
+
+    return Prepacked(w, per_tile(s), per_tile(b), n, a, nibbles)
+
+
+# id(owner) -> (weakref to owner, scales, biases, Prepacked): one repack
+# per weight for the calls that do not bind it; an entry goes with its owner (the packed array).
+_CACHE: dict[int, tuple[Any, Any, Any, Prepacked]] = {}
+
+
+def prepacked(owner: Any, scales: Any, biases: Any, build: Callable[[], Prepacked]) -> Prepacked:
+    """``build()`` (a :func:`prepack`) for this weight, built once per ``owner`` (the caller's
+    packed array: a NumPy array or a torch tensor) and the caller's ``scales``/``biases``."""
+    key = id(owner)
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0]() is owner and hit[1] is scales and hit[2] is biases:
+        return hit[3]
+    pre = build()
+    if hit is None:
+        weakref.finalize(owner, _CACHE.pop, key, None)
+    _CACHE[key] = (weakref.ref(owner), scales, biases, pre)
+    return pre
+
+
+def run(pre: Prepacked, x: np.ndarray) -> np.ndarray:
+    """``quantized_linear_int8`` of float32 ``x`` ``(M, K)`` (C-contiguous) with a prepacked
+    weight: ``(M, N)`` float32."""
+    nibbles, bytes_ = _kernels()
+    kernel = nibbles if pre.nibbles else bytes_
+    y: np.ndarray = kernel(pre.w, pre.s, pre.b, x, pre.block, pre.s.shape[1])
+    return y if pre.n == y.shape[1] else y[:, : pre.n]
+
+
+def linear(pre: Prepacked, x: np.ndarray, bias: Any) -> np.ndarray:
+    """``quantized_linear_int8`` of NumPy ``x`` ``(N.., K)`` (float16/32) with a prepacked weight
+    and a bias (or ``None``): ``(N.., O)`` in x's dtype."""
+    lead, k = tuple(x.shape[:-1]), x.shape[-1]
+    y = run(pre, np.ascontiguousarray(x.reshape(-1, k), dtype=np.float32))  # (M, O)
+    if bias is not None:
+        y += np.asarray(bias, dtype=np.float32)
+    return y.astype(x.dtype, copy=False).reshape(*lead, pre.n)  # (N.., O)
 
 
 @cache
 def _kernels() -> tuple[Any, Any]:
     import numba
 
-    @numba.njit(cache=True, fastmath=False)
-    def quantize_rows(x: Any, a: int) -> tuple[Any, Any, Any]:  # pragma: no cover - compiled
+    # Not fastmath: true divisions and half-to-even rounding, as the portable path's codes.
+    @numba.njit(cache=True)
+    def quantize(x: Any, a: int) -> tuple[Any, Any, Any]:  # pragma: no cover - compiled
         m, k = x.shape
         j = k // a
         xq = np.empty((m, k), np.int8)
         d = np.empty((m, j), np.float32)
         sums = np.empty((m, j), np.float32)
         for r in range(m):
-            for b in range(j):
+            for blk in range(j):
                 amax = np.float32(0.0)
-                for t in range(b * a, (b + 1) * a):
+                for t in range(blk * a, (blk + 1) * a):
                     v = abs(x[r, t])
                     amax = v if v > amax else amax
                 scale = amax / np.float32(127.0)
-                d[r, b] = scale
+                d[r, blk] = scale
                 inv = scale if scale > 0 else np.float32(1.0)
                 total = 0
-                for t in range(b * a, (b + 1) * a):
+                for t in range(blk * a, (blk + 1) * a):
                     q = np.round(x[r, t] / inv)
-                    xq[r, t] = q
+                    xq[r, t] = np.int8(q)
                     total += int(q)
-                sums[r, b] = np.float32(total)
+                sums[r, blk] = np.float32(total)
         return xq, d, sums
 
-    # fastmath: the products (|xq (q - c)| <= 127 * 128) and every partial sum of a block (at
-    # most 32 of them, < 2**24) are integers that float32 holds exactly, so reassociating and
-    # vectorizing their sums changes nothing; the float32 combination of the blocks may round
-    # differently from the portable path's (within float32's tolerance).
-    @numba.njit(parallel=True, cache=True, fastmath=True)
-    def dots(
-        planes: Any, d: Any, sums: Any, codes: Any, s: Any, b: Any, bits: int, a: int, per: int
-    ) -> Any:  # pragma: no cover - compiled
-        # planes[c, r, i]: the activation code (a float32 integer) that meets code c of byte i
-        per_byte, m, nbytes = planes.shape
-        n = codes.shape[0]
-        mask = (1 << bits) - 1
-        half = np.float32(1 << (bits - 1))
-        bpb = a // per_byte  # bytes per activation block
-        j = nbytes // bpb
-        out = np.empty((m, n), np.float32)
-        for o in numba.prange(n):
-            row = codes[o]
-            prod = np.empty(nbytes, np.float32)  # per byte: its codes times their activations
+    # fastmath: the integer dots are exact whatever the order; only the float32 combination of
+    # the blocks (within float32's tolerance of the portable path) may be reassociated.
+    @numba.njit(cache=True, fastmath=True)
+    def nibbles(w: Any, s: Any, b: Any, x: Any, a: int, g: int) -> Any:  # pragma: no cover
+        xq, d, sums = quantize(x, a)
+        nt, j = w.shape[0], w.shape[1]
+        m = xq.shape[0]
+        per = j // g  # activation blocks per weight group
+        out = np.empty((m, nt * 64), np.float32)
+        acc = np.empty(64, np.int16)
+        y = np.empty(64, np.float32)
+        for tile in range(nt):
             for r in range(m):
-                prod[:] = 0.0
-                for c in range(per_byte):
-                    shift = bits * c
-                    xr = planes[c, r]
-                    for i in range(nbytes):
-                        q = np.float32((np.int32(row[i]) >> shift) & mask) - half
-                        prod[i] += xr[i] * q
-                acc = np.float32(0.0)
+                y[:] = 0
                 for blk in range(j):
-                    isum = np.float32(0.0)
-                    for t in range(blk * bpb, (blk + 1) * bpb):
-                        isum += prod[t]
-                    g = blk // per
-                    acc += d[r, blk] * (s[o, g] * isum + b[o, g] * sums[r, blk])
-                out[r, o] = acc
+                    acc[:] = 0
+                    for t in range(a):
+                        xv = np.int16(xq[r, blk * a + t])
+                        wt = w[tile, blk, t]
+                        for lane in range(32):
+                            byte = wt[lane]
+                            # the nibble's two's complement: (v ^ 8) - 8 sign-extends 4 bits
+                            lo = np.int16((byte & 15) ^ 8) - np.int16(8)
+                            hi = np.int16((byte >> 4) ^ 8) - np.int16(8)
+                            acc[lane] += lo * xv
+                            acc[lane + 32] += hi * xv
+                    grp = blk // per
+                    dd = d[r, blk]
+                    ds = dd * sums[r, blk]
+                    sg = s[tile, grp]
+                    bg = b[tile, grp]
+                    for lane in range(64):
+                        y[lane] += (sg[lane] * dd) * np.float32(acc[lane]) + bg[lane] * ds
+                out[r, tile * 64 : (tile + 1) * 64] = y
         return out
 
-    return quantize_rows, dots
+    @numba.njit(cache=True, fastmath=True)
+    def bytes_(w: Any, s: Any, b: Any, x: Any, a: int, g: int) -> Any:  # pragma: no cover
+        xq, d, sums = quantize(x, a)
+        nt, j = w.shape[0], w.shape[1]
+        m = xq.shape[0]
+        per = j // g
+        out = np.empty((m, nt * 64), np.float32)
+        acc = np.empty(64, np.int32)
+        y = np.empty(64, np.float32)
+        for tile in range(nt):
+            for r in range(m):
+                y[:] = 0
+                for blk in range(j):
+                    acc[:] = 0
+                    for t in range(a):
+                        xv = np.int32(xq[r, blk * a + t])
+                        wt = w[tile, blk, t]
+                        for lane in range(64):
+                            acc[lane] += np.int32(wt[lane]) * xv
+                    grp = blk // per
+                    dd = d[r, blk]
+                    ds = dd * sums[r, blk]
+                    sg = s[tile, grp]
+                    bg = b[tile, grp]
+                    for lane in range(64):
+                        y[lane] += (sg[lane] * dd) * np.float32(acc[lane]) + bg[lane] * ds
+                out[r, tile * 64 : (tile + 1) * 64] = y
+        return out
 
-
-def quantized_linear_int8(
-    x: np.ndarray, packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, bias: Any, *,
-    bits: int, group_size: int,
-) -> np.ndarray:  # fmt: skip
-    """``quantized_linear_int8`` on NumPy arrays (x float16/32, any leading axes): the kernel's
-    float32 result, in x's dtype."""
-    quantize_rows, dots = _kernels()
-    lead, k = tuple(x.shape[:-1]), x.shape[-1]
-    a = min(32, group_size)
-    x2 = np.ascontiguousarray(x.reshape(-1, k), dtype=np.float32)  # (M, K)
-    codes = np.ascontiguousarray(packed).view(np.uint8)  # (N, K * bits / 8)
-    s = np.ascontiguousarray(scales, dtype=np.float32)  # (N, G)
-    b = s * np.float32(1 << (bits - 1)) + np.asarray(biases, dtype=np.float32)  # b + c * s
-    xq, d, sums = quantize_rows(x2, a)
-    per_byte = 8 // bits
-    # (8 / bits, M, K * bits / 8): code c of byte i multiplies activation per_byte * i + c
-    planes = np.ascontiguousarray(
-        xq.reshape(xq.shape[0], -1, per_byte).transpose(2, 0, 1), dtype=np.float32
-    )
-    y = dots(planes, d, sums, codes, s, b, bits, a, group_size // a)
-    if bias is not None:
-        y += np.asarray(bias, dtype=np.float32)
-    return y.astype(x.dtype, copy=False).reshape(*lead, y.shape[-1])  # (N.., O)
+    return nibbles, bytes_

@@ -22,6 +22,7 @@ The codes are read as the bytes of the little-endian uint32 words: 8-bit code ``
 from __future__ import annotations
 
 import sys
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -181,16 +182,28 @@ def _numba_int8_applies(
     )
 
 
+def _numba_int8_specialize(
+    x: Any, packed: Any, scales: Any, biases: Any, bias: Any, *, bits: int, group_size: int
+) -> Any:
+    """The kernel for a weight bound once: repacked now, then one compiled call a product."""
+    pre = numba_cpu.prepack(packed, scales, biases, bits=bits, group_size=group_size)
+
+    def run(xp: Any, x: Any, b: Any) -> Any:
+        return numba_cpu.linear(pre, x, b)
+
+    return run
+
+
 @native(
     "numpy",
     "quantized_linear_int8",
-    kernel="numba: int8 dots of Q8_0 blocks with the packed codes",
+    kernel="numba: int16/int32 dots of Q8_0 blocks with codes repacked across 64 output rows",
     applies=_numba_int8_applies,
+    specialize=_numba_int8_specialize,
 )
 def quantized_linear_int8(
     xp: Any, x: Any, packed: Any, scales: Any, biases: Any, bias: Any, *, bits: int,
     group_size: int,
 ) -> Any:  # fmt: skip
-    return numba_cpu.quantized_linear_int8(
-        x, packed, scales, biases, bias, bits=bits, group_size=group_size
-    )
+    build = partial(numba_cpu.prepack, packed, scales, biases, bits=bits, group_size=group_size)
+    return numba_cpu.linear(numba_cpu.prepacked(packed, scales, biases, build), x, bias)

@@ -720,21 +720,49 @@ def _numba_int8_applies(
     )
 
 
+def _host(t: Any) -> Any:
+    """A CPU tensor's float32 values as a NumPy array (its buffer where it is float32)."""
+    return t.detach().to(torch.float32).numpy()
+
+
+def _numba_int8_prepack(
+    packed: Any, scales: Any, biases: Any, *, bits: int, group_size: int
+) -> numba_cpu.Prepacked:
+    p = packed.detach().numpy()
+    return numba_cpu.prepack(p, _host(scales), _host(biases), bits=bits, group_size=group_size)
+
+
+def _numba_int8_run(pre: numba_cpu.Prepacked, x: Any, bias: Any) -> Any:
+    lead, k = tuple(x.shape[:-1]), x.shape[-1]
+    y = torch.from_numpy(numba_cpu.run(pre, _host(x.reshape(-1, k).contiguous())))  # (M, O)
+    if bias is not None:
+        y += bias.to(torch.float32)
+    return y.to(x.dtype).reshape(*lead, pre.n)  # (N.., O)
+
+
+def _numba_int8_specialize(
+    x: Any, packed: Any, scales: Any, biases: Any, bias: Any, *, bits: int, group_size: int
+) -> Any:
+    """The kernel for a weight bound once: repacked now, then one compiled call a product."""
+    pre = _numba_int8_prepack(packed, scales, biases, bits=bits, group_size=group_size)
+
+    def run(xp: Any, x: Any, b: Any) -> Any:
+        return _numba_int8_run(pre, x, b)
+
+    return run
+
+
 @native(
     "torch",
     "quantized_linear_int8",
-    kernel="numba: int8 dots of Q8_0 blocks with the packed codes",
+    kernel="numba: int16/int32 dots of Q8_0 blocks with codes repacked across 64 output rows",
     applies=_numba_int8_applies,
+    specialize=_numba_int8_specialize,
 )
 def quantized_linear_int8(
     xp: Any, x: Any, packed: Any, scales: Any, biases: Any, bias: Any, *, bits: int,
     group_size: int,
 ) -> Any:  # fmt: skip
-    def host(t: Any) -> Any:
-        return t.detach().to(torch.float32).numpy()
-
-    y = numba_cpu.quantized_linear_int8(
-        host(x), packed.detach().numpy(), host(scales), host(biases),
-        None if bias is None else host(bias), bits=bits, group_size=group_size,
-    )  # fmt: skip
-    return torch.from_numpy(y).to(x.dtype)
+    fmt = {"bits": bits, "group_size": group_size}
+    build = functools.partial(_numba_int8_prepack, packed, scales, biases, **fmt)
+    return _numba_int8_run(numba_cpu.prepacked(packed, scales, biases, build), x, bias)
