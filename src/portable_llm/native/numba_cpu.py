@@ -38,10 +38,26 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["Prepacked", "available", "int8_applies", "linear", "prepack", "prepacked", "run"]
+__all__ = [
+    "PREFILL_ROWS",
+    "Prepacked",
+    "available",
+    "int8_applies",
+    "linear",
+    "prepack",
+    "prepacked",
+    "q8_values",
+    "run",
+]
 
 #: Output rows per tile: 32 bytes of nibbles (two rows each) or 64 int8 codes per position.
 TILE = 64
+
+
+#: From this many rows of x on (a prompt), the native paths multiply the Q8_0 blocks' values
+#: ``d * xq`` by the dequantized weight with the exact mode's dense product instead (see
+#: :func:`q8_values`): measured faster from here (``benchmarks/README.md``).
+PREFILL_ROWS = 64
 
 
 @cache
@@ -70,12 +86,10 @@ class Prepacked(NamedTuple):
 def prepack(packed: Any, scales: Any, biases: Any, *, bits: int, group_size: int) -> Prepacked:
     """The kernel's layout of a weight given as NumPy arrays (``packed`` uint32 ``(N, W)``,
     ``scales``/``biases`` ``(N, G)``); done once per weight."""
-    from portable_llm.ops.quant_codes import unpack_codes
-
     n, g = scales.shape
-    codes = unpack_codes(np, np.asarray(packed), bits=bits)  # (N, K) int32 in [0, 2**bits)
+    codes = _codes(np.asarray(packed), bits)  # (N, K) int32 in [0, 2**bits)
     k = codes.shape[1]
-    a = min(32, group_size)
+    a = activation_block(group_size)
     half = 1 << (bits - 1)
     t = -(-n // TILE)
     pad = t * TILE - n
@@ -94,6 +108,28 @@ def prepack(packed: Any, scales: Any, biases: Any, *, bits: int, group_size: int
         return np.ascontiguousarray(v.reshape(t, TILE, g).transpose(0, 2, 1))  # (T, G, 64)
 
     return Prepacked(w, per_tile(s), per_tile(b), n, a, nibbles)
+
+
+def activation_block(group_size: int) -> int:
+    """``A = min(32, group_size)``: ``ops.quant_int8.activation_block``'s rule, which these
+    kernels (a layer below ops) are handed as a weight's group size."""
+    return min(32, group_size)
+
+
+def _codes(packed: np.ndarray, bits: int) -> np.ndarray:
+    """uint32 words ``(N, W)`` -> int32 codes ``(N, W * 32 / bits)``: the little-endian bit
+    stream of ``ops.quant_codes`` read through the words' bytes, a slab of rows at a time."""
+    n = packed.shape[0]
+    by = np.ascontiguousarray(packed).view(np.uint8)  # (N, 4W)
+    if bits == 8:
+        return by.astype(np.int32)
+    out = np.empty((n, by.shape[1] * 8 // bits), np.int32)
+    weights = (1 << np.arange(bits, dtype=np.int32))[:, None]  # (bits, 1)
+    for r in range(0, n, 1024):  # the bits of 1024 rows at a time: a few MiB
+        stream = np.unpackbits(by[r : r + 1024], axis=1, bitorder="little")  # (R, 32W)
+        bits3 = stream.reshape(stream.shape[0], -1, bits).astype(np.int32)  # (R, K, bits)
+        out[r : r + 1024] = (bits3 @ weights)[..., 0]
+    return out
 
 
 # id(owner) -> (weakref to owner, scales, biases, Prepacked): one repack
@@ -118,7 +154,7 @@ def prepacked(owner: Any, scales: Any, biases: Any, build: Callable[[], Prepacke
 def run(pre: Prepacked, x: np.ndarray) -> np.ndarray:
     """``quantized_linear_int8`` of float32 ``x`` ``(M, K)`` (C-contiguous) with a prepacked
     weight: ``(M, N)`` float32."""
-    nibbles, bytes_ = _kernels()
+    nibbles, bytes_, _ = _kernels()
     kernel = nibbles if pre.nibbles else bytes_
     y: np.ndarray = kernel(pre.w, pre.s, pre.b, x, pre.block, pre.s.shape[1])
     return y if pre.n == y.shape[1] else y[:, : pre.n]
@@ -134,8 +170,30 @@ def linear(pre: Prepacked, x: np.ndarray, bias: Any) -> np.ndarray:
     return y.astype(x.dtype, copy=False).reshape(*lead, pre.n)  # (N.., O)
 
 
+def q8_values(x: np.ndarray, block: int) -> np.ndarray:
+    """The values ``d * xq`` of float32 ``x`` ``(M, K)``'s Q8_0 blocks (the codes and scales the
+    kernel forms), float32: a prompt's rows for a dense product.
+
+    ``q8_values(x) @ dequantize(w).T`` is the int8 mode's product in exact arithmetic (the
+    activations are the same 8-bit blocks); in float32 each ``d * xq`` is rounded once and the
+    products are summed in float32 instead of in integers, a difference within float32's
+    accumulation tolerance (tested against the portable path). A GEMM over the dequantized
+    weight beats the integer kernel at many rows (it reads the weight once per row of tiles).
+    """
+    quantize = _quantize()
+    xq, d, _ = quantize(x, block)
+    m, k = xq.shape
+    out: np.ndarray = (xq.reshape(m, -1, block) * d[:, :, None]).reshape(m, k)  # float32
+    return out
+
+
 @cache
-def _kernels() -> tuple[Any, Any]:
+def _quantize() -> Any:
+    return _kernels()[2]
+
+
+@cache
+def _kernels() -> tuple[Any, Any, Any]:
     import numba
 
     # Not fastmath: true divisions and half-to-even rounding, as the portable path's codes.
@@ -228,4 +286,4 @@ def _kernels() -> tuple[Any, Any]:
                 out[r, tile * 64 : (tile + 1) * 64] = y
         return out
 
-    return nibbles, bytes_
+    return nibbles, bytes_, quantize

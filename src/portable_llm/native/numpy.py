@@ -186,7 +186,10 @@ def _numba_int8_specialize(
     x: Any, packed: Any, scales: Any, biases: Any, bias: Any, *, bits: int, group_size: int
 ) -> Any:
     """The kernel for a weight bound once: repacked now, then one compiled call a product."""
-    pre = numba_cpu.prepack(packed, scales, biases, bits=bits, group_size=group_size)
+    fmt = {"bits": bits, "group_size": group_size}
+    if _numba_int8_dense(x, bits):
+        return None  # the call's dense route: no repack to keep
+    pre = numba_cpu.prepack(packed, scales, biases, **fmt)
 
     def run(xp: Any, x: Any, b: Any) -> Any:
         return numba_cpu.linear(pre, x, b)
@@ -205,5 +208,27 @@ def quantized_linear_int8(
     xp: Any, x: Any, packed: Any, scales: Any, biases: Any, bias: Any, *, bits: int,
     group_size: int,
 ) -> Any:  # fmt: skip
-    build = partial(numba_cpu.prepack, packed, scales, biases, bits=bits, group_size=group_size)
+    fmt = {"bits": bits, "group_size": group_size}
+    if _numba_int8_dense(x, bits):  # a prompt: the Q8_0 blocks' values times the floats
+        return _int8_dense(x, packed, scales, biases, bias, **fmt)
+    build = partial(numba_cpu.prepack, packed, scales, biases, **fmt)
     return numba_cpu.linear(numba_cpu.prepacked(packed, scales, biases, build), x, bias)
+
+
+def _numba_int8_dense(x: Any, bits: int) -> bool:
+    """Whether a product of these rows takes the dense route (:func:`numba_cpu.q8_values`):
+    a prompt, at the widths the exact kernel above reads."""
+    return bits in (4, 8) and x.size // x.shape[-1] >= numba_cpu.PREFILL_ROWS
+
+
+def _int8_dense(
+    x: Any, packed: Any, scales: Any, biases: Any, bias: Any, *, bits: int, group_size: int
+) -> Any:
+    lead, k = tuple(x.shape[:-1]), x.shape[-1]
+    x2 = np.ascontiguousarray(x.reshape(-1, k), dtype=np.float32)  # (M, K)
+    xv = numba_cpu.q8_values(x2, numba_cpu.activation_block(group_size))
+    s, b = (np.asarray(a, dtype=np.float32) for a in (scales, biases))
+    y = quantized_linear(np, xv, packed, s, b, None, bits=bits, group_size=group_size)  # (M, O)
+    if bias is not None:
+        y += np.asarray(bias, dtype=np.float32)
+    return y.astype(x.dtype, copy=False).reshape(*lead, y.shape[-1])  # (N.., O)

@@ -744,6 +744,8 @@ def _numba_int8_specialize(
     x: Any, packed: Any, scales: Any, biases: Any, bias: Any, *, bits: int, group_size: int
 ) -> Any:
     """The kernel for a weight bound once: repacked now, then one compiled call a product."""
+    if _numba_int8_dense(x):
+        return None  # the call's dense route: no repack to keep
     pre = _numba_int8_prepack(packed, scales, biases, bits=bits, group_size=group_size)
 
     def run(xp: Any, x: Any, b: Any) -> Any:
@@ -764,5 +766,17 @@ def quantized_linear_int8(
     group_size: int,
 ) -> Any:  # fmt: skip
     fmt = {"bits": bits, "group_size": group_size}
+    if _numba_int8_dense(x):  # a prompt: the Q8_0 blocks' values times the float32 weight
+        lead, k = tuple(x.shape[:-1]), x.shape[-1]
+        xv = numba_cpu.q8_values(_host(x.reshape(-1, k).contiguous()),
+                                 numba_cpu.activation_block(group_size))  # fmt: skip
+        w = _dense_weight(packed, scales.to(torch.float32), biases.to(torch.float32), **fmt)
+        y = F.linear(torch.from_numpy(xv), w, None if bias is None else bias.to(torch.float32))
+        return y.to(x.dtype).reshape(*lead, y.shape[-1])  # (N.., O)
     build = functools.partial(_numba_int8_prepack, packed, scales, biases, **fmt)
     return _numba_int8_run(numba_cpu.prepacked(packed, scales, biases, build), x, bias)
+
+
+def _numba_int8_dense(x: Any) -> bool:
+    """Whether a product of these rows takes the dense route (``numba_cpu.q8_values``)."""
+    return x.numel() // x.shape[-1] >= numba_cpu.PREFILL_ROWS
