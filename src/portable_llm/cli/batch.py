@@ -17,7 +17,15 @@ from portable_llm.cli.options import (
     sampling_options,
     token_ids,
 )
-from portable_llm.cli.output import Progress, check_usage, error, path_errors, plural, wrap
+from portable_llm.cli.output import (
+    Progress,
+    activations_note,
+    check_usage,
+    error,
+    path_errors,
+    plural,
+    wrap,
+)
 
 __all__ = ["add_batch_parser", "run_batch"]
 
@@ -70,7 +78,7 @@ def run_batch(
         with progress.still("loading"):
             model = load(
                 args.path, backend=args.backend, dtype=args.dtype, device=args.device,
-                dequantize=args.dequantize,
+                dequantize=args.dequantize, activations=args.activations,
             )  # fmt: skip
         tok = model.tokenizer
         if args.prompt and tok is None:
@@ -115,5 +123,6 @@ def run_batch(
         print(f"--- [{rid}] {reasons[rid]}, {len(new[rid])} tokens\n{body}", file=out)
     speed = total / seconds if seconds else 0.0
     line = f"{len(ids)} requests, {total} new tokens in {seconds:.3f} s: {speed:.1f} tokens/s"
+    line += activations_note(model)
     print(wrap(line + " (aggregate, prefill included)"), file=out)
     return 0

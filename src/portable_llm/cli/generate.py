@@ -22,7 +22,15 @@ from portable_llm.cli.options import (
     sampling_options,
     token_ids,
 )
-from portable_llm.cli.output import Progress, check_usage, error, path_errors, plural, wrap
+from portable_llm.cli.output import (
+    Progress,
+    activations_note,
+    check_usage,
+    error,
+    path_errors,
+    plural,
+    wrap,
+)
 
 __all__ = ["add_generate_parser", "run_generate"]
 
@@ -132,7 +140,8 @@ def run_generate(
         f"prefill: {plural(s.prompt_tokens, 'token')} in {s.prefill_seconds:.3f} s, "
         f"{s.prefill_tokens_per_second:.1f} tokens/s",
         f"decode: {plural(s.decode_steps, 'token')} in {s.decode_seconds:.3f} s, "
-        f"{s.decode_tokens_per_second:.1f} tokens/s" + (" (1 torch thread)" if one else ""),
+        f"{s.decode_tokens_per_second:.1f} tokens/s{activations_note(model)}"
+        + (" (1 torch thread)" if one else ""),
     ]
     if isinstance(s, SpeculativeStats):
         lines += [
@@ -158,7 +167,8 @@ def _load(args: argparse.Namespace, draft_path: str | None) -> tuple[dict, bool,
     )
     model = load(
         args.path, backend=args.backend, dtype=args.dtype, device=args.device,
-        dequantize=getattr(args, "dequantize", "auto"), **groups,
+        dequantize=getattr(args, "dequantize", "auto"),
+        activations=getattr(args, "activations", "auto"), **groups,
     )  # fmt: skip
     draft = None
     if draft_path is not None:

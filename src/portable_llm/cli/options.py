@@ -1,6 +1,6 @@
 """The flags the subcommands share, defined once, so that every subcommand spells, checks,
 explains and defaults them alike: where the model runs (``--backend``, ``--dtype``,
-``--device``, ``--dequantize``, ``--threads``), how prompts are read and decoded
+``--device``, ``--dequantize``, ``--activations``, ``--threads``), how prompts are read and decoded
 (``--prefill-step-size``, ``--max-batch``), sampling (``--max-new-tokens``, ``--temperature``,
 ..., ``--chat``), speculative decoding and partitioning.
 
@@ -33,6 +33,8 @@ __all__ = [
     "DeprecatedAlias",
     "HelpFormatter",
     "Parser",
+    "ACTIVATIONS",
+    "add_activations_argument",
     "add_engine_arguments",
     "add_max_new_tokens_argument",
     "add_model_arguments",
@@ -312,7 +314,38 @@ FORMS = {
     ("bench", "--dtype"): "inputs",
     ("batch", "--prompt"): "repeatable",
     ("batch", "--ids"): "repeatable",
+    ("bench", "--activations"): "selection",
 }
+
+#: ``--activations``' values: :func:`portable_llm.load`'s ``activations``.
+ACTIVATIONS = ("auto", "float", "int8")
+
+
+def add_activations_argument(p: argparse.ArgumentParser, *, selection: bool = False) -> None:
+    """``--activations MODE``: what a quantized checkpoint's codes multiply (``pl.load``'s
+    ``activations``); ``selection`` (``bench --model``): repeatable, the modes to time
+    (default: both, where the checkpoint is quantized)."""
+    if selection:
+        p.add_argument(
+            "--activations",
+            action="append",
+            choices=ACTIVATIONS,
+            metavar="MODE",
+            help="a .gguf --model: time its quantized projections with these activations "
+            "(repeatable: auto, float, int8; default float and int8, each with its KL "
+            "divergence on the bundled text)",
+        )
+        return
+    p.add_argument(
+        "--activations",
+        choices=ACTIVATIONS,
+        default="auto",
+        metavar="MODE",
+        help="a quantized checkpoint: float multiplies its codes' weights by the activations "
+        "as they are (exact); int8 rounds each projection's input to 8-bit blocks first, as "
+        "llama.cpp does (judged by KL divergence: docs/gguf.md); auto (default) is int8 where "
+        "measured faster and as close as llama.cpp's, else float",
+    )
 
 
 def add_selection_arguments(p: argparse.ArgumentParser) -> None:
@@ -332,7 +365,7 @@ def add_selection_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """The checkpoint ``path`` and how it is loaded: ``--backend``, ``--dtype``, ``--device``,
-    ``--dequantize``, ``--threads``."""
+    ``--dequantize``, ``--activations``, ``--threads``."""
     p.add_argument(
         "path",
         help="a checkpoint: a folder (config.json, *.safetensors, tokenizer.json), a .gguf file, "
@@ -360,6 +393,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "where they decode at least as fast as floats here; yes (or no value): every weight as "
         "--dtype floats, more memory; no: keep every code, least memory",
     )
+    add_activations_argument(p)
     add_threads_argument(p)
 
 

@@ -17,6 +17,7 @@ from portable_llm.checkpoint.hub import is_repo_id
 
 __all__ = [
     "HEARTBEAT",
+    "activations_note",
     "WIDTH",
     "Phases",
     "Progress",
@@ -178,3 +179,13 @@ class Table:
     def header(self) -> str:
         """The header line and the rule of dashes under it."""
         return self.row(self.headers) + "\n" + self.row(["-" * w for w in self.widths])
+
+
+def activations_note(model: object) -> str:
+    """``", int8 activations"`` (or ``float``) for a model with quantized projections, to end
+    a speed line with the mode that ran (:attr:`portable_llm.models.Model.activations`); ``""``
+    for a model without them, or one that does not say (another model of the protocol)."""
+    mode = getattr(model, "activations", None)
+    if mode is None or not getattr(model, "quantized_projections", 0):
+        return ""
+    return f", {mode} activations"

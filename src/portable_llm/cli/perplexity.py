@@ -11,7 +11,14 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from portable_llm.cli.options import add_model_arguments, apply_threads, positive_int
-from portable_llm.cli.output import Progress, check_usage, error, path_errors, plural
+from portable_llm.cli.output import (
+    Progress,
+    activations_note,
+    check_usage,
+    error,
+    path_errors,
+    plural,
+)
 
 __all__ = ["DEFAULT_TEXT", "add_perplexity_parser", "run_perplexity"]
 
@@ -108,7 +115,7 @@ def run_perplexity(
         start = time.perf_counter()
         model = load(
             args.path, backend=args.backend, dtype=args.dtype, device=args.device,
-            dequantize=args.dequantize,
+            dequantize=args.dequantize, activations=args.activations,
         )  # fmt: skip
         if model.tokenizer is None:
             raise ValueError(f"{args.path} has no tokenizer: perplexity needs one to read --text")
@@ -152,7 +159,8 @@ def run_perplexity(
         )
         print(f"same top token as the base: {100 * result.top1_agreement:.2f} %", file=out)
     speed = result.tokens_per_second
-    print(f"speed: {speed:.1f} tok/s ({result.chunks * args.ctx} tokens evaluated)", file=out)
+    evaluated = f"{result.chunks * args.ctx} tokens evaluated"
+    print(f"speed: {speed:.1f} tok/s{activations_note(model)} ({evaluated})", file=out)
     if args.save_logprobs:
         written = save_logprobs(args.save_logprobs, kept)
         print(f"saved the scored log-probabilities to {written}", file=out)

@@ -27,7 +27,7 @@ from portable_llm.cli.options import (
     non_negative_int,
     positive_int,
 )
-from portable_llm.cli.output import Phases, plural
+from portable_llm.cli.output import Phases, activations_note, plural
 from portable_llm.extras import install_hint
 
 __all__ = ["add_serve_parser", "listen", "run_serve"]
@@ -209,7 +209,9 @@ def run_serve(args: argparse.Namespace) -> int:
     )  # fmt: skip
     address, port = sock.getsockname()[:2]
     shown = f"[{address}]" if ":" in address else address
-    print(f"portable-llm serve: {name} on http://{shown}:{port}/v1", file=sys.stderr)
+    note = activations_note(model).removeprefix(", ")  # "int8 activations", or ""
+    on = f"{name} ({note})" if note else name
+    print(f"portable-llm serve: {on} on http://{shown}:{port}/v1", file=sys.stderr)
     print(f"portable-llm serve: chat page at http://{shown}:{port}/", file=sys.stderr)
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level))
     if ranks is not None:
@@ -252,7 +254,7 @@ def _load(args: argparse.Namespace, groups: dict[str, Any], *, announce: bool) -
         with still if announce else contextlib.nullcontext():
             return load(
                 args.path, backend=args.backend, dtype=args.dtype, device=args.device,
-                dequantize=args.dequantize, **groups,
+                dequantize=args.dequantize, activations=args.activations, **groups,
             )  # fmt: skip
     except (FileNotFoundError, ValueError, TypeError, ImportError, OSError) as exc:
         print(f"portable-llm serve: error: {str(exc)[:2000]}", file=sys.stderr)

@@ -22,6 +22,7 @@ from portable_llm.backends import Backend, backend_of
 from portable_llm.ops.kernels import Packed, QLinear
 from portable_llm.ops.linear import MlpWeights
 from portable_llm.ops.quant import QuantizedWeight
+from portable_llm.ops.quant_int8 import projection_op
 
 __all__ = [
     "AttnWeights",
@@ -92,13 +93,16 @@ def preparable(bk: Backend, dtype: Any, arrays: Sequence[Any], blocks: Sequence[
     return True
 
 
-def bind_weight(d: Any, w: Any) -> Any:
-    """``w`` bound for the prepared forward: a :class:`QLinear` for a quantized weight, a
+def bind_weight(d: Any, w: Any, activations: str = "float") -> Any:
+    """``w`` bound for the prepared forward: a :class:`QLinear` for a quantized weight (its op
+    that of ``activations``: :func:`~portable_llm.ops.quant_int8.projection_op`), a
     :class:`Packed` one where the backend packs it (``pack_linear``), else ``w`` itself."""
     if isinstance(w, QuantizedWeight):
-        pick = partial(d.pick, "quantized_linear", "auto")
-        fast = partial(d.specialized, "quantized_linear")
-        return QLinear(*w.arrays, bits=w.bits, group_size=w.group_size, pick=pick, specialize=fast)
+        op = projection_op(activations, "model")
+        pick, fast = partial(d.pick, op, "auto"), partial(d.specialized, op)
+        return QLinear(
+            *w.arrays, bits=w.bits, group_size=w.group_size, pick=pick, specialize=fast, op=op
+        )
     packed = d.pick("pack_linear", "auto", w)(d.backend.xp, w)
     if packed is w:
         return w

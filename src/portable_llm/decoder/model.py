@@ -34,6 +34,7 @@ from portable_llm.ops.embedding import embedding, unembed
 from portable_llm.ops.linear import linear, mlp
 from portable_llm.ops.moe import moe
 from portable_llm.ops.norm import layer_norm, rms_norm
+from portable_llm.ops.quant_int8 import projection_op
 
 __all__ = ["Block", "Model"]
 
@@ -187,6 +188,11 @@ class Model:
     weights bound into typed records, kernels chosen once, the mask and RoPE table built once
     per forward); ``False``, or a mixed-dtype float weight, composes the public ops layer by
     layer (:attr:`prepared` is then ``None``). Both give the same logits, bit for bit.
+
+    ``activations`` (default ``"float"``): ``"int8"`` multiplies every quantized projection's
+    codes by its input rounded to 8-bit blocks (``quantized_linear_int8``: llama.cpp's way,
+    judged by KL divergence, :doc:`gguf`); it needs the prepared forward and at least one
+    quantized projection (else a ValueError). Float weights are multiplied as they are.
     """
 
     def __init__(
@@ -199,7 +205,9 @@ class Model:
         generation_config: dict[str, Any] | None = None,
         prepared: bool = True,
         compile: bool = True,
+        activations: str = "float",
     ) -> None:
+        projection_op(activations, "model")  # the name checked before any weight is bound
         self.config = config
         self.backend = backend
         if config.norm_offset:  # Gemma's norms scale by 1 + w: the scale formed once, here
@@ -227,13 +235,24 @@ class Model:
             self.prepared = Prepared(
                 config, backend, self.dtype, self.embed, self.norm, self.lm_head, self.blocks,
                 norm_bias=self.norm_bias, head_bias=self.head_bias, positions=self.positions,
+                activations=activations,
             )  # fmt: skip
+        #: The activations of the quantized projections: ``"float"`` or ``"int8"``.
+        self.activations = activations
+        if activations == "int8":
+            _check_int8(self.prepared)
         #: The compiled decode step (:mod:`portable_llm.decoder.compiled`; JAX, and MLX for
         #: float weights), run by a call with one token per row and caches that hold the
         #: prompt; ``None`` elsewhere.
         self.compiled: CompiledStep | None = None
         if compile and self.prepared is not None:
             self.compiled = compiled_step(self.prepared)
+
+    @property
+    def quantized_projections(self) -> int:
+        """How many projections (the LM head included) the prepared forward binds quantized:
+        those that :attr:`activations` rules (0 without a prepared forward)."""
+        return 0 if self.prepared is None else self.prepared.quantized_projections
 
     def _top_arrays(self) -> list[Any]:
         top = (self.embed, self.norm, self.lm_head, self.norm_bias, self.head_bias, self.positions)
@@ -244,7 +263,8 @@ class Model:
         return (
             f"Model({c.model_type}, layers={c.num_hidden_layers}, E={c.hidden_size}, "
             f"H={c.num_attention_heads}, H_kv={c.num_key_value_heads}, V={c.vocab_size}, "
-            f"backend={self.backend.name!r}, dtype={self.backend.dtype_name(self.dtype)})"
+            f"backend={self.backend.name!r}, dtype={self.backend.dtype_name(self.dtype)}"
+            + (", activations='int8')" if self.activations == "int8" else ")")
         )
 
     def __call__(
@@ -468,6 +488,21 @@ class Model:
             else:
                 caches.append(RotatingKVCache(window, step=step, left_padding=left_padding))
         return caches
+
+
+def _check_int8(prepared: Prepared | None) -> None:
+    """A model of ``activations="int8"`` runs the prepared forward (where its quantized
+    projections are bound to ``quantized_linear_int8``) and has at least one of them."""
+    if prepared is None:
+        raise ValueError(
+            "model: activations='int8' runs in the prepared forward, which this model does not "
+            "have (prepared=False, or weights of mixed dtypes or backends)"
+        )
+    if prepared.quantized_projections == 0:
+        raise ValueError(
+            "model: activations='int8' multiplies quantized weights' codes, and this model has "
+            "no quantized projection (a float checkpoint, or loaded with dequantize=True)"
+        )
 
 
 def _llama4_attention(cfg: DecoderConfig, i: int) -> dict[str, Any]:

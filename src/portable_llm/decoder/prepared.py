@@ -94,6 +94,9 @@ class Prepared:
         completes its partial sums: applied to each layer's attention and feed-forward outputs
         before their biases and norms (``o_proj``'s bias is then added after it); ``None`` on
         one device.
+    activations : {"float", "int8"}
+        The activations of every quantized projection (:func:`~portable_llm.load`'s): each
+        :class:`QLinear` is bound to ``quantized_linear`` or ``quantized_linear_int8``.
     """
 
     def __init__(
@@ -110,8 +113,11 @@ class Prepared:
         head_bias: Any = None,
         positions: Any = None,
         reduce: Callable[[Any], Any] | None = None,
+        activations: str = "float",
     ) -> None:
         self.config = config
+        #: The activations of the quantized projections (``"float"`` or ``"int8"``).
+        self.activations = activations
         self.norm_bias, self.head_bias, self.positions = norm_bias, head_bias, positions
         #: The model's norms are LayerNorm (GPT-2, Phi-2), with biases; else RMSNorm.
         self.layer_norm = config.norm == "layer"
@@ -120,7 +126,7 @@ class Prepared:
         self.embed, self.norm = embed, norm
         self.head = embed if lm_head is None else lm_head  # (V, E)
         d = self.dispatch = dispatcher(bk)
-        self.layers = [bind_layer(b, lambda w: bind_weight(d, w)) for b in blocks]
+        self.layers = [bind_layer(b, lambda w: bind_weight(d, w, activations)) for b in blocks]
         #: A tensor-parallel rank's all-reduce (``None``: one device); o_proj's bias moves
         #: after it, so the sum counts it once.
         self.reduce = reduce
@@ -129,12 +135,12 @@ class Prepared:
                 replace(layer, attn=replace(layer.attn, bo=None), o_bias=layer.attn.bo)
                 for layer in self.layers
             ]
-        self._head = bind_weight(d, self.head)  # QLinear (quantized) or Packed where packed
+        self._head = bind_weight(d, self.head, activations)  # QLinear, Packed, or the weight
         projections = [w for layer in self.layers for w in layer_projections(layer)]
+        #: The projections kept quantized (the LM head included): those ``activations`` rules.
+        self.quantized_projections = sum(type(w) is QLinear for w in [*projections, self._head])
         #: Whether a weight is quantized (a compiled step takes them on JAX only).
-        self.quantized = isinstance(embed, QuantizedWeight) or any(
-            type(w) is QLinear for w in [*projections, self._head]
-        )
+        self.quantized = isinstance(embed, QuantizedWeight) or self.quantized_projections > 0
         self.H, self.H_kv, self.D = (
             config.num_attention_heads,
             config.num_key_value_heads,
@@ -280,7 +286,7 @@ class Prepared:
         if head is self.head:
             head = self._head
         elif isinstance(head, QuantizedWeight):  # another head than the one bound at load
-            head = bind_weight(self.dispatch, head)
+            head = bind_weight(self.dispatch, head, self.activations)
         h = self.normed(kn, h, norm, self.norm_bias)
         if kn.bound and type(head) in BOUND_PROJECTIONS:  # its own kernel (another head too)
             logits = head(self.xp, h, self.head_bias)  # (B, L, V)

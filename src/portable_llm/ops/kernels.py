@@ -68,6 +68,10 @@ class Packed:
 class QLinear:
     """A quantized projection ``(N, K)`` (MLX's affine format) with its kernels.
 
+    Its op (:attr:`op`) is ``quantized_linear``, or ``quantized_linear_int8`` in a model of
+    8-bit activations, fixed when the weight is bound
+    (:func:`~portable_llm.decoder.layer_weights.bind_weight`).
+
     ``quantized_linear``'s kernel is chosen once per weight, dtype and shape of ``x``'s leading
     axes (``auto`` looks at the row count: a few rows of a decode step take another portable
     path than a prefill), then called directly; where the backend's kernel offers a
@@ -88,6 +92,10 @@ class QLinear:
     )
     #: specialize(fn, x, packed, scales, biases, b, **format) -> fn(xp, x, b) or None
     specialize: Fn | None = field(default=None, compare=False, repr=False)
+    #: The op its kernels belong to: ``quantized_linear`` (float activations) or
+    #: ``quantized_linear_int8`` (the activations in 8-bit blocks: a model loaded with
+    #: ``activations="int8"``), the name a trace records.
+    op: str = "quantized_linear"
 
     def __call__(self, xp: Any, x: Any, b: Any) -> Any:
         """``x @ dequantize(w).T + b`` in x's dtype."""
@@ -114,7 +122,7 @@ class QLinear:
         :attr:`pick` chooses; recorded by a trace)."""
         arrays = (self.packed, self.scales, self.biases)
         opts = {"bits": self.bits, "group_size": self.group_size}
-        fn = pick(bk, "quantized_linear", "auto", x, *arrays, b, **opts)
+        fn = pick(bk, self.op, "auto", x, *arrays, b, **opts)
         return fn(xp, x, *arrays, b, **opts)
 
 

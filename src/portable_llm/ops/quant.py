@@ -25,7 +25,7 @@ from portable_llm.core.checks import check_float, check_int, check_ndim, float_c
 from portable_llm.core.dispatch import auto_portable, pick, portable
 from portable_llm.ops.affine import affine
 from portable_llm.ops.quant_codes import exact_divide, pack_codes, unpack_codes
-from portable_llm.ops.quant_int8 import ACTIVATIONS
+from portable_llm.ops.quant_int8 import projection_op
 
 __all__ = [
     "BITS",
@@ -532,17 +532,8 @@ def quantized_linear(
     p, s, b = qw.arrays
     opts = {"bits": qw.bits, "group_size": qw.group_size}
     if activations != "float":
-        op = _int8_op(activations)
+        op = projection_op(activations, op)
     return pick(bk, op, impl, x, p, s, b, bias, **opts)(bk.xp, x, p, s, b, bias, **opts)
-
-
-def _int8_op(activations: Any) -> str:
-    """The op of an ``activations`` mode other than ``"float"``, or the error naming it."""
-    if activations not in ACTIVATIONS:
-        raise ValueError(
-            f"quantized_linear: activations must be one of {ACTIVATIONS}, got {activations!r}"
-        )
-    return "quantized_linear_int8"
 
 
 def quantized_embedding(ids: Any, qw: QuantizedWeight, bk: Backend) -> Any:

@@ -30,13 +30,47 @@ from portable_llm.core.checks import float_compute_dtype
 from portable_llm.core.dispatch import portable
 from portable_llm.ops.quant_codes import exact_divide, unpack_codes
 
-__all__ = ["ACTIVATIONS", "activation_block", "quantize_activations"]
+__all__ = [
+    "ACTIVATIONS",
+    "INT8_BY_DEFAULT",
+    "activation_block",
+    "int8_by_default",
+    "projection_op",
+    "quantize_activations",
+]
 
 #: The activation modes of a quantized projection: ``"float"`` (exact: the codes' float weights
 #: times float activations) and ``"int8"`` (the activations rounded to 8 bits per block).
 ACTIVATIONS: tuple[str, ...] = ("float", "int8")
+#: ``(backend, device kind)`` where ``pl.load(..., activations="auto")`` (the default) takes the
+#: int8 mode for a quantized checkpoint: where a whole decode measured faster in it than in the
+#: default float mode *and* its KL divergence from the float model on real text was no worse
+#: than llama.cpp's own on the same file (docs/gguf.md, "8-bit activations"; the figures in
+#: benchmarks/README.md). Elsewhere ``auto`` is ``"float"``.
+INT8_BY_DEFAULT: frozenset[tuple[str, str]] = frozenset()
 #: The largest activation block (llama.cpp's Q8_0: 32 values, one scale).
 _BLOCK = 32
+
+
+def projection_op(activations: Any, where: str) -> str:
+    """The op of a quantized projection whose activations are ``activations``:
+    ``quantized_linear`` (``"float"``) or ``quantized_linear_int8`` (``"int8"``); the one check
+    of the mode's name, for :func:`~portable_llm.quantized_linear` and a model's bound weights.
+
+    Raises
+    ------
+    ValueError
+        ``activations`` not in :data:`ACTIVATIONS`, named with ``where`` (the caller).
+    """
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"{where}: activations must be one of {ACTIVATIONS}, got {activations!r}")
+    return "quantized_linear" if activations == "float" else "quantized_linear_int8"
+
+
+def int8_by_default(backend: str, device: str) -> bool:
+    """Whether ``activations="auto"`` is ``"int8"`` on ``backend`` (a name) and ``device``
+    (``"cpu"`` or ``"gpu"``): the rule of :data:`INT8_BY_DEFAULT`."""
+    return (backend, device) in INT8_BY_DEFAULT
 
 
 def activation_block(group_size: int) -> int:
