@@ -192,7 +192,7 @@ def attention(
                 f"known: {', '.join(ROPE_OPTIONS)}"
             )
     extra = () if isinstance(mask, str) or mask is None else (mask,)
-    # Quantized projections (ops/quant.py) skip resolve; their arrays stay as they are.
+    # Quantized projections (ops/quant/) skip resolve; their arrays stay as they are.
     names = ("wq", "wk", "wv", "wo")
     quantized = {
         n: w for n, w in zip(names, (wq, wk, wv, wo), strict=True) if isinstance(w, QuantizedWeight)

@@ -15,8 +15,7 @@ from typing import Any, NamedTuple
 from portable_llm.backends import FLOAT_DTYPES, Backend, get_backend
 from portable_llm.decoder.config import DecoderConfig
 from portable_llm.decoder.model import Model
-from portable_llm.ops.quant import QuantizedWeight, device_kind
-from portable_llm.ops.quant_int8 import ACTIVATIONS, int8_by_default
+from portable_llm.ops.quant import ACTIVATIONS, QuantizedWeight, device_kind, int8_by_default
 from portable_llm.text.tokenizer import Tokenizer
 
 __all__ = ["CheckpointContents", "LoadOptions", "build_model"]
@@ -56,7 +55,7 @@ class LoadOptions:
 
     def int8(self, *, partitioned: bool = False) -> bool:
         """Whether the quantized projections take 8-bit activations: ``activations="int8"``,
-        or ``"auto"`` where :func:`~portable_llm.ops.quant_int8.int8_by_default` says so
+        or ``"auto"`` where :func:`~portable_llm.ops.quant.policy.int8_by_default` says so
         for this backend and device (and the codes are not dropped: ``dequantize=True``).
 
         Raises

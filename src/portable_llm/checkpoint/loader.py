@@ -85,11 +85,11 @@ def load(
         activations"). ``"float"``: the activations as they are (the exact product of the
         dequantized weights). ``"int8"``: each projection's input rounded to 8-bit blocks of 32
         first, as llama.cpp's Q8 blocks, and multiplied in integers
-        (:mod:`portable_llm.ops.quant_int8`): judged by KL divergence on real text
+        (:mod:`portable_llm.ops.quant.int8`): judged by KL divergence on real text
         (:func:`~portable_llm.perplexity`); ``dequantize="auto"`` then keeps every code, and
         the model must have a quantized projection. ``"auto"`` (default): ``"int8"`` for a
         quantized checkpoint where it was measured faster with a KL divergence no worse than
-        llama.cpp's (:data:`~portable_llm.ops.quant_int8.INT8_BY_DEFAULT`), else ``"float"``.
+        llama.cpp's (:data:`~portable_llm.ops.quant.policy.INT8_BY_DEFAULT`), else ``"float"``.
         The model's :attr:`~portable_llm.models.Model.activations` says which ran; float
         weights are multiplied as they are in either mode.
 

@@ -21,8 +21,7 @@ from portable_llm.attn.block import AttnWeights
 from portable_llm.backends import Backend, backend_of
 from portable_llm.ops.kernels import Packed, QLinear
 from portable_llm.ops.linear import MlpWeights
-from portable_llm.ops.quant import QuantizedWeight
-from portable_llm.ops.quant_int8 import projection_op
+from portable_llm.ops.quant import QuantizedWeight, projection_op
 
 __all__ = [
     "AttnWeights",
@@ -95,7 +94,7 @@ def preparable(bk: Backend, dtype: Any, arrays: Sequence[Any], blocks: Sequence[
 
 def bind_weight(d: Any, w: Any, activations: str = "float") -> Any:
     """``w`` bound for the prepared forward: a :class:`QLinear` for a quantized weight (its op
-    that of ``activations``: :func:`~portable_llm.ops.quant_int8.projection_op`), a
+    that of ``activations``: :func:`~portable_llm.ops.quant.int8.projection_op`), a
     :class:`Packed` one where the backend packs it (``pack_linear``), else ``w`` itself."""
     if isinstance(w, QuantizedWeight):
         op = projection_op(activations, "model")

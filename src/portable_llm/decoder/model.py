@@ -34,7 +34,7 @@ from portable_llm.ops.embedding import embedding, unembed
 from portable_llm.ops.linear import linear, mlp
 from portable_llm.ops.moe import moe
 from portable_llm.ops.norm import layer_norm, rms_norm
-from portable_llm.ops.quant_int8 import projection_op
+from portable_llm.ops.quant import projection_op
 
 __all__ = ["Block", "Model"]
 

@@ -1,6 +1,6 @@
 """CPU kernels written with numba: quantized codes times 8-bit activations (``activations="int8"``).
 
-``quantized_linear_int8`` (:mod:`portable_llm.ops.quant_int8`) as llama.cpp computes it: each
+``quantized_linear_int8`` (:mod:`portable_llm.ops.quant.int8`) as llama.cpp computes it: each
 row of x rounded to Q8_0 blocks (``d = max|x| / 127`` per block of ``A = min(32, group_size)``,
 codes in [-127, 127], the same true division and half-to-even rounding as the portable path),
 then integer dots of those codes with the weight's centred codes ``q - c``, scaled back in
@@ -111,14 +111,14 @@ def prepack(packed: Any, scales: Any, biases: Any, *, bits: int, group_size: int
 
 
 def activation_block(group_size: int) -> int:
-    """``A = min(32, group_size)``: ``ops.quant_int8.activation_block``'s rule, which these
+    """``A = min(32, group_size)``: ``ops.quant.int8.activation_block``'s rule, which these
     kernels (a layer below ops) are handed as a weight's group size."""
     return min(32, group_size)
 
 
 def _codes(packed: np.ndarray, bits: int) -> np.ndarray:
     """uint32 words ``(N, W)`` -> int32 codes ``(N, W * 32 / bits)``: the little-endian bit
-    stream of ``ops.quant_codes`` read through the words' bytes, a slab of rows at a time."""
+    stream of ``ops.quant.codes`` read through the words' bytes, a slab of rows at a time."""
     n = packed.shape[0]
     by = np.ascontiguousarray(packed).view(np.uint8)  # (N, 4W)
     if bits == 8:

@@ -1,6 +1,6 @@
 """The one float product under :func:`~portable_llm.linear` and the quantized ops: ``affine``.
 
-Kept below ``ops/linear.py`` and ``ops/quant.py`` so that both call it without importing each
+Kept below ``ops/linear.py`` and ``ops/quant/`` so that both call it without importing each
 other.
 """
 

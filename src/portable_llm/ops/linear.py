@@ -86,7 +86,7 @@ def linear(
     array, shape ``(N.., O)``, x's dtype
         float16/bfloat16 products are accumulated in float32 and rounded once.
     """
-    if isinstance(weight, QuantizedWeight):  # ops/quant.py
+    if isinstance(weight, QuantizedWeight):  # ops/quant/
         return quantized_linear(x, weight, bias, impl=impl, backend=backend)
     bk, (x, weight, bias) = resolve("linear", backend, x, weight, bias)
     weight, bias = check_linear("linear", bk, x, weight, bias, "weight")

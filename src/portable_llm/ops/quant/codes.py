@@ -5,8 +5,8 @@ bits*k + bits - 1``, and stream bit ``b`` is bit ``b % 32`` of word ``b // 32``.
 bits a code never straddles two words; for 3, 5 and 6 bits some do. The portable code unpacks
 with shifts and masks on int32 (the uint32 words reinterpreted: every library wraps the
 conversion, and torch has no shifts on uint32); the codes are exact whatever the int32's sign.
-Used by the exact mode (:mod:`portable_llm.ops.quant`) and the 8-bit activation mode
-(:mod:`portable_llm.ops.quant_int8`).
+Used by the exact mode's kernels (:mod:`portable_llm.ops.quant.kernels`) and the 8-bit
+activation mode (:mod:`portable_llm.ops.quant.int8`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Quantized weights times 8-bit activations: llama.cpp's way of multiplying codes.
 
-The exact mode (:func:`~portable_llm.ops.quant.quantized_linear`) multiplies the codes' float
-weights by float activations. This mode (``activations="int8"``) rounds the activations too,
-on the fly, as llama.cpp's Q8_0 blocks do, and multiplies integers:
+The exact mode (:func:`~portable_llm.ops.quant.public.quantized_linear`) multiplies the codes'
+float weights by float activations. This mode (``activations="int8"``) rounds the activations
+too, on the fly, as llama.cpp's Q8_0 blocks do, and multiplies integers:
 
 1. each row of ``x`` ``(M, K)`` is cut into blocks of ``A = min(32, group_size)`` values; block
    ``j`` of row ``m`` gets the scale ``d[m, j] = max|x[m, block j]| / 127`` and the codes
@@ -28,13 +28,11 @@ from typing import Any
 
 from portable_llm.core.checks import float_compute_dtype
 from portable_llm.core.dispatch import portable
-from portable_llm.ops.quant_codes import exact_divide, unpack_codes
+from portable_llm.ops.quant.codes import exact_divide, unpack_codes
 
 __all__ = [
     "ACTIVATIONS",
-    "INT8_BY_DEFAULT",
     "activation_block",
-    "int8_by_default",
     "projection_op",
     "quantize_activations",
 ]
@@ -42,12 +40,6 @@ __all__ = [
 #: The activation modes of a quantized projection: ``"float"`` (exact: the codes' float weights
 #: times float activations) and ``"int8"`` (the activations rounded to 8 bits per block).
 ACTIVATIONS: tuple[str, ...] = ("float", "int8")
-#: ``(backend, device kind)`` where ``pl.load(..., activations="auto")`` (the default) takes the
-#: int8 mode for a quantized checkpoint: where a whole decode measured faster in it than in the
-#: default float mode *and* its KL divergence from the float model on real text was no worse
-#: than llama.cpp's own on the same file (docs/gguf.md, "8-bit activations"; the figures in
-#: benchmarks/README.md). Elsewhere ``auto`` is ``"float"``.
-INT8_BY_DEFAULT: frozenset[tuple[str, str]] = frozenset()
 #: The largest activation block (llama.cpp's Q8_0: 32 values, one scale).
 _BLOCK = 32
 
@@ -65,12 +57,6 @@ def projection_op(activations: Any, where: str) -> str:
     if activations not in ACTIVATIONS:
         raise ValueError(f"{where}: activations must be one of {ACTIVATIONS}, got {activations!r}")
     return "quantized_linear" if activations == "float" else "quantized_linear_int8"
-
-
-def int8_by_default(backend: str, device: str) -> bool:
-    """Whether ``activations="auto"`` is ``"int8"`` on ``backend`` (a name) and ``device``
-    (``"cpu"`` or ``"gpu"``): the rule of :data:`INT8_BY_DEFAULT`."""
-    return (backend, device) in INT8_BY_DEFAULT
 
 
 def activation_block(group_size: int) -> int:
