@@ -20,7 +20,7 @@ from portable_llm.core.dispatch import dispatcher
 from portable_llm.native.numba_cpu import PREFILL_ROWS
 from portable_llm.ops.quant import QuantizedWeight, quantize
 from portable_llm.ops.quant import quantized_linear as qlinear
-from portable_llm.ops.quant_codes import pack_codes
+from portable_llm.ops.quant.codes import pack_codes
 from portable_llm.testing import assert_close, random_array, random_weight, reference, tolerance
 from portable_llm.testing.strategies import seeds
 
