@@ -24,6 +24,7 @@ from portable_llm.backends import (
 # Caches.
 from portable_llm.caches.kv import KVCache, RotatingKVCache
 from portable_llm.caches.paged import PagedKVCache, PagePool, PagePoolExhausted
+from portable_llm.caches.recurrent import RecurrentCache, RecurrentSlots
 
 # Models: the decoder, reading checkpoints, text.
 from portable_llm.checkpoint import CheckpointError, load, read_config
@@ -65,6 +66,7 @@ from portable_llm.ops.activations import (
     silu,
     softmax,
 )
+from portable_llm.ops.delta_rule import gated_delta_rule
 from portable_llm.ops.embedding import embedding, unembed
 from portable_llm.ops.linear import intermediate_size, linear, mlp
 from portable_llm.ops.moe import moe, route
@@ -72,6 +74,8 @@ from portable_llm.ops.norm import layer_norm, rms_norm
 from portable_llm.ops.penalties import apply_penalties, logit_bias_row
 from portable_llm.ops.quant import QuantizedWeight, dequantize, quantize, quantized_linear
 from portable_llm.ops.sampling import greedy, logprobs, sample
+from portable_llm.ops.short_conv import short_conv
+from portable_llm.ops.ssd import ssd_scan
 from portable_llm.rotary.rope import apply_rope, rope, rope_cos_sin
 from portable_llm.text import TextStream, Tokenizer
 
@@ -86,6 +90,7 @@ __all__ = [
     "clamped_swiglu",
     "dequantize",
     "embedding",
+    "gated_delta_rule",
     "gelu",
     "gelu_tanh",
     "greedy",
@@ -109,8 +114,10 @@ __all__ = [
     "apply_penalties",
     "logit_bias_row",
     "scaled_dot_product_attention",
+    "short_conv",
     "silu",
     "softmax",
+    "ssd_scan",
     "unembed",
     # backends, arrays, dispatch
     "BACKENDS",
@@ -131,6 +138,8 @@ __all__ = [
     "PagePool",
     "PagePoolExhausted",
     "PagedKVCache",
+    "RecurrentCache",
+    "RecurrentSlots",
     "RotatingKVCache",
     # models
     "SUPPORTED_MODEL_TYPES",

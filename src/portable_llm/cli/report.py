@@ -56,6 +56,7 @@ from portable_llm.core.dispatch import TraceEntry, dispatcher, replay, trace
 from portable_llm.decoder.layer_weights import Packed, QLinear, bind_weight
 from portable_llm.extras import install_hint
 from portable_llm.ops.activations import clamped_swiglu, gelu, gelu_tanh, relu, silu, softmax
+from portable_llm.ops.delta_rule import gated_delta_rule
 from portable_llm.ops.embedding import embedding, unembed
 from portable_llm.ops.linear import linear, mlp
 from portable_llm.ops.moe import moe
@@ -63,6 +64,8 @@ from portable_llm.ops.moe import route as moe_route
 from portable_llm.ops.norm import layer_norm, rms_norm
 from portable_llm.ops.quant import QuantizedWeight, dequantize, quantize, quantized_linear
 from portable_llm.ops.sampling import logprobs
+from portable_llm.ops.short_conv import short_conv
+from portable_llm.ops.ssd import ssd_scan
 from portable_llm.rotary.rope import rope
 from portable_llm.testing import (
     BACKEND_TOLERANCES,
@@ -520,6 +523,62 @@ CASES.extend([
          seed=199),
     Case("moe(grouped)", "moe", _moe_grouped_case, _moe_grouped_call, _moe_grouped_reference,
          seed=200),
+])  # fmt: skip
+
+
+# -- the recurrent blocks: a short convolution, the gated delta rule, the Mamba-2 scan ----------
+# Each returns (out, state); the row checks out, from a state, over chunks of 2 (chunked form).
+
+
+def _conv_case(seed: int, dtype: str, backend: str) -> Inputs:
+    B, L, C, K = 2, 5, 64, 4
+    shapes = [(B, L, C), (C, K), (C,), (B, K - 1, C)]
+    return _inputs(*(random_array(seed + j, s, dtype, backend=backend)
+                     for j, s in enumerate(shapes)), activation="silu")  # fmt: skip
+
+
+def _delta_case(seed: int, dtype: str, backend: str) -> Inputs:
+    B, L, h_k, H, d = 2, 5, 2, 4, 16
+    kw: dict[str, Any] = {"backend": backend}
+    return _inputs(
+        random_array(seed, (B, L, h_k, d), dtype, **kw),
+        random_array(seed + 1, (B, L, h_k, d), dtype, **kw),
+        random_array(seed + 2, (B, L, H, d), dtype, **kw),
+        random_array(seed + 3, (B, L, H), dtype, **kw, low=-1.0, high=0.0),
+        random_array(seed + 4, (B, L, H), dtype, **kw, low=0.0, high=1.0),
+        random_array(seed + 5, (B, H, d, d), "float32", **kw),
+        qk_l2_norm=True,
+    )
+
+
+def _ssd_case(seed: int, dtype: str, backend: str) -> Inputs:
+    B, L, G, H, P, N = 2, 5, 2, 4, 8, 16
+    kw: dict[str, Any] = {"backend": backend}
+    return _inputs(
+        random_array(seed, (B, L, H, P), dtype, **kw),
+        random_array(seed + 1, (B, L, H), dtype, **kw),
+        random_array(seed + 2, (H,), "float32", **kw, low=-2.0, high=-0.5),
+        random_array(seed + 3, (B, L, G, N), dtype, **kw, scale=1 / 3),
+        random_array(seed + 4, (B, L, G, N), dtype, **kw, scale=1 / 3),
+        random_array(seed + 5, (H,), "float32", **kw),
+        random_array(seed + 6, (B, L, H, P), dtype, **kw),
+        random_array(seed + 7, (H,), "float32", **kw, scale=1 / 3),
+        random_array(seed + 8, (B, H, P, N), "float32", **kw),
+    )
+
+
+CASES.extend([
+    Case("short_conv", "short_conv", _conv_case,
+         lambda x, w, b, s, **o: short_conv(x, w, bias=b, state=s, **o)[0],
+         lambda x, w, b, s, **o: reference.short_conv(x, w, b, s, **o)[0], seed=230),
+    Case("gated_delta_rule", "gated_delta_rule", _delta_case,
+         lambda *a, **o: gated_delta_rule(*a[:5], state=a[5], chunk_size=2, **o)[0],
+         lambda *a, **o: reference.gated_delta_rule(*a, **o)[0], seed=240),
+    Case("ssd_scan", "ssd_scan", _ssd_case,
+         lambda x, dt, A, B, C, D, z, b, s, **o: ssd_scan(
+             x, dt, A, B, C, D=D, z=z, dt_bias=b, state=s, chunk_size=2, **o)[0],
+         lambda x, dt, A, B, C, D, z, b, s: reference.ssd_scan(
+             x, dt, A, B, C, D=D, z=z, dt_bias=b, state=s)[0], seed=250),
 ])  # fmt: skip
 
 

@@ -75,6 +75,13 @@ def check_optional_int(
     return None if value is None else check_int(op, name, value, low=low, high=high)
 
 
+def check_bool(op: str, name: str, value: Any) -> bool:
+    """``value`` if it is a ``bool``, else a ``TypeError`` naming ``op`` and ``name``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{op}: {name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
 def check_real(
     op: str,
     name: str,

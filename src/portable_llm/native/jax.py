@@ -247,3 +247,23 @@ def quantized_linear(
     if bias is not None:
         y = y + bias.astype(acc)
     return y.astype(x.dtype)
+
+
+def _conv_prefer(u: Any, weight: Any) -> bool:
+    return bool(u.shape[1] > weight.shape[1])  # L > 1 tokens: one token takes the window
+
+
+# short_conv: the depthwise convolution as a grouped lax.conv_general_dilated in float32 (float64
+# for float64), channels last; the op adds the bias and activation and rounds once.
+@native(
+    "jax", "short_conv", kernel="jax.lax.conv_general_dilated(feature_group_count=C)",
+    prefer=_conv_prefer, pure=True,
+)  # fmt: skip
+def short_conv(xp: Any, u: Any, weight: Any) -> Any:
+    compute = _compute(u.dtype)
+    rhs = jnp.transpose(weight.astype(compute))[:, None, :]  # (K, 1, C): width, in/group, out
+    return jax.lax.conv_general_dilated(
+        u.astype(compute), rhs, window_strides=(1,), padding="VALID",
+        dimension_numbers=("NWC", "WIO", "NWC"), feature_group_count=weight.shape[0],
+        precision=jax.lax.Precision.HIGHEST,
+    )  # fmt: skip

@@ -323,3 +323,16 @@ def paged_attention(
     k, v = opts.gather(xp, k_pages, tables), opts.gather(xp, v_pages, tables)  # (B, H_kv, S, D)
     mask = opts.mask(xp, lens, q.shape[2], k.shape[2], 0, None)  # (B, 1, L, S)
     return scaled_dot_product_attention(xp, q, k, v, mask, sinks, opts=opts.sdpa)
+
+
+def _conv_prefer(u: Any, weight: Any) -> bool:
+    return bool(u.shape[1] > weight.shape[1])  # L > 1 tokens: one token takes the window
+
+
+# short_conv: the depthwise convolution as a grouped mx.conv1d (channels last, mlx-lm's
+# ShortConv) in float32 (float64 for float64); the op adds the bias and activation.
+@native("mlx", "short_conv", kernel="mx.conv1d(groups=C)", prefer=_conv_prefer)
+def short_conv(xp: Any, u: Any, weight: Any) -> Any:
+    compute = mx.float64 if u.dtype == mx.float64 else mx.float32
+    w = weight.astype(compute)[:, :, None]  # (C, K, 1): out, width, in/group
+    return mx.conv1d(u.astype(compute), w, groups=weight.shape[0])

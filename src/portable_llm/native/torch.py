@@ -780,3 +780,17 @@ def quantized_linear_int8(
 def _numba_int8_dense(x: Any) -> bool:
     """Whether a product of these rows takes the dense route (``numba_cpu.q8_values``)."""
     return x.numel() // x.shape[-1] >= numba_cpu.PREFILL_ROWS
+
+
+def _conv_prefer(u: Any, weight: Any) -> bool:
+    return bool(u.shape[1] > weight.shape[1])  # L > 1 tokens: one token takes the window
+
+
+# short_conv: the depthwise convolution as a grouped F.conv1d (HF causal_conv1d_fn's call) in
+# float32 (float64 for float64); the op adds the bias and activation and rounds once.
+@native("torch", "short_conv", kernel="torch.nn.functional.conv1d(groups=C)", prefer=_conv_prefer)
+def short_conv(xp: Any, u: Any, weight: Any) -> Any:
+    compute = torch.float64 if u.dtype == torch.float64 else torch.float32
+    w = weight.to(compute)[:, None, :]  # (C, 1, K)
+    y = F.conv1d(u.to(compute).transpose(1, 2), w, groups=w.shape[0])  # (B, C, L)
+    return y.transpose(1, 2)  # (B, L, C)

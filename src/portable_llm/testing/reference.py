@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from portable_llm.testing.recurrent_reference import gated_delta_rule, short_conv, ssd_scan
+
 __all__ = [
     "attention",
     "attention_temperature",
@@ -19,6 +21,7 @@ __all__ = [
     "clamped_swiglu",
     "embedding",
     "gelu",
+    "gated_delta_rule",
     "gelu_tanh",
     "grouped_route",
     "layer_norm",
@@ -33,8 +36,10 @@ __all__ = [
     "route",
     "sampling_probs",
     "scaled_dot_product_attention",
+    "short_conv",
     "silu",
     "softmax",
+    "ssd_scan",
     "unembed",
 ]
 

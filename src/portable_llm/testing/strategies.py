@@ -1,5 +1,5 @@
 """Hypothesis strategies shared by every test: shapes ``N.. x D``, float dtypes, seeds, token
-ids, JSON schemas."""
+ids, JSON schemas, the dimensions of the recurrent ops."""
 
 from __future__ import annotations
 
@@ -13,11 +13,15 @@ from portable_llm.backends import get_backend
 __all__ = [
     "LAST_SIDES",
     "SIDES",
+    "chunk_sizes",
+    "conv_dims",
+    "delta_rule_dims",
     "float_dtypes",
     "json_schemas",
     "seeds",
     "shapes",
     "sizes",
+    "ssd_dims",
     "token_ids",
 ]
 
@@ -113,3 +117,38 @@ def _depth(schema: dict[str, Any]) -> int:
         *[schema[k] for k in ("items",) if k in schema],
     ]
     return 1 + max((_depth(s) for s in inner), default=0)
+
+
+# -- the recurrent ops (short_conv, gated_delta_rule, ssd_scan) ---------------------------------
+# Few, small sides: the references loop in Python, and JAX compiles per shape (and unrolls each
+# token of the recurrent form and each row of the chunked form's UT transform).
+_TOKENS = st.sampled_from([1, 2, 5, 6])
+_BATCH = st.sampled_from([1, 2])
+
+
+def conv_dims() -> st.SearchStrategy[tuple[int, int, int, int]]:
+    """``(B, L, C, K)`` of :func:`~portable_llm.short_conv`: ``K`` taps from 1 (no state) to 4
+    (Mamba's ``d_conv``; LFM2's ``conv_L_cache`` is 3)."""
+    return st.tuples(_BATCH, _TOKENS, st.sampled_from([1, 3, 8]), st.sampled_from([1, 2, 3, 4]))
+
+
+def delta_rule_dims() -> st.SearchStrategy[tuple[int, int, int, int, int, int]]:
+    """``(B, L, H_k, H, D_k, D_v)`` of :func:`~portable_llm.gated_delta_rule`: ``H`` a multiple
+    of ``H_k`` (Qwen3-Next has twice as many value heads as key heads)."""
+    heads = st.sampled_from([(1, 1), (1, 2), (2, 4)])
+    dims = st.sampled_from([(4, 4), (8, 3)])
+    return st.tuples(_BATCH, _TOKENS, heads, dims).map(lambda t: (t[0], t[1], *t[2], *t[3]))
+
+
+def ssd_dims() -> st.SearchStrategy[tuple[int, int, int, int, int, int]]:
+    """``(B, L, n_groups, H, P, N)`` of :func:`~portable_llm.ssd_scan`: ``H`` a multiple of
+    ``n_groups``."""
+    heads = st.sampled_from([(1, 1), (1, 2), (2, 4)])
+    dims = st.sampled_from([(2, 4), (4, 8)])
+    return st.tuples(_BATCH, _TOKENS, heads, dims).map(lambda t: (t[0], t[1], *t[2], *t[3]))
+
+
+def chunk_sizes() -> st.SearchStrategy[int]:
+    """Chunk sizes of the chunked forms: one token, sizes that split 5 and 6 unevenly, and one
+    larger than every sequence drawn."""
+    return st.sampled_from([1, 2, 4, 64])
