@@ -325,6 +325,31 @@ def test_apply_threads_sets_torch_threads():
         torch.set_num_threads(before)
 
 
+def test_apply_threads_on_torch_sets_numpys_blas_threads():
+    """torch's one-row float32 products run on NumPy's BLAS (``native/torch.py``), so
+    ``--threads`` on torch sets its threads too (a BLAS left at two threads decoded 5x slower on
+    a busy machine)."""
+    pytest.importorskip("torch")
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    import torch
+
+    def blas_threads() -> set[int]:
+        return {
+            i["num_threads"] for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas"
+        }
+
+    before = torch.get_num_threads()
+    with threadpoolctl.threadpool_limits(2, user_api="blas"):  # restored on exit
+        if not blas_threads():
+            pytest.skip("NumPy's BLAS is not one threadpoolctl sees")
+        assert blas_threads() == {2}
+        try:
+            options.apply_threads(1, ["torch"])
+            assert blas_threads() == {1}
+        finally:
+            torch.set_num_threads(before)
+
+
 def test_report_and_bench_print_each_row_as_it_is_ready(monkeypatch, capsys):
     # When the third case runs, the rows of the first two are already out.
     seen: list[str] = []

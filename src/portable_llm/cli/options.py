@@ -203,8 +203,12 @@ def apply_threads(threads: int | None, backends: Sequence[str], file: Any = None
     ``threads``: the ``--threads`` value; ``None`` takes :func:`default_threads`. torch gets
     ``torch.set_num_threads``; NumPy's BLAS gets ``threadpoolctl.threadpool_limits`` where
     threadpoolctl is installed (else a note on ``file``, default stderr, says how to set
-    ``OPENBLAS_NUM_THREADS``). JAX and MLX are left as they are: XLA fixes its CPU threads when
-    it starts, and MLX has no thread setting.
+    ``OPENBLAS_NUM_THREADS``), for NumPy and for torch alike: at one torch thread torch's
+    one-row float32 products (a decode step) run on NumPy's BLAS (``native/torch.py``
+    ``linear``), whose threads, left at one per core, spin against the other processes of a
+    busy machine (SmolLM2 float32 decode 0.27 tok/s with OpenBLAS at 2 threads against 1.4-1.5
+    at 1, load 15-19 on 2 cores). JAX and MLX are left as they are: XLA fixes its CPU threads
+    when it starts, and MLX has no thread setting.
 
     Called by a command after parsing its flags, never on import. ``threads`` above
     :data:`THREADS_PER_CPU` per CPU is a ValueError (:func:`check_threads`), before any library
@@ -218,7 +222,7 @@ def apply_threads(threads: int | None, backends: Sequence[str], file: Any = None
             pass
         else:
             torch.set_num_threads(n)
-    if "numpy" in backends:
+    if "numpy" in backends or "torch" in backends:
         try:
             threadpoolctl = importlib.import_module("threadpoolctl")  # optional, untyped
         except ImportError:
