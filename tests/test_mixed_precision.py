@@ -31,7 +31,7 @@ def _weights(backend: str, dtype: str) -> dict[str, Any]:
         "norm": (E,), "w": (V, E), "b": (V,), "gate": (INTER, E), "up": (INTER, E),
         "down": (E, INTER), "b_gate": (INTER,), "b_up": (INTER,), "b_down": (E,),
         "router": (X, E), "e_gate": (X, INTER, E), "e_up": (X, INTER, E),
-        "e_down": (X, E, INTER), "shared_gate": (1, E),
+        "e_down": (X, E, INTER), "shared_gate": (1, E), "conv": (E, 3),
     }  # fmt: skip
     return {
         k: random_weight(j + 1, s, dtype, backend=backend)[0]
@@ -59,6 +59,7 @@ OPS: dict[str, Callable[[Any, dict[str, Any]], Any]] = {
     "route": lambda x, w: pl.route(x, w["router"], top_k=2, norm_topk_prob=True),
     "moe": lambda x, w: _moe(x, w),
     "moe_dense": lambda x, w: _moe(x, w, impl="dense"),
+    "short_conv": lambda x, w: pl.short_conv(x, w["conv"], bias=w["b_down"]),
 }
 
 
@@ -103,7 +104,7 @@ def test_float64_weights_with_float32_activations(backend, op):
     [
         ("rms_norm", "norm"), ("linear", "w"), ("linear", "b"), ("mlp", "down"),
         ("mlp", "b_up"), ("unembed", "w"), ("route", "router"), ("moe", "e_up"),
-        ("moe", "shared_gate"),
+        ("moe", "shared_gate"), ("short_conv", "conv"),
     ],
 )  # fmt: skip
 def test_integer_weights_are_a_type_error(backend, op, name):

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from portable_llm.backends import resolve
-from portable_llm.core.checks import check_bool, check_int, float_compute_dtype
+from portable_llm.core.checks import check_bool, check_int, float_compute_dtype, match_weight
 from portable_llm.core.dispatch import auto_portable, pick, portable
 from portable_llm.core.types import Array, Namespace
 from portable_llm.ops.activations import logistic
@@ -98,8 +98,10 @@ def short_conv(
     x : array, shape ``(B, L, C)``, float dtype
         Tokens along axis 1, channels last (HF's layout transposed).
     weight : array, shape ``(C, K)``, float dtype
-        HF ``conv.weight.squeeze(1)``: ``weight[c, K - 1]`` multiplies the newest input.
+        HF ``conv.weight.squeeze(1)``: ``weight[c, K - 1]`` multiplies the newest input. Cast
+        to ``x``'s dtype when it differs (the mixed-precision rule of every op with weights).
     bias : array, shape ``(C,)``, optional
+        Cast as ``weight``.
     state : array, shape ``(B, K - 1, C)``, optional
         The last ``K - 1`` inputs before ``x`` (oldest first); zeros when ``None`` (the start of
         a sequence). Any float dtype: cast to ``x``'s.
@@ -136,6 +138,8 @@ def short_conv(
     if activation not in CONV_ACTIVATIONS:
         raise ValueError(f"{OP}: activation must be one of {CONV_ACTIVATIONS}, got {activation!r}")
     check_bool(OP, "all_states", all_states)
+    weight = match_weight(OP, "weight", weight, x, bk)  # the mixed-precision rule
+    bias = match_weight(OP, "bias", bias, x, bk)
     if state is None:
         state = xp.zeros((B, K - 1, C), dtype=x.dtype, device=bk.device_of(x))
     else:
