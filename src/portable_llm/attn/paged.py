@@ -177,6 +177,8 @@ def _auto(
     return "blocked" if scores >= BLOCKED_MIN_KEYS else "portable"
 
 
+# Over 80 lines for its docstring (the pool's layout, every option, the errors); the code is ~25
+# lines: the metadata checks live in paged_args (attn/paged_args.py).
 def paged_attention(
     q: Any,
     pool: Any,

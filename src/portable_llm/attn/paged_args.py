@@ -189,6 +189,22 @@ def paged_args(
     (``(2, N)`` int32, see :func:`_page_map`) is given when the pool-wide path is to run
     (``impl="pool"``, or ``"auto"`` where it pays), else ``None``.
     """
+    _check_arrays(op, bk, q, k_pages, v_pages, tables, lens)
+    opts = _options(
+        op, q.shape[-1], scale=scale, window=window, softcap=softcap, block_pages=block_pages,
+        chunk=chunk,
+    )  # fmt: skip
+    page_map = None
+    if not (bk.is_traced(tables) or bk.is_traced(lens)):
+        tables, page_map = _checked_tables(op, bk, impl, q, k_pages, tables, lens)
+    tables, lens = _index(bk, tables), _index(bk, lens)
+    return (q, k_pages, v_pages, tables, lens, page_map), {"opts": opts}
+
+
+def _check_arrays(
+    op: str, bk: Backend, q: Any, k_pages: Any, v_pages: Any, tables: Any, lens: Any
+) -> None:
+    """The shapes and dtypes of a paged-attention call's arrays (no host read)."""
     check_float(op, "q", q, bk)
     if q.ndim != 4:
         raise ValueError(f"{op}: q must have shape (B, H, L, D), got {_shape(q)}")
@@ -207,8 +223,8 @@ def paged_args(
             f"{op}: q ({bk.dtype_name(q.dtype)}, {_shape(q)}) and the pool's pages "
             f"({bk.dtype_name(k_pages.dtype)}, {_shape(k_pages)}) must share one dtype"
         )
-    B, H, L, D = _shape(q)
-    N, H_kv, P, D_k = _shape(k_pages)
+    B, H, _, D = _shape(q)
+    _, H_kv, P, D_k = _shape(k_pages)
     if D_k != D:
         raise ValueError(f"{op}: q {_shape(q)} and pool.k_pages {_shape(k_pages)} differ in D")
     if P < 1:
@@ -228,6 +244,12 @@ def paged_args(
             f"{op}: block_tables {_shape(tables)} and context_lens {_shape(lens)} must have q's "
             f"batch size B={B} (q {_shape(q)})"
         )
+
+
+def _options(
+    op: str, D: int, *, scale: Any, window: Any, softcap: Any, block_pages: Any, chunk: Any
+) -> PagedOptions:
+    """The checked options of a paged-attention call (``D``: the head dim, for the scale)."""
     window = check_window(op, window)
     chunk = int_option(op, "chunk", chunk, low=1, optional=True)
     if softcap is not None:
@@ -237,23 +259,30 @@ def paged_args(
     else:
         scale = real_option(op, "scale", scale, "a finite number or None")
     block_pages = int_option(op, "block_pages", block_pages, low=1)
-    page_map = None
-    if not (bk.is_traced(tables) or bk.is_traced(lens)):
-        tables, t, used = _check_metadata(op, bk, tables, lens, L, P, N)
-        # The pool-wide path reads every page of the pool once, and copies q once per page:
-        # it pays when the rows' pages fill most of the pool and G * L <= P (decode).
-        dense = 2 * int(used.sum()) >= N and (H // H_kv) * L <= P
-        if impl == "pool" or (impl == "auto" and dense):
-            host = _page_map(t, used, N, P)
-            if host is None and impl == "pool":
-                raise ValueError(
-                    f"{op}: impl='pool' needs each page in at most one row; block_tables "
-                    f"{_shape(tables)} gives a page to two rows"
-                )
-            page_map = None if host is None else bk.from_numpy(host, bk.device_of(q))
-    tables, lens = _index(bk, tables), _index(bk, lens)
-    opts = PagedOptions(
+    return PagedOptions(
         sdpa=SdpaOptions(scale=scale, softcap=softcap), window=window, block_pages=block_pages,
         chunk=chunk,
     )  # fmt: skip
-    return (q, k_pages, v_pages, tables, lens, page_map), {"opts": opts}
+
+
+def _checked_tables(
+    op: str, bk: Backend, impl: str, q: Any, k_pages: Any, tables: Any, lens: Any
+) -> tuple[Any, Any]:
+    """The tables checked against the lengths and the pool (one host read), and the page map
+    of the pool-wide path where it runs (``impl="pool"``, or ``"auto"`` where it pays), else
+    ``None``."""
+    _, H, L, _ = _shape(q)
+    N, H_kv, P, _ = _shape(k_pages)
+    tables, t, used = _check_metadata(op, bk, tables, lens, L, P, N)
+    # The pool-wide path reads every page of the pool once, and copies q once per page:
+    # it pays when the rows' pages fill most of the pool and G * L <= P (decode).
+    dense = 2 * int(used.sum()) >= N and (H // H_kv) * L <= P
+    if not (impl == "pool" or (impl == "auto" and dense)):
+        return tables, None
+    host = _page_map(t, used, N, P)
+    if host is None and impl == "pool":
+        raise ValueError(
+            f"{op}: impl='pool' needs each page in at most one row; block_tables "
+            f"{_shape(tables)} gives a page to two rows"
+        )
+    return tables, None if host is None else bk.from_numpy(host, bk.device_of(q))

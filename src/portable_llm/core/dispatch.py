@@ -390,25 +390,29 @@ def register_kernel(
     if kernel is None:
         named = fn if hasattr(fn, "__qualname__") else type(fn)  # a callable object: its class
         kernel = f"{named.__module__}.{named.__qualname__}"
-    if auto_dtypes is not None:
-        if isinstance(auto_dtypes, str) or not all(isinstance(d, str) for d in auto_dtypes):
-            raise TypeError(
-                f"register_kernel: auto_dtypes must be a sequence of dtype names, got "
-                f"{auto_dtypes!r}"
-            )
-        auto_dtypes = tuple(auto_dtypes)
-        unknown = [d for d in auto_dtypes if d not in FLOAT_DTYPES]
-        if unknown:
-            raise ValueError(
-                f"register_kernel: auto_dtypes names unknown float dtype(s) {unknown}; known: "
-                f"{', '.join(FLOAT_DTYPES)}"
-            )
-    spec = (fn, kernel, applies, auto_dtypes)
+    spec = (fn, kernel, applies, _auto_dtypes(auto_dtypes))
     _USER_NATIVE.setdefault(name, {})[op] = Native(*spec)
     for bk, d in _DISPATCHERS.items():
         if bk.name == name:
             d.install(op, Native(*spec))
     return fn
+
+
+def _auto_dtypes(auto_dtypes: Sequence[str] | None) -> tuple[str, ...] | None:
+    """``register_kernel``'s ``auto_dtypes`` as a tuple of known float dtype names (or None)."""
+    if auto_dtypes is None:
+        return None
+    if isinstance(auto_dtypes, str) or not all(isinstance(d, str) for d in auto_dtypes):
+        raise TypeError(
+            f"register_kernel: auto_dtypes must be a sequence of dtype names, got {auto_dtypes!r}"
+        )
+    unknown = [d for d in auto_dtypes if d not in FLOAT_DTYPES]
+    if unknown:
+        raise ValueError(
+            f"register_kernel: auto_dtypes names unknown float dtype(s) {unknown}; known: "
+            f"{', '.join(FLOAT_DTYPES)}"
+        )
+    return tuple(auto_dtypes)
 
 
 def unregister_kernel(backend: str, op: str) -> None:

@@ -143,14 +143,9 @@ def mlp(
     array, shape ``(N.., L, E)``, x's dtype
     """
     swiglu = swiglu_option("mlp", act, swiglu_limit, swiglu_alpha)
-    if is_quantized(w_gate, w_up, w_down):  # the same steps, each projection quantized or not
-        gate = linear(x, w_gate, b_gate, impl=impl, backend=backend)  # (N.., I)
-        up = linear(x, w_up, b_up, impl=impl, backend=backend)  # (N.., I)
-        if swiglu is None:
-            h = activation(act)(gate, impl=impl) * up
-        else:
-            h = clamped_swiglu(gate, up, limit=swiglu[0], alpha=swiglu[1], impl=impl)
-        return linear(h, w_down, b_down, impl=impl, backend=backend)  # (N.., E)
+    if is_quantized(w_gate, w_up, w_down):
+        weights = MlpWeights(w_gate, w_up, w_down, b_gate, b_up, b_down, swiglu)
+        return _quantized_mlp(x, weights, act, impl, backend)
     act_name = activation_op(act, "mlp")
     bk, (x, w_gate, w_up, w_down, b_gate, b_up, b_down) = resolve(
         "mlp", backend, x, w_gate, w_up, w_down, b_gate, b_up, b_down
@@ -174,6 +169,18 @@ def mlp(
     b_down = match_weight("mlp", "b_down", b_down, x, bk)
     weights = MlpWeights(w_gate, w_up, w_down, b_gate, b_up, b_down, swiglu)
     return mlp_body(bk.xp, Kernels(bk, impl, act_name), x, weights)
+
+
+def _quantized_mlp(x: Array, w: MlpWeights, act: str, impl: str, backend: str | None) -> Array:
+    """:func:`mlp` with a quantized projection: the same steps through the public ops, each
+    projection quantized or not (each op checks its own arguments)."""
+    gate = linear(x, w.w_gate, w.b_gate, impl=impl, backend=backend)  # (N.., I)
+    up = linear(x, w.w_up, w.b_up, impl=impl, backend=backend)  # (N.., I)
+    if w.swiglu is None:
+        h = activation(act)(gate, impl=impl) * up
+    else:
+        h = clamped_swiglu(gate, up, limit=w.swiglu[0], alpha=w.swiglu[1], impl=impl)
+    return linear(h, w.w_down, w.b_down, impl=impl, backend=backend)  # (N.., E)
 
 
 def swiglu_option(op: str, act: str, limit: Any, alpha: Any) -> tuple[float, float] | None:
