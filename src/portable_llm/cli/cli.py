@@ -16,6 +16,7 @@ from portable_llm.cli.batch import add_batch_parser, run_batch
 from portable_llm.cli.generate import add_generate_parser, run_generate
 from portable_llm.cli.options import (
     Parser,
+    add_activations_argument,
     add_selection_arguments,
     add_threads_argument,
     apply_threads,
@@ -83,6 +84,7 @@ def parser() -> Parser:
         "dequantized); default a "
         "Qwen2-0.5B-shaped random checkpoint",
     )
+    add_activations_argument(bench, selection=True)
     bench.add_argument(
         "--cache-dir",
         metavar="DIR",
@@ -127,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_model_bench(
                 args.backend, dtype=args.dtype, quick=args.quick, cache_dir=args.cache_dir,
-                folder=None if args.model is True else args.model,
+                folder=None if args.model is True else args.model, activations=args.activations,
             )  # fmt: skip
         if args.command == "bench":
             from portable_llm.cli.bench import run_bench

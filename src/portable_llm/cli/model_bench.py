@@ -13,7 +13,12 @@ measured rule says they decode faster) and dequantized at load (``dequantize=Tru
 ``pl floats`` rows; then the memory of each choice and a warning line where the chosen weights
 decode slower than the dequantized ones), next to llama.cpp
 (``llama-cpp-python``, when installed) on the same file with torch's thread count; the table
-ends with each backend's decode speed as a fraction of llama.cpp's.
+ends with each backend's decode speed as a fraction of llama.cpp's. A ``.gguf`` file also runs in
+each activation mode (``pl.load(..., activations=MODE)``: ``float`` and ``int8`` unless
+``activations`` selects), one row each beside the default's, and each row's KL divergence from
+the file dequantized to float64 is measured on the bundled text (the GNU GPL v3 of
+``/usr/share/common-licenses``, ``KL_CTX`` tokens a chunk; llama.cpp's too, from its logits of
+every position, when it is installed): the figures issue 30 judges the int8 mode by.
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ from portable_llm.extras import install_hint
 
 __all__ = [
     "DEQUANTIZED",
+    "KL",
+    "KL_CTX",
+    "LlamaCppLogits",
     "GGUF_PEERS",
     "MEMORY",
     "PEERS",
@@ -122,18 +130,34 @@ def _model_bytes(model: Any) -> int:
 
 #: (backend, dtype, dequantize) -> bytes of the weights of the last model loaded that way
 MEMORY: dict[tuple[str, str, bool | str], int] = {}
+#: Tokens per chunk of the KL divergence on the bundled text (2 chunks; 1 with ``quick``).
+KL_CTX = 128
+#: (engine, backend) -> the PerplexityResult of the last run of that row on the bundled text
+KL: dict[tuple[str, str], Any] = {}
+
+#: The scored tokens of the bundled text and the base's log-probabilities of them:
+#: ``(ids, bos, chunks, logprobs (T, V))``.
+KlBase = tuple[list[int], int | None, int, np.ndarray]
 
 
 def _ours(
-    folder: Path, backend: str, dtype: str, dequantize: bool | str = "auto"
-) -> tuple[float, Runner]:
+    folder: Path, backend: str, dtype: str, dequantize: bool | str = "auto",
+    activations: str = "auto", kl: tuple[str, KlBase] | None = None,
+) -> tuple[float, Runner]:  # fmt: skip
     from portable_llm.checkpoint.loader import load
     from portable_llm.generation.generate import generate
 
     start = time.perf_counter()
-    model = load(folder, backend=backend, dtype=dtype, dequantize=dequantize)
+    model = load(
+        folder, backend=backend, dtype=dtype, dequantize=dequantize, activations=activations
+    )
     loaded = time.perf_counter() - start
-    MEMORY[backend, dtype, dequantize] = _model_bytes(model)
+    if activations == "auto" and dequantize == "auto":
+        MEMORY[backend, dtype, dequantize] = _model_bytes(model)
+    elif dequantize is True:
+        MEMORY[backend, dtype, True] = _model_bytes(model)
+    if kl is not None:
+        KL[kl[0], backend] = _kl(model, kl[1])
 
     def run(ids: np.ndarray, n: int) -> tuple[float, float]:
         gen = generate(model, ids[0], max_new_tokens=n, stop=())
@@ -142,6 +166,57 @@ def _ours(
         return gen.stats.prefill_seconds, gen.stats.decode_seconds
 
     return loaded, run
+
+
+def _kl(model: Any, base: KlBase) -> Any:
+    """``model``'s perplexity and KL divergence from the base on the bundled text."""
+    from portable_llm.generation.perplexity import perplexity
+
+    ids, bos, chunks, logprobs = base
+    return perplexity(model, ids, ctx=KL_CTX, chunks=chunks, bos=bos, base=logprobs)
+
+
+def _kl_base(path: Path, quick: bool) -> KlBase:
+    """The bundled text's tokens and the log-probabilities of the ``.gguf`` file ``path``
+    dequantized to float64 on NumPy: the base of every row's KL divergence."""
+    from portable_llm.checkpoint.loader import load
+    from portable_llm.cli.perplexity import DEFAULT_TEXT
+    from portable_llm.generation.perplexity import adds_bos, perplexity
+
+    base = load(path, backend="numpy", dtype="float64", dequantize=True, activations="float")
+    if base.tokenizer is None:
+        raise ValueError(f"{path} has no tokenizer: the KL divergence needs one to read the text")
+    text = Path(DEFAULT_TEXT).read_text(encoding="utf-8")
+    ids = base.tokenizer.encode(text, add_special_tokens=False)
+    bos, chunks = adds_bos(base.tokenizer), 1 if quick else 2
+    kept: list[np.ndarray] = []
+    perplexity(base, ids, ctx=KL_CTX, chunks=chunks, bos=bos, keep=kept.append)
+    return ids, bos, chunks, np.concatenate(kept)
+
+
+class LlamaCppLogits:
+    """llama.cpp (``llama-cpp-python``) on a ``.gguf`` file as a model of the generation
+    protocol, for :func:`~portable_llm.perplexity`: ``model(ids (1, L))`` gives the logits
+    ``(1, L, V)`` of every position (``logits_all=True``), from an empty context, on
+    ``threads`` threads."""
+
+    def __init__(self, path: Path, ctx: int, threads: int = 1) -> None:
+        import llama_cpp
+
+        self.llm = llama_cpp.Llama(
+            model_path=str(path), n_ctx=ctx, n_batch=ctx, n_ubatch=ctx, n_threads=threads,
+            n_threads_batch=threads, logits_all=True, verbose=False,
+        )  # fmt: skip
+        self.vocab_size = int(self.llm.n_vocab())
+
+    def make_cache(self) -> None:
+        return None
+
+    def __call__(self, ids: Any, cache: Any = None) -> np.ndarray:
+        row = [int(i) for i in np.asarray(ids)[0]]
+        self.llm.reset()
+        self.llm.eval(row)
+        return np.array(self.llm.scores[: len(row)], dtype=np.float32)[None]  # (1, L, V)
 
 
 def _transformers(folder: Path, dtype: str) -> tuple[float, Runner]:
@@ -296,12 +371,15 @@ def run_model_bench(
     config: dict[str, Any] | None = None,
     folder: str | Path | None = None,
     file: TextIO | None = None,
+    activations: Sequence[str] | None = None,
 ) -> int:
     """Benchmark the checkpoint on every selected backend and on the installed oracles.
 
     ``folder``: any checkpoint folder (config.json and safetensors) or ``.gguf`` file (kept
     quantized, next to llama.cpp); default the random checkpoint of ``config`` (Qwen2-0.5B's
-    shape), written once under ``cache_dir``.
+    shape), written once under ``cache_dir``. ``activations``: a ``.gguf`` file's activation
+    modes to run beside the default (default ``float`` and ``int8``), each with its KL
+    divergence on the bundled text.
     """
     out = file if file is not None else sys.stdout
     names = backend_names(backends)
@@ -319,6 +397,11 @@ def run_model_bench(
     gguf = folder.suffix == ".gguf"
     rows: list[list[str]] = []
     notes: list[str] = []  # the comparisons promised but not run, with why
+    KL.clear()
+    kl = _kl_or_why(folder, quick, phases) if gguf else None
+    if isinstance(kl, str):
+        notes.append(kl)
+        kl = None
     table = Table(_HEADERS, _WIDTHS)
     ids = np.random.default_rng(0).integers(0, min(vocab, 1000), size=(1, PREFILL))
 
@@ -332,9 +415,9 @@ def run_model_bench(
     for name in names:
         if load_for_dtype(name, dtype, out) is None:
             continue
-        engines = [("portable_llm", partial(_ours, folder, name, dtype))]
-        if gguf:  # the same file dequantized at load: the speed and memory of each choice
-            engines.append((DEQUANTIZED, partial(_ours, folder, name, dtype, True)))
+        engines = _gguf_engines(folder, name, dtype, activations, kl) if gguf else [
+            ("portable_llm", partial(_ours, folder, name, dtype))
+        ]  # fmt: skip
         for engine, module, peer in PEERS.get(name, ()):
             why = _why_not(engine, module, gguf)
             if why is None:
@@ -349,6 +432,9 @@ def run_model_bench(
     for engine, module, peer in GGUF_PEERS if gguf else ():
         if _installed(module):
             run(engine, "-", "(file's)", partial(peer, folder, dtype))
+            if kl is not None and engine == "llama.cpp" and _installed("llama_cpp"):
+                with phases("llama.cpp: KL divergence on the bundled text"):
+                    KL[engine, "-"] = _kl(LlamaCppLogits(folder, KL_CTX, _threads()), kl)
         else:
             notes.append(f"{engine} skipped: {module} is not installed")
     ran = sorted({r[0] for r in rows} - {"portable_llm", DEQUANTIZED})
@@ -365,9 +451,60 @@ def run_model_bench(
         f"run is reported (the warm-up column is the first: compilation, allocation). {peers}."
     )
     print(wrap(text, "", ""), file=out)
-    for line in [*notes, *_ratios(rows), *(_choices(rows, dtype) if gguf else [])]:
+    for line in [*notes, *_ratios(rows), *(_choices(rows, dtype) if gguf else []), *_kl_lines()]:
         print(wrap(line), file=out)
     return 0
+
+
+def _kl_or_why(path: Path, quick: bool, phases: Phases) -> KlBase | str:
+    """The base of the KL divergences, or why there is none (the text is missing)."""
+    from portable_llm.cli.perplexity import DEFAULT_TEXT
+
+    if not Path(DEFAULT_TEXT).is_file():
+        return f"KL divergence skipped: the bundled text {DEFAULT_TEXT} is not on this machine"
+    with phases("the base of the KL divergence: the file dequantized to float64 on numpy"):
+        return _kl_base(path, quick)
+
+
+def _gguf_engines(
+    path: Path, backend: str, dtype: str, activations: Sequence[str] | None, kl: KlBase | None
+) -> list[tuple[str, Callable[[], tuple[float, Runner]]]]:
+    """A ``.gguf`` file's rows on ``backend``: as ``pl.load`` loads it, dequantized at load
+    (the speed and memory of each choice), and in each activation mode other than the
+    default's (``pl float``, ``pl int8``); each with its KL divergence when ``kl``."""
+    from portable_llm.checkpoint.build import LoadOptions
+
+    default = "int8" if LoadOptions(backend=backend).int8() else "float"
+    asked = dict.fromkeys(activations or ("float", "int8"))  # in order, once each
+    modes = [m for m in asked if m not in ("auto", default)]
+
+    def ours(engine: str, **how: Any) -> tuple[str, Callable[[], tuple[float, Runner]]]:
+        found = None if kl is None else (engine, kl)
+        return engine, partial(_ours, path, backend, dtype, kl=found, **how)
+
+    return [
+        ours("portable_llm"),
+        ours(DEQUANTIZED, dequantize=True),
+        *(ours(f"pl {mode}", activations=mode) for mode in modes),
+    ]
+
+
+def _kl_lines() -> list[str]:
+    """One line per row measured on the bundled text: its KL divergence from the file
+    dequantized to float64, and its top-1 agreement and perplexity."""
+    if not KL:
+        return []
+    any_result = next(iter(KL.values()))
+    head = (
+        f"KL divergence from the file dequantized to float64 on the bundled text "
+        f"({any_result.tokens} tokens scored, ctx {KL_CTX}), nats:"
+    )
+    return [head] + [
+        f"KL of {engine} on {backend}: mean {r.kl_mean:.6f}, 99th percentile "
+        f"{r.kl_quantile(0.99):.6f}, top-1 {100 * r.top1_agreement:.2f} %, perplexity "
+        f"{r.perplexity:.4f}"
+        for (engine, backend), r in KL.items()
+    ]
 
 
 def _vocab(path: Path) -> int:
@@ -405,11 +542,12 @@ def _ratios(rows: list[list[str]]) -> list[str]:
     if not peer:
         return []
     base = float(peer[0][5])
+    what = {"portable_llm": "", DEQUANTIZED: " dequantized"}  # pl MODE: " MODE activations"
     return [
-        f"decode / llama.cpp: {r[1]} {r[2]}{' dequantized' if r[0] == DEQUANTIZED else ''} "
-        f"{float(r[5]) / base:.2f}x"
+        f"decode / llama.cpp: {r[1]} {r[2]}"
+        f"{what.get(r[0], r[0].replace('pl ', ' ') + ' activations')} {float(r[5]) / base:.2f}x"
         for r in rows
-        if r[0] in ("portable_llm", DEQUANTIZED) and r[5] != "-"
+        if (r[0] == "portable_llm" or r[0].startswith("pl ")) and r[5] != "-"
     ]
 
 
