@@ -385,7 +385,8 @@ def _arr(*shape, dtype="float32"):
          r"scaled_dot_product_attention: q's heads H=3 must be a multiple of k's heads H_kv=2; "
          r"q \(1, 3, 2, 4\), k \(1, 2, 5, 4\)"),
         (_arr(1, 2, 2, 4), _arr(1, 2, 5, 4), _arr(1, 2, 6, 4), {}, ValueError,
-         r"k and v must have the same shape, got \(1, 2, 5, 4\) and \(1, 2, 6, 4\)"),
+         r"k \(B.., H_kv, S, D\) and v \(B.., H_kv, S, D_v\) must agree but in the last "
+         r"dimension, got \(1, 2, 5, 4\) and \(1, 2, 6, 4\)"),
         (_arr(1, 2, 2, 4), _arr(1, 2, 5, 8), _arr(1, 2, 5, 8), {}, ValueError,
          r"q and k must share the head dim D; q \(1, 2, 2, 4\), k \(1, 2, 5, 8\)"),
         (_arr(2, 2, 2, 4), _arr(1, 2, 5, 4), _arr(1, 2, 5, 4), {}, ValueError,

@@ -413,7 +413,11 @@ def test_a_chunk_must_match_the_cache(backend, make, shape, match):
 def test_chunk_checks(backend):
     cache = KVCache()
     k = _kv(backend, (1, 2, 3, 4))
-    with pytest.raises(ValueError, match=r"v must have k's shape and dtype; k \(1, 2, 3, 4\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"v must have k's dtype and shape \(B, H_kv, L, D_v\) "
+        r"but for its head dim D_v \(the cache's: 4\); k \(1, 2, 3, 4\)",
+    ):
         cache.update_and_fetch(k, _kv(backend, (1, 2, 2, 4)))
     with pytest.raises(ValueError, match=r"L >= 1, got \(1, 2, 0, 4\)"):
         cache.update_and_fetch(k[:, :, :0, :], k[:, :, :0, :])

@@ -7,6 +7,7 @@ package imports no array library besides NumPy; a backend is loaded when first u
 # Ops: each written once against the Array API, with native kernels where a backend has them.
 from portable_llm import models
 from portable_llm.attn.block import attention
+from portable_llm.attn.latent import latent_attention
 from portable_llm.attn.mask import causal_mask
 from portable_llm.attn.padding import left_pad
 from portable_llm.attn.paged import paged_attention
@@ -95,6 +96,7 @@ __all__ = [
     "gelu_tanh",
     "greedy",
     "intermediate_size",
+    "latent_attention",
     "layer_norm",
     "left_pad",
     "linear",

@@ -37,7 +37,15 @@ from portable_llm.ops.linear import check_linear
 from portable_llm.ops.quant import QuantizedWeight
 from portable_llm.rotary.args import dispatch_args as rope_dispatch_args
 
-__all__ = ["ROPE_OPTIONS", "AttentionState", "AttnWeights", "attention", "attention_body"]
+__all__ = [
+    "ROPE_OPTIONS",
+    "AttentionState",
+    "AttnWeights",
+    "CallState",
+    "attention",
+    "attention_body",
+    "check_rope_options",
+]
 
 OP = "attention"
 
@@ -55,6 +63,17 @@ _DEFAULT_ROPE: Mapping[str, Any] = MappingProxyType({})
 def _positive(name: str, value: Any) -> int:
     """A count ``>= 1``: Python or NumPy integers (core.checks' policy), else a ValueError."""
     return int(int_option(OP, name, value, low=1))
+
+
+def check_rope_options(op: str, rope: Mapping[str, Any] | None) -> None:
+    """A ValueError naming the keys of a block's ``rope=`` dict that are not
+    :data:`ROPE_OPTIONS`."""
+    unknown = sorted(set(rope or ()) - set(ROPE_OPTIONS))
+    if unknown:
+        raise ValueError(
+            f"{op}: unknown rope option(s) {', '.join(map(repr, unknown))}; "
+            f"known: {', '.join(ROPE_OPTIONS)}"
+        )
 
 
 def _check_padding(be: Any, pad: Any, L: int) -> None:
@@ -184,13 +203,7 @@ def attention(
         raise ValueError(
             f"{OP}: num_heads={h} must be a multiple of num_kv_heads={h_kv} (grouped-query)"
         )
-    if rope is not None:
-        unknown = sorted(set(rope) - set(ROPE_OPTIONS))
-        if unknown:
-            raise ValueError(
-                f"{OP}: unknown rope option(s) {', '.join(map(repr, unknown))}; "
-                f"known: {', '.join(ROPE_OPTIONS)}"
-            )
+    check_rope_options(OP, rope)
     extra = () if isinstance(mask, str) or mask is None else (mask,)
     # Quantized projections (ops/quant/) skip resolve; their arrays stay as they are.
     names = ("wq", "wk", "wv", "wo")
@@ -277,7 +290,7 @@ def attention(
         rope=rope is not None, qk_l2_norm=bool(qk_l2_norm), temperature=temperature, chunk=chunk,
         sinks=sinks,
     )  # fmt: skip
-    state = _CallState(be, impl, rope, offset, rows, cache, pad, mask, softcap, scale, block_size)
+    state = CallState(be, impl, rope, offset, rows, cache, pad, mask, softcap, scale, block_size)
     kernels = Kernels(be, "portable" if impl == "tiled" else impl)
     return attention_body(be.xp, kernels, x, weights, state, 0)  # (B, L, E_out)
 
@@ -377,9 +390,10 @@ def attention_body(
     return o if w.bo is None else o + w.bo
 
 
-class _CallState:
+class CallState:
     """One call of :func:`attention`: RoPE's options and positions, the cache or the padding,
-    the SDPA options (the projections, norms and RoPE take ``impl`` through the kernels)."""
+    the SDPA options (the projections, norms and RoPE take ``impl`` through the kernels).
+    :class:`~portable_llm.attn.latent.LatentCallState` builds on it."""
 
     def __init__(
         self, be: Any, impl: str, rope: Mapping[str, Any] | None, offset: Any, rows: Any,

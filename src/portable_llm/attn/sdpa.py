@@ -24,6 +24,7 @@ __all__ = [
     "SdpaOptions",
     "scaled_dot_product_attention",
     "sdpa_args",
+    "out_shape",
     "sdpa_direct",
     "sink_rows",
     "sink_step",
@@ -100,10 +101,16 @@ def _safe_max(xp: Any, s: Any) -> Any:
 def softmax_finish(xp: Any, acc: Any, total: Any, q: Any) -> Any:
     """The attention output from the weighted values ``acc`` and the softmax denominators
     ``total`` (float32 sums over the keys; rows that see no key give 0), reshaped to ``q``'s
-    ``(B.., H, L, D)`` and rounded once to q's dtype. Shared by the direct, tiled and paged
-    paths."""
+    ``(B.., H, L)`` by the values' head dim ``D_v`` and rounded once to q's dtype. Shared by the
+    direct, tiled and paged paths."""
     out = acc / xp.where(total == 0.0, 1.0, total)  # rows that see no key: 0 / 1
-    return xp.astype(xp.reshape(out, q.shape), q.dtype)  # (B.., H, L, D)
+    return xp.astype(xp.reshape(out, out_shape(q, acc)), q.dtype)  # (B.., H, L, D_v)
+
+
+def out_shape(q: Any, v: Any) -> tuple[int, ...]:
+    """The attention's output shape ``(B.., H, L, D_v)``: q's but for the last axis, ``v``'s
+    (the values' head dim; latent attention's differs from the keys')."""
+    return (*q.shape[:-1], v.shape[-1])
 
 
 def sink_rows(xp: Any, sinks: Any, grid: tuple[int, ...], dtype: Any) -> Any:
@@ -144,7 +151,7 @@ def sdpa_direct(
     *,
     opts: SdpaOptions,
 ) -> Any:
-    """The portable attention in one step (all ``S`` keys' scores at once): ``(B.., H, L, D)``
+    """The portable attention in one step (all ``S`` keys' scores at once): ``(B.., H, L, D_v)``
     in q's dtype, accumulated in float32 (float64 for float64); ``sinks`` ``(H,)``: the
     attention sinks (:func:`sink_step`)."""
     qg, mask, grid = _prepare(xp, q, k, mask, opts.scale)
@@ -168,11 +175,12 @@ _TILED = OP + ".tiled"
 
 
 @portable(_TILED, "start", pure=True)
-def _tiled_start(xp: Any, q: Any, k: Any, mask: Any, *, scale: float) -> tuple[Any, ...]:
+def _tiled_start(xp: Any, q: Any, k: Any, v: Any, mask: Any, *, scale: float) -> tuple[Any, ...]:
     """The grouped, scaled queries, the grouped mask and the empty running state."""
     qg, mask, _ = _prepare(xp, q, k, mask, scale)
     run_max = xp.full_like(qg[..., :1], -math.inf)  # (B.., H_kv, G*L, 1)
-    return qg, mask, run_max, xp.zeros_like(run_max), xp.zeros_like(qg)  # acc: (B.., H_kv, G*L, D)
+    acc = xp.zeros((*qg.shape[:-1], v.shape[-1]), dtype=qg.dtype, device=creation_device(qg))
+    return qg, mask, run_max, xp.zeros_like(run_max), acc  # acc: (B.., H_kv, G*L, D_v)
 
 
 @portable(_TILED, "block", pure=True)
@@ -236,7 +244,7 @@ def _sdpa_tiled(
     bk = backend_of(q)  # q is an array: never None
     assert bk is not None
     start_fn, block_fn, finish_fn = (pick(bk, _TILED, n) for n in ("start", "block", "finish"))
-    qg, mask, run_max, total, acc = start_fn(xp, q, k, mask, scale=opts.scale)
+    qg, mask, run_max, total, acc = start_fn(xp, q, k, v, mask, scale=opts.scale)
     grid = _grid(q, k)
     L, S, window = q.shape[-2], k.shape[-2], opts.window
     first = max(0, S - L - window + 1) if window is not None else 0
@@ -279,9 +287,12 @@ def scaled_dot_product_attention(
     Parameters
     ----------
     q : array, shape ``(B.., H, L, D)``, float dtype
-    k, v : array, shape ``(B.., H_kv, S, D)``, q's dtype
+    k : array, shape ``(B.., H_kv, S, D)``, q's dtype
         ``H`` must be a multiple of ``H_kv``; query head ``h`` uses key/value head
         ``h // (H / H_kv)`` (HF ``repeat_kv``), by broadcasting: K and V are never copied.
+    v : array, shape ``(B.., H_kv, S, D_v)``, q's dtype
+        The values' head dim ``D_v`` may differ from ``D`` (multi-head latent attention:
+        ``D = qk_nope_head_dim + qk_rope_head_dim``, ``D_v = v_head_dim``).
     scale : float, optional
         Multiplies the scores; default ``1 / sqrt(D)``.
     mask : None, "causal", or array broadcastable to ``(B.., H, L, S)``
@@ -311,11 +322,11 @@ def scaled_dot_product_attention(
 
     Returns
     -------
-    array, shape ``(B.., H, L, D)``, q's dtype
+    array, shape ``(B.., H, L, D_v)``, q's dtype
         Scores, softmax and the weighted sum in float32 (float64 for float64 input), rounded
-        once. A query row that sees no key (all masked) returns zeros, not NaN. An empty ``q``
-        (``L``, ``H``, ``D`` or a batch dimension 0) gives an empty result of that shape on
-        every backend; ``S = 0`` (no keys) is a ValueError.
+        once. A query row that sees no key (all masked) returns zeros, not NaN. An empty result
+        (``L``, ``H``, ``D_v`` or a batch dimension 0) has that shape on every backend; ``D = 0``
+        scores every key 0; ``S = 0`` (no keys) is a ValueError.
     """
     given = (q, k, v) if isinstance(mask, str) or mask is None else (q, k, v, mask)
     bk, (*arrays, sinks) = resolve(OP, backend, *given, sinks)
@@ -326,8 +337,9 @@ def scaled_dot_product_attention(
         block_size=block_size,
     )  # fmt: skip
     fn = pick(bk, OP, impl, *args, **opts)
-    if empty(q):  # L, H, D or a batch dim is 0: nothing to compute
-        return bk.xp.zeros(q.shape, dtype=q.dtype, device=bk.device_of(q))
+    shape = out_shape(q, v)
+    if any(n == 0 for n in shape):  # L, H, D_v or a batch dim is 0: nothing to compute
+        return bk.xp.zeros(shape, dtype=q.dtype, device=bk.device_of(q))
     return fn(bk.xp, *args, **opts)
 
 

@@ -136,8 +136,11 @@ def check_sdpa(
         if x.ndim < 3:
             raise ValueError(f"{op}: {name} must have at least 3 dimensions, got {_shape(x)}")
     check_same_dtype(op, bk, q=q, k=k, v=v)
-    if _shape(k) != _shape(v):
-        raise ValueError(f"{op}: k and v must have the same shape, got {_shape(k)} and {_shape(v)}")
+    if _shape(k)[:-1] != _shape(v)[:-1]:  # v's head dim D_v may differ (latent attention)
+        raise ValueError(
+            f"{op}: k (B.., H_kv, S, D) and v (B.., H_kv, S, D_v) must agree but in the last "
+            f"dimension, got {_shape(k)} and {_shape(v)}"
+        )
     if k.ndim != q.ndim or _shape(k)[:-3] != _shape(q)[:-3]:
         raise ValueError(
             f"{op}: k (B.., H_kv, S, D) must have q's batch dimensions; "

@@ -1,12 +1,13 @@
 """What both KV caches share: the buffers, the checks of a chunk, ``trim``, ``make_mask``.
 
-Keys and values live in preallocated buffers ``(B, H_kv, capacity, D)`` that grow in steps of
-``step`` slots, and each update writes only the new tokens through the backend's
-:meth:`~portable_llm.backends.Backend.set_slice`: a slice assignment on NumPy, torch, MLX and
-array-api-strict, a donated ``lax.dynamic_update_slice`` on JAX (immutable arrays). One slot is
-always left free, so what ``update_and_fetch`` returns is a slice of the buffer, never the
-buffer itself. Positions here are *columns* of the (left-padded) batch; see
-:mod:`portable_llm.attn.padding`.
+Keys and values live in preallocated buffers ``(B, H_kv, capacity, D)`` (the values'
+``(B, H_kv, capacity, D_v)``: their head dim may differ, as multi-head latent attention's cache
+of ``c_kv`` and ``k_pe`` does) that grow in steps of ``step`` slots, and each update writes only
+the new tokens through the backend's :meth:`~portable_llm.backends.Backend.set_slice`: a slice
+assignment on NumPy, torch, MLX and array-api-strict, a donated ``lax.dynamic_update_slice`` on
+JAX (immutable arrays). One slot is always left free, so what ``update_and_fetch`` returns is a
+slice of the buffer, never the buffer itself. Positions here are *columns* of the (left-padded)
+batch; see :mod:`portable_llm.attn.padding`.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class BufferCache:
         self._k: Any = None
         self._v: Any = None
         self._dims: tuple[int, int, int] | None = None  # (B, H_kv, D)
+        self._dv: int | None = None  # D_v: the values' head dim
         self._dtype: Any = None
         self._device: Any = None
         self._buffer_device: Any = None
@@ -156,16 +158,19 @@ class BufferCache:
             raise ValueError(
                 f"{op}: k must have shape (B, H_kv, L, D), L >= 1, got {tuple(k.shape)}"
             )
-        if tuple(v.shape) != tuple(k.shape) or v.dtype != k.dtype:
-            raise ValueError(
-                f"{op}: v must have k's shape and dtype; k {tuple(k.shape)} "
-                f"{bk.dtype_name(k.dtype)}, v {tuple(v.shape)} {bk.dtype_name(v.dtype)}"
-            )
         self.check_update(bk, tuple(k.shape), k.dtype, op=op)
+        dv = self._dv if self._dv is not None else v.shape[-1]
+        if tuple(v.shape) != (*k.shape[:3], dv) or v.dtype != k.dtype:
+            raise ValueError(
+                f"{op}: v must have k's dtype and shape (B, H_kv, L, D_v) but for its head dim "
+                f"D_v (the cache's: {dv}); k {tuple(k.shape)} {bk.dtype_name(k.dtype)}, "
+                f"v {tuple(v.shape)} {bk.dtype_name(v.dtype)}"
+            )
         if self._bk is None:
             if self._pad is not None:
                 _, (self._pad,) = resolve(op, bk, self._pad)
             self._bk, self._dims, self._dtype = bk, (k.shape[0], k.shape[1], k.shape[3]), k.dtype
+            self._dv = v.shape[3]
             self._device = bk.device_of(k)
             # The buffers' own placement: k's (a JAX array split over heads on a mesh keeps
             # its split, so each device holds only its heads); masks go to self._device.
@@ -184,8 +189,8 @@ class BufferCache:
         new = new if limit is None else min(new, limit)
         B, H, D = self._dims
         bufs = []
-        for old in (self._k, self._v):
-            buf = xp.zeros((B, H, new, D), dtype=self._dtype, device=self._buffer_device)
+        for old, d in ((self._k, D), (self._v, self._dv)):
+            buf = xp.zeros((B, H, new, d), dtype=self._dtype, device=self._buffer_device)
             bufs.append(buf if old is None else bk.set_slice(buf, (0, 0, 0, 0), old))
         self._k, self._v = bufs
         self.reallocations += 1

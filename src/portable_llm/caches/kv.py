@@ -65,9 +65,9 @@ class KVCache(BufferCache):
 
         Parameters
         ----------
-        k, v : array, shape ``(B, H_kv, L, D)``, float dtype
-            The chunk's keys (after RoPE) and values; ``B``, ``H_kv``, ``D``, the dtype and the
-            library must match earlier chunks.
+        k, v : array, shape ``(B, H_kv, L, D)`` and ``(B, H_kv, L, D_v)``, float dtype
+            The chunk's keys (after RoPE) and values; ``B``, ``H_kv``, ``D``, ``D_v`` (usually
+            ``D``), the dtype and the library must match earlier chunks.
 
         Returns
         -------

@@ -36,6 +36,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from portable_llm.attn.block import attention
+from portable_llm.attn.latent import latent_attention
 from portable_llm.attn.paged import paged_attention
 from portable_llm.attn.sdpa import scaled_dot_product_attention
 from portable_llm.attn.temperature import attention_temperature
@@ -69,10 +70,12 @@ from portable_llm.ops.ssd import ssd_scan
 from portable_llm.rotary.rope import rope
 from portable_llm.testing import (
     BACKEND_TOLERANCES,
+    LATENT_DIMS,
     Tolerance,
     assert_close,
     compare_values,
     random_array,
+    random_latent_layer,
     random_weight,
     reference,
     tolerance,
@@ -579,6 +582,61 @@ CASES.extend([
              x, dt, A, B, C, D=D, z=z, dt_bias=b, state=s, chunk_size=2, **o)[0],
          lambda x, dt, A, B, C, D, z, b, s: reference.ssd_scan(
              x, dt, A, B, C, D=D, z=z, dt_bias=b, state=s)[0], seed=250),
+])  # fmt: skip
+
+
+# -- multi-head latent attention (DeepSeek V3, Kimi K2): both forms, the latent cache ----------
+
+# A DeepSeek V3 layer's shape, scaled down: a query LoRA, d_v != d_n + d_r
+_LATENT = {
+    "hidden_size": _X[-1],
+    "num_heads": 4,
+    "q_lora_rank": 24,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "out_size": _X[-1],
+}
+_LATENT_DIMS: dict[str, Any] = {n: _LATENT[n] for n in LATENT_DIMS}
+_LATENT_NAMES = ("wkv_a", "kv_a_norm", "wkv_b", "wo", "wq_a", "q_a_norm", "wq_b")  # fmt: skip
+
+
+def _latent_case(form: str, prefill: int | None = None) -> Callable[[int, str, str], Inputs]:
+    def build(seed: int, dtype: str, backend: str) -> Inputs:
+        x = random_array(seed, _X, dtype, backend=backend)
+        arrays, refs = random_latent_layer(seed + 1, _LATENT, dtype, backend=backend)
+        assert tuple(arrays) == _LATENT_NAMES
+        options: dict[str, Any] = {"form": form, "prefill": prefill}
+        return Inputs((x[0], *arrays.values()), (x[1], *refs.values()), options)
+
+    return build
+
+
+def _latent_call(x: Any, *weights: Any, impl: str, form: str, prefill: int | None) -> Any:
+    kw = {**dict(zip(_LATENT_NAMES, weights, strict=True)), **_LATENT_DIMS}
+    if prefill is None:
+        return latent_attention(x, **kw, form=form, impl=impl)
+    bk = backend_of(x)
+    assert bk is not None
+    cache = KVCache(static_shapes=bk.static_shapes)  # the latent cache, as Model.make_cache
+    chunks = [x[:, :prefill, :], *(x[:, i : i + 1, :] for i in range(prefill, x.shape[1]))]
+    outs = [latent_attention(c, **kw, cache=cache, form=form, impl=impl) for c in chunks]
+    return bk.xp.concat(outs, axis=1)  # (B, L, E)
+
+
+def _latent_reference(x: Any, *weights: Any, form: str, prefill: int | None) -> np.ndarray:
+    kw = dict(zip(_LATENT_NAMES, weights, strict=True))
+    return reference.latent_attention(x, **kw, **_LATENT_DIMS)  # one causal forward
+
+
+CASES.extend([
+    Case("latent_attention", "latent_attention", _latent_case("expanded"), _latent_call,
+         _latent_reference, seed=201),
+    Case("latent_attention(absorbed)", "latent_attention", _latent_case("absorbed"),
+         _latent_call, _latent_reference, seed=202),
+    Case("latent_attention+cache", "latent_attention", _latent_case("absorbed", _PREFILL),
+         _latent_call, _latent_reference, seed=203),
 ])  # fmt: skip
 
 

@@ -68,6 +68,8 @@ def _platform(x: Any) -> str:
 def _sdpa_applies(q: Any, k: Any, v: Any, mask: Any, sinks: Any = None, *, opts: Any) -> bool:
     if opts.softcap is not None or sinks is not None:  # no score hook, no sink logit
         return False
+    if v.shape[-1] != q.shape[-1]:  # it takes one head dim for q, k and v
+        return False
     if q.dtype == _F64:  # it takes the softmax in float32: 1.8e-7 error, beyond float64's tolerance
         return False
     if q.dtype == jnp.float16 and _platform(q) == "cpu":

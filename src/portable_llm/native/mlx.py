@@ -105,7 +105,7 @@ def scaled_dot_product_attention(
     *,
     opts: Any,
 ) -> Any:
-    shape = q.shape
+    shape = (*q.shape[:-1], v.shape[-1])  # (B.., H, L, D_v)
     if q.ndim != 4:  # the kernel takes exactly (B, H, L, D)
         q, k, v = (a.reshape(-1, *a.shape[-3:]) for a in (q, k, v))
     # ``opts`` is an attn.sdpa_args.SdpaOptions; its methods hold the one visibility rule.

@@ -243,8 +243,8 @@ def _one_query(q: Any, k: Any, v: Any, scale: float) -> Any:
     h_kv = k.shape[-3]
     qg = q.reshape(*lead, h_kv, h // h_kv, d).float() * scale  # (B.., H_kv, G, D)
     s = torch.matmul(qg, k.float().transpose(-1, -2))  # (B.., H_kv, G, S)
-    out = torch.matmul(torch.softmax(s, -1), v.float())  # (B.., H_kv, G, D)
-    return out.reshape(q.shape).to(q.dtype)  # (B.., H, 1, D)
+    out = torch.matmul(torch.softmax(s, -1), v.float())  # (B.., H_kv, G, D_v)
+    return out.reshape(*q.shape[:-1], v.shape[-1]).to(q.dtype)  # (B.., H, 1, D_v)
 
 
 def _all(q: Any) -> Any:

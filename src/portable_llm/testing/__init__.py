@@ -21,11 +21,13 @@ from portable_llm.core.arrays import asarray, to_numpy
 __all__ = [
     "BACKEND_TOLERANCES",
     "DEEP_MODEL_TOLERANCES",
+    "LATENT_DIMS",
     "MODEL_TOLERANCES",
     "TOLERANCES",
     "Tolerance",
     "assert_close",
     "random_array",
+    "random_latent_layer",
     "random_weight",
     "tolerance",
 ]
@@ -321,3 +323,39 @@ def random_weight(
     """
     bound = shape[-1] ** -0.5
     return random_array(seed, shape, dtype, backend=backend, low=-bound, high=bound, device=device)
+
+
+#: The sizes of :func:`random_latent_layer` that are :func:`~portable_llm.latent_attention`'s
+#: keyword arguments (the rest: ``hidden_size``, ``q_lora_rank``, ``out_size``).
+LATENT_DIMS = ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def random_latent_layer(
+    seed: int, sizes: dict[str, Any], dtype: str, /, *, backend: str = "numpy"
+) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """A multi-head latent attention layer's weights, as :func:`random_weight` draws them.
+
+    ``sizes``: HF ``DeepseekV3Config`` names, ``hidden_size`` ``E``, ``num_heads``,
+    ``q_lora_rank`` (``None``: a plain ``wq``), ``kv_lora_rank``, ``qk_nope_head_dim``,
+    ``qk_rope_head_dim``, ``v_head_dim``, and ``out_size`` (``o_proj``'s rows). Returns the
+    ``latent_attention`` keyword arguments on ``backend`` and their float64 copies (the norm
+    weights in ``[0.5, 1.5)``); the sizes of :data:`LATENT_DIMS` are not among them.
+    """
+    E, H, rq = sizes["hidden_size"], sizes["num_heads"], sizes["q_lora_rank"]
+    R, dn, dr, dv = (sizes[n] for n in LATENT_DIMS[1:])
+    shapes: dict[str, tuple[int, ...]] = {
+        "wkv_a": (R + dr, E), "kv_a_norm": (R,), "wkv_b": (H * (dn + dv), R),
+        "wo": (sizes["out_size"], H * dv),
+    }  # fmt: skip
+    if rq is None:
+        shapes["wq"] = (H * (dn + dr), E)
+    else:
+        shapes.update(wq_a=(rq, E), q_a_norm=(rq,), wq_b=(H * (dn + dr), rq))
+    arrays, refs = {}, {}
+    for i, (name, shape) in enumerate(shapes.items()):
+        if name.endswith("_norm"):
+            a, r = random_array(seed + i, shape, dtype, backend=backend, low=0.5, high=1.5)
+        else:
+            a, r = random_weight(seed + i, shape, dtype, backend=backend)
+        arrays[name], refs[name] = a, r
+    return arrays, refs

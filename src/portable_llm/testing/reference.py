@@ -24,6 +24,7 @@ __all__ = [
     "gated_delta_rule",
     "gelu_tanh",
     "grouped_route",
+    "latent_attention",
     "layer_norm",
     "linear",
     "mlp",
@@ -171,6 +172,7 @@ def scaled_dot_product_attention(
     sinks: np.ndarray | None = None,
 ) -> np.ndarray:
     """softmax(q k^T * scale + mask) v, with K/V repeated to q's heads; no-key rows are 0.
+    ``v`` ``(B.., H_kv, S, D_v)`` may have another head dim than q and k.
 
     ``sinks`` ``(H,)`` (gpt-oss): head h's row is ``softmax([scores, sinks[h]])[:-1] @ v``, the
     sink one more logit in the denominator with no value."""
@@ -193,11 +195,11 @@ def scaled_dot_product_attention(
         else:
             scores = scores + _f64(mask)
             allowed &= mask > -np.inf
-    out = np.zeros(q.shape, dtype=np.float64)
+    out = np.zeros((*q.shape[:-1], v.shape[-1]), dtype=np.float64)  # (B.., H, L, D_v)
     flat_s = scores.reshape(-1, L, scores.shape[-1])
     flat_a = np.broadcast_to(allowed, scores.shape).reshape(flat_s.shape)
     flat_v = v.reshape(-1, S, v.shape[-1])
-    flat_o = out.reshape(-1, L, d)
+    flat_o = out.reshape(-1, L, v.shape[-1])
     sink = np.full(h, -np.inf) if sinks is None else _f64(sinks)
     for n in range(flat_s.shape[0]):
         for i in range(L):
@@ -208,6 +210,79 @@ def scaled_dot_product_attention(
             w = np.exp(logits - logits.max())
             flat_o[n, i] = (w[:-1] / w.sum()) @ flat_v[n, seen]
     return out
+
+
+def latent_attention(
+    x: np.ndarray,
+    wkv_a: np.ndarray,
+    kv_a_norm: np.ndarray,
+    wkv_b: np.ndarray,
+    wo: np.ndarray,
+    *,
+    num_heads: int,
+    kv_lora_rank: int,
+    qk_nope_head_dim: int,
+    qk_rope_head_dim: int,
+    v_head_dim: int,
+    wq: np.ndarray | None = None,
+    wq_a: np.ndarray | None = None,
+    q_a_norm: np.ndarray | None = None,
+    wq_b: np.ndarray | None = None,
+    bq_a: np.ndarray | None = None,
+    bkv_a: np.ndarray | None = None,
+    bo: np.ndarray | None = None,
+    norm_eps: float = 1e-6,
+    rope_options: dict | None = None,
+    scale: float | None = None,
+    mask: str | np.ndarray | None = "causal",
+    offset: int = 0,
+) -> np.ndarray:
+    """DeepSeek's multi-head latent attention, head by head, keys and values expanded from the
+    latent (``DeepseekV3Attention``): ``q`` from ``wq`` or ``wq_b(rms_norm(wq_a x))``; ``c_kv,
+    k_pe = wkv_a x``; ``c_kv = rms_norm(c_kv)``; head ``h``'s ``k_nope, v = c_kv`` times its rows
+    of ``wkv_b``; scores ``q_nope . k_nope + rope(q_pe) . rope(k_pe)``, times ``scale`` (default
+    ``(d_n + d_r) ** -0.5``, times ``mscale ** 2`` for a yarn ``rope_options["scaling"]`` with
+    ``mscale_all_dim``); ``o_proj`` of the heads. ``rope_options``: :func:`rope`'s options
+    (default ``{"traditional": True}``); ``mask``: ``"causal"``, ``None`` or a boolean array
+    broadcastable to ``(B, H, L, L)``; positions ``offset + l``."""
+    x = _f64(x)
+    b, L, _ = x.shape
+    H, R, dn, dr, dv = num_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+    ropt: dict[str, Any] = {"traditional": True} if rope_options is None else rope_options
+    if wq is not None:
+        q = linear(x, wq)
+    else:
+        assert wq_a is not None and wq_b is not None
+        q = linear(rms_norm(linear(x, wq_a, bq_a), q_a_norm, norm_eps), wq_b)
+    q = q.reshape(b, L, H, dn + dr)
+    latent = linear(x, wkv_a, bkv_a)  # (B, L, R + d_r)
+    c, positions = rms_norm(latent[..., :R], kv_a_norm, norm_eps), offset + np.arange(L)
+    k_pe = rope(latent[..., R:], positions, **ropt)  # (B, L, d_r), shared by the heads
+    if scale is None:
+        scale = (dn + dr) ** -0.5
+        s: dict[str, Any] = ropt.get("scaling") or {}
+        if s.get("rope_type", s.get("type", "default")) != "default" and s.get("mscale_all_dim"):
+            f = s["factor"]
+            m = 0.1 * s["mscale_all_dim"] * math.log(f) + 1.0 if f > 1 else 1.0
+            scale *= m * m
+    allowed = np.ones((b, H, L, L), bool)
+    if isinstance(mask, str):
+        allowed &= causal_mask(L, L)
+    elif mask is not None:
+        allowed &= np.asarray(mask, bool)
+    rows = _f64(wkv_b).reshape(H, dn + dv, R)
+    out = np.zeros((b, L, H, dv))
+    for h in range(H):
+        q_nope, q_pe = q[:, :, h, :dn], rope(q[:, :, h, dn:], positions, **ropt)
+        k_nope, v = c @ rows[h, :dn].T, c @ rows[h, dn:].T  # (B, L, d_n), (B, L, d_v)
+        scores = (q_nope @ k_nope.transpose(0, 2, 1) + q_pe @ k_pe.transpose(0, 2, 1)) * scale
+        for n in range(b):
+            for i in range(L):
+                seen = allowed[n, h, i]
+                if seen.any():
+                    p = np.exp(scores[n, i, seen] - scores[n, i, seen].max())
+                    out[n, i, h] = (p / p.sum()) @ v[n, seen]
+    return linear(out.reshape(b, L, H * dv), wo, bo)
 
 
 # -- decoding: embedding, sampling ---------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Hypothesis strategies shared by every test: shapes ``N.. x D``, float dtypes, seeds, token
-ids, JSON schemas, the dimensions of the recurrent ops."""
+ids, JSON schemas, the dimensions of the recurrent ops, latent attention's sizes."""
 
 from __future__ import annotations
 
@@ -12,12 +12,14 @@ from portable_llm.backends import get_backend
 
 __all__ = [
     "LAST_SIDES",
+    "LATENT_SIZES",
     "SIDES",
     "chunk_sizes",
     "conv_dims",
     "delta_rule_dims",
     "float_dtypes",
     "json_schemas",
+    "latent_sizes",
     "seeds",
     "shapes",
     "sizes",
@@ -71,6 +73,26 @@ def token_ids(
     if favoured:
         ids = st.one_of(ids, st.sampled_from(list(favoured)))
     return st.lists(ids, max_size=max_size)
+
+
+#: Multi-head latent attention's sizes (HF ``DeepseekV3Config`` names; ``q_lora_rank=None``: a
+#: plain ``q_proj``), a few fixed sets so that compiling backends see repeated shapes: a query
+#: LoRA with ``v_head_dim != qk_nope_head_dim`` and an ``o_proj`` of another width, then a plain
+#: query projection with one head.
+LATENT_SIZES: tuple[dict[str, Any], ...] = (
+    {"hidden_size": 32, "num_heads": 4, "q_lora_rank": 12, "kv_lora_rank": 16,
+     "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6, "out_size": 24},
+    {"hidden_size": 16, "num_heads": 1, "q_lora_rank": None, "kv_lora_rank": 8,
+     "qk_nope_head_dim": 4, "qk_rope_head_dim": 2, "v_head_dim": 4, "out_size": 16},
+)  # fmt: skip
+
+
+def latent_sizes() -> st.SearchStrategy[dict[str, Any]]:
+    """One of :data:`LATENT_SIZES` with a batch ``B`` and a length ``L`` (from 1 and 2, 1, 5
+    and 7)."""
+    return st.tuples(
+        st.sampled_from(LATENT_SIZES), st.sampled_from([1, 2]), st.sampled_from([1, 5, 7])
+    ).map(lambda t: {**t[0], "B": t[1], "L": t[2]})
 
 
 def json_schemas(*, max_depth: int = 2) -> st.SearchStrategy[dict[str, Any]]:
