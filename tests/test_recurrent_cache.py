@@ -111,6 +111,10 @@ def test_a_rewind_past_max_rewind_is_refused():
         cache.trim(4)
     cache.trim(1)
     assert cache.offset == 2
+    with pytest.raises(ValueError, match=r"RecurrentCache.update: the states' shapes \[\(1, 3\)\]"):
+        cache.update(np.zeros((1, 3), np.float32))
+    with pytest.raises(ValueError, match=r"with all_states, every state must be \(B, L, ...\)"):
+        cache.update(np.zeros((1, 0, 2), np.float32), all_states=True)
     cache.reset()
     assert cache.offset == 0 and cache.state is None
 

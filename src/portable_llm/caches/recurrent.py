@@ -72,6 +72,13 @@ class RecurrentCache:
         check_bool(op, "all_states", all_states)
         if not states:
             raise ValueError(f"{op}: give at least one state array")
+        prev = self.state
+        got = [tuple(s.shape[:1]) + tuple(s.shape[2 if all_states else 1 :]) for s in states]
+        if prev is not None and got != [tuple(p.shape) for p in prev]:
+            raise ValueError(
+                f"{op}: the states' shapes {got} (per token) differ from the cache's "
+                f"{[tuple(p.shape) for p in prev]}: one cache holds one layer's state"
+            )
         if all_states:
             steps = {int(s.shape[1]) if s.ndim >= 2 else -1 for s in states}
             if len(steps) != 1 or min(steps) < 1:
@@ -191,7 +198,7 @@ class RecurrentSlots:
         op = "RecurrentSlots.gather"
         ids = [self._check(op, s) for s in slots]
         xp = self._bk.xp
-        idx = xp.asarray(ids, dtype=xp.int64)
+        idx = xp.asarray(ids)
         return tuple(xp.take(b, idx, axis=0) for b in self._bufs)
 
     def scatter(self, slots: Sequence[int], /, *states: Any) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from portable_llm.backends import resolve
+from portable_llm.core.arrays import creation_device
 from portable_llm.core.checks import check_bool, check_int, check_real, check_same_dtype
 from portable_llm.core.dispatch import auto_portable, pick, portable
 from portable_llm.core.types import Array, Namespace
@@ -116,7 +117,7 @@ def _chunked(
         bs = beta[:, :, start:end, None]  # (B, H, C, 1)
         G = xp.cumulative_sum(g[:, :, start:end], axis=-1)  # (B, H, C): log-decay so far
         decay = causal_decay(xp, G)  # (B, H, C, C): exp(G_i - G_j) for j <= i, else 0
-        i = xp.arange(end - start)
+        i = xp.arange(end - start, device=creation_device(G))
         strict = xp.where(i[:, None] > i[None, :], decay, 0.0)
         kt = xp.permute_dims(ks, (0, 1, 3, 2))  # (B, H, D_k, C)
         X = _solve_unit_lower(  # the UT transform: [U | W] = (I + A)^-1 [beta v | beta e^G k]
@@ -210,8 +211,7 @@ def gated_delta_rule(
     check_same_dtype(OP, bk, q=q, k=k, v=v)
     check_dims(OP, "g", g, "(B, L, H)", (B, L, H), bk)
     check_dims(OP, "beta", beta, "(B, L, H)", (B, L, H), bk)
-    c = compute_dtype(bk.xp, q.dtype)
-    state = check_state(OP, bk, state, (B, H, d_k, d_v), "(B, H, D_k, D_v)", c)
+    state = check_state(OP, bk, state, (B, H, d_k, d_v), "(B, H, D_k, D_v)", q)
     opts = {
         "qk_l2_norm": check_bool(OP, "qk_l2_norm", qk_l2_norm),
         "scale": d_k**-0.5 if scale is None else check_real(OP, "scale", scale),

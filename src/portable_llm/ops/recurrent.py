@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from portable_llm.backends import Backend
+from portable_llm.core.arrays import creation_device
 from portable_llm.core.checks import check_float, float_compute_dtype
 from portable_llm.core.types import Array, Namespace
 
@@ -52,13 +53,15 @@ def check_dims(
 
 
 def check_state(
-    op: str, bk: Backend, state: Array | None, shape: tuple[int, ...], layout: str, dtype: Any
+    op: str, bk: Backend, state: Array | None, shape: tuple[int, ...], layout: str, like: Array
 ) -> Array:
     """The state a call starts from: ``state`` (any float dtype, checked against ``shape``)
-    cast to ``dtype``, or zeros of ``shape`` in ``dtype`` when ``None``."""
+    cast to the compute dtype of ``like`` (the call's first input), or zeros of ``shape`` there
+    (on ``like``'s device) when ``None``."""
     xp = bk.xp
+    dtype = compute_dtype(xp, like.dtype)
     if state is None:
-        return xp.zeros(shape, dtype=dtype)
+        return xp.zeros(shape, dtype=dtype, device=bk.device_of(like))
     check_dims(op, "state", state, layout, shape, bk)
     return xp.astype(state, dtype)
 
@@ -76,7 +79,7 @@ def causal_decay(xp: Namespace, cum: Array) -> Array:
     The chunked forms slice each chunk (the last one shorter) rather than zero-pad the
     sequence: a padded version gave wrong outputs under ``jax.jit`` with XLA's CPU flag
     ``--xla_cpu_use_fusion_emitters=false`` (the JAX env's; L = 5 in chunks of 4)."""
-    i = xp.arange(cum.shape[-1])
+    i = xp.arange(cum.shape[-1], device=creation_device(cum))
     lower = i[:, None] >= i[None, :]  # (C, C)
     gap = xp.where(lower, cum[..., :, None] - cum[..., None, :], 0.0)
     return xp.where(lower, xp.exp(gap), 0.0)

@@ -219,8 +219,7 @@ def ssd_scan(
     if z is not None:
         check_dims(OP, "z", z, "(B, L, H, P)", (b, L, H, P), bk)
     check_same_dtype(OP, bk, x=x, z=z)
-    c = compute_dtype(bk.xp, x.dtype)
-    state = check_state(OP, bk, state, (b, H, P, N), "(B, H, P, N)", c)
+    state = check_state(OP, bk, state, (b, H, P, N), "(B, H, P, N)", x)
     opts = {
         "dt_softplus": check_bool(OP, "dt_softplus", dt_softplus),
         "dt_limit": _limit(dt_limit),
