@@ -145,3 +145,18 @@ def _bad(**change):
 def test_bad_input(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+@pytest.mark.parametrize("impl", ["portable", "recurrent"])
+def test_a_last_chunk_shorter_than_the_others(backend, impl):
+    # Regression: L = 5 in chunks of 4 once zero-padded the last chunk to 4 tokens, which gave
+    # outputs off by ~1 under jax.jit with XLA's --xla_cpu_use_fusion_emitters=false (the JAX
+    # env's flag); the chunks are slices now, the last one of 1 token.
+    dtype = "float64" if "float64" in pl.get_backend(backend).float_dtypes() else "float32"
+    arrays, refs = _inputs(0, (1, 5, 1, 1, 2, 4), dtype, backend)
+    arrays[6] = refs[6] = None
+    y, state = _call(arrays, chunk_size=4, impl=impl)
+    x, dt, A, B, C, D, _, dt_bias, s = refs
+    want_y, want_state = reference.ssd_scan(x, dt, A, B, C, D=D, dt_bias=dt_bias, state=s)
+    assert_close(y, want_y, backend=backend, dtype=dtype)
+    assert_close(state, want_state, backend=backend, dtype=dtype)
