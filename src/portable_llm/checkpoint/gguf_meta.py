@@ -179,32 +179,58 @@ def gguf_config(meta: GGUFMetadata, tensors: dict[str, GGUFTensor]) -> DecoderCo
     """The :class:`DecoderConfig` a GGUF file's metadata describes (transformers' reading),
     every value checked, and the layer count checked against the tensors before anything is
     built from it."""
+    arch = _architecture(meta)
+    layers = meta.count(f"{arch}.block_count")
+    check_held(meta.file, f"{arch}.block_count", layers, held_layers(tensors), "layers")
+    vocab = _vocab_size(meta, arch, tensors)
+    if vocab is not None:
+        check_tokenizer_metadata(meta, vocab)
+    d = _common_fields(meta, arch, tensors, layers, vocab)
+    d.update(_family_fields(meta, arch, d))
+    if arch == "gpt2":  # learned positions, no RoPE
+        del d["rope_theta"]
+    d.update(_rope_scaling(meta, arch, tensors))
+    try:
+        return DecoderConfig.from_dict(d)
+    except ValueError as exc:
+        raise CheckpointError(f"load: {str(meta.file)!r}: GGUF metadata: {exc}") from None
+
+
+def _architecture(meta: GGUFMetadata) -> str:
+    """``general.architecture``, one of :data:`GGUF_ARCHITECTURES`."""
     arch = meta.text("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise CheckpointError(
             f"load: {str(meta.file)!r}: unsupported GGUF architecture {brief(arch)} "
             f"(general.architecture); supported: {', '.join(GGUF_ARCHITECTURES)}"
         )
-    layers = meta.count(f"{arch}.block_count")
-    check_held(meta.file, f"{arch}.block_count", layers, held_layers(tensors), "layers")
+    return arch
+
+
+def _vocab_size(meta: GGUFMetadata, arch: str, tensors: dict[str, GGUFTensor]) -> int | None:
+    """V: the rows of ``token_embd.weight``, else ``{arch}.vocab_size`` (or None)."""
     embed = tensors.get("token_embd.weight")
-    if embed is not None:
-        shape = tuple(reversed(embed.shape))
-        if len(shape) != 2:
-            raise CheckpointError(
-                f"load: {str(meta.file)!r}: token_embd.weight has shape {shape}; a (V, E) "
-                "matrix is needed"
-            )
-        vocab: int | None = shape[0]
-    else:
-        vocab = meta.count_or_none(f"{arch}.vocab_size")
-    if vocab is not None:
-        check_tokenizer_metadata(meta, vocab)
+    if embed is None:
+        return meta.count_or_none(f"{arch}.vocab_size")
+    shape = tuple(reversed(embed.shape))
+    if len(shape) != 2:
+        raise CheckpointError(
+            f"load: {str(meta.file)!r}: token_embd.weight has shape {shape}; a (V, E) "
+            "matrix is needed"
+        )
+    return int(shape[0])
+
+
+def _common_fields(
+    meta: GGUFMetadata, arch: str, tensors: dict[str, GGUFTensor], layers: int, vocab: int | None
+) -> dict[str, Any]:
+    """The HF config fields every architecture has, read from ``{arch}.*`` and the tokenizer's
+    special ids."""
     head_dim = meta.count_or_none(f"{arch}.attention.key_length")
     if head_dim is None and arch in PERMUTED:
         head_dim = meta.count_or_none(f"{arch}.rope.dimension_count")
-    bos = meta.get("tokenizer.ggml.bos_token_id")
-    d: dict[str, Any] = {
+    eps = f"{arch}.attention.layer_norm_{'epsilon' if arch in LAYER_NORM else 'rms_epsilon'}"
+    return {
         "model_type": MODEL_TYPES.get(arch, arch),
         "vocab_size": vocab,
         "hidden_size": meta.count(f"{arch}.embedding_length"),
@@ -213,18 +239,22 @@ def gguf_config(meta: GGUFMetadata, tensors: dict[str, GGUFTensor]) -> DecoderCo
         "num_attention_heads": meta.count(f"{arch}.attention.head_count"),
         "num_key_value_heads": meta.count_or_none(f"{arch}.attention.head_count_kv"),
         "head_dim": head_dim,
-        "rms_norm_eps": meta.number(
-            f"{arch}.attention.layer_norm_{'epsilon' if arch in LAYER_NORM else 'rms_epsilon'}"
-        ),
+        "rms_norm_eps": meta.number(eps),
         "rope_theta": meta.number(
             f"{arch}.rope.freq_base", 1e6 if arch == "gemma3" else 10000.0, low=1e-30
         ),
         "max_position_embeddings": meta.count_or_none(f"{arch}.context_length"),
         "tie_word_embeddings": "output.weight" not in tensors,
-        "bos_token_id": bos,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
         "eos_token_id": eos_ids(meta),
     }
+
+
+def _family_fields(meta: GGUFMetadata, arch: str, d: dict[str, Any]) -> dict[str, Any]:
+    """The fields of some architectures only (partial RoPE, GELU, no RoPE, Gemma's window and
+    softcaps), given the common fields ``d``."""
+    out: dict[str, Any] = {}
     if arch in PARTIAL_ROPE:
         heads = d["num_attention_heads"]
         if d["hidden_size"] % heads:
@@ -234,33 +264,32 @@ def gguf_config(meta: GGUFMetadata, tensors: dict[str, GGUFTensor]) -> DecoderCo
             )
         rope_dim = meta.count_or_none(f"{arch}.rope.dimension_count")
         if rope_dim is not None and rope_dim != d["hidden_size"] // heads:
-            d["partial_rotary_factor"] = rope_dim / (d["hidden_size"] // heads)
+            out["partial_rotary_factor"] = rope_dim / (d["hidden_size"] // heads)
     if arch in LAYER_NORM:  # Phi-2, GPT-2: llama.cpp's GELU is the tanh form (HF's gelu_new)
-        d["hidden_act"] = "gelu_new"
-    if arch == "gpt2":  # learned positions, no RoPE
-        del d["rope_theta"]
+        out["hidden_act"] = "gelu_new"
     if arch in NORM_PLUS_ONE:  # Gemma: transformers reads the window (the pattern: its default)
-        d["sliding_window"] = meta.count_or_none(f"{arch}.attention.sliding_window")
+        out["sliding_window"] = meta.count_or_none(f"{arch}.attention.sliding_window")
     for cap in ("attn_logit_softcapping", "final_logit_softcapping"):  # as llama.cpp reads them
         if arch == "gemma2" and meta.get(f"{arch}.{cap}") is not None:
-            d[cap] = meta.number(f"{arch}.{cap}", low=1e-30)
+            out[cap] = meta.number(f"{arch}.{cap}", low=1e-30)
+    return out
+
+
+def _rope_scaling(meta: GGUFMetadata, arch: str, tensors: dict[str, GGUFTensor]) -> dict[str, Any]:
+    """``rope_scaling`` (and longrope's fields): llama.cpp's ``longrope`` of a ``phi3`` file,
+    ``linear``, or nothing."""
     scaling = meta.text(f"{arch}.rope.scaling.type", "none")
     if arch == "phi3" and any(t in tensors for t in LONGROPE_TENSORS):  # llama.cpp's longrope:
-        d.update(_longrope(meta, tensors))  # the factors as tensors, L0 as metadata
-    elif scaling == "linear":
-        d["rope_scaling"] = {
-            "rope_type": "linear",
-            "factor": meta.number(f"{arch}.rope.scaling.factor", low=1e-30),
-        }
-    elif scaling != "none":
+        return _longrope(meta, tensors)  # the factors as tensors, L0 as metadata
+    if scaling == "linear":
+        factor = meta.number(f"{arch}.rope.scaling.factor", low=1e-30)
+        return {"rope_scaling": {"rope_type": "linear", "factor": factor}}
+    if scaling != "none":
         raise CheckpointError(
             f"load: {str(meta.file)!r}: {arch}.rope.scaling.type {brief(scaling)} is not "
             "supported (none, linear)"
         )
-    try:
-        return DecoderConfig.from_dict(d)
-    except ValueError as exc:
-        raise CheckpointError(f"load: {str(meta.file)!r}: GGUF metadata: {exc}") from None
+    return {}
 
 
 #: llama.cpp's ``longrope`` factors of a ``phi3`` file (float32, one per rotated pair): read

@@ -73,7 +73,7 @@ def run_generate(
     A usage error goes to ``usage.error`` (exit 2), or raises :class:`UsageError` without one.
     """
     from portable_llm.generation.generate import generate
-    from portable_llm.generation.speculative import SpeculativeStats, speculative_generate
+    from portable_llm.generation.speculative import speculative_generate
 
     out = out if out is not None else sys.stdout
     ids = getattr(args, "ids", None)
@@ -96,17 +96,7 @@ def run_generate(
         if not main:  # every rank generates; rank 0 prints
             out = open(os.devnull, "w")  # noqa: SIM115
         loaded = time.perf_counter() - start
-        prompt: Any = ids
-        if ids is None:
-            prompt = args.prompt
-            if model.tokenizer is None:
-                raise ValueError(
-                    f"{args.path} has no tokenizer.json: a text --prompt needs one; pass token "
-                    "ids instead (--ids 1,2,3)"
-                )
-            if args.chat:  # transformers' chat ids: the template writes its own BOS
-                messages = [{"role": "user", "content": prompt}]
-                prompt = model.tokenizer.apply_chat_template(messages, tokenize=True)
+        prompt = ids if ids is not None else _text_prompt(args, model)
         options = {
             "max_new_tokens": args.max_new_tokens, **sampling_options(args),
             "prefill_step_size": getattr(args, "prefill_step_size", PREFILL_STEP_SIZE),
@@ -132,10 +122,35 @@ def run_generate(
     finally:
         if one:
             _torch_threads(threads)
-    s = gen.stats
     print(file=out)
+    for line in _summary(model, draft, gen.stats, args.max_new_tokens, loaded, one):
+        print(wrap(line), file=out)
+    return 0
+
+
+def _text_prompt(args: argparse.Namespace, model: Any) -> Any:
+    """``--prompt``'s text, or with ``--chat`` the ids of the chat template applied to it."""
+    if model.tokenizer is None:
+        raise ValueError(
+            f"{args.path} has no tokenizer.json: a text --prompt needs one; pass token "
+            "ids instead (--ids 1,2,3)"
+        )
+    if not args.chat:
+        return args.prompt
+    # transformers' chat ids: the template writes its own BOS
+    messages = [{"role": "user", "content": args.prompt}]
+    return model.tokenizer.apply_chat_template(messages, tokenize=True)
+
+
+def _summary(
+    model: Any, draft: Any, s: Any, max_new_tokens: int, loaded: float, one: bool
+) -> list[str]:
+    """The lines after the text: why generation stopped, the load time, the speeds (and the
+    draft's acceptance with ``--draft``)."""
+    from portable_llm.generation.speculative import SpeculativeStats
+
     lines = [
-        _why_stopped(model, s, args.max_new_tokens),
+        _why_stopped(model, s, max_new_tokens),
         f"load {loaded:.2f} s ({model!r})",
         f"prefill: {plural(s.prompt_tokens, 'token')} in {s.prefill_seconds:.3f} s, "
         f"{s.prefill_tokens_per_second:.1f} tokens/s",
@@ -149,9 +164,7 @@ def run_generate(
             f"speculative: {s.accepted_tokens} of {s.draft_tokens} proposed tokens accepted "
             f"(acceptance rate {s.acceptance_rate:.2f}), {s.rounds} verifying forwards",
         ]
-    for line in lines:
-        print(wrap(line), file=out)
-    return 0
+    return lines
 
 
 def _load(args: argparse.Namespace, draft_path: str | None) -> tuple[dict, bool, Any, Any]:

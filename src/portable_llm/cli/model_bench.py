@@ -386,13 +386,7 @@ def run_model_bench(
     decode = 8 if quick else DECODE
     start = time.perf_counter()
     phases = Phases("bench")
-    if folder is None:
-        with phases("the random checkpoint: written once, or found in the --cache-dir"):
-            folder = write_bench_checkpoint(cache_dir, config)
-        vocab = (config or QWEN2_0_5B)["vocab_size"]
-    else:
-        folder = Path(folder)
-        vocab = _vocab(folder)
+    folder, vocab = _checkpoint(folder, cache_dir, config, phases)
     print(wrap(f"checkpoint: {folder} (ready in {time.perf_counter() - start:.1f} s)"), file=out)
     gguf = folder.suffix == ".gguf"
     rows: list[list[str]] = []
@@ -437,6 +431,27 @@ def run_model_bench(
                     KL[engine, "-"] = _kl(LlamaCppLogits(folder, KL_CTX, _threads()), kl)
         else:
             notes.append(f"{engine} skipped: {module} is not installed")
+    _print_footer(rows, notes, gguf=gguf, decode=decode, dtype=dtype, out=out)
+    return 0
+
+
+def _checkpoint(
+    folder: str | Path | None, cache_dir: str | Path | None, config: dict[str, Any] | None,
+    phases: Phases,
+) -> tuple[Path, int]:  # fmt: skip
+    """The checkpoint to run (``folder``, or the random one of ``config`` written once under
+    ``cache_dir``) and its vocabulary size."""
+    if folder is not None:
+        return Path(folder), _vocab(Path(folder))
+    with phases("the random checkpoint: written once, or found in the --cache-dir"):
+        written = write_bench_checkpoint(cache_dir, config)
+    return written, (config or QWEN2_0_5B)["vocab_size"]
+
+
+def _print_footer(
+    rows: list[list[str]], notes: list[str], *, gguf: bool, decode: int, dtype: str, out: TextIO
+) -> None:
+    """What the table measured and against whom, then the notes, ratios, choices and KL."""
     ran = sorted({r[0] for r in rows} - {"portable_llm", DEQUANTIZED})
     peers = (
         f"llama.cpp runs on the same file with {plural(_threads(), 'thread')}, as torch"
@@ -453,7 +468,6 @@ def run_model_bench(
     print(wrap(text, "", ""), file=out)
     for line in [*notes, *_ratios(rows), *(_choices(rows, dtype) if gguf else []), *_kl_lines()]:
         print(wrap(line), file=out)
-    return 0
 
 
 def _kl_or_why(path: Path, quick: bool, phases: Phases) -> KlBase | str:
