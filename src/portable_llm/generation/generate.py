@@ -89,6 +89,8 @@ def stop_tokens(model: LanguageModel) -> tuple[int, ...]:
     return tuple(model.eos_token_ids)
 
 
+# Over 80 lines for its docstring (every argument of OpenAI's and mlx-lm's sampling); the code
+# checks every argument before the model runs (~35 lines), then hands over to _Run.
 def generate(
     model: LanguageModel,
     prompt: str | Sequence[int] | Sequence[str] | Any,
@@ -182,10 +184,7 @@ def generate(
     model = check_model(OP, model)
     batch = is_text_batch(prompt)
     text = batch or isinstance(prompt, str)
-    if batch:
-        rows = [prompt_ids(model, p, op=OP, name=f"prompt[{i}]") for i, p in enumerate(prompt)]
-    else:
-        rows = [prompt_ids(model, prompt, op=OP)]
+    rows = _prompt_rows(model, prompt, batch)
     max_new_tokens = check_int(OP, "max_new_tokens", max_new_tokens, low=0)
     V = vocab_size(model)  # None: the first logits tell
     options = sampling_options(temperature, top_k, top_p, min_p, vocab_size=V)
@@ -206,12 +205,7 @@ def generate(
     )  # fmt: skip
     grammar = grammar_of(response_format)
     if grammar is not None:
-        if not stops:
-            raise ValueError("generate: response_format needs a stop token (stop=() has none)")
-        if V is None:
-            raise ValueError("generate: response_format needs the model's vocab_size")
-        engine = grammar_engine(model.tokenizer, vocab_size=V, stop_ids=stops)
-        processors.append(constrained_logits([engine.matcher(grammar) for _ in rows]))
+        processors.append(_grammar_processor(model, grammar, V, stops, len(rows)))
     if prompt_cache is not None and batch:
         raise ValueError("generate: prompt_cache is for one prompt, not a batch")
     if prompt_cache is not None:
@@ -229,6 +223,25 @@ def generate(
     if text:
         return Generation(tokenizer.stream(tokens), stats)
     return Generation(tokens, stats)
+
+
+def _prompt_rows(model: LanguageModel, prompt: Any, batch: bool) -> list[Any]:
+    """The token ids of each prompt: one row, or one per prompt of a text batch."""
+    if batch:
+        return [prompt_ids(model, p, op=OP, name=f"prompt[{i}]") for i, p in enumerate(prompt)]
+    return [prompt_ids(model, prompt, op=OP)]
+
+
+def _grammar_processor(
+    model: LanguageModel, grammar: Any, V: int | None, stops: frozenset[int], rows: int
+) -> LogitsProcessor:
+    """The logits processor of ``response_format``: one grammar matcher per row."""
+    if not stops:
+        raise ValueError("generate: response_format needs a stop token (stop=() has none)")
+    if V is None:
+        raise ValueError("generate: response_format needs the model's vocab_size")
+    engine = grammar_engine(model.tokenizer, vocab_size=V, stop_ids=stops)
+    return constrained_logits([engine.matcher(grammar) for _ in range(rows)])
 
 
 def _penalty(value: Any) -> float | None:
