@@ -49,27 +49,39 @@ def test_portable_int8_equals_the_reference(backend, dtype, bits, group, rows, s
     assert_close(got, want, backend=backend, dtype=dtype)
 
 
+# JAX compiles a program per example (12-21 s a dtype): float32 in the default run, the half
+# dtypes in tox -e slow (issue 34)
+@pytest.mark.slow_on("jax", dtypes=("bfloat16", "float16"))
 @given(bits=INT8_BITS, group=GROUPS, rows=st.sampled_from([1, 5, PREFILL_ROWS]), seed=seeds())
 def test_native_int8_equals_portable(backend, dtype, bits, group, rows, seed):
     """numba's kernel (NumPy, torch's CPU): the same integer dots, the blocks summed in another
-    order in float32: within the dtype's tolerance of the portable path; a prompt's rows (the
-    Q8_0 blocks' values times the dequantized weight in float32) too. The kernel's
-    specialization for a bound weight (the repack done once) gives the same bits as the call."""
+    order in float32; JAX's, MLX's and a prompt's rows on NumPy and torch: the Q8_0 blocks'
+    values times the codes in float32. Within the dtype's tolerance of the portable path.
+    numba's specialization for a bound weight (the repack done once) gives the call's bits."""
     if "quantized_linear_int8" not in dispatcher(pl.get_backend(backend)).native:
         pytest.skip(f"{backend} has no native quantized_linear_int8")
     if dtype == "float64":
         pytest.skip("float64 keeps the portable path's float64 arithmetic")
     x, _, qw, _ = _case(backend, dtype, bits, group, rows, seed)
     bias, _ = random_array(seed + 2, (24,), dtype, backend=backend)
-    native = qlinear(x, qw, bias, activations="int8", impl="native")
-    assert_close(native, qlinear(x, qw, bias, activations="int8", impl="portable"))
     d = dispatcher(pl.get_backend(backend))
     fmt = {"bits": bits, "group_size": group}
+    nat = d.native["quantized_linear_int8"]
+    if nat.applies is not None and not nat.applies(x, *qw.arrays, bias, **fmt):
+        # MLX's kernel takes groups of 32 to 128: auto says so by running the portable path
+        with pl.trace() as t:
+            qlinear(x, qw, activations="int8")
+        assert [(e.op, e.impl) for e in t] == [("quantized_linear_int8", "portable")]
+        return
+    native = qlinear(x, qw, bias, activations="int8", impl="native")
+    assert_close(native, qlinear(x, qw, bias, activations="int8", impl="portable"))
     chosen = d.pick("quantized_linear_int8", "native", x, *qw.arrays, bias, **fmt)
     bound = d.specialized("quantized_linear_int8", chosen, x, *qw.arrays, bias, **fmt)
-    if bound is not None:  # none for a prompt's rows: the dense route repacks nothing
+    if nat.specialize is None:  # JAX's and MLX's: nothing to repack
+        assert bound is None
+    elif bound is not None:
         assert np.array_equal(pl.to_numpy(bound(d.backend.xp, x, bias)), pl.to_numpy(native))
-    else:
+    else:  # only a prompt's dense route repacks nothing
         assert rows >= PREFILL_ROWS
     with pl.trace() as t:
         qlinear(x, qw, activations="int8")
@@ -121,6 +133,22 @@ def test_native_int8_at_the_largest_dots(backend, bits):
     xb = bk.from_numpy(x)
     native = qlinear(xb, qw, activations="int8", impl="native")
     assert_close(native, qlinear(xb, qw, activations="int8", impl="portable"))
+
+
+@pytest.mark.slow_on("jax")  # 14 s of compiles: tox -e slow (issue 34)
+@given(bits=INT8_BITS, group=GROUPS, seed=seeds())
+def test_jax_integer_dot_equals_portable(backend, bits, group, seed):
+    """JAX's int8 x int8 -> int32 ``lax.dot_general`` form (tested, measured slower than XLA's
+    float32 dot on a CPU, so not the registered kernel): the portable path's integers, its
+    float32 combination in XLA's order."""
+    if backend != "jax":
+        pytest.skip("JAX's integer-dot kernel")
+    from portable_llm.native.jax import quantized_linear_int8_integer
+
+    x, _, qw, _ = _case(backend, "float32", bits, group, 3, seed)
+    bias, _ = random_array(seed + 2, (24,), "float32", backend=backend)
+    got = quantized_linear_int8_integer(x, *qw.arrays, bias, bits=bits, group_size=group)
+    assert_close(got, qlinear(x, qw, bias, activations="int8", impl="portable"))
 
 
 def test_activations_must_be_float_or_int8():

@@ -280,6 +280,46 @@ def quantized_linear(
     return y if bias is None else y + bias
 
 
+# -- quantized codes times 8-bit activations (activations="int8") -------------------------------
+# MLX has no integer matmul (and mx.quantized_matmul multiplies the codes by float activations:
+# the exact mode). The nearest kernel that keeps the int8 mode's meaning: x rounded to its
+# Q8_0 blocks (the same codes and scales as the portable path: true divisions, half to even),
+# their values d * xq multiplied by the codes with mx.quantized_matmul in float32 (x, scales and
+# biases upcast: the mode sums in float32). Equal to the mode's integer products in exact
+# arithmetic; in float32 within its accumulation tolerance of the portable path (tested).
+
+
+def _int8_applies(x: Any, packed: Any, scales: Any, *_: Any, group_size: int, **__: Any) -> bool:
+    return x.dtype != mx.float64 and packed.ndim == 2 and group_size in _GROUPS
+
+
+@native(
+    "mlx",
+    "quantized_linear_int8",
+    kernel="Q8_0 blocks' values + mx.quantized_matmul (float32)",
+    applies=_int8_applies,
+)
+def quantized_linear_int8(
+    xp: Any, x: Any, packed: Any, scales: Any, biases: Any, bias: Any, *, bits: int,
+    group_size: int,
+) -> Any:  # fmt: skip
+    lead, k = tuple(x.shape[:-1]), x.shape[-1]
+    a = min(32, group_size)  # ops.quant_int8.activation_block's rule (native sits below ops)
+    xb = x.reshape(-1, k // a, a).astype(mx.float32)  # (M, J, A)
+    amax = mx.max(mx.abs(xb), axis=-1, keepdims=True)  # (M, J, 1)
+    d = amax / 127.0
+    xq = mx.round(xb / mx.where(d > 0, d, 1.0))  # half to even; |xb / d| <= 127
+    xv = (xq * d).reshape(-1, k)  # (M, K): the blocks' values
+    f32 = mx.float32
+    y = mx.quantized_matmul(
+        xv, packed, scales.astype(f32), biases.astype(f32), transpose=True,
+        group_size=group_size, bits=bits,
+    )  # fmt: skip
+    if bias is not None:
+        y = y + bias.astype(f32)
+    return y.astype(x.dtype).reshape(*lead, -1)  # (N.., O)
+
+
 # -- paged attention (portable_llm.attn.paged) -------------------------------------------------
 # The pages a batch uses are gathered into contiguous keys (one take), then attended by the
 # fused SDPA kernel above with the per-row causal mask of the options record

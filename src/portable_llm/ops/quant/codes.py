@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from portable_llm.core.arrays import creation_device
+from portable_llm.core.arrays import creation_device, exact_divide
 
-__all__ = ["exact_divide", "pack_codes", "unpack_codes"]
+__all__ = ["exact_divide", "pack_codes", "unpack_codes"]  # exact_divide: from core.arrays
 
 
 def _positions(bits: int) -> list[tuple[int, int]]:
@@ -66,14 +66,3 @@ def pack_codes(xp: Any, codes: Any, /, *, bits: int) -> Any:
             words[word + 1] = high if words[word + 1] is None else words[word + 1] | high
     out = xp.stack(words, axis=-1)  # (.., K/32, bits)
     return xp.astype(xp.reshape(out, (*lead, k * bits // 32)), xp.uint32)
-
-
-def exact_divide(xp: Any, a: Any, b: Any, /) -> Any:
-    """``a / b`` correctly rounded, ``b`` broadcast to ``a``'s shape first by a select.
-
-    XLA rewrites a division by a broadcast operand into a multiplication by its reciprocal (two
-    roundings: measured 16-70% of float32 quotients one ulp off, enough to move codes that sit
-    near a rounding boundary). A select whose condition XLA cannot fold keeps a true division;
-    where ``a`` is NaN the quotient is NaN either way. Elsewhere it costs one elementwise select.
-    """
-    return a / xp.where(xp.isnan(a), a, b)
