@@ -17,10 +17,12 @@ from hypothesis import strategies as st
 
 import portable_llm as pl
 from portable_llm.core.dispatch import dispatcher
+from portable_llm.native import numba_cpu
 from portable_llm.native.numba_cpu import PREFILL_ROWS
 from portable_llm.ops.quant import QuantizedWeight, quantize
 from portable_llm.ops.quant import quantized_linear as qlinear
 from portable_llm.ops.quant.codes import pack_codes
+from portable_llm.ops.quant.int8 import quantize_activations
 from portable_llm.testing import assert_close, random_array, random_weight, reference, tolerance
 from portable_llm.testing.strategies import seeds
 
@@ -133,6 +135,25 @@ def test_native_int8_at_the_largest_dots(backend, bits):
     xb = bk.from_numpy(x)
     native = qlinear(xb, qw, activations="int8", impl="native")
     assert_close(native, qlinear(xb, qw, activations="int8", impl="portable"))
+
+
+@given(seed=seeds())
+def test_numba_q8_blocks_equal_the_portable_blocks(seed):
+    """numba's Q8_0 blocks (scales and codes) are the portable path's, bit for bit, also after
+    a kernel that calls them has compiled them (numba compiles a callee with its caller's
+    flags: a fastmath kernel made the divisions products by a reciprocal, and the block below
+    got the code -96 for -96.50001)."""
+    if not numba_cpu.available():
+        pytest.skip("numba is not installed")
+    qw = quantize(np.ones((64, 32), np.float32), bits=4, group_size=32)
+    numba_cpu.run(numba_cpu.prepack(*qw.arrays, bits=4, group_size=32), np.ones((1, 32), "f4"))
+    x, _ = random_array(seed, (4, 64), "float32")
+    x[0, :16] = [-0.41996148, -1.1893268, 1.8969258, -2.0787868, -2.4849405, -1.3092481,
+                 2.4090025, 2.8677454, -0.9801681, 1.0137314, -0.8141215, -1.6835964,
+                 -0.8329458, -2.179035, -1.7021639, 1.6332239]  # fmt: skip
+    xq, d = quantize_activations(np, x, block=16)  # (M, J, A), (M, J, 1)
+    got = numba_cpu.q8_values(x, 16)
+    assert np.array_equal(got, (xq * d).reshape(4, 64))
 
 
 @pytest.mark.slow_on("jax")  # 14 s of compiles: tox -e slow (issue 34)

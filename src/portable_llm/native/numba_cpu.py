@@ -210,20 +210,24 @@ def _kernels() -> tuple[Any, Any, Any]:
                 for t in range(blk * a, (blk + 1) * a):
                     v = abs(x[r, t])
                     amax = v if v > amax else amax
-                scale = amax / np.float32(127.0)
+                # numba divides float32 by float32 in float64: rounded back to float32, the
+                # correctly rounded float32 quotient the portable path forms
+                scale = np.float32(amax / np.float32(127.0))
                 d[r, blk] = scale
                 inv = scale if scale > 0 else np.float32(1.0)
                 total = 0
                 for t in range(blk * a, (blk + 1) * a):
-                    q = np.round(x[r, t] / inv)
+                    q = np.round(np.float32(x[r, t] / inv))
                     xq[r, t] = np.int8(q)
                     total += int(q)
                 sums[r, blk] = np.float32(total)
         return xq, d, sums
 
-    # fastmath: the integer dots are exact whatever the order; only the float32 combination of
-    # the blocks (within float32's tolerance of the portable path) may be reassociated.
-    @numba.njit(cache=True, fastmath=True)
+    # No fastmath anywhere: numba compiles a callee (quantize) with its caller's flags, and
+    # fastmath turns quantize's true divisions into products by a reciprocal (codes one off at
+    # a rounding boundary: tested). Every loop below runs across lanes without a reduction, so
+    # LLVM vectorizes it as it is.
+    @numba.njit(cache=True)
     def nibbles(w: Any, s: Any, b: Any, x: Any, a: int, g: int) -> Any:  # pragma: no cover
         xq, d, sums = quantize(x, a)
         nt, j = w.shape[0], w.shape[1]
@@ -257,7 +261,7 @@ def _kernels() -> tuple[Any, Any, Any]:
                 out[r, tile * 64 : (tile + 1) * 64] = y
         return out
 
-    @numba.njit(cache=True, fastmath=True)
+    @numba.njit(cache=True)
     def bytes_(w: Any, s: Any, b: Any, x: Any, a: int, g: int) -> Any:  # pragma: no cover
         xq, d, sums = quantize(x, a)
         nt, j = w.shape[0], w.shape[1]
