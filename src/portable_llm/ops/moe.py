@@ -31,7 +31,7 @@ from portable_llm.ops.activations import activation_op, logistic
 from portable_llm.ops.grouped_router import GROUPED, Grouping, check_grouping, grouped_route
 from portable_llm.ops.kernels import BoundKernels
 from portable_llm.ops.linear import MlpWeights, mlp, mlp_body, swiglu_option
-from portable_llm.ops.quant import dequantized, is_quantized
+from portable_llm.ops.quant import dequantized
 
 __all__ = ["ROUTERS", "moe", "route"]
 
@@ -312,6 +312,8 @@ def _check_experts(
     )
 
 
+# Over 80 lines for its docstring (three routers, the shared expert, every impl); the code is the
+# checks (~30 lines), then _moe_body.
 def moe(
     x: Array,
     w_router: Array,
@@ -401,19 +403,11 @@ def moe(
         raise ValueError("moe: shared must be a tuple (w_gate, w_up, w_down) or None")
     if shared_gate is not None and shared is None:
         raise ValueError("moe: shared_gate was given without a shared expert (shared=None)")
-    s_w = tuple(shared) if shared is not None else (None, None, None)
-    if is_quantized(w_router, experts_gate, experts_up, experts_down, *(shared or ()),
-                    shared_gate):  # fmt: skip
-        # Quantized experts are dequantized for the call (correct, not memory-light).
-        return moe(
-            x, *map(dequantized, (w_router, experts_gate, experts_up, experts_down)),
-            top_k=top_k, norm_topk_prob=norm_topk_prob, router=router,
-            shared=None if shared is None else tuple(map(dequantized, shared)),
-            shared_gate=dequantized(shared_gate), act=act, n_group=n_group,
-            topk_group=topk_group, routed_scaling_factor=routed_scaling_factor,
-            e_score_correction_bias=e_score_correction_bias, swiglu_limit=swiglu_limit,
-            swiglu_alpha=swiglu_alpha, impl=impl, backend=backend,
-        )  # fmt: skip
+    # Quantized experts are dequantized for the call (correct, not memory-light).
+    s_w = [dequantized(w) for w in (shared if shared is not None else (None, None, None))]
+    w_router, experts_gate, experts_up, experts_down, shared_gate = map(
+        dequantized, (w_router, experts_gate, experts_up, experts_down, shared_gate)
+    )
     bk, (x, w_router, gate, up, down, s_gate, s_up, s_down, shared_gate, bias) = resolve(
         "moe", backend, x, w_router, experts_gate, experts_up, experts_down, *s_w, shared_gate,
         e_score_correction_bias,
@@ -430,27 +424,42 @@ def moe(
             f"got {tuple(shared_gate.shape)}"
         )
     shared_gate = match_weight("moe", "shared_gate", shared_gate, x, bk)
-    xp = bk.xp
     if e == 0:  # no features: the (empty) result, with no expert to run
-        return xp.zeros_like(x)
+        return bk.xp.zeros_like(x)
+    experts = (gate, up, down)
+    shared_w = None if shared is None else (s_gate, s_up, s_down)
+    route_opts = (top_k, bool(norm_topk_prob), router, grouping)
+    return _moe_body(bk, impl, x, w_router, route_opts, experts, (act, act_name, swiglu),
+                     shared_w, shared_gate)  # fmt: skip
+
+
+def _moe_body(
+    bk: Any, impl: str, x: Array, w_router: Array, route_opts: tuple[Any, ...],
+    experts: tuple[Array, Array, Array], acts: tuple[str, str, Any],
+    shared: tuple[Array, Array, Array] | None, shared_gate: Array,
+) -> Array:  # fmt: skip
+    """:func:`moe` on checked arguments: route, run the experts on their tokens, add the shared
+    expert (``route_opts``: top_k, norm_topk_prob, router, grouping; ``acts``: the shared
+    expert's ``act``, the experts' activation op and their clamped SwiGLU)."""
+    xp, e = bk.xp, x.shape[-1]
+    top_k, norm_topk_prob, router, grouping = route_opts
+    act, act_name, swiglu = acts
     sub = "portable" if impl == "portable" else "auto"
     xf = xp.reshape(x, (-1, e))  # (N, E)
-    weights, ids = _route(
-        bk, xf, w_router, top_k, bool(norm_topk_prob), sub, router, grouping
-    )  # (N, k)
+    weights, ids = _route(bk, xf, w_router, top_k, norm_topk_prob, sub, router, grouping)  # (N, k)
     n = xf.shape[0]
     if router == "sigmoid":  # each (token, slot) its own row: x * score, weight 1
         scaled = xp.expand_dims(xf, axis=1) * xp.expand_dims(xp.astype(weights, x.dtype), axis=2)
         xf = xp.reshape(scaled, (n * top_k, e))  # (N * k, E), token-major
         ids = xp.reshape(ids, (n * top_k, 1))  # (N * k, 1)
         weights = xp.ones_like(xp.reshape(weights, (n * top_k, 1)))  # (N * k, 1)
-    out = _run_experts(bk, impl, xf, weights, ids, (gate, up, down), act_name, swiglu)  # (N*, E)
+    out = _run_experts(bk, impl, xf, weights, ids, experts, act_name, swiglu)  # (N*, E)
     if router == "sigmoid":  # the k slots of each token summed in float32, rounded once
         ys = xp.reshape(xp.astype(out, weights.dtype), (n, top_k, e))  # (N, k, E)
         out = xp.astype(xp.sum(ys, axis=1), x.dtype)  # (N, E)
         xf = xp.reshape(x, (-1, e))  # (N, E): the shared expert's input
     if shared is not None:
-        s = mlp(xf, s_gate, s_up, s_down, act=act, impl=sub)  # (N, E)
+        s = mlp(xf, *shared, act=act, impl=sub)  # (N, E)
         if shared_gate is not None:
             g = pick(bk, "linear", sub, xf, shared_gate)(xp, xf, shared_gate)  # (N, 1)
             s = xp.astype(logistic(xp, xp.astype(g, weights.dtype)), x.dtype) * s
