@@ -1,8 +1,8 @@
 """The KL divergence of the 8-bit-activation mode on real text, beside the exact mode's and
 llama.cpp's own (issue 30; the table in benchmarks/README.md, the decision in docs/gguf.md).
 
-For one ``.gguf`` file: the base is the same file dequantized to float64 on NumPy
-(``dequantize=True``); then ``pl.load(file, activations=MODE, dequantize=False)`` for the
+For one ``.gguf`` file: the base is the same file dequantized to float64 (``--base-dtype``) on
+NumPy (``dequantize=True``); then ``pl.load(file, activations=MODE, dequantize=False)`` for the
 exact (``float``) and the ``int8`` mode, and llama.cpp (``llama-cpp-python``, when importable:
 its logits of every position, ``logits_all=True``, over the same token ids) are each scored
 by :func:`portable_llm.perplexity` against the base's log-probabilities: perplexity, KL mean
@@ -70,6 +70,12 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--chunks", type=int, default=3)
     ap.add_argument("--backend", default="numpy", help="of the two modes (the base: NumPy)")
+    ap.add_argument(
+        "--base-dtype",
+        default="float64",
+        help="of the dequantized base (float32 for a large vocabulary: Gemma's 262k rows of "
+        "float64 logits and weights ran out of memory)",
+    )
     ap.add_argument("--no-llama", action="store_true", help="skip llama.cpp")
     ap.add_argument(
         "--llama-site",
@@ -82,7 +88,7 @@ def main() -> None:
     opts = {"ctx": args.ctx, "chunks": args.chunks}
     print(f"{args.file.name}, {args.text}, ctx {args.ctx}, {args.chunks} chunks", flush=True)
     print(f"load average before: {Path('/proc/loadavg').read_text().split()[:3]}", flush=True)
-    base = pl.load(args.file, backend="numpy", dtype="float64", dequantize=True)
+    base = pl.load(args.file, backend="numpy", dtype=args.base_dtype, dequantize=True)
     tok = base.tokenizer
     ids = tok.encode(Path(args.text).read_text(encoding="utf-8"), add_special_tokens=False)
     bos = adds_bos(tok)
@@ -93,10 +99,10 @@ def main() -> None:
     big = rows * base.vocab_size * 8 > 2**30  # over 1 GiB: keep float32 (Gemma's 262k vocab)
     saved = np.concatenate([k.astype(np.float32) if big else k for k in kept])
     del kept
-    print(f"base (float64 dequantized, numpy): {time.perf_counter() - start:.1f} s", flush=True)
+    took = time.perf_counter() - start
+    print(f"base ({args.base_dtype} dequantized, numpy): {took:.1f} s", flush=True)
     print("| engine | perplexity | KL mean | KL p99 | top-1 | tok/s |")
     print("| --- | --- | --- | --- | --- | --- |")
-    print(_row("float64 base (itself)", pl.perplexity(base, ids, **opts, bos=bos, base=saved)))
     del base
     for mode in ("float", "int8"):
         model = pl.load(args.file, backend=args.backend, activations=mode, dequantize=False)

@@ -253,3 +253,22 @@ def test_bench_model_shows_both_modes_and_their_kl(tiny_gguf: Path) -> None:
     for asked, rows in ((["int8"], ["pl int8"]), (["float"], []), (None, ["pl int8"])):
         engines = model_bench._gguf_engines(tiny_gguf, "numpy", "float32", asked, None)
         assert [e for e, _ in engines] == ["portable_llm", "pl floats", *rows]
+
+
+def test_auto_follows_the_measured_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``activations="auto"`` is ``"int8"`` exactly on the (backend, device) pairs of
+    ``INT8_BY_DEFAULT`` (empty today: docs/gguf.md says why), never with ``dequantize=True``
+    or partitioned, and then keeps every code."""
+    from portable_llm.checkpoint.build import LoadOptions
+    from portable_llm.ops.quant import policy
+
+    assert not LoadOptions(backend="numpy").int8()
+    monkeypatch.setattr(policy, "INT8_BY_DEFAULT", frozenset({("numpy", "cpu")}))
+    assert LoadOptions(backend="numpy").int8()
+    assert LoadOptions(backend="numpy").reading().dequantize is False
+    assert not LoadOptions(backend="numpy", dequantize=True).int8()
+    assert not LoadOptions(backend="numpy").int8(partitioned=True)
+    assert not LoadOptions(backend="numpy", activations="float").int8()
+    assert not policy.int8_by_default("numpy", "gpu")
+    with pytest.raises(ValueError, match="not supported with tensor_parallel"):
+        LoadOptions(backend="numpy", activations="int8").int8(partitioned=True)

@@ -79,6 +79,8 @@ class LoadOptions:
         if self.activations == "float" or self.dequantize is True or partitioned:
             return False
         bk = get_backend(self.backend)
+        if not int8_by_default(bk.name):  # on none of its devices: no array to make
+            return False
         dev = None if self.device is None else bk.device(self.device)
         return int8_by_default(bk.name, device_kind(bk, bk.xp.zeros((1,), device=dev)))
 
