@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +80,8 @@ class _Served:
     prompts: ThreadPoolExecutor  # renders chat templates and tokenizes, off the event loop
 
 
+# Over 80 lines for its docstring (every option of the server); the code checks the options and
+# wires the engine, the routes (_routes) and the lifespan (_lifespan): ~30 lines.
 def create_app(
     model: Any,
     *,
@@ -155,15 +158,39 @@ def create_app(
     metrics = ServeMetrics(engine, model_name=model_name)  # a registry of this app's own
     engine.observer = metrics
 
+    app = Starlette(
+        routes=_routes(served, metrics),
+        middleware=_middleware(hosts, origins),
+        exception_handlers={
+            APIError: _api_error,
+            HTTPException: _http_error,
+            Exception: _server_error,
+        },
+        lifespan=_lifespan(served),
+    )
+    app.state.engine = engine
+    app.state.metrics = metrics
+    return app
+
+
+def _lifespan(served: _Served) -> Callable[[Starlette], AbstractAsyncContextManager[None]]:
+    """The app's lifespan: the engine thread runs from its start to its end."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         app.state.loop = asyncio.get_running_loop()
-        engine.start()
+        served.engine.start()
         try:
             yield
         finally:
-            engine.close()
+            served.engine.close()
             served.prompts.shutdown(wait=False, cancel_futures=True)
+
+    return lifespan
+
+
+def _routes(served: _Served, metrics: ServeMetrics) -> list[Route]:
+    """The OpenAI routes, ``/health``, ``/metrics`` and the chat page."""
 
     async def chat(request: Request) -> Response:
         return await _generate(served, request, chat=True)
@@ -178,32 +205,20 @@ def create_app(
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(request: Request) -> Response:
-        return JSONResponse({"status": "ok", **engine.health()})
+        return JSONResponse({"status": "ok", **served.engine.health()})
 
     async def metrics_page(request: Request) -> Response:
         _authorize(served, request)
         return Response(metrics.render(), media_type=METRICS_TYPE)
 
-    app = Starlette(
-        routes=[
-            Route("/v1/chat/completions", chat, methods=["POST"]),
-            Route("/v1/completions", completions, methods=["POST"]),
-            Route("/v1/models", models, methods=["GET"]),
-            Route("/health", health, methods=["GET"]),
-            Route("/metrics", metrics_page, methods=["GET"]),
-            Route("/", chat_page, methods=["GET"]),
-        ],
-        middleware=_middleware(hosts, origins),
-        exception_handlers={
-            APIError: _api_error,
-            HTTPException: _http_error,
-            Exception: _server_error,
-        },
-        lifespan=lifespan,
-    )
-    app.state.engine = engine
-    app.state.metrics = metrics
-    return app
+    return [
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics_page, methods=["GET"]),
+        Route("/", chat_page, methods=["GET"]),
+    ]
 
 
 def _middleware(hosts: frozenset[str], origins: tuple[str, ...]) -> list[Middleware]:
