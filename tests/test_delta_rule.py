@@ -155,3 +155,15 @@ def test_a_last_chunk_shorter_than_the_others(backend):
     want_o, want_state = reference.gated_delta_rule(*refs)
     assert_close(o, want_o, backend=backend, dtype=dtype)
     assert_close(state, want_state, backend=backend, dtype=dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["portable", "recurrent"])
+def test_qwen3_next_sizes_stay_within_float32_tolerance(backend, impl):
+    # Qwen3-Next's head sizes (D_k = D_v = 128, twice the value heads), chunks of 64, 150 tokens.
+    arrays, refs = _inputs(1, (1, 150, 2, 4, 128, 128), "float32", backend)
+    want, want_state = reference.gated_delta_rule(*refs, qk_l2_norm=True)
+    o, state = pl.gated_delta_rule(*arrays[:5], state=arrays[5], qk_l2_norm=True, chunk_size=64,
+                                   impl=impl)  # fmt: skip
+    assert_close(o, want, backend=backend, dtype="float32")
+    assert_close(state, want_state, backend=backend, dtype="float32")

@@ -116,7 +116,7 @@ def _chunked(
         qs, ks, vs = (a[:, :, start:end, :] for a in (q, k, v))  # (B, H, C, D)
         bs = beta[:, :, start:end, None]  # (B, H, C, 1)
         G = xp.cumulative_sum(g[:, :, start:end], axis=-1)  # (B, H, C): log-decay so far
-        decay = causal_decay(xp, G)  # (B, H, C, C): exp(G_i - G_j) for j <= i, else 0
+        decay = causal_decay(xp, g[:, :, start:end])  # (B, H, C, C): exp(G_i - G_j), j <= i
         i = xp.arange(end - start, device=creation_device(G))
         strict = xp.where(i[:, None] > i[None, :], decay, 0.0)
         kt = xp.permute_dims(ks, (0, 1, 3, 2))  # (B, H, D_k, C)
@@ -131,9 +131,8 @@ def _chunked(
             spread = decay[:, :, :, :, None] * ks[:, :, None, :, :]  # (B, H, C, C, D_k)
             mine = xp.permute_dims(spread, (0, 1, 2, 4, 3)) @ v_new[:, :, None, :, :]
             kept.append(xp.exp(G)[..., None, None] * S[:, :, None, :, :] + mine)
-        last = G[:, :, -1:]  # (B, H, 1)
-        kd = ks * xp.exp(last - G)[..., None]  # (B, H, C, D_k)
-        S = S * xp.exp(last)[..., None] + xp.permute_dims(kd, (0, 1, 3, 2)) @ v_new
+        kd = ks * decay[:, :, -1, :, None]  # (B, H, C, D_k): decayed to the chunk's end
+        S = S * xp.exp(G[:, :, -1:])[..., None] + xp.permute_dims(kd, (0, 1, 3, 2)) @ v_new
     if all_states:  # (B, H, L, D_k, D_v) -> (B, L, H, D_k, D_v)
         S = xp.permute_dims(xp.concat(kept, axis=2), (0, 2, 1, 3, 4))
     return _finish(xp, xp.concat(outs, axis=2), S, dtype)

@@ -116,7 +116,7 @@ def _chunked(
         end = min(start + chunk_size, L)
         cum = xp.cumulative_sum(a[:, :, start:end], axis=-1)  # (B, H, C)
         xs, Bs, Cs = (t[:, :, start:end, :] for t in (xdt, Bh, Ch))  # (B, H, C, P | N)
-        decay = causal_decay(xp, cum)  # (B, H, C, C)
+        decay = causal_decay(xp, a[:, :, start:end])  # (B, H, C, C)
         scores = (Cs @ xp.permute_dims(Bs, (0, 1, 3, 2))) * decay  # (B, H, C, C)
         read = Cs @ xp.permute_dims(S, (0, 1, 3, 2))  # (B, H, C, P): the start state
         outs.append(scores @ xs + xp.exp(cum)[..., None] * read)
@@ -124,9 +124,8 @@ def _chunked(
             spread = decay[:, :, :, :, None] * xs[:, :, None, :, :]  # (B, H, C, C, P)
             mine = xp.permute_dims(spread, (0, 1, 2, 4, 3)) @ Bs[:, :, None, :, :]
             kept.append(xp.exp(cum)[..., None, None] * S[:, :, None, :, :] + mine)
-        last = cum[:, :, -1:]  # (B, H, 1)
-        written = xs * xp.exp(last - cum)[..., None]  # (B, H, C, P)
-        S = S * xp.exp(last)[..., None] + xp.permute_dims(written, (0, 1, 3, 2)) @ Bs
+        written = xs * decay[:, :, -1, :, None]  # (B, H, C, P): decayed to the chunk's end
+        S = S * xp.exp(cum[:, :, -1:])[..., None] + xp.permute_dims(written, (0, 1, 3, 2)) @ Bs
     y = xp.concat(outs, axis=2)  # (B, H, L, P)
     if all_states:  # (B, H, L, P, N) -> (B, L, H, P, N)
         S = xp.permute_dims(xp.concat(kept, axis=2), (0, 2, 1, 3, 4))
