@@ -103,15 +103,37 @@ class _TemplateDict:
 
 @lru_cache(maxsize=1)
 def _environment() -> Any:
+    """The sandboxed Jinja environment of chat templates (built once): transformers' filters
+    and globals, every call, operator and join under the budget."""
     try:
         import jinja2
         import jinja2.ext
-        from jinja2 import nodes
-        from jinja2.compiler import CodeGenerator
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-        from jinja2.utils import Namespace
     except ImportError as exc:
         raise ImportError(f"apply_chat_template needs jinja2: {install_hint('chat')}") from exc
+    env = _sandbox()(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_generation_tag(), jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = _tojson
+    env.filters = {name: checked_filter(name, fn) for name, fn in env.filters.items()}
+    env.filters["_pl_budget"] = budget_loop
+    env.globals["lipsum"] = checked_lipsum(env.globals["lipsum"])
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _template_namespace()
+    return env
+
+
+# The classes below subclass jinja2's, an optional dependency: each is built when the
+# environment is (jinja2 imported then), never at import.
+
+
+def _generation_tag() -> type:
+    """The ``{% generation %}`` extension."""
+    import jinja2.ext
+    from jinja2 import nodes
 
     class Generation(jinja2.ext.Extension):
         """``{% generation %}...{% endgeneration %}`` (assistant-mask markers): the body."""
@@ -122,6 +144,14 @@ def _environment() -> Any:
             lineno = next(parser.stream).lineno
             body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
             return nodes.Scope(body).set_lineno(lineno)
+
+    return Generation
+
+
+def _template_namespace() -> type:
+    """transformers' ``namespace`` global."""
+    import jinja2
+    from jinja2.utils import Namespace
 
     class TemplateNamespace(Namespace):
         """transformers' ``namespace``: no underscore attributes."""
@@ -143,6 +173,14 @@ def _environment() -> Any:
                 raise jinja2.exceptions.SecurityError(
                     f"a namespace cannot hold underscore attributes, got {name!r}"
                 )
+
+    return TemplateNamespace
+
+
+def _sandbox() -> type:
+    """The sandboxed environment class: ``+ * ** %``, calls, ``~`` and joins under the budget."""
+    from jinja2.compiler import CodeGenerator
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class Generator(CodeGenerator):
         """Jinja's code generator, with ``~`` joined under the budget."""
@@ -186,18 +224,7 @@ def _environment() -> Any:
         def budget_join(self, parts: Any) -> str:
             return budget().join(parts, "'~'")
 
-    env = Environment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.filters = {name: checked_filter(name, fn) for name, fn in env.filters.items()}
-    env.filters["_pl_budget"] = budget_loop
-    env.globals["lipsum"] = checked_lipsum(env.globals["lipsum"])
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    env.globals["dict"] = _TemplateDict()
-    env.globals["namespace"] = TemplateNamespace
-    return env
+    return Environment
 
 
 def compile_chat_template(source: str, origin: str) -> Any:
