@@ -9,6 +9,9 @@ gives the median prefill and decode tokens/s, the weights' memory, and the load 
 ``--threads`` (default 1) sets torch's thread count and llama.cpp's; ``OMP_NUM_THREADS`` should
 match it (NumPy's BLAS reads it at import).
 
+``--activations float --activations int8`` loads each variant in those activation modes
+(``pl.load(..., activations=MODE)``, issue 30), rounds interleaved with the rest.
+
 ``--model`` may be given several times (each file's variants join the same rounds); ``--peer``
 adds llama.cpp (``llama-cpp-python``, when installed) on each file, with torch's thread count,
 as ``portable-llm bench --model`` runs it.
@@ -50,6 +53,7 @@ def main() -> None:
     ap.add_argument("--backend", action="append", default=None)
     ap.add_argument("--dtype", action="append", default=None)
     ap.add_argument("--choice", action="append", default=None, help="False, True or auto")
+    ap.add_argument("--activations", action="append", default=None, help="float or int8")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--new", type=int, default=24)
     ap.add_argument(
@@ -71,12 +75,19 @@ def main() -> None:
         for backend in args.backend or ["torch"]:
             for dtype in args.dtype or ["float32"]:
                 for c in args.choice or ["False", "True", "auto"]:
-                    model = pl.load(path, backend=backend, dtype=dtype, dequantize=choices[c])
-                    mem = sum(weight_bytes(p) for p in (model.embed, model.lm_head, model.blocks))
-                    variants[path.name, backend, dtype, c] = (
-                        partial(_once, model, ids, args.new),
-                        mem,
-                    )
+                    for mode in args.activations or [None]:
+                        opts = {} if mode is None else {"activations": mode}
+                        model = pl.load(
+                            path, backend=backend, dtype=dtype, dequantize=choices[c], **opts
+                        )
+                        mem = sum(
+                            weight_bytes(p) for p in (model.embed, model.lm_head, model.blocks)
+                        )
+                        label = c if mode is None else f"{c}, {mode}"
+                        variants[path.name, backend, dtype, label] = (
+                            partial(_once, model, ids, args.new),
+                            mem,
+                        )
         if args.peer and importlib.util.find_spec("llama_cpp") is not None:
             _, runner = GGUF_PEERS[0][2](path, "float32")
             size = path.stat().st_size
@@ -96,7 +107,8 @@ def main() -> None:
     print(f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, --threads {args.threads}, "
           f"{args.rounds} rounds, "
           f"{args.new} new tokens, load average {min(loads):.1f}-{max(loads):.1f}")  # fmt: skip
-    head = "| file | engine | dtype | dequantize | weights MiB | prefill tok/s | decode tok/s |"
+    head = "| file | engine | dtype | dequantize[, activations] | weights MiB | prefill tok/s |"
+    head += " decode tok/s |"
     print(head + " decode / llama.cpp |")
     print("|---|---|---|---|---|---|---|---|")
     med = {
