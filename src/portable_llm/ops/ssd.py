@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from portable_llm.backends import resolve
+from portable_llm.backends import Backend, resolve
 from portable_llm.core.checks import check_bool, check_int, check_real, check_same_dtype
 from portable_llm.core.dispatch import auto_portable, pick, portable
 from portable_llm.core.types import Array, Namespace
@@ -200,6 +200,24 @@ def ssd_scan(
     """
     bk, arrays = resolve(OP, backend, x, dt, A, B, C, D, z, dt_bias, state)
     x, dt, A, B, C, D, z, dt_bias, state = arrays
+    b, H, P, N = _check_arrays(bk, x, dt, A, B, C, D, z, dt_bias)
+    state = check_state(OP, bk, state, (b, H, P, N), "(B, H, P, N)", x)
+    opts = {
+        "dt_softplus": check_bool(OP, "dt_softplus", dt_softplus),
+        "dt_limit": _limit(dt_limit),
+        "chunk_size": check_int(OP, "chunk_size", chunk_size, low=1),
+        "all_states": check_bool(OP, "all_states", all_states),
+    }
+    arrays = (x, dt, A, B, C, state, D, z, dt_bias)
+    out: tuple[Array, Array] = pick(bk, OP, impl, *arrays, **opts)(bk.xp, *arrays, **opts)
+    return out
+
+
+def _check_arrays(
+    bk: Backend, x: Array, dt: Array, A: Array, B: Array, C: Array, D: Array | None,
+    z: Array | None, dt_bias: Array | None,
+) -> tuple[int, int, int, int]:  # fmt: skip
+    """``(B, H, P, N)`` of checked arrays; a ValueError/TypeError naming the one that is not."""
     check_dims(OP, "x", x, "(B, L, H, P)", (None,) * 4, bk)
     b, L, H, P = x.shape
     check_dims(OP, "dt", dt, "(B, L, H)", (b, L, H), bk)
@@ -218,16 +236,7 @@ def ssd_scan(
     if z is not None:
         check_dims(OP, "z", z, "(B, L, H, P)", (b, L, H, P), bk)
     check_same_dtype(OP, bk, x=x, z=z)
-    state = check_state(OP, bk, state, (b, H, P, N), "(B, H, P, N)", x)
-    opts = {
-        "dt_softplus": check_bool(OP, "dt_softplus", dt_softplus),
-        "dt_limit": _limit(dt_limit),
-        "chunk_size": check_int(OP, "chunk_size", chunk_size, low=1),
-        "all_states": check_bool(OP, "all_states", all_states),
-    }
-    arrays = (x, dt, A, B, C, state, D, z, dt_bias)
-    out: tuple[Array, Array] = pick(bk, OP, impl, *arrays, **opts)(bk.xp, *arrays, **opts)
-    return out
+    return b, H, P, N
 
 
 def _limit(value: Any) -> tuple[float, float]:
