@@ -84,6 +84,8 @@ def _check_padding(be: Any, pad: Any, L: int) -> None:
         check_int(OP, f"left_padding[{b}] (pad tokens of row {b} of L={L})", n, low=0, high=L)
 
 
+# Over 80 lines for its signature and docstring (HF's every attention option, ~110 lines); the
+# code is the named checks below, then attention_body.
 def attention(
     x: Any,
     /,
@@ -196,6 +198,38 @@ def attention(
     if cache is not None:
         offset = block_offset(OP, cache, offset, left_padding)
         left_padding = cache.left_padding
+    h, h_kv = _check_options(impl, num_heads, num_kv_heads, rope)
+    be, (x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, pad, sinks, mask) = _resolve(
+        backend, x, (wq, wk, wv, wo), (bq, bk, bv, q_norm, k_norm, left_padding, sinks), mask
+    )
+    D = _check_shapes(be, x, h, h_kv, head_dim, (wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm))
+    sinks = None if sinks is None else check_sinks(OP, be, sinks, x, h, f"head, num_heads={h}")
+    if not norm_eps >= 0:  # also rejects NaN
+        raise ValueError(f"{OP}: norm_eps must be >= 0, got {norm_eps!r}")
+    chunk = int_option(OP, "chunk", chunk, low=1, optional=True)
+    temperature = _check_temperature(temperature)
+    wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm = _match_dtypes(
+        be, x, wq=wq, wk=wk, wv=wv, wo=wo, bq=bq, bk=bk, bv=bv, q_norm=q_norm, k_norm=k_norm
+    )
+    b, L = x.shape[0], x.shape[1]
+    rows = None if pad is None else row_offsets(OP, be, offset, pad, b)  # (B,)
+    if pad is not None and cache is None:  # a cache checked its own
+        _check_padding(be, pad, L)
+    if empty(x):  # B = 0 or L = 0: nothing to project or attend (a cache is left untouched)
+        return be.xp.zeros((b, L, wo.shape[0]), dtype=x.dtype, device=be.device_of(x))
+    weights = AttnWeights(
+        wq=wq, wk=wk, wv=wv, wo=wo, bq=bq, bk=bk, bv=bv, bo=None, q_norm=q_norm, k_norm=k_norm,
+        window=window, num_heads=h, num_kv_heads=h_kv, head_dim=D, norm_eps=norm_eps,
+        rope=rope is not None, qk_l2_norm=bool(qk_l2_norm), temperature=temperature, chunk=chunk,
+        sinks=sinks,
+    )  # fmt: skip
+    state = CallState(be, impl, rope, offset, rows, cache, pad, mask, softcap, scale, block_size)
+    kernels = Kernels(be, "portable" if impl == "tiled" else impl)
+    return attention_body(be.xp, kernels, x, weights, state, 0)  # (B, L, E_out)
+
+
+def _check_options(impl: str, num_heads: Any, num_kv_heads: Any, rope: Any) -> tuple[int, int]:
+    """``impl``, the head counts ``(H, H_kv)`` and the keys of ``rope``."""
     if impl not in (*IMPLS, "tiled"):
         raise ValueError(f"{OP}: impl must be one of {(*IMPLS, 'tiled')}, got {impl!r}")
     h, h_kv = _positive("num_heads", num_heads), _positive("num_kv_heads", num_kv_heads)
@@ -203,24 +237,39 @@ def attention(
         raise ValueError(
             f"{OP}: num_heads={h} must be a multiple of num_kv_heads={h_kv} (grouped-query)"
         )
-    check_rope_options(OP, rope)
+    if rope is not None:
+        unknown = sorted(set(rope) - set(ROPE_OPTIONS))
+        if unknown:
+            raise ValueError(
+                f"{OP}: unknown rope option(s) {', '.join(map(repr, unknown))}; "
+                f"known: {', '.join(ROPE_OPTIONS)}"
+            )
+    return h, h_kv
+
+
+def _resolve(
+    backend: Any, x: Any, projections: tuple[Any, ...], others: tuple[Any, ...], mask: Any
+) -> tuple[Any, tuple[Any, ...]]:
+    """The backend and ``(x, *projections, *others, mask)`` as its arrays; quantized
+    projections (ops/quant/) skip the conversion and stay as they are."""
     extra = () if isinstance(mask, str) or mask is None else (mask,)
-    # Quantized projections (ops/quant/) skip resolve; their arrays stay as they are.
-    names = ("wq", "wk", "wv", "wo")
-    quantized = {
-        n: w for n, w in zip(names, (wq, wk, wv, wo), strict=True) if isinstance(w, QuantizedWeight)
-    }
-    if quantized:
-        wq, wk, wv, wo = (
-            None if n in quantized else w for n, w in zip(names, (wq, wk, wv, wo), strict=True)
-        )
-    be, arrays = resolve(
-        OP, backend, x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, left_padding, sinks, *extra
-    )
-    x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, pad, sinks = arrays[:12]
-    if quantized:
-        wq, wk, wv, wo = (quantized.get(n, w) for n, w in zip(names, (wq, wk, wv, wo), strict=True))
-    mask = arrays[12] if extra else mask
+    quantized = [isinstance(w, QuantizedWeight) for w in projections]
+    floats = [None if q else w for w, q in zip(projections, quantized, strict=True)]
+    be, arrays = resolve(OP, backend, x, *floats, *others, *extra)
+    n = len(projections)
+    resolved = [
+        w if q else a for w, a, q in zip(projections, arrays[1 : 1 + n], quantized, strict=True)
+    ]
+    rest = arrays[1 + n : 1 + n + len(others)]
+    return be, (arrays[0], *resolved, *rest, arrays[-1] if extra else mask)
+
+
+def _check_shapes(
+    be: Any, x: Any, h: int, h_kv: int, head_dim: Any, weights: tuple[Any, ...]
+) -> int:
+    """x ``(B, L, E)`` and the weights' shapes and kinds for ``H``, ``H_kv`` heads; returns
+    ``D`` (``head_dim``, default ``E // H``)."""
+    wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm = weights
     check_float(OP, "x", x, be)
     if x.ndim != 3:
         raise ValueError(f"{OP}: x must have shape (B, L, E), got {tuple(x.shape)}")
@@ -252,47 +301,33 @@ def attention(
                 raise ValueError(
                     f"{OP}: {name} must have shape ({D},) (head_dim), got {tuple(nw.shape)}"
                 )
-    sinks = None if sinks is None else check_sinks(OP, be, sinks, x, h, f"head, num_heads={h}")
-    if not norm_eps >= 0:  # also rejects NaN
-        raise ValueError(f"{OP}: norm_eps must be >= 0, got {norm_eps!r}")
-    chunk = int_option(OP, "chunk", chunk, low=1, optional=True)
-    if temperature is not None:
-        if not isinstance(temperature, tuple | list) or len(temperature) != 2:
-            raise ValueError(
-                f"{OP}: temperature must be a (floor_scale, scale) pair or None, got "
-                f"{temperature!r}"
-            )
-        temperature = (
-            check_real(OP, "temperature[0] (floor_scale)", temperature[0], low=0.0, low_open=True),
-            check_real(OP, "temperature[1] (scale)", temperature[1]),
+    return D
+
+
+def _check_temperature(temperature: Any) -> tuple[float, float] | None:
+    """Llama 4's ``(floor_scale, scale)`` pair, checked."""
+    if temperature is None:
+        return None
+    if not isinstance(temperature, tuple | list) or len(temperature) != 2:
+        raise ValueError(
+            f"{OP}: temperature must be a (floor_scale, scale) pair or None, got {temperature!r}"
         )
-    # One mixed-precision rule (docs/mixed-precision.md): float weights in x's dtype.
-    # A QuantizedWeight keeps its own dtype: quantized_linear computes in x's and returns it.
-    wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm = (
-        w if isinstance(w, QuantizedWeight) else match_weight(OP, name, w, x, be)
-        for name, w in (
-            ("wq", wq), ("wk", wk), ("wv", wv), ("wo", wo), ("bq", bq), ("bk", bk), ("bv", bv),
-            ("q_norm", q_norm), ("k_norm", k_norm),
-        )
-    )  # fmt: skip
-    floats = {"wq": wq, "wk": wk, "wv": wv, "wo": wo}
-    floats = {n: w for n, w in floats.items() if not isinstance(w, QuantizedWeight)}
-    check_same_dtype(OP, be, x=x, **floats, bq=bq, bk=bk, bv=bv, q_norm=q_norm, k_norm=k_norm)
-    b, L = x.shape[0], x.shape[1]
-    rows = None if pad is None else row_offsets(OP, be, offset, pad, b)  # (B,)
-    if pad is not None and cache is None:  # a cache checked its own
-        _check_padding(be, pad, L)
-    if empty(x):  # B = 0 or L = 0: nothing to project or attend (a cache is left untouched)
-        return be.xp.zeros((b, L, wo.shape[0]), dtype=x.dtype, device=be.device_of(x))
-    weights = AttnWeights(
-        wq=wq, wk=wk, wv=wv, wo=wo, bq=bq, bk=bk, bv=bv, bo=None, q_norm=q_norm, k_norm=k_norm,
-        window=window, num_heads=h, num_kv_heads=h_kv, head_dim=D, norm_eps=norm_eps,
-        rope=rope is not None, qk_l2_norm=bool(qk_l2_norm), temperature=temperature, chunk=chunk,
-        sinks=sinks,
-    )  # fmt: skip
-    state = CallState(be, impl, rope, offset, rows, cache, pad, mask, softcap, scale, block_size)
-    kernels = Kernels(be, "portable" if impl == "tiled" else impl)
-    return attention_body(be.xp, kernels, x, weights, state, 0)  # (B, L, E_out)
+    return (
+        check_real(OP, "temperature[0] (floor_scale)", temperature[0], low=0.0, low_open=True),
+        check_real(OP, "temperature[1] (scale)", temperature[1]),
+    )
+
+
+def _match_dtypes(be: Any, x: Any, **weights: Any) -> tuple[Any, ...]:
+    """The weights in x's dtype (the one mixed-precision rule, docs/mixed-precision.md), in
+    the order given; a QuantizedWeight keeps its own (quantized_linear computes in x's)."""
+    out = {
+        name: w if isinstance(w, QuantizedWeight) else match_weight(OP, name, w, x, be)
+        for name, w in weights.items()
+    }
+    floats = {n: w for n, w in out.items() if not isinstance(w, QuantizedWeight)}
+    check_same_dtype(OP, be, x=x, **floats)
+    return tuple(out.values())
 
 
 @dataclass(frozen=True)
