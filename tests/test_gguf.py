@@ -50,6 +50,8 @@ def random_blocks(kind: str, n: int, rng: np.random.Generator, scale: float = 1.
         b[:] = f16(1, -3, 3)
     elif kind == "F32":
         b[:] = rng.uniform(-3, 3, (n, 1)).astype(np.float32).view(np.uint8)
+    elif kind == "MXFP4":
+        b[:, 0] = rng.integers(110, 145, n)  # E8M0 exponents 2**-17 .. 2**17
     return b
 
 

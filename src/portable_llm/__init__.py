@@ -73,7 +73,13 @@ from portable_llm.ops.linear import intermediate_size, linear, mlp
 from portable_llm.ops.moe import moe, route
 from portable_llm.ops.norm import layer_norm, rms_norm
 from portable_llm.ops.penalties import apply_penalties, logit_bias_row
-from portable_llm.ops.quant import QuantizedWeight, dequantize, quantize, quantized_linear
+from portable_llm.ops.quant import (
+    MXFP4Weight,
+    QuantizedWeight,
+    dequantize,
+    quantize,
+    quantized_linear,
+)
 from portable_llm.ops.sampling import greedy, logprobs, sample
 from portable_llm.ops.short_conv import short_conv
 from portable_llm.ops.ssd import ssd_scan
@@ -104,6 +110,7 @@ __all__ = [
     "mlp",
     "moe",
     "paged_attention",
+    "MXFP4Weight",
     "QuantizedWeight",
     "quantize",
     "quantized_linear",

@@ -18,6 +18,7 @@ Q4_K      256    144     d, dmin f16, 12 bytes of 6-bit scales/mins,  4: d sc, -
 Q5_K      256    176     as Q4_K, then 32 bytes of fifth bits         5: d sc, -dmin m
 Q6_K      256    210     128 bytes low nibbles, 64 bytes high pairs,  8, 16: d sc, -32 d sc
                          16 int8 scales, d f16
+MXFP4     32     17      e8m0 exponent, 16 bytes of FP4 nibbles       (MXFP4Weight)
 ========  =====  ======  ==========================================  ===============
 
 Nibbles: in a run of 32 weights, byte ``l`` holds weight ``l`` in its low nibble and weight
@@ -54,6 +55,7 @@ BLOCK_SIZES: dict[str, tuple[int, int]] = {
     "Q4_K": (256, 144),
     "Q5_K": (256, 176),
     "Q6_K": (256, 210),
+    "MXFP4": (32, 17),  # e8m0 exponent, 16 bytes of FP4 E2M1 nibbles (checkpoint/mxfp4.py)
 }
 #: The types that are exactly MLX's affine format: type -> (bits, group_size) kept. Q6_K's 6-bit
 #: codes are kept as 8-bit ones: 1/3 more memory for its codes than packing them in 6 bits, but
@@ -196,6 +198,11 @@ def dequantize_blocks(kind: str, blocks: np.ndarray) -> np.ndarray:
         groups, group = scales.shape[1], AFFINE_FORMATS[kind][1]
         w = scales.reshape(n, groups, 1) * q.reshape(n, groups, group).astype(np.float32)
         return (w + biases.reshape(n, groups, 1)).reshape(n, -1)
+    if kind == "MXFP4":  # ggml's doubled E2M1 values times half the scale: exact in float32
+        doubled = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.float32)
+        with np.errstate(over="ignore", invalid="ignore"):  # e = 255: 2**128, inf as ggml's
+            half = np.ldexp(np.float32(1), blocks[:, :1].astype(np.int32) - 128)  # (n, 1)
+            return doubled[_nibbles(blocks[:, 1:])] * half
     if kind == "F32":
         return np.ascontiguousarray(blocks).view("<f4").reshape(n, 1).copy()
     if kind == "F16":

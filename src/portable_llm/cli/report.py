@@ -63,7 +63,13 @@ from portable_llm.ops.linear import linear, mlp
 from portable_llm.ops.moe import moe
 from portable_llm.ops.moe import route as moe_route
 from portable_llm.ops.norm import layer_norm, rms_norm
-from portable_llm.ops.quant import QuantizedWeight, dequantize, quantize, quantized_linear
+from portable_llm.ops.quant import (
+    MXFP4Weight,
+    QuantizedWeight,
+    dequantize,
+    quantize,
+    quantized_linear,
+)
 from portable_llm.ops.sampling import logprobs
 from portable_llm.ops.short_conv import short_conv
 from portable_llm.ops.ssd import ssd_scan
@@ -722,6 +728,37 @@ CASES.extend([
          seed=200),
     Case("quantized_linear", "quantized_linear", _quantized, _quantized_linear_call,
          _quantized_linear_reference, seed=210),
+])  # fmt: skip
+
+
+# -- MXFP4 (gpt-oss's experts): FP4 E2M1 codes, an E8M0 scale per 32 -----------------------------
+
+
+def _mxfp4(seed: int, dtype: str, backend: str) -> Inputs:
+    """x and random codes and exponents (weights of 2**-9 .. 2**-3 times E2M1's values: O(1)
+    products); the references read the very words and exponents the call gets."""
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, 16, (48, _X[-1])).astype(np.uint32)
+    shifts = (4 * np.arange(8)).astype(np.uint32)
+    packed = (codes.reshape(48, -1, 8) << shifts).sum(-1, dtype=np.uint32)  # (48, E / 8)
+    e = rng.integers(118, 124, (48, _X[-1] // 32)).astype(np.uint8)
+    x = random_array(seed, _X, dtype, backend=backend)
+    arrays = [(asarray(a, backend=backend), a) for a in (packed, e)]
+    return _inputs(x, *arrays, dtype=dtype)
+
+
+def _mxfp4_weight(p: Any, e: Any, dtype: str) -> MXFP4Weight:
+    return MXFP4Weight(p, e, dtype=dtype)
+
+
+CASES.extend([
+    Case("dequantize(mxfp4)", "dequantize_mxfp4", _mxfp4,
+         lambda x, p, e, *, impl, dtype: dequantize(_mxfp4_weight(p, e, dtype), impl=impl),
+         lambda x, p, e, *, dtype: reference.mxfp4_dequantize(p, e), seed=215),
+    Case("quantized_linear(mxfp4)", "quantized_linear_mxfp4", _mxfp4,
+         lambda x, p, e, *, impl, dtype: quantized_linear(x, _mxfp4_weight(p, e, dtype),
+                                                          impl=impl),
+         lambda x, p, e, *, dtype: reference.mxfp4_linear(x, p, e), seed=216),
 ])  # fmt: skip
 
 

@@ -320,6 +320,40 @@ def quantized_linear_int8(
     return y.astype(x.dtype).reshape(*lead, -1)  # (N.., O)
 
 
+def _probe_mxfp4() -> bool:
+    """Whether the installed MLX's quantized_matmul takes ``mode="mxfp4"`` (MLX >= 0.29)."""
+    try:
+        w = mx.zeros((1, 4), dtype=mx.uint32)
+        mx.quantized_matmul(mx.zeros((1, 32)), w, mx.zeros((1, 1), dtype=mx.uint8),
+                            transpose=True, group_size=32, bits=4, mode="mxfp4")  # fmt: skip
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+_HAS_MXFP4 = _probe_mxfp4()
+
+
+# MXFP4's weights (FP4 E2M1 times a power of two) are exact in every float dtype's range, so the
+# float32 product of a half x below equals the portable path's, which dequantizes to x's dtype.
+# float64 x would be multiplied in float32: auto keeps the portable path there.
+@native(
+    "mlx",
+    "quantized_linear_mxfp4",
+    kernel='mx.quantized_matmul(mode="mxfp4")',
+    applies=lambda *_, **__: _HAS_MXFP4,
+    auto_dtypes=_BELOW_FLOAT64,
+)
+def quantized_linear_mxfp4(xp: Any, x: Any, packed: Any, scales: Any, bias: Any) -> Any:
+    # On the CPU the kernel would sum half dtypes in their own precision (as the affine mode's,
+    # above): half x is multiplied in float32 and rounded once.
+    xf = x if x.dtype == mx.float32 or not _on_cpu() else x.astype(mx.float32)
+    y = mx.quantized_matmul(xf, packed, scales, transpose=True, group_size=32, bits=4,
+                            mode="mxfp4")  # fmt: skip
+    y = y if bias is None else y + bias.astype(y.dtype)
+    return y.astype(x.dtype)
+
+
 # -- paged attention (portable_llm.attn.paged) -------------------------------------------------
 # The pages a batch uses are gathered into contiguous keys (one take), then attended by the
 # fused SDPA kernel above with the per-row causal mask of the options record

@@ -25,7 +25,7 @@ from typing import Any
 
 from portable_llm.backends import Backend
 from portable_llm.core.dispatch import dispatcher, pick, portable
-from portable_llm.ops.quant import QuantizedWeight, quantized_linear
+from portable_llm.ops.quant import MXFP4Weight, QuantizedWeight, quantized_linear
 
 __all__ = [
     "BOUND_PROJECTIONS",
@@ -166,7 +166,7 @@ class Kernels:
     def project(self, xp: Any, x: Any, w: Any, b: Any) -> Any:
         """``x @ w.T + b`` for a float weight, a ``QuantizedWeight`` or a bound one."""
         t = type(w)
-        if t is QuantizedWeight:
+        if t is QuantizedWeight or t is MXFP4Weight:
             return quantized_linear(x, w, b, impl=self.impl, backend=self.bk)
         if t in BOUND_PROJECTIONS:
             return w.picked(self.bk, xp, x, b)

@@ -14,7 +14,7 @@ from portable_llm.core.types import Array, Namespace
 from portable_llm.ops.activations import activation, activation_op, check_swiglu, clamped_swiglu
 from portable_llm.ops.affine import affine
 from portable_llm.ops.kernels import Kernels
-from portable_llm.ops.quant import QuantizedWeight, is_quantized, quantized_linear
+from portable_llm.ops.quant import is_quantized, quantized_linear
 
 __all__ = [
     "MlpWeights",
@@ -52,7 +52,7 @@ def check_linear(
                 f"{what} of shape {tuple(weight.shape)}, got {tuple(bias.shape)}"
             )
     bias_name = f"bias of {what}"
-    if not isinstance(weight, QuantizedWeight):  # a quantized one computes in x's dtype itself
+    if not is_quantized(weight):  # a quantized one computes in x's dtype itself
         weight = match_weight(op, what, weight, x, bk)
     return weight, match_weight(op, bias_name, bias, x, bk)
 
@@ -86,7 +86,7 @@ def linear(
     array, shape ``(N.., O)``, x's dtype
         float16/bfloat16 products are accumulated in float32 and rounded once.
     """
-    if isinstance(weight, QuantizedWeight):  # ops/quant/
+    if is_quantized(weight):  # ops/quant/: a QuantizedWeight or an MXFP4Weight
         return quantized_linear(x, weight, bias, impl=impl, backend=backend)
     bk, (x, weight, bias) = resolve("linear", backend, x, weight, bias)
     weight, bias = check_linear("linear", bk, x, weight, bias, "weight")

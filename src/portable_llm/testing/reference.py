@@ -29,6 +29,8 @@ __all__ = [
     "linear",
     "mlp",
     "moe",
+    "mxfp4_dequantize",
+    "mxfp4_linear",
     "penalties",
     "relu",
     "rms_norm",
@@ -692,3 +694,25 @@ def quantized_linear_int8(
     xq = np.round(xb / np.where(d > 0, d, compute(1.0)))  # half to even, in compute
     xd = (xq.astype(np.float64) * d.astype(np.float64)).reshape(*lead, k)  # the rounded x
     return linear(xd, dequantize(packed, scales, biases, bits=bits, group_size=group_size))
+
+
+def mxfp4_dequantize(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """MXFP4 (OCP Microscaling) from its bits, in float64: code ``c`` of element ``k`` is bits
+    ``4 (k % 8) ..`` of word ``k // 8``; FP4 E2M1 decodes sign ``c >> 3``, exponent ``(c >> 1) &
+    3`` (bias 1; 0 is subnormal: ``m / 2``) and mantissa ``c & 1``; the block of 32 is scaled
+    by ``2 ** (e - 127)`` (E8M0; 255 read as ``2 ** 128``, as gpt-oss's readers do)."""
+    words = np.asarray(packed).astype(np.uint64)
+    shifts = 4 * np.arange(8, dtype=np.uint64)
+    codes = ((words[..., None] >> shifts) & 0xF).reshape(*words.shape[:-1], -1).astype(np.int64)
+    sign = np.where(codes >> 3, -1.0, 1.0)
+    exp, man = (codes >> 1) & 3, (codes & 1).astype(np.float64)
+    magnitude = np.where(exp == 0, man / 2, 2.0 ** (exp - 1) * (1 + man / 2))
+    scale = 2.0 ** (np.asarray(scales).astype(np.float64) - 127)  # (.., N, K / 32)
+    return sign * magnitude * np.repeat(scale, 32, axis=-1)
+
+
+def mxfp4_linear(
+    x: np.ndarray, packed: np.ndarray, scales: np.ndarray, bias: np.ndarray | None = None
+) -> np.ndarray:
+    """``x @ W.T + bias`` for the MXFP4 weight ``W`` of :func:`mxfp4_dequantize`."""
+    return linear(x, mxfp4_dequantize(packed, scales), bias)

@@ -20,6 +20,7 @@ __all__ = [
     "float_dtypes",
     "json_schemas",
     "latent_sizes",
+    "mxfp4_shapes",
     "seeds",
     "shapes",
     "sizes",
@@ -93,6 +94,12 @@ def latent_sizes() -> st.SearchStrategy[dict[str, Any]]:
     return st.tuples(
         st.sampled_from(LATENT_SIZES), st.sampled_from([1, 2]), st.sampled_from([1, 5, 7])
     ).map(lambda t: {**t[0], "B": t[1], "L": t[2]})
+
+
+def mxfp4_shapes(*, max_dims: int = 3) -> st.SearchStrategy[tuple[int, ...]]:
+    """MXFP4 weight shapes ``(.., N, K)``: ``K`` whole blocks of 32 (32, 64, 96 or 128), ``N``
+    and the leading sides from :data:`SIDES`, 2 to ``max_dims`` dimensions."""
+    return shapes(min_dims=2, max_dims=max_dims, last=st.sampled_from([32, 64, 96, 128]))
 
 
 def json_schemas(*, max_depth: int = 2) -> st.SearchStrategy[dict[str, Any]]:

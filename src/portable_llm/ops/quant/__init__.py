@@ -9,6 +9,8 @@
 - :mod:`~portable_llm.ops.quant.policy`: the measured rules: when codes beat floats
   (``KEEP_CODES_FROM``, ``keeps_codes``), where int8 activations are the default
   (``INT8_BY_DEFAULT``, ``int8_by_default``);
+- :mod:`~portable_llm.ops.quant.mxfp4`: MXFP4 (``MXFP4Weight``: FP4 E2M1 codes, an E8M0 scale per
+  32), which ``dequantize`` and ``quantized_linear`` also take;
 - :mod:`~portable_llm.ops.quant.public`: the public ops (``quantize``, ``dequantize``,
   ``quantized_linear``, ``fastest_form``).
 
@@ -23,6 +25,7 @@ from portable_llm.ops.quant.format import (
     k_unit,
 )
 from portable_llm.ops.quant.int8 import ACTIVATIONS, projection_op
+from portable_llm.ops.quant.mxfp4 import MXFP4Weight
 from portable_llm.ops.quant.policy import (
     INT8_BY_DEFAULT,
     KEEP_CODES_FROM,
@@ -45,6 +48,7 @@ __all__ = [
     "GROUP_SIZES",
     "INT8_BY_DEFAULT",
     "KEEP_CODES_FROM",
+    "MXFP4Weight",
     "QuantizedWeight",
     "dequantize",
     "dequantized",

@@ -15,6 +15,7 @@ from typing import Any
 
 from portable_llm.backends import Backend, backend_of, get_backend, resolve
 from portable_llm.core.checks import check_float, check_int, check_ndim
+from portable_llm.ops.quant.mxfp4 import MXFP4Weight
 
 __all__ = ["BITS", "GROUP_SIZES", "QuantizedWeight", "check_format", "is_quantized", "k_unit"]
 
@@ -204,5 +205,6 @@ def _itemsize(bk: Backend, a: Any) -> int:
 
 
 def is_quantized(*weights: Any) -> bool:
-    """Whether any of ``weights`` is a :class:`QuantizedWeight`."""
-    return any(isinstance(w, QuantizedWeight) for w in weights)
+    """Whether any of ``weights`` is a :class:`QuantizedWeight` or an
+    :class:`~portable_llm.ops.quant.mxfp4.MXFP4Weight`."""
+    return any(isinstance(w, QuantizedWeight | MXFP4Weight) for w in weights)

@@ -14,6 +14,7 @@ from portable_llm.core.dispatch import pick
 from portable_llm.ops.quant import kernels  # noqa: F401  (its kernels register on import)
 from portable_llm.ops.quant.format import QuantizedWeight, check_format, k_unit
 from portable_llm.ops.quant.int8 import projection_op  # (and int8's kernel)
+from portable_llm.ops.quant.mxfp4 import DEQUANTIZE, LINEAR, MXFP4Weight
 from portable_llm.ops.quant.policy import device_kind, keeps_codes
 
 __all__ = [
@@ -95,36 +96,43 @@ def quantize(
     return QuantizedWeight(packed, scales, biases, bits=bits, group_size=group_size)
 
 
-def _check_qw(op: str, name: str, qw: Any) -> QuantizedWeight:
-    if not isinstance(qw, QuantizedWeight):
-        raise TypeError(f"{op}: {name} must be a QuantizedWeight, got {type(qw).__name__}")
+def _check_qw(op: str, name: str, qw: Any, mxfp4: bool = False) -> Any:
+    kinds = (QuantizedWeight, MXFP4Weight) if mxfp4 else QuantizedWeight
+    if not isinstance(qw, kinds):
+        what = "a QuantizedWeight or an MXFP4Weight" if mxfp4 else "a QuantizedWeight"
+        raise TypeError(f"{op}: {name} must be {what}, got {type(qw).__name__}")
     return qw
 
 
-def dequantize(qw: QuantizedWeight, /, *, impl: str = "auto") -> Any:
-    """The float weight ``scales * q + biases`` of a :class:`QuantizedWeight`.
+def dequantize(qw: QuantizedWeight | MXFP4Weight, /, *, impl: str = "auto") -> Any:
+    """The float weight of a :class:`QuantizedWeight` (``scales * q + biases``) or an
+    :class:`~portable_llm.MXFP4Weight` (``FP4_E2M1[code] * 2 ** (e - 127)``).
 
-    Computed as ``mx.dequantize`` does: the codes cast to the scales' dtype, multiplied by the
-    scale, then the bias added, each step rounded to that dtype (equal to ``mx.dequantize`` on
-    every backend, tested).
+    Affine: computed as ``mx.dequantize`` does: the codes cast to the scales' dtype, multiplied
+    by the scale, then the bias added, each step rounded to that dtype (equal to
+    ``mx.dequantize`` on every backend, tested). MXFP4: each value and scale exact in float32
+    (float64 for float64), the product rounded once to qw's dtype.
 
     Parameters
     ----------
-    qw : QuantizedWeight, shape ``(.., N, K)``
+    qw : QuantizedWeight or MXFP4Weight, shape ``(.., N, K)``
     impl : {"auto", "portable", "native"}
 
     Returns
     -------
     array, shape ``(.., N, K)``, qw's dtype, of qw's backend
     """
-    qw = _check_qw("dequantize", "qw", qw)
+    qw = _check_qw("dequantize", "qw", qw, mxfp4=True)
+    if isinstance(qw, MXFP4Weight):
+        bk, fmt = qw.backend, {"dtype": qw.dtype}
+        return pick(bk, DEQUANTIZE, impl, *qw.arrays, **fmt)(bk.xp, *qw.arrays, **fmt)
     bk, opts = qw.backend, {"bits": qw.bits, "group_size": qw.group_size}
     return pick(bk, "dequantize", impl, *qw.arrays, **opts)(bk.xp, *qw.arrays, **opts)
 
 
 def quantized_linear(
     x: Any,
-    qw: QuantizedWeight,
+    qw: QuantizedWeight | MXFP4Weight,
     bias: Any = None,
     /,
     *,
@@ -145,7 +153,10 @@ def quantized_linear(
     Parameters
     ----------
     x : array, shape ``(N.., I)``, float dtype
-    qw : QuantizedWeight, shape ``(O, I)``
+    qw : QuantizedWeight or MXFP4Weight, shape ``(O, I)``
+        An MXFP4Weight takes ``activations="float"``; ``impl`` ``native`` is
+        ``mx.quantized_matmul(mode="mxfp4")`` on MLX, ``portable`` dequantizes to x's dtype and
+        multiplies (one compiled program on JAX).
     bias : array, shape ``(O,)``, optional
         Cast to x's dtype when it differs.
     activations : {"float", "int8"}
@@ -171,7 +182,7 @@ def quantized_linear(
     array, shape ``(N.., O)``, x's dtype
     """
     op = "quantized_linear"
-    qw = _check_qw(op, "qw", qw)
+    qw = _check_qw(op, "qw", qw, mxfp4=True)
     bk, (x, bias) = resolve(op, backend, x, bias)
     if qw.backend is not bk:
         if backend is None:
@@ -196,6 +207,12 @@ def quantized_linear(
             )
         if bias.dtype != x.dtype:
             bias = bk.astype(bias, x.dtype)
+    if isinstance(qw, MXFP4Weight):
+        if activations != "float":
+            raise ValueError(f"{op}: an MXFP4Weight takes activations='float' only, got "
+                             f"{activations!r}")  # fmt: skip
+        p, s = qw.arrays
+        return pick(bk, LINEAR, impl, x, p, s, bias)(bk.xp, x, p, s, bias)
     p, s, b = qw.arrays
     opts = {"bits": qw.bits, "group_size": qw.group_size}
     if activations != "float":
@@ -242,5 +259,6 @@ def fastest_form(qw: QuantizedWeight, /, *, dtype: Any = None) -> Any:
 
 
 def dequantized(w: Any) -> Any:
-    """``w`` as floats: :func:`dequantize` for a :class:`QuantizedWeight`, else ``w``."""
-    return dequantize(w) if isinstance(w, QuantizedWeight) else w
+    """``w`` as floats: :func:`dequantize` for a :class:`QuantizedWeight` or an
+    :class:`~portable_llm.MXFP4Weight`, else ``w``."""
+    return dequantize(w) if isinstance(w, QuantizedWeight | MXFP4Weight) else w
