@@ -57,6 +57,8 @@ __all__ = [
 _DEEPSEEK_ROPE: Mapping[str, Any] = {"traditional": True}
 
 
+# Over 80 lines for its signature and docstring (every weight and size of HF's
+# DeepseekV3Attention); the code is latent_args' checks, then latent_attention_body.
 def latent_attention(
     x: Any,
     /,
