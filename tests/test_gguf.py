@@ -319,17 +319,17 @@ def test_llama_file_weights_and_config(llama_file: tuple[Path, dict[str, np.ndar
     assert (cfg.intermediate_size, cfg.vocab_size, cfg.rms_norm_eps) == (256, 300, EPS)
     assert cfg.rope["base"] == 10000.0 and not cfg.tie_word_embeddings
     assert model.generation_config["eos_token_id"] == [2]
-    b0 = model.blocks[0]
+    b0 = model.layers[0]
     np.testing.assert_array_equal(
-        pl.to_numpy(b0.attn["wq"]), held["model.layers.0.self_attn.q_proj.weight"]
+        pl.to_numpy(b0.attn.wq), held["model.layers.0.self_attn.q_proj.weight"]
     )
     np.testing.assert_array_equal(
-        pl.to_numpy(b0.attn["wk"]), held["model.layers.0.self_attn.k_proj.weight"]
+        pl.to_numpy(b0.attn.wk), held["model.layers.0.self_attn.k_proj.weight"]
     )
     np.testing.assert_array_equal(pl.to_numpy(model.embed), held["model.embed_tokens.weight"])
     np.testing.assert_array_equal(pl.to_numpy(model.lm_head), held["lm_head.weight"])
     for i, kind in enumerate(("Q4_K", "Q6_K", "Q5_K")):
-        got = pl.to_numpy(model.blocks[i].mlp[2])
+        got = pl.to_numpy(model.layers[i].mlp.w_down)
         np.testing.assert_array_equal(got, held[f"model.layers.{i}.mlp.down_proj.weight"], kind)
 
 
@@ -380,23 +380,26 @@ def test_kept_quantized_equals_dequantized(
     file, _ = llama_file
     kept = pl.load(file, backend=backend, dequantize=False)
     floats = pl.load(file, backend=backend, dequantize=True)
-    b0, b1 = kept.blocks[0], kept.blocks[1]
+    b0, b1 = kept.layers[0], kept.layers[1]
     assert isinstance(kept.embed, quant.QuantizedWeight) and kept.embed.bits == 8
-    assert isinstance(b0.attn["wq"], quant.QuantizedWeight) and b0.attn["wq"].bits == 4
-    assert isinstance(b0.attn["wv"], quant.QuantizedWeight) and b0.attn["wv"].bits == 5
-    assert isinstance(b0.mlp[2], quant.QuantizedWeight) and b0.mlp[2].group_size == 32  # Q4_K
-    q6 = b1.mlp[2]  # Q6_K
+    assert isinstance(b0.attn.wq, quant.QuantizedWeight) and b0.attn.wq.bits == 4
+    assert isinstance(b0.attn.wv, quant.QuantizedWeight) and b0.attn.wv.bits == 5
+    assert (
+        isinstance(b0.mlp.w_down, quant.QuantizedWeight) and b0.mlp.w_down.group_size == 32
+    )  # Q4_K
+    q6 = b1.mlp.w_down  # Q6_K
     assert isinstance(q6, quant.QuantizedWeight) and (q6.bits, q6.group_size) == (8, 16)
-    assert not isinstance(b0.mlp[1], quant.QuantizedWeight)  # F16
+    assert not isinstance(b0.mlp.w_up, quant.QuantizedWeight)  # F16
     for name in ("wq", "wk"):  # the permutation is undone on the packed rows too
-        assert_close(quant.dequantize(b0.attn[name]), floats.blocks[0].attn[name])
+        want = getattr(floats.layers[0].attn, name)
+        assert_close(quant.dequantize(getattr(b0.attn, name)), want)
     np.testing.assert_array_equal(
-        pl.to_numpy(quant.dequantize(q6)), pl.to_numpy(floats.blocks[1].mlp[2])
+        pl.to_numpy(quant.dequantize(q6)), pl.to_numpy(floats.layers[1].mlp.w_down)
     )
     ids = [[5, 17, 42, 99, 3, 250, 7]]
     assert_close(kept(ids), floats(ids))
     auto = pl.load(file, backend=backend)
-    assert not isinstance(auto.blocks[1].mlp[2], quant.QuantizedWeight)
+    assert not isinstance(auto.layers[1].mlp.w_down, quant.QuantizedWeight)
 
 
 def test_dtype(llama_file: tuple[Path, dict[str, np.ndarray]], backend: str) -> None:

@@ -289,7 +289,7 @@ def test_k_quant_past_float16_is_refused_kept_or_not(
     if "bfloat16" not in bk.float_dtypes():
         return
     model = pl.load(file, backend=backend, dtype="bfloat16", dequantize=dequantize)
-    w = model.blocks[0].mlp[2]  # (E, I) down_proj
+    w = model.layers[0].mlp.w_down  # (E, I) down_proj
     w = dequantize_weight(w)
     assert bool(np.isfinite(pl.to_numpy(w).astype(np.float32)).all())
 

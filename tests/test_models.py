@@ -363,9 +363,10 @@ def test_load_on_a_device(checkpoints: dict, b: str, spec: str) -> None:
     on_cpu = load(folder, backend=b, dtype="float32")
     assert model.device == device and on_cpu.device != device
     arrays = [model.embed, model.norm]
-    for block in model.blocks:
+    for block in model.layers:
         arrays += [block.input_norm, block.post_norm]
-        arrays += [v for v in block.attn.values() if isinstance(v, type(model.embed))]
+        attn = vars(block.attn).values()
+        arrays += [v for v in attn if isinstance(v, type(model.embed))]
         assert block.moe is not None
         arrays += [*block.moe["arrays"], *block.moe["options"]["shared"]]
         arrays.append(block.moe["options"]["shared_gate"])

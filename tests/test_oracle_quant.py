@@ -71,11 +71,11 @@ def test_folder_logits_match_mlx_lm(mlx_folders: dict, variant: str, backend: st
     ref, _ = mlx_lm_utils.load_model(folder)
     want = np.array(ref(mx.array(IDS)))
     model = pl.load(folder, backend=backend, dequantize=False)
-    q = model.blocks[0].attn["wq"]  # kept quantized, as converted
+    q = model.layers[0].attn.wq  # kept quantized, as converted
     assert isinstance(q, QuantizedWeight) and (q.bits, q.group_size) == (bits, group)
     assert isinstance(model.embed, QuantizedWeight)
     if over:
-        down = model.blocks[0].mlp[2]
+        down = model.layers[0].mlp.w_down
         entry = over["model.layers.0.mlp.down_proj"]
         assert (down.bits, down.group_size) == (entry["bits"], entry["group_size"])
     got = model(pl.asarray(IDS, backend=backend))
@@ -121,7 +121,7 @@ def test_moe_folder_logits_match_mlx_lm(mixtral_folder: Path, backend: str) -> N
     ref, _ = mlx_lm_utils.load_model(mixtral_folder)
     want = np.array(ref(mx.array(IDS)))
     model = pl.load(mixtral_folder, backend=backend, dequantize=False)
-    gate = model.blocks[0].moe["arrays"][1]  # the experts' gate projections, stacked
+    gate = model.layers[0].moe["arrays"][1]  # the experts' gate projections, stacked
     assert isinstance(gate, QuantizedWeight) and gate.shape == (4, 128, 128)
     got = model(pl.asarray(IDS, backend=backend))
     assert_close(got, want, backend=backend, dtype="float32")

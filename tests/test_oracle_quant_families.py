@@ -113,7 +113,7 @@ def test_family_folder_logits_match_mlx_lm(mlx_folders: dict, family: str, backe
     want = np.array(ref(mx.array(IDS)).astype(mx.float32))
     model = pl.load(folder, backend=backend, dequantize=False)
     assert model.config.model_type == family
-    q = model.blocks[0].attn["wq"]  # kept quantized, a fused module's rows for phi3 and gpt2
+    q = model.layers[0].attn.wq  # kept quantized, a fused module's rows for phi3 and gpt2
     assert isinstance(q, QuantizedWeight) and (q.bits, q.group_size) == (4, 64)
     assert isinstance(model.embed, QuantizedWeight)
     got = model(pl.asarray(IDS, backend=backend))

@@ -135,17 +135,17 @@ def test_pipeline_ranks_read_their_layers_only(tmp_path: Path, model_type: str) 
         model, report = read_partitioned(tmp_path, LoadOptions(), _Ranks(pp=(2, rank)))
         assert report.held <= 0.75 * report.total, report
         assert report.touched <= 0.8 * report.file, report
-        assert len(model.blocks) == 2
+        assert len(model.layers) == 2
         name = f"model.layers.{2 * rank + 1}.self_attn.q_proj.weight"
-        np.testing.assert_array_equal(model.blocks[1].attn["wq"], full[name])
+        np.testing.assert_array_equal(model.layers[1].attn.wq, full[name])
 
 
 @numpy_only
 def test_tensor_ranks_read_their_slices(tmp_path: Path) -> None:
     full = write_checkpoint(tmp_path, tiny_config("mixtral"))
     model, _ = read_partitioned(tmp_path, LoadOptions(), _Ranks(tp=(2, 1)))
-    a, moe = model.blocks[0].attn, model.blocks[0].moe
-    np.testing.assert_array_equal(a["wo"], full["model.layers.0.self_attn.o_proj.weight"][:, 16:])
+    a, moe = model.layers[0].attn, model.layers[0].moe
+    np.testing.assert_array_equal(a.wo, full["model.layers.0.self_attn.o_proj.weight"][:, 16:])
     w1 = full["model.layers.0.block_sparse_moe.experts.3.w1.weight"]  # expert 3's gate (I, E)
     assert moe is not None
     np.testing.assert_array_equal(moe["arrays"][1][3], w1[24:])
@@ -172,19 +172,15 @@ def test_gguf_ranks_read_their_blocks(tmp_path: Path) -> None:
     a, m = "model.layers.1.self_attn.", "model.layers.1.mlp."
     for r in range(3):  # TP 3: 2 query heads and 1 KV head per rank
         model, report = read_partitioned(file, LoadOptions(), _Ranks(tp=(3, r)))
-        b = model.blocks[1]
+        b = model.layers[1]
+        np.testing.assert_array_equal(b.attn.wq, held[a + "q_proj.weight"][32 * r : 32 * (r + 1)])
+        np.testing.assert_array_equal(b.attn.wk, held[a + "k_proj.weight"][16 * r : 16 * (r + 1)])
         np.testing.assert_array_equal(
-            b.attn["wq"], held[a + "q_proj.weight"][32 * r : 32 * (r + 1)]
-        )
-        np.testing.assert_array_equal(
-            b.attn["wk"], held[a + "k_proj.weight"][16 * r : 16 * (r + 1)]
-        )
-        np.testing.assert_array_equal(
-            b.attn["wo"], held[a + "o_proj.weight"][:, 32 * r : 32 * (r + 1)]
+            b.attn.wo, held[a + "o_proj.weight"][:, 32 * r : 32 * (r + 1)]
         )
         assert b.mlp is not None
         np.testing.assert_array_equal(
-            b.mlp[2], held[m + "down_proj.weight"][:, 64 * r : 64 * (r + 1)]
+            b.mlp.w_down, held[m + "down_proj.weight"][:, 64 * r : 64 * (r + 1)]
         )
         assert report.touched < 0.75 * report.file
     with pytest.raises(ValueError, match="not a whole number of quantization groups of 32"):

@@ -66,12 +66,16 @@ def test_tensor_ranks_keep_whole_groups(tmp_path: Path) -> None:
     options = LoadOptions(dequantize=False)
     for r in (0, 1):
         model, report = read_partitioned(tmp_path, options, _Ranks(tp=(2, r)))
-        b = model.blocks[1]
+        b = model.layers[1]
         assert b.mlp is not None
         cuts = {
-            "wq": (b.attn["wq"], a + "q_proj.weight", (slice(32 * r, 32 * (r + 1)), slice(None))),
-            "wo": (b.attn["wo"], a + "o_proj.weight", (slice(None), slice(32 * r, 32 * (r + 1)))),
-            "down": (b.mlp[2], m + "down_proj.weight", (slice(None), slice(64 * r, 64 * r + 64))),
+            "wq": (b.attn.wq, a + "q_proj.weight", (slice(32 * r, 32 * (r + 1)), slice(None))),
+            "wo": (b.attn.wo, a + "o_proj.weight", (slice(None), slice(32 * r, 32 * (r + 1)))),
+            "down": (
+                b.mlp.w_down,
+                m + "down_proj.weight",
+                (slice(None), slice(64 * r, 64 * r + 64)),
+            ),
         }
         for what, (got, name, index) in cuts.items():
             assert isinstance(got, QuantizedWeight), what
@@ -126,7 +130,7 @@ def test_gguf_ranks_keep_their_blocks_quantized(tmp_path: Path) -> None:
     a = "model.layers.1.self_attn."
     for r in range(3):
         model, _ = read_partitioned(file, LoadOptions(dequantize=False), _Ranks(tp=(3, r)))
-        wo, wk = model.blocks[1].attn["wo"], model.blocks[1].attn["wk"]
+        wo, wk = model.layers[1].attn.wo, model.layers[1].attn.wk
         assert isinstance(wo, QuantizedWeight) and isinstance(wk, QuantizedWeight)
         assert_close(dequantize(wo), held[a + "o_proj.weight"][:, 32 * r : 32 * (r + 1)])
         assert_close(dequantize(wk), held[a + "k_proj.weight"][16 * r : 16 * (r + 1)])

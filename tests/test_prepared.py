@@ -117,7 +117,7 @@ def test_projections_packed_where_the_backend_packs(folders: dict, backend: str)
         model = load(folders["llama"], backend=backend, dtype=dtype)
         assert model.prepared is not None
         d = dispatcher(model.backend)
-        pack = d.pick("pack_linear", "auto", model.blocks[0].attn["wq"])
+        pack = d.pick("pack_linear", "auto", model.layers[0].attn.wq)
         packs = pack is not d.portable_impl("pack_linear")
         assert packs is _cpu_packs(backend, dtype), dtype
         for got in (model.prepared.layers[0].attn.wq, model.prepared.layers[1].mlp.w_down):

@@ -391,7 +391,7 @@ def test_quantized_folder_equals_its_dequantized_weights(backend, tmp_path, bits
     qdir, fdir = _quantized_folder(tmp_path, bits, group, overrides)
     model = pl.load(qdir, backend=backend, dequantize=False)
     assert isinstance(model.embed, QuantizedWeight) and model.embed.bits == bits
-    wo = model.blocks[0].attn["wo"]
+    wo = model.layers[0].attn.wo
     assert isinstance(wo, QuantizedWeight) != (
         overrides.get("model.layers.0.self_attn.o_proj") is False
     )

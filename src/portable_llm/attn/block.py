@@ -32,7 +32,7 @@ from portable_llm.core.checks import (
 )
 from portable_llm.core.dispatch import IMPLS, pick
 from portable_llm.core.types import Array, Namespace
-from portable_llm.ops.kernels import Kernels
+from portable_llm.ops.kernels import Kernels, KernelSet
 from portable_llm.ops.linear import check_linear
 from portable_llm.ops.quant import QuantizedWeight
 from portable_llm.rotary.args import dispatch_args as rope_dispatch_args
@@ -364,12 +364,12 @@ class AttentionState(Protocol):
     positions of the new tokens, and the attention over the keys they see (a KV cache's, a
     paged cache's, or the new ones alone)."""
 
-    def rotate(self, kn: Any, q: Array, k: Array) -> tuple[Array, Array]:
+    def rotate(self, kn: KernelSet, q: Array, k: Array) -> tuple[Array, Array]:
         """RoPE of ``q`` ``(B, H, L, D)`` and ``k`` ``(B, H_kv, L, D)`` (or both unchanged)."""
         ...
 
     def attend(
-        self, kn: Any, i: int, q: Array, k: Array, v: Array, window: int | None,
+        self, kn: KernelSet, i: int, q: Array, k: Array, v: Array, window: int | None,
         chunk: int | None = None, *, sinks: Array | None = None,
     ) -> Array:  # fmt: skip
         """Layer ``i``'s attention of ``q`` over the new keys and values ``(B, H_kv, L, D)``
@@ -387,13 +387,13 @@ class AttentionState(Protocol):
 
 
 def attention_body(
-    xp: Namespace, kn: Any, x: Array, w: AttnWeights, state: AttentionState, i: int
+    xp: Namespace, kn: KernelSet, x: Array, w: AttnWeights, state: AttentionState, i: int
 ) -> Array:
     """The attention block of checked arguments: the body of :func:`attention` and of a model's
     layers (prepared, compiled and paged forwards).
 
-    ``kn``: :class:`~portable_llm.ops.kernels.Kernels` (chosen per call) or
-    :class:`~portable_llm.ops.kernels.BoundKernels` (chosen once); ``x`` ``(B, L, E)``;
+    ``kn``: a :class:`~portable_llm.ops.kernels.KernelSet` (chosen per call, bound once, or
+    the public ops); ``x`` ``(B, L, E)``;
     ``state``: where RoPE's positions and the keys come from; ``i``: the layer (its cache).
     Returns ``(B, L, E_out)`` in x's dtype.
     """
@@ -438,7 +438,7 @@ class CallState:
         self.cache, self.pad, self.mask = cache, pad, mask
         self.softcap, self.scale, self.block_size = softcap, scale, block_size
 
-    def rotate(self, kn: Any, q: Array, k: Array) -> tuple[Array, Array]:
+    def rotate(self, kn: KernelSet, q: Array, k: Array) -> tuple[Array, Array]:
         if self.rope is None:
             return q, k
         xp, rows = self.be.xp, self.rows  # one frequency table for q and k
@@ -453,7 +453,7 @@ class CallState:
         return self.offset if self.rows is None else self.rows
 
     def attend(
-        self, kn: Any, i: int, q: Array, k: Array, v: Array, window: int | None,
+        self, kn: KernelSet, i: int, q: Array, k: Array, v: Array, window: int | None,
         chunk: int | None = None, *, sinks: Array | None = None,
     ) -> Array:  # fmt: skip
         be, xp, mask = self.be, self.be.xp, self.mask

@@ -124,7 +124,7 @@ def weight_bytes(obj: Any, depth: int = 0) -> int:
 
 
 def _model_bytes(model: Any) -> int:
-    parts = (model.embed, model.norm, model.lm_head, model.blocks)
+    parts = (model.embed, model.norm, model.lm_head, model.layers)
     return sum(weight_bytes(p) for p in parts)
 
 

@@ -6,7 +6,7 @@ holds) and come back updated functionally (``lax.dynamic_update_slice`` / ``mx.s
 at the offset, itself an input), and the keys are the caches' fixed-size views
 (``KVCache(static_shapes=True)``, which :meth:`Model.make_cache` gives where a compiled step
 exists), so one compilation serves every token until the caches grow (every ``step`` tokens).
-The weights are arguments, not constants folded into the program. :attr:`CompiledStep.traces`
+The weights are arguments, not constants folded into the program. :attr:`CompiledDecode.traces`
 counts the compilations. On JAX the weights may be quantized (``QuantizedWeight``: the
 projections, the embedding, the LM head): their packed codes, scales and biases are arguments
 too, and ``quantized_linear``'s kernel is traced into the step, chosen on the traced
@@ -40,14 +40,15 @@ from typing import Any
 from portable_llm.attn.visibility import visible
 from portable_llm.backends import Backend, backend_of
 from portable_llm.caches.kv import KVCache
-from portable_llm.core.dispatch import TraceEntry, capture, pick, replay, tracing
-from portable_llm.decoder.prepared import Layer, Prepared, QLinear, Step
-from portable_llm.ops.embedding import embedding
+from portable_llm.core.dispatch import TraceEntry, capture, replay, tracing
+from portable_llm.decoder.forward import Forward
+from portable_llm.decoder.layer_weights import Layer, QLinear
+from portable_llm.decoder.states import DenseState, ForwardSetup
 from portable_llm.ops.quant import QuantizedWeight
 from portable_llm.rotary.args import dispatch_args as rope_dispatch_args
 from portable_llm.rotary.scaling import RopeSpec, uses_length
 
-__all__ = ["CompiledStep", "compiled_step"]
+__all__ = ["CompiledDecode", "compile_decode"]
 
 
 def _jax_jit(bk: Backend) -> Callable[..., Any]:
@@ -135,7 +136,7 @@ _TAKES_QUANTIZED = frozenset({"jax"})
 _TRACES_MOE = frozenset({"jax"})
 
 
-def compiled_step(prepared: Prepared) -> CompiledStep | None:
+def compile_decode(prepared: Forward) -> CompiledDecode | None:
     """The compiled decode step of ``prepared`` where its backend compiles one, else ``None``."""
     compilers = _COMPILERS.get(prepared.bk.name)
     if compilers is None:
@@ -146,17 +147,17 @@ def compiled_step(prepared: Prepared) -> CompiledStep | None:
         return None
     kinds = [
         (rope.get("scaling") or {}).get("rope_type", "default")
-        for rope in (prepared.rope or {}, prepared.rope_local or {})
+        for rope in (prepared.setup.rope or {}, prepared.setup.rope_local or {})
     ]
     if "dynamic" in kinds or kinds[1] == "longrope":  # a table per position
         return None
     jit, update = compilers
-    return CompiledStep(prepared, jit(prepared.bk), update(prepared.bk))
+    return CompiledDecode(prepared, jit(prepared.bk), update(prepared.bk))
 
 
-def _switch(prepared: Prepared) -> int | None:
+def _switch(prepared: Forward) -> int | None:
     """``L0`` of a ``longrope`` RoPE (its long factors from position ``L0`` on), else None."""
-    scaling = (prepared.rope or {}).get("scaling") or {}
+    scaling = (prepared.setup.rope or {}).get("scaling") or {}
     if not uses_length(RopeSpec(kind=scaling.get("rope_type", "default"))):
         return None
     return int(scaling["original_max_position_embeddings"])
@@ -207,14 +208,15 @@ def _array_of(bk: Backend, value: Any) -> bool:
         return False
 
 
-class TracedStep(Step):
-    """The shared state of one traced step: the buffers, updated functionally."""
+class TracedState(DenseState):
+    """The forward state of one traced decode token: the key and value buffers, updated
+    functionally (:mod:`portable_llm.decoder.states`)."""
 
     def __init__(
-        self, p: Prepared, update: Any, ks: list[Any], vs: list[Any], pad: Any, offset: Any
+        self, s: ForwardSetup, update: Any, ks: list[Any], vs: list[Any], pad: Any, offset: Any
     ) -> None:
         rows = None if pad is None else offset - pad  # (B,)
-        super().__init__(p, None, pad, rows, offset, 1)
+        super().__init__(s, None, pad, rows, offset, 1)
         self.update, self.ks, self.vs = update, ks, vs
         #: The position RoPE's table is chosen for (``longrope``: ``L0`` past the switch, else 0).
         self.table_position = 0
@@ -225,12 +227,12 @@ class TracedStep(Step):
         :attr:`table_position` (nothing read back from the offset, which MLX cannot read in a
         trace: ``longrope``'s side of ``L0`` is the program's), the positions the offset's."""
         if self.rope is None:
-            p = self.p
+            s = self.s
             at, opts = self.table_position, self.rope_options
-            _, (_, _, inv), ropts = rope_dispatch_args(q, at, **opts, backend=p.bk)
+            _, (_, _, inv), ropts = rope_dispatch_args(q, at, **opts, backend=s.bk)
             ropts = {**ropts, "offset": 0}  # the positions: the traced offset's alone
             offsets = self.offset if self.rows is None else self.rows  # () or (B,)
-            fn = p.dispatch.pick("rope", "auto", q, offsets, inv, **ropts)
+            fn = s.dispatch.pick("rope", "auto", q, offsets, inv, **ropts)
             self.rope = (fn, offsets, inv, ropts)
         return self.rope
 
@@ -243,7 +245,7 @@ class TracedStep(Step):
         key = ("view", window, chunk)
         mask = self.masks.get(key)
         if mask is None:  # the cache's make_mask, with the offset traced
-            xp = self.p.xp
+            xp = self.s.xp
             mask = visible(
                 xp, 1, S, q_start=self.offset, window=window, chunk=chunk, pad=self.pad
             )  # fmt: skip
@@ -253,10 +255,10 @@ class TracedStep(Step):
         return self.ks[i][:, :, :S, :], self.vs[i][:, :, :S, :], mask, None
 
 
-class CompiledStep:
+class CompiledDecode:
     """A prepared model's decode step compiled whole (see the module docstring)."""
 
-    def __init__(self, prepared: Prepared, jit: Callable[..., Any], update: Any) -> None:
+    def __init__(self, prepared: Forward, jit: Callable[..., Any], update: Any) -> None:
         self.p = prepared
         self.update = update
         #: How many times the step was traced (compiled): once per cache capacity.
@@ -292,7 +294,7 @@ class CompiledStep:
         vs = tuple(v for _, v in state)
         offset = xp.asarray(off, dtype=xp.int32)
         pad = cache[0].left_padding
-        arrays, layout = _split_top(top, self.p.head)
+        arrays, layout = _split_top(top, self.p.head_weight)
         layout = (*layout, self._switch is not None and off + 1 > self._switch)  # longrope: long
         fn = self._fns.get(layout)
         if fn is None:
@@ -323,20 +325,19 @@ class CompiledStep:
             a if f is None else QuantizedWeight(*a, bits=f[0], group_size=f[1])
             for a, f in zip(top, layout[:3], strict=True)
         )
-        if isinstance(embed, QuantizedWeight):  # traced ids: an id out of range gives NaN
-            h = embedding(ids, embed)  # (B, 1, E), only the rows dequantized
-        else:  # (B, 1, E); ids checked by the model
-            h = pick(p.bk, "embedding", "masked")(p.xp, ids, embed)
-        step = TracedStep(p, self.update, list(ks), list(vs), pad, offset)
+        state = TracedState(p.setup, self.update, list(ks), list(vs), pad, offset)
         if layout[4]:  # longrope past L0: the table of a position beyond it
             assert self._switch is not None
-            step.table_position = self._switch
-        h = p.run_layers(h, step, self._rebuild(leaves))
+            state.table_position = self._switch
+        traced = p.with_layers(self._rebuild(leaves))  # the layers' arrays: the program's
+        # traced ids: an id out of range gives NaN (a quantized table: its rows dequantized)
+        h = traced.embed(ids, state, embed, check=False)  # (B, 1, E)
+        h = traced.run_layers(h, state)
         if layout[3] and type(p.bound_head) is QLinear:  # the head bound at load: its kernels
             packed, scales, biases = top[2]
             bound = p.bound_head
             head = dataclasses.replace(bound, packed=packed, scales=scales, biases=biases, fns={})
-        return p.head_logits(h, norm, head, step.kn), tuple(step.ks), tuple(step.vs)
+        return traced.head(h, state, norm, head), tuple(state.ks), tuple(state.vs)
 
 
 def _split_top(top: tuple[Any, Any, Any], bound: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:

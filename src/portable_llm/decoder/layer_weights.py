@@ -13,7 +13,7 @@ CPU), whose kernel gives ``linear``'s bits.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -38,10 +38,14 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Layer:
-    """One decoder layer: norms, attention, and a dense MLP or the public ``moe``'s arguments.
+    """One decoder layer: norms, attention, and a dense MLP or the public ``moe``'s arguments;
+    the only per-layer record (read from the checkpoint by its family's recipe, its projections
+    bound for the prepared forward by :func:`bind_layer`).
 
     ``parallel`` (Phi-2): attention and MLP both read ``input_norm``'s output and are added to
-    the residual together; there is no ``post_norm``. The norm biases are LayerNorm's."""
+    the residual together; there is no ``post_norm``. The norm biases are LayerNorm's.
+    ``o_proj``'s bias is ``attn.bo``, or on a tensor-parallel rank ``o_bias``: added after the
+    all-reduce, so that the sum counts it once."""
 
     input_norm: Any  # (E,)
     post_norm: Any  # (E,), or None (parallel)
@@ -56,30 +60,24 @@ class Layer:
     o_bias: Any = None  # (E,): o_proj's bias after a tensor-parallel all-reduce (else attn.bo)
 
 
-def _arrays(block: Any) -> list[Any]:
-    a = block.attn
-    out = [block.input_norm, block.post_norm, block.o_bias, block.input_bias, block.post_bias]
-    out += [block.attn_norm, block.ff_norm]
-    out += [a[k] for k in ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "q_norm", "k_norm")]
-    if block.mlp is not None:
-        out += [*block.mlp, *(block.mlp_options.get(f"b_{k}") for k in ("gate", "up", "down"))]
+def _arrays(layer: Layer) -> list[Any]:
+    a, m = layer.attn, layer.mlp
+    out = [layer.input_norm, layer.post_norm, layer.o_bias, layer.input_bias, layer.post_bias]
+    out += [layer.attn_norm, layer.ff_norm]
+    out += [a.wq, a.wk, a.wv, a.wo, a.bq, a.bk, a.bv, a.q_norm, a.k_norm]
+    if m is not None:
+        out += [m.w_gate, m.w_up, m.w_down, m.b_gate, m.b_up, m.b_down]
     return [x for x in out if x is not None]
 
 
-#: The attention's projections: with the MLP's, the weights that may be quantized or packed.
-_PROJECTIONS = ("wq", "wk", "wv", "wo")
-
-
-def _projections(block: Any) -> list[Any]:
-    return [*(block.attn[k] for k in _PROJECTIONS), *(w for w in block.mlp or () if w is not None)]
-
-
-def preparable(bk: Backend, dtype: Any, arrays: Sequence[Any], blocks: Sequence[Any]) -> bool:
+def preparable(bk: Backend, dtype: Any, arrays: Sequence[Any], layers: Sequence[Layer]) -> bool:
     """Whether every weight the prepared layers bind is a plain ``bk`` array of ``dtype`` (not
     another float dtype that the ops would cast per call) or, for the embedding, the LM head and
     the projections, a :class:`~portable_llm.ops.quant.QuantizedWeight` of ``bk``."""
-    quantizable = {id(w) for w in arrays} | {id(w) for b in blocks for w in _projections(b)}
-    for x in [*arrays, *(w for b in blocks for w in _arrays(b))]:
+    quantizable = {id(w) for w in arrays} | {
+        id(w) for layer in layers for w in layer_projections(layer)
+    }
+    for x in [*arrays, *(w for layer in layers for w in _arrays(layer))]:
         if isinstance(x, QuantizedWeight):
             if x.backend is not bk or id(x) not in quantizable:
                 return False
@@ -108,26 +106,14 @@ def bind_weight(d: Any, w: Any, activations: str = "float") -> Any:
     return Packed(packed, d.pick("packed_linear", "native"))
 
 
-def bind_layer(block: Any, bind: Callable[[Any], Any]) -> Layer:
-    a = block.attn
-    wq, wk, wv, wo = (bind(a[k]) for k in _PROJECTIONS)
-    attn = AttnWeights(
-        wq=wq, wk=wk, wv=wv, wo=wo, bq=a["bq"], bk=a["bk"], bv=a["bv"],
-        bo=block.o_bias, q_norm=a["q_norm"], k_norm=a["k_norm"], window=a["window"],
-        num_heads=a["num_heads"], num_kv_heads=a["num_kv_heads"], head_dim=a["head_dim"],
-        norm_eps=a["norm_eps"], rope=a["rope"] is not None, qk_l2_norm=a["qk_l2_norm"],
-        temperature=a["temperature"], chunk=a["chunk"],
-    )  # fmt: skip
-    dense = None
-    if block.mlp is not None:
-        opts = block.mlp_options
-        biases = (opts.get(f"b_{k}") for k in ("gate", "up", "down"))
-        dense = MlpWeights(*(None if w is None else bind(w) for w in block.mlp), *biases)
-    return Layer(
-        block.input_norm, block.post_norm, attn, dense, block.moe,
-        input_bias=block.input_bias, post_bias=block.post_bias, parallel=block.parallel,
-        attn_norm=block.attn_norm, ff_norm=block.ff_norm,
-    )  # fmt: skip
+def bind_layer(layer: Layer, bind: Callable[[Any], Any]) -> Layer:
+    """``layer`` with each projection bound by ``bind`` (:func:`bind_weight`)."""
+    a, m = layer.attn, layer.mlp
+    attn = replace(a, wq=bind(a.wq), wk=bind(a.wk), wv=bind(a.wv), wo=bind(a.wo))
+    if m is not None:
+        gate = None if m.w_gate is None else bind(m.w_gate)
+        m = replace(m, w_gate=gate, w_up=bind(m.w_up), w_down=bind(m.w_down))
+    return replace(layer, attn=attn, mlp=m)
 
 
 def layer_projections(layer: Layer) -> tuple[Any, ...]:

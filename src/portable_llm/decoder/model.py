@@ -1,176 +1,34 @@
-"""The decoder: embedding, N blocks (RMSNorm, attention, RMSNorm, MLP or MoE), norm, LM head.
+"""The decoder: embedding, N layers (norm, attention, norm, MLP or MoE), norm, LM head.
 
-Each block is a few calls of the public ops, with the weights of the layer bound once at load
-time (:class:`Block`); the forward pass resolves nothing per layer beyond what the ops do.
+A :class:`Model` reads one :class:`~portable_llm.decoder.layer_weights.Layer` per layer from
+the checkpoint (:func:`~portable_llm.decoder.hf_layer.read_layer`) and runs them with the one
+forward (:class:`~portable_llm.decoder.forward.Forward`): prepared (kernels chosen once) where
+its weights allow, else op by op (the public ops, each checking its arguments).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from portable_llm.attn.block import attention
 from portable_llm.backends import Backend, backend_of
 from portable_llm.caches.check import check_caches
 from portable_llm.caches.kv import KVCache, RotatingKVCache
 from portable_llm.caches.page_pool import PagePool
-from portable_llm.core.arrays import asarray, creation_device, to_numpy
+from portable_llm.core.arrays import asarray, to_numpy
 from portable_llm.core.checks import check_int
-from portable_llm.decoder.compiled import CompiledStep, compiled_step
+from portable_llm.decoder.compiled import CompiledDecode, compile_decode
 from portable_llm.decoder.config import DecoderConfig
+from portable_llm.decoder.forward import Forward, check_learned_positions, head_weight
+from portable_llm.decoder.hf_layer import read_layer
+from portable_llm.decoder.layer_weights import Layer
 from portable_llm.decoder.paged_step import forward as paged_forward
-from portable_llm.decoder.prepared import (
-    Prepared,
-    check_learned_positions,
-    position_ids,
-    preparable,
-)
-from portable_llm.ops.activations import activation
-from portable_llm.ops.embedding import embedding, unembed
-from portable_llm.ops.linear import linear, mlp
-from portable_llm.ops.moe import moe
-from portable_llm.ops.norm import layer_norm, rms_norm
+from portable_llm.decoder.prepared import op_by_op, preparable, prepare
 from portable_llm.ops.quant import projection_op
 
-__all__ = ["Block", "Model"]
-
-
-@dataclass(frozen=True)
-class Block:
-    """One decoder layer's weights, bound as the keyword arguments of the ops it calls."""
-
-    input_norm: Any  # (E,)
-    post_norm: Any  # (E,), or None (parallel)
-    attn: dict[str, Any]  # keyword arguments of portable_llm.attn.block
-    o_bias: Any  # (E,) or None
-    mlp: tuple[Any, ...] | None  # (w_gate, w_up, w_down) of a dense layer; w_gate may be None
-    mlp_options: dict[str, Any]  # act and biases: keyword arguments of portable_llm.mlp
-    moe: dict[str, Any] | None  # arrays and keyword arguments of portable_llm.ops.moe
-    input_bias: Any = None  # (E,): LayerNorm's bias (GPT-2, Phi-2)
-    post_bias: Any = None  # (E,)
-    parallel: bool = False  # Phi-2: h + attention(norm(h)) + mlp(norm(h))
-    layer_norm: bool = False  # the norms are LayerNorm (with input_bias, post_bias)
-    attn_norm: Any = None  # (E,): Gemma's norm of the attention output (sandwich norms)
-    ff_norm: Any = None  # (E,): Gemma's norm of the MLP output
-
-    def norm(self, h: Any, w: Any, b: Any, eps: float) -> Any:
-        if self.layer_norm:
-            return layer_norm(h, w, b, eps=eps)
-        return rms_norm(h, w, eps=eps)
-
-    def __call__(
-        self,
-        h: Any,
-        *,
-        cache: Any,
-        left_padding: Any,
-        eps: float,
-        reduce: Callable[[Any], Any] | None = None,
-    ) -> Any:
-        """The layer on hidden states ``h`` ``(B, L, E)``. ``reduce``: on a tensor-parallel
-        rank (:mod:`portable_llm.partition`), the all-reduce that completes its partial
-        sums, applied to the attention's and the feed-forward's outputs before their biases
-        and norms; ``None`` on one device."""
-        r = self.norm(h, self.input_norm, self.input_bias, eps)
-        a = attention(r, **self.attn, cache=cache, left_padding=left_padding)
-        if reduce is not None:
-            a = reduce(a)
-        if self.o_bias is not None:  # HF's o_proj bias (Llama/Qwen3 attention_bias)
-            a = a + self.o_bias
-        if self.parallel:  # HF PhiDecoderLayer: attn_outputs + feed_forward + residual
-            return (a + self._feed_forward(r, reduce)) + h
-        if self.attn_norm is not None:  # Gemma's sandwich: the output normed before the sum
-            a = self.norm(a, self.attn_norm, None, eps)
-        h = h + a
-        r = self.norm(h, self.post_norm, self.post_bias, eps)
-        m = self._feed_forward(r, reduce)
-        if self.ff_norm is not None:
-            m = self.norm(m, self.ff_norm, None, eps)
-        return h + m
-
-    def _feed_forward(self, r: Any, reduce: Callable[[Any], Any] | None = None) -> Any:
-        m = self._partial_feed_forward(r)
-        return m if reduce is None else reduce(m)
-
-    def _partial_feed_forward(self, r: Any) -> Any:
-        if self.moe is not None:
-            return moe(r, *self.moe["arrays"], **self.moe["options"])
-        assert self.mlp is not None
-        w_gate, w_up, w_down = self.mlp
-        if w_gate is None:  # the plain MLP: down(act(up(r))), HF's order of roundings
-            up = linear(r, w_up, self.mlp_options["b_up"])
-            act = activation(self.mlp_options["act"])(up)
-            return linear(act, w_down, self.mlp_options["b_down"])
-        return mlp(r, *self.mlp, **self.mlp_options)
-
-
-def _block(cfg: DecoderConfig, w: dict[str, Any], i: int) -> Block:
-    p = f"model.layers.{i}."
-    a = p + "self_attn."
-    attn = {
-        "wq": w[a + "q_proj.weight"],
-        "wk": w[a + "k_proj.weight"],
-        "wv": w[a + "v_proj.weight"],
-        "wo": w[a + "o_proj.weight"],
-        "bq": w.get(a + "q_proj.bias"),
-        "bk": w.get(a + "k_proj.bias"),
-        "bv": w.get(a + "v_proj.bias"),
-        "q_norm": w.get(a + "q_norm.weight"),
-        "k_norm": w.get(a + "k_norm.weight"),
-        "num_heads": cfg.num_attention_heads,
-        "num_kv_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "norm_eps": cfg.rms_norm_eps,
-        "rope": _layer_rope(cfg, i),
-        "window": cfg.window(i),
-        "scale": cfg.attn_scale,  # Gemma: query_pre_attn_scalar ** -0.5
-        "softcap": cfg.attn_softcap,
-        **_llama4_attention(cfg, i),
-    }
-    m = p + "mlp."
-    dense = moe_args = None
-    mlp_options: dict[str, Any] = {"act": cfg.hidden_act}
-    if cfg.moe_layers[i]:
-        options: dict[str, Any] = {
-            "top_k": cfg.num_experts_per_tok,
-            "norm_topk_prob": cfg.norm_topk_prob,
-            "router": cfg.router,  # Llama 4: "sigmoid", the scores scale the experts' inputs
-            "act": cfg.hidden_act,
-        }
-        s = m + "shared_expert."
-        if s + "gate_proj.weight" in w:  # Qwen2-MoE (gated by shared_expert_gate), Llama 4
-            options["shared"] = tuple(w[f"{s}{k}_proj.weight"] for k in ("gate", "up", "down"))
-        if m + "shared_expert_gate.weight" in w:  # Qwen2-MoE
-            options["shared_gate"] = w[m + "shared_expert_gate.weight"]
-        arrays = (
-            w[m + "gate.weight"],
-            *(w[f"{m}experts.{k}_proj"] for k in ("gate", "up", "down")),
-        )
-        moe_args = {"arrays": arrays, "options": options}
-    else:
-        dense = tuple(w.get(f"{m}{k}_proj.weight") for k in ("gate", "up", "down"))
-        mlp_options.update({f"b_{k}": w.get(f"{m}{k}_proj.bias") for k in ("gate", "up", "down")})
-    sandwich = cfg.sandwich_norms  # Gemma: post_attention_layernorm norms attention's output
-    post = "pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"
-    return Block(
-        input_norm=w[p + "input_layernorm.weight"],
-        post_norm=w.get(p + post + ".weight"),
-        attn_norm=w.get(p + "post_attention_layernorm.weight") if sandwich else None,
-        ff_norm=w.get(p + "post_feedforward_layernorm.weight") if sandwich else None,
-        attn=attn,
-        o_bias=w.get(a + "o_proj.bias"),
-        mlp=dense,
-        mlp_options=mlp_options,
-        moe=moe_args,
-        input_bias=w.get(p + "input_layernorm.bias"),
-        post_bias=w.get(p + "post_attention_layernorm.bias"),
-        parallel=cfg.parallel_block,
-        layer_norm=cfg.norm == "layer",
-    )
+__all__ = ["Model"]
 
 
 class Model:
@@ -223,20 +81,27 @@ class Model:
         self.head_bias = weights.get("lm_head.bias")  # (V,): Phi-2's
         #: Learned absolute position embeddings ``(P, E)`` (GPT-2's ``wpe``), or ``None``.
         self.positions = weights.get("model.embed_positions.weight")
-        self.blocks = [_block(config, weights, i) for i in range(config.num_hidden_layers)]
+        #: One record per layer, as read from the checkpoint.
+        self.layers: list[Layer] = [
+            read_layer(config, weights, i) for i in range(config.num_hidden_layers)
+        ]
         self.tokenizer = tokenizer
         self.generation_config = dict(generation_config or {})
-        #: The prepared forward (:mod:`portable_llm.decoder.prepared`): built when ``prepared``
-        #: and every weight is a plain array of the model's backend and dtype (or a quantized
-        #: weight of that backend); ``None`` runs the op-by-op path (the public ops, each
-        #: checking its arguments).
-        self.prepared: Prepared | None = None
-        if prepared and preparable(backend, self.dtype, self._top_arrays(), self.blocks):
-            self.prepared = Prepared(
-                config, backend, self.dtype, self.embed, self.norm, self.lm_head, self.blocks,
-                norm_bias=self.norm_bias, head_bias=self.head_bias, positions=self.positions,
-                activations=activations,
-            )  # fmt: skip
+        top = {
+            "embed": self.embed, "norm": self.norm, "head": head_weight(self.embed, self.lm_head),
+            "norm_bias": self.norm_bias, "head_bias": self.head_bias, "positions": self.positions,
+        }  # fmt: skip
+        #: The op-by-op forward: the public ops, each checking its arguments (and casting a
+        #: weight of another float dtype); what runs when :attr:`prepared` is ``None``.
+        self.op_by_op: Forward = op_by_op(config, backend, self.layers, **top)
+        #: The prepared forward (:func:`~portable_llm.decoder.prepared.prepare`): built when
+        #: ``prepared`` and every weight is a plain array of the model's backend and dtype (or
+        #: a quantized weight of that backend); ``None`` runs :attr:`op_by_op`.
+        self.prepared: Forward | None = None
+        if prepared and preparable(backend, self.dtype, self._top_arrays(), self.layers):
+            self.prepared = prepare(
+                config, backend, self.dtype, self.layers, **top, activations=activations
+            )
         #: The activations of the quantized projections: ``"float"`` or ``"int8"``.
         self.activations = activations
         if activations == "int8":
@@ -244,9 +109,9 @@ class Model:
         #: The compiled decode step (:mod:`portable_llm.decoder.compiled`; JAX, and MLX for
         #: float weights), run by a call with one token per row and caches that hold the
         #: prompt; ``None`` elsewhere.
-        self.compiled: CompiledStep | None = None
+        self.compiled: CompiledDecode | None = None
         if compile and self.prepared is not None:
-            self.compiled = compiled_step(self.prepared)
+            self.compiled = compile_decode(self.prepared)
 
     @property
     def quantized_projections(self) -> int:
@@ -304,9 +169,9 @@ class Model:
         if ids.ndim != 2:
             raise ValueError(f"model: ids must have shape (B, L), got {tuple(ids.shape)}")
         if cache is not None:
-            if len(cache) != len(self.blocks):
+            if len(cache) != len(self.layers):
                 raise ValueError(
-                    f"model: cache must hold one cache per layer ({len(self.blocks)}), "
+                    f"model: cache must hold one cache per layer ({len(self.layers)}), "
                     f"got {len(cache)}"
                 )
             if left_padding is not None:
@@ -320,61 +185,18 @@ class Model:
         check_learned_positions("model", self.config, offset, ids.shape[1])
         if self.prepared is not None:
             return self._prepared(ids, cache, left_padding, last_only, check_ids=True)
-        eps = self.config.rms_norm_eps
-        h = self.embed_ids(ids, cache=cache, left_padding=left_padding)  # (B, L, E)
-        for i, block in enumerate(self.blocks):
-            layer_cache = None if cache is None else cache[i]
-            h = block(h, cache=layer_cache, left_padding=left_padding, eps=eps)
-        return self.project(h, last_only=last_only)  # (B, L, V)
+        return self.op_by_op(ids, cache, left_padding, last_only, self._top())  # (B, L, V)
 
-    def embed_ids(self, ids: Any, /, *, cache: Any = None, left_padding: Any = None) -> Any:
-        """The hidden states ``(B, L, E)`` the first layer takes: the token embedding (times
-        ``sqrt(E)`` for Gemma), plus GPT-2's learned positions at the caches' offset. The
-        op-by-op forward's first step, and a pipeline's first stage
-        (:mod:`portable_llm.partition`); ``ids`` on the model's backend and device."""
-        bk = self.backend
-        h = embedding(ids, self.embed)  # (B, L, E)
-        if self.config.embed_scale:  # Gemma: h * sqrt(E), rounded to the dtype as HF's
-            root = math.sqrt(self.config.hidden_size)
-            h = h * bk.xp.asarray(root, dtype=h.dtype, device=bk.device_of(h))
-        if self.positions is not None:  # GPT-2: h = wte[ids] + wpe[positions]
-            start, pad = (0, left_padding) if cache is None else (
-                cache[0].offset, cache[0].left_padding
-            )  # fmt: skip
-            if pad is not None:
-                start = start - asarray(pad, backend=bk.name, device=self.device)  # (B,)
-            pos = position_ids(bk.xp, start, ids.shape[1], creation_device(h))
-            h = h + embedding(pos, self.positions)
-        return h
-
-    def project(self, h: Any, /, *, last_only: bool = False) -> Any:
-        """Logits ``(B, L, V)`` (``(B, 1, V)`` with ``last_only``) of the last layer's hidden
-        states: the final norm, the LM head (tied or not) and Gemma 2's soft-capping. The
-        op-by-op forward's last step, and a pipeline's last stage."""
-        bk, eps = self.backend, self.config.rms_norm_eps
-        if last_only:
-            h = h[:, -1:, :]  # (B, 1, E)
-        if self.config.norm == "layer":
-            h = layer_norm(h, self.norm, self.norm_bias, eps=eps)
-        else:
-            h = rms_norm(h, self.norm, eps=eps)
-        if self.lm_head is None:
-            logits = unembed(h, self.embed)  # (B, L, V)
-        else:
-            logits = linear(h, self.lm_head, self.head_bias)  # (B, L, V)
-        cap = self.config.final_softcap
-        if cap is not None:  # Gemma 2: cap * tanh(logits / cap)
-            c = bk.xp.asarray(cap, dtype=logits.dtype, device=bk.device_of(logits))
-            logits = bk.xp.tanh(logits / c) * c
-        return logits
+    def _top(self) -> tuple[Any, Any, Any]:
+        """``(embed, norm, head)`` as they are now (the head: the embedding when tied)."""
+        return self.embed, self.norm, head_weight(self.embed, self.lm_head)
 
     def _prepared(
         self, ids: Any, cache: Any, left_padding: Any, last_only: bool, *, check_ids: bool
     ) -> Any:
         """The compiled step where it applies, else the prepared forward."""
         assert self.prepared is not None
-        head = self.embed if self.lm_head is None else self.lm_head
-        top = (self.embed, self.norm, head)
+        top = self._top()
         if self.compiled is not None and self.compiled.applies(ids, cache):
             return self.compiled(ids, cache, top)
         return self.prepared(ids, cache, left_padding, last_only, top, check_ids=check_ids)
@@ -395,7 +217,7 @@ class Model:
             or backend_of(ids) is not bk
             or bk.device_of(ids) != self.device
             or ids.ndim != 2
-            or len(cache) != len(self.blocks)
+            or len(cache) != len(self.layers)
         ):
             return self(ids, cache=cache, last_only=True)
         self._check_caches(ids, cache)
@@ -490,7 +312,7 @@ class Model:
         return caches
 
 
-def _check_int8(prepared: Prepared | None) -> None:
+def _check_int8(prepared: Forward | None) -> None:
     """A model of ``activations="int8"`` runs the prepared forward (where its quantized
     projections are bound to ``quantized_linear_int8``) and has at least one of them."""
     if prepared is None:
@@ -503,30 +325,6 @@ def _check_int8(prepared: Prepared | None) -> None:
             "model: activations='int8' multiplies quantized weights' codes, and this model has "
             "no quantized projection (a float checkpoint, or loaded with dequantize=True)"
         )
-
-
-def _llama4_attention(cfg: DecoderConfig, i: int) -> dict[str, Any]:
-    """Layer ``i``'s options of Llama 4's attention (HF ``Llama4TextAttention``): the chunk of a
-    ``chunked_attention`` layer; the weightless q/k norm on RoPE layers (``use_qk_norm``); the
-    temperature tuning on the no-RoPE ones (``attn_temperature_tuning``)."""
-    chunked = cfg.layer_types[i] == "chunked_attention" and cfg.attention_chunk_size
-    no_rope = bool(cfg.no_rope_layers) and cfg.no_rope_layers[i]
-    tuned = no_rope and cfg.attn_temperature_tuning
-    return {
-        "chunk": cfg.attention_chunk_size if chunked else None,
-        "qk_l2_norm": cfg.qk_l2_norm and not no_rope,
-        "temperature": (cfg.floor_scale, cfg.attn_temperature_scale) if tuned else None,
-    }
-
-
-def _layer_rope(cfg: DecoderConfig, i: int) -> Any:
-    """Layer ``i``'s RoPE options: none (learned positions, Llama 4's no-RoPE layers), Gemma
-    3's ``rope_local`` on its sliding layers, else the model's."""
-    if cfg.position_embedding != "rope" or (cfg.no_rope_layers and cfg.no_rope_layers[i]):
-        return None
-    if cfg.rope_local is not None and cfg.layer_types[i] == "sliding_attention":
-        return cfg.rope_local
-    return cfg.rope
 
 
 def _offset_norm(bk: Backend, name: str, w: Any, offset: float) -> Any:

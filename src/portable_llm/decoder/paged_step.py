@@ -1,8 +1,8 @@
 """One forward of several sequences over paged KV caches (what :mod:`~portable_llm.generation.batch`
 runs each step).
 
-:class:`PagedStep` is the prepared forward's shared state (:class:`~portable_llm.decoder.prepared.
-Step`) with another cache: row ``b`` of the batch is one sequence, whose layer ``i`` keeps its
+:class:`PagedState` is the forward state (:class:`~portable_llm.decoder.states.DenseState`)
+with another cache: row ``b`` of the batch is one sequence, whose layer ``i`` keeps its
 keys and values in a :class:`~portable_llm.caches.paged.PagedKVCache` of that layer's
 :class:`~portable_llm.caches.paged.PagePool`. Each layer appends every row's new keys and
 values to the row's cache and attends with :func:`~portable_llm.attn.paged.paged_attention`
@@ -26,35 +26,37 @@ from portable_llm.attn.paged import paged_attention
 from portable_llm.caches.check import check_caches, check_pool_pages
 from portable_llm.caches.paged import PagedKVCache, block_tables
 from portable_llm.core.arrays import asarray
-from portable_llm.decoder.prepared import Prepared, Step, check_learned_positions
-from portable_llm.ops.embedding import embedding
+from portable_llm.decoder.forward import check_learned_positions, head_weight
+from portable_llm.decoder.states import DenseState, ForwardSetup
+from portable_llm.ops.kernels import KernelSet
 
-__all__ = ["PagedStep", "forward"]
+__all__ = ["PagedState", "forward"]
 
 
-class PagedStep(Step):
+class PagedState(DenseState):
     """What the layers of one paged forward share (see the module docstring).
 
     Parameters
     ----------
-    p : Prepared
+    s : ForwardSetup
     caches : one list per row: that sequence's caches, one per layer
     positions : each row's first position (its caches' offset before this forward)
     L : the new tokens per row
     """
 
     def __init__(
-        self, p: Prepared, caches: Sequence[Sequence[PagedKVCache]], positions: list[int], L: int
-    ) -> None:
+        self, s: ForwardSetup, caches: Sequence[Sequence[PagedKVCache]], positions: list[int],
+        L: int,
+    ) -> None:  # fmt: skip
         rows = None
         if len(positions) > 1:  # (B,) RoPE offsets, one per row
-            rows = asarray(positions, backend=p.bk.name, device=p.bk.device_of(p.embed))
-        super().__init__(p, None, None, rows, positions[0], L)
+            rows = asarray(positions, backend=s.bk.name, device=s.device)
+        super().__init__(s, None, None, rows, positions[0], L)
         self.paged_seqs = caches
         self.paged_tables: tuple[Any, Any] | None = None  # (B, max_pages), (B,): every layer's
 
     def attend(
-        self, kn: Any, i: int, q: Any, k: Any, v: Any, window: int | None,
+        self, kn: KernelSet, i: int, q: Any, k: Any, v: Any, window: int | None,
         chunk: int | None = None, *, sinks: Any = None,
     ) -> Any:  # fmt: skip
         """Append the rows' keys and values ``(B, H_kv, L, D)`` to their caches of layer ``i``;
@@ -69,10 +71,10 @@ class PagedStep(Step):
         if self.paged_tables is None:
             self.paged_tables = block_tables(layer)
         tables, lengths = self.paged_tables
-        pool, scale = layer[0].pool, self.p.scale
+        pool, scale = layer[0].pool, self.s.scale
         return paged_attention(
             q, pool, tables, lengths, scale=scale, window=window, chunk=chunk,
-            softcap=self.p.softcap, sinks=sinks,
+            softcap=self.s.softcap, sinks=sinks,
         )  # fmt: skip
 
 
@@ -88,7 +90,7 @@ def forward(
     them too.
 
     ``caches[b]``: row ``b``'s caches, one per layer. The prepared forward runs the rows as one
-    batch (:class:`PagedStep`); a model without one runs each row alone. ``logits=False``: only
+    batch (:class:`PagedState`); a model without one runs each row alone. ``logits=False``: only
     fill the caches (a prefill chunk before the last), without the LM head; returns ``None``.
     """
     bk, p = model.backend, model.prepared
@@ -108,10 +110,9 @@ def forward(
         ]  # fmt: skip
         return rows[0] if len(rows) == 1 else xp.concat(rows, axis=0)  # (B, V)
     ids = asarray(chunks, backend=bk.name, device=model.device)  # (B, L)
-    h = embedding(ids, model.embed)  # (B, L, E)
-    step = PagedStep(p, caches, [seq[0].offset for seq in caches], len(chunks[0]))
-    h = p.run_layers(h, step, p.layers)
+    state = PagedState(p.setup, caches, [seq[0].offset for seq in caches], len(chunks[0]))
+    h = p.run_layers(p.embed(ids, state, model.embed), state)  # (B, L, E)
     if not logits:
         return None
-    head = model.embed if model.lm_head is None else model.lm_head
-    return p.head_logits(h[:, -1:, :], model.norm, head, step.kn)[:, -1, :]  # (B, V)
+    head = head_weight(model.embed, model.lm_head)
+    return p.head(h[:, -1:, :], state, model.norm, head)[:, -1, :]  # (B, V)

@@ -3,8 +3,8 @@
 A composite op (``mlp``, ``attention``, a model's layers) is a front that checks its arguments
 and a body that computes (:func:`~portable_llm.ops.linear.mlp_body`,
 :func:`~portable_llm.attn.block.attention_body`), as array-api-extra splits its functions. The
-body calls its kernels through one of two kernel sets with the same methods (``project``,
-``linear``, ``rms_norm``, ``act``, ``glu``, ``choose``):
+body calls its kernels through a kernel set, any object of the :class:`KernelSet` protocol
+(``project``, ``linear``, ``rms_norm``, ``layer_norm``, ``act``, ``glu``, ``choose``, ``traced``):
 
 - :class:`Kernels`: each call asks the dispatcher (:func:`~portable_llm.core.dispatch.pick`,
   the entry every public op uses), so :func:`~portable_llm.trace` records every kernel that
@@ -12,6 +12,9 @@ body calls its kernels through one of two kernel sets with the same methods (``p
 - :class:`BoundKernels`: the kernels of the dense ops chosen once for a model's dtype (the same
   dispatcher, the same choices: ``linear``, ``rms_norm`` and the activations choose by dtype),
   then called directly: a model's prepared forward outside a trace ("check once, run many").
+- the public ops themselves (:class:`~portable_llm.ops.checked_kernels.CheckedKernels`): each
+  call checks its arguments and casts a weight of another float dtype; a model's op-by-op
+  forward (``Model(..., prepared=False)``, or weights in mixed dtypes).
 
 A projection's weight is a float array, a :class:`~portable_llm.ops.quant.QuantizedWeight`, or
 one bound with its kernel at load (:class:`QLinear`, :class:`Packed`).
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from portable_llm.backends import Backend
 from portable_llm.core.dispatch import dispatcher, pick, portable
@@ -30,6 +33,7 @@ from portable_llm.ops.quant import MXFP4Weight, QuantizedWeight, quantized_linea
 __all__ = [
     "BOUND_PROJECTIONS",
     "BoundKernels",
+    "KernelSet",
     "Kernels",
     "Packed",
     "QLinear",
@@ -126,8 +130,58 @@ class QLinear:
         return fn(xp, x, *arrays, b, **opts)
 
 
+class KernelSet(Protocol):
+    """What a composite op's body calls (:func:`~portable_llm.attn.block.attention_body`,
+    :func:`~portable_llm.ops.linear.mlp_body`, a model's layers): the dense ops' kernels, each
+    ``fn(xp, ...)`` on checked arrays, and the choice of any other op's kernel."""
+
+    @property
+    def bound(self) -> bool:
+        """Whether the kernels were chosen once: a body may then keep the choices it makes
+        with :meth:`choose` for the rest of a forward (else it asks per call, as a trace
+        records)."""
+        ...
+
+    def choose(self, op: str, *args: Any, **options: Any) -> Fn:
+        """The implementation of ``op`` for these arguments."""
+        ...
+
+    def linear(self, xp: Any, x: Any, w: Any, b: Any) -> Any:
+        """``x @ w.T + b`` for a float weight ``w`` ``(O, I)``."""
+        ...
+
+    def project(self, xp: Any, x: Any, w: Any, b: Any) -> Any:
+        """``x @ w.T + b`` for any projection: a float weight, a ``QuantizedWeight``, a bound
+        one (:class:`QLinear`, :class:`Packed`)."""
+        ...
+
+    def rms_norm(self, xp: Any, x: Any, w: Any, *, eps: float) -> Any: ...
+
+    def layer_norm(self, xp: Any, x: Any, w: Any, b: Any, *, eps: float) -> Any: ...
+
+    def act(self, xp: Any, x: Any) -> Any:
+        """The model's activation."""
+        ...
+
+    def glu(self, xp: Any, gate: Any, up: Any, *, limit: float, alpha: float) -> Any:
+        """gpt-oss's clamped SwiGLU of a gated projection's halves."""
+        ...
+
+    def traced(self) -> KernelSet:
+        """The same choices asked of the dispatcher per call, so that a trace records them."""
+        ...
+
+
 def _no_norm(xp: Any, x: Any, w: Any, *, eps: float) -> Any:
     raise TypeError("these kernels hold no rms_norm (BoundKernels.for_mlp)")
+
+
+def _no_layer_norm(xp: Any, x: Any, w: Any, b: Any, *, eps: float) -> Any:
+    raise TypeError("these kernels hold no layer_norm (BoundKernels.for_mlp)")
+
+
+def _no_glu(xp: Any, gate: Any, up: Any, *, limit: float, alpha: float) -> Any:
+    raise TypeError("these kernels hold no clamped SwiGLU")
 
 
 #: The projections that carry their kernel.
@@ -187,6 +241,10 @@ class Kernels:
         opts = {"limit": limit, "alpha": alpha}
         return pick(self.bk, "clamped_swiglu", self.impl, gate, up, **opts)(xp, gate, up, **opts)
 
+    def traced(self) -> Kernels:
+        """These kernels: each is already asked of the dispatcher per call."""
+        return self
+
 
 @dataclass(frozen=True)
 class BoundKernels:
@@ -202,8 +260,8 @@ class BoundKernels:
     #: kernel itself where every projection is a float array (one Python frame per product),
     #: else :func:`projector`'s, which also runs :class:`Packed` and :class:`QLinear` ones.
     project: Fn
-    layer_norm: Fn | None = None  # fn(xp, x, w, b, *, eps); None: a set without norms
-    glu: Fn | None = None  # fn(xp, gate, up, *, limit, alpha): gpt-oss's clamped SwiGLU
+    layer_norm: Fn = _no_layer_norm  # fn(xp, x, w, b, *, eps)
+    glu: Fn = _no_glu  # fn(xp, gate, up, *, limit, alpha): gpt-oss's clamped SwiGLU
 
     bound = True
 
@@ -234,8 +292,9 @@ class BoundKernels:
         ``glu``) that a composite op chose itself (a MoE's experts); no ``rms_norm``, no
         backend to ask for more."""
         return cls(
-            None, linear=linear, rms_norm=_no_norm, act=act, act_op="", project=linear, glu=glu
-        )
+            None, linear=linear, rms_norm=_no_norm, act=act, act_op="", project=linear,
+            glu=_no_glu if glu is None else glu,
+        )  # fmt: skip
 
     def traced(self) -> Kernels:
         """The same choices asked of the dispatcher per call, so a trace records them."""

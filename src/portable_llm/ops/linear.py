@@ -13,7 +13,7 @@ from portable_llm.core.dispatch import pick, portable
 from portable_llm.core.types import Array, Namespace
 from portable_llm.ops.activations import activation, activation_op, check_swiglu, clamped_swiglu
 from portable_llm.ops.affine import affine
-from portable_llm.ops.kernels import Kernels
+from portable_llm.ops.kernels import Kernels, KernelSet
 from portable_llm.ops.quant import is_quantized, quantized_linear
 
 __all__ = [
@@ -213,11 +213,11 @@ class MlpWeights:
     swiglu: tuple[float, float] | None = None
 
 
-def mlp_body(xp: Namespace, kn: Any, x: Array, w: MlpWeights) -> Array:
+def mlp_body(xp: Namespace, kn: KernelSet, x: Array, w: MlpWeights) -> Array:
     """The gated MLP of checked arguments: the body of :func:`mlp` and of a model's layers.
 
-    ``kn``: :class:`~portable_llm.ops.kernels.Kernels` (each kernel chosen per call) or
-    :class:`~portable_llm.ops.kernels.BoundKernels` (chosen once); ``x`` ``(N.., E)``.
+    ``kn``: a :class:`~portable_llm.ops.kernels.KernelSet` (each kernel chosen per call,
+    bound once, or the public ops); ``x`` ``(N.., E)``.
     HF's order: each projection and the activation round to x's dtype.
     """
     if w.w_gate is None:  # HF PhiMLP / GPT2MLP: fc1, act, fc2

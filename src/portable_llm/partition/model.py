@@ -1,21 +1,22 @@
-"""A decoder split over ranks: the blocks of :class:`~portable_llm.decoder.model.Model` with the
-engine's collectives between them.
+"""A decoder split over ranks: the decoder's one forward with the engine's collectives between
+its stages.
 
 :class:`PartitionedModel` is a :class:`~portable_llm.decoder.model.Model` (``make_cache``,
 ``decode_step``, ``generate`` and the rest work unchanged) whose call runs this process's
-stages with the decoder's own pieces: stage 0 embeds (``Model.embed_ids``), each stage runs
-its layers (``Block``) and hands the hidden states on, the last stage norms and projects
-(``Model.project``), and every rank gets the logits. Within a layer, each rank's attention and
-MLP (or MoE) give a partial sum over its heads and intermediate slices, completed by one
-all-reduce each, the ``reduce`` the layer applies before any bias or norm:
-``h = h + all_reduce(attention(norm(h)))``, ``h = h + all_reduce(mlp(norm(h)))``. An ``o_proj``
-bias is added once, after the sum; a ``down_proj`` bias is held by TP rank 0 only (zeros
-elsewhere), so the sum counts it once.
+stages with the decoder's one forward (:class:`~portable_llm.decoder.forward.Forward`): stage 0
+embeds (``Forward.embed``), each stage runs its range of layers (``Forward.run_layers``) and
+hands the hidden states on, the last stage norms and projects (``Forward.head``), and every
+rank gets the logits. What the partition gives the forward is only its stages' layer ranges and
+its ``reduce``: within a layer, each rank's attention and MLP (or MoE) give a partial sum over
+its heads and intermediate slices, completed by one all-reduce each, applied before any bias or
+norm: ``h = h + all_reduce(attention(norm(h)))``, ``h = h + all_reduce(mlp(norm(h)))``. An
+``o_proj`` bias is added once, after the sum; a ``down_proj`` bias is held by TP rank 0 only
+(zeros elsewhere), so the sum counts it once.
 
-A process that runs its own rank (torch, MLX) runs its layers as the prepared forward
-(:class:`~portable_llm.decoder.prepared.Prepared`, with the all-reduce bound in as its
-``reduce``: kernels chosen once, masks and RoPE tables built once per forward), as one device
-does; where one process drives every stage (JAX's pipeline) the blocks run op by op.
+A process that runs its own rank (torch, MLX) runs its layers as the prepared forward (kernels
+chosen once, masks and RoPE tables built once per forward), as one device does, where its
+weights allow; where one process drives every stage (JAX's pipeline, whose XLA completes the
+sums itself) the layers run op by op (the public ops, on each stage's devices).
 
 Batching (:func:`~portable_llm.batch_generate`) runs the rows of a step in one forward over
 paged caches (:meth:`PartitionedModel.forward_paged`): each rank's pools
@@ -32,11 +33,12 @@ from portable_llm.backends import Backend, backend_of
 from portable_llm.caches.page_pool import PagePool
 from portable_llm.core.arrays import asarray
 from portable_llm.decoder.config import DecoderConfig
+from portable_llm.decoder.forward import Forward, check_learned_positions, head_weight
 from portable_llm.decoder.model import Model
-from portable_llm.decoder.paged_step import PagedStep
+from portable_llm.decoder.paged_step import PagedState
 from portable_llm.decoder.paged_step import forward as paged_forward
-from portable_llm.decoder.prepared import Prepared, check_learned_positions, preparable
-from portable_llm.ops.embedding import embedding
+from portable_llm.decoder.prepared import op_by_op, preparable, prepare
+from portable_llm.decoder.states import ForwardState
 from portable_llm.partition.engine import Engine
 
 __all__ = ["PartitionedModel"]
@@ -49,8 +51,9 @@ class PartitionedModel(Model):
     the full config where one process drives every stage: JAX); ``stages``: the layers of each
     stage this process runs, counted in :attr:`blocks`; ``engine``: the collectives.
     ``full_config`` is the model's own config. ``prepared`` (default ``True``): run this
-    rank's layers as the prepared forward (:attr:`local`) where its weights allow; ``False``
-    composes the public ops layer by layer. Build one with :func:`portable_llm.load`.
+    rank's layers as the prepared forward where its weights allow; ``False`` composes the
+    public ops layer by layer (:attr:`local`: the forward either way). Build one with
+    :func:`portable_llm.load`.
     """
 
     def __init__(
@@ -78,23 +81,30 @@ class PartitionedModel(Model):
         self.engine = engine
         self.stages = dict(stages)
         self.full_config = full_config
-        #: This rank's layers as the prepared forward, the tensor-parallel all-reduce bound in;
-        #: ``None`` where one process runs every stage (JAX) or a weight is not preparable
-        #: (:attr:`Model.prepared <portable_llm.decoder.model.Model.prepared>` stays ``None``:
-        #: the one-device forwards that it drives know nothing of the stages).
-        self.local: Prepared | None = self._local_forward() if prepared else None
+        #: This rank's forward, the tensor-parallel all-reduce bound in: prepared where its
+        #: weights allow, else op by op (:attr:`Model.prepared
+        #: <portable_llm.decoder.model.Model.prepared>` stays ``None``: the one-device forwards
+        #: that it drives know nothing of the stages).
+        self.local: Forward = self._local_forward(prepared)
 
-    def _local_forward(self) -> Prepared | None:
+    def _local_forward(self, prepared: bool) -> Forward:
         e, bk = self.engine, self.backend
-        if e.single_controller or not preparable(bk, self.dtype, self._top_arrays(), self.blocks):
-            return None
+        # A TP rank of a process engine completes its partial sums; JAX's XLA does it itself.
+        reduce = e.all_reduce if e.tp_size > 1 and not e.single_controller else None
+        top = {
+            "embed": self.embed, "norm": self.norm, "head": head_weight(self.embed, self.lm_head),
+            "norm_bias": self.norm_bias, "head_bias": self.head_bias, "positions": self.positions,
+            "reduce": reduce,
+        }  # fmt: skip
+        if (
+            not prepared
+            or e.single_controller
+            or not preparable(bk, self.dtype, self._top_arrays(), self.layers)
+        ):
+            return op_by_op(self.config, bk, self.layers, **top)
         last = e.pp_size - 1 in self.stages
-        norm = self.norm if last else self.blocks[0].input_norm  # (E,): the kernels' choice
-        return Prepared(
-            self.config, bk, self.dtype, self.embed, norm, self.lm_head, self.blocks,
-            norm_bias=self.norm_bias, head_bias=self.head_bias, positions=self.positions,
-            reduce=e.all_reduce if e.tp_size > 1 else None,
-        )  # fmt: skip
+        probe = self.norm if last else self.layers[0].input_norm  # (E,): the kernels' choice
+        return prepare(self.config, bk, self.dtype, self.layers, **top, probe=probe)
 
     def __repr__(self) -> str:
         c, e = self.full_config, self.engine
@@ -126,9 +136,9 @@ class PartitionedModel(Model):
             ids = asarray(ids, backend=bk.name, device=self.device)
         if ids.ndim != 2:
             raise ValueError(f"model: ids must have shape (B, L), got {tuple(ids.shape)}")
-        if cache is not None and len(cache) != len(self.blocks):
+        if cache is not None and len(cache) != len(self.layers):
             raise ValueError(
-                f"model: cache must hold one cache per layer of this rank ({len(self.blocks)}), "
+                f"model: cache must hold one cache per layer of this rank ({len(self.layers)}), "
                 f"got {len(cache)}"
             )
         if cache is not None and left_padding is not None:
@@ -138,41 +148,35 @@ class PartitionedModel(Model):
         B, L = ids.shape
         offset = 0 if cache is None else cache[0].offset
         check_learned_positions("model", self.config, offset, L)  # on every rank alike
-        eps = self.config.rms_norm_eps
+        fwd = self.local
+        state = fwd.state(cache, left_padding, L)
+        h = self._stages(fwd, state, lambda: fwd.embed(ids, state, self.embed), (B, L))
+        logits = None
+        if h is not None:  # the last stage
+            h = h[:, -1:, :] if last_only else h  # (B, L | 1, E)
+            logits = fwd.head(h, state, self.norm, head_weight(self.embed, self.lm_head))
+        shape = (B, 1 if last_only else L, self.full_config.vocab_size)
+        return e.share_logits(logits, shape, self.norm)
+
+    def _stages(self, fwd: Forward, state: ForwardState, embed: Any, shape: tuple[int, int]) -> Any:
+        """This process's stages in order: stage 0 embeds (``embed()``), a later one takes the
+        hidden states ``(B, L, E)`` of the stage before; each runs its range of layers and hands
+        them on. The last stage's hidden states, or ``None`` on a rank without it."""
+        e = self.engine
         last = e.pp_size - 1
-        # A TP rank of a process engine completes its partial sums; JAX's XLA does it itself.
-        reduce = e.all_reduce if e.tp_size > 1 and not e.single_controller else None
-        p = self.local
-        step = None if p is None else p.step(cache, left_padding, L)
         h = None
         for stage, layers in self.stages.items():
             if stage == 0:
-                h = self.embed_ids(ids, cache=cache, left_padding=left_padding)  # (B, L, E)
+                h = embed()  # (B, L, E)
             elif h is None:
-                h = e.recv(stage - 1, (B, L, self.config.hidden_size), self.norm)
+                h = e.recv(stage - 1, (*shape, self.config.hidden_size), self.norm)
             else:
                 h = e.move(h, stage)
-            if p is not None and step is not None:  # this rank's layers: all of p.layers
-                h = p.run_layers(h, step, p.layers, embedded=True)
-            else:
-                for i in layers:
-                    c = None if cache is None else cache[i]
-                    h = self.blocks[i](
-                        h, cache=c, left_padding=left_padding, eps=eps, reduce=reduce
-                    )
+            h = fwd.run_layers(h, state, layers)
             if stage != last and e.pp_rank is not None:
                 e.send(h, stage + 1)
                 h = None
-        logits = None
-        if h is not None and last in self.stages:
-            if p is None or step is None:
-                logits = self.project(h, last_only=last_only)  # (B, L, V)
-            else:
-                h = h[:, -1:, :] if last_only else h  # (B, 1, E)
-                head = self.embed if self.lm_head is None else self.lm_head
-                logits = p.head_logits(h, self.norm, head, step.kn)  # (B, L, V)
-        shape = (B, 1 if last_only else L, self.full_config.vocab_size)
-        return e.share_logits(logits, shape, self.norm)
+        return h if last in self.stages else None
 
     def make_page_pools(self, num_pages: int, page_size: int) -> list[PagePool]:
         """One empty :class:`~portable_llm.PagePool` per layer this process holds: ``num_pages``
@@ -183,8 +187,8 @@ class PartitionedModel(Model):
         cfg, bk = self.config, self.backend
         shape = (num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
         return [
-            PagePool(*shape, self.dtype, backend=bk.name, device=bk.device_of(b.input_norm))
-            for b in self.blocks
+            PagePool(*shape, self.dtype, backend=bk.name, device=bk.device_of(layer.input_norm))
+            for layer in self.layers
         ]
 
     def forward_paged(
@@ -198,36 +202,27 @@ class PartitionedModel(Model):
         """Logits ``(B, V)`` on every rank of the last position of each row after its tokens
         ``ids[b]`` (one length ``L``), over this rank's paged caches ``caches[b]`` (one
         :class:`~portable_llm.PagedKVCache` per layer it holds, over :meth:`make_page_pools`'
-        pools: its KV heads only). The rows run as one batch through the rank's prepared
-        forward (:class:`~portable_llm.decoder.paged_step.PagedStep`, the all-reduce bound
-        in), stage to stage as in :meth:`__call__`; without one (JAX) each row runs alone.
-        ``logits=False``: only fill the caches (every rank alike); returns ``None``."""
-        p, e = self.local, self.engine
+        pools: its KV heads only). The rows run as one batch through the rank's forward
+        (:class:`~portable_llm.decoder.paged_step.PagedState`, the all-reduce bound in), stage
+        to stage as in :meth:`__call__`; where one process drives every stage (JAX) each row
+        runs alone. ``logits=False``: only fill the caches (every rank alike); returns
+        ``None``."""
+        e, fwd = self.engine, self.local
         chunks = [list(row) for row in ids]
-        if p is None:
+        if e.single_controller:
             return paged_forward(self, caches, chunks, logits=logits)
         bk = self.backend
         B, L = len(chunks), len(chunks[0])
         starts = [seq[0].offset for seq in caches]
         check_learned_positions("forward_paged", self.config, max(starts, default=0), L)
-        step = PagedStep(p, caches, starts, L)
-        last = e.pp_size - 1
-        h = None
-        for stage in self.stages:  # a process engine's rank runs one stage: all of p.layers
-            if stage == 0:
-                x = asarray(chunks, backend=bk.name, device=self.device)  # (B, L)
-                h = p.run_layers(embedding(x, self.embed), step, p.layers)  # (B, L, E)
-            else:
-                h = e.recv(stage - 1, (B, L, self.config.hidden_size), self.norm)
-                h = p.run_layers(h, step, p.layers, embedded=True)  # (B, L, E)
-            if stage != last:
-                e.send(h, stage + 1)
-                h = None
+        state = PagedState(fwd.setup, caches, starts, L)
+        x = asarray(chunks, backend=bk.name, device=self.device)  # (B, L)
+        h = self._stages(fwd, state, lambda: fwd.embed(x, state, self.embed), (B, L))
         if not logits:
             return None
         out = None
         if h is not None:  # the last stage: its rows' last positions
-            head = self.embed if self.lm_head is None else self.lm_head
-            out = p.head_logits(h[:, -1:, :], self.norm, head, step.kn)  # (B, 1, V)
+            head = head_weight(self.embed, self.lm_head)
+            out = fwd.head(h[:, -1:, :], state, self.norm, head)  # (B, 1, V)
         shared = e.share_logits(out, (B, 1, self.full_config.vocab_size), self.norm)
         return shared[:, -1, :]  # (B, V)
