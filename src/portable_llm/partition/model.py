@@ -26,7 +26,7 @@ KV heads of its layers only, and the stages hand on the rows' hidden states as i
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from portable_llm.backends import Backend, backend_of
@@ -149,8 +149,7 @@ class PartitionedModel(Model):
         offset = 0 if cache is None else cache[0].offset
         check_learned_positions("model", self.config, offset, L)  # on every rank alike
         fwd = self.local
-        state = fwd.state(cache, left_padding, L)
-        h = self._stages(fwd, state, lambda: fwd.embed(ids, state, self.embed), (B, L))
+        h, state = self._stages(fwd, lambda: fwd.state(cache, left_padding, L), ids, (B, L))
         logits = None
         if h is not None:  # the last stage
             h = h[:, -1:, :] if last_only else h  # (B, L | 1, E)
@@ -158,16 +157,23 @@ class PartitionedModel(Model):
         shape = (B, 1 if last_only else L, self.full_config.vocab_size)
         return e.share_logits(logits, shape, self.norm)
 
-    def _stages(self, fwd: Forward, state: ForwardState, embed: Any, shape: tuple[int, int]) -> Any:
-        """This process's stages in order: stage 0 embeds (``embed()``), a later one takes the
-        hidden states ``(B, L, E)`` of the stage before; each runs its range of layers and hands
-        them on. The last stage's hidden states, or ``None`` on a rank without it."""
+    def _stages(
+        self, fwd: Forward, new_state: Callable[[], ForwardState], ids: Any, shape: tuple[int, int]
+    ) -> tuple[Any, ForwardState]:
+        """This process's stages in order: stage 0 embeds ``ids``, a later one takes the hidden
+        states ``(B, L, E)`` of the stage before; each runs its range of layers and hands them
+        on. Returns the last stage's hidden states (``None`` on a rank without it) and the
+        forward state (``new_state()``: one per forward, or one per stage where one process
+        drives every stage, each on its own devices: its RoPE table and masks there; all made
+        before a layer runs, at the caches' offset of this forward)."""
         e = self.engine
         last = e.pp_size - 1
-        h = None
-        for stage, layers in self.stages.items():
+        h, state = None, new_state()
+        states = [state, *(new_state() for _ in list(self.stages)[1:] if e.single_controller)]
+        for n, (stage, layers) in enumerate(self.stages.items()):
+            state = states[n] if e.single_controller else state
             if stage == 0:
-                h = embed()  # (B, L, E)
+                h = fwd.embed(ids, state, self.embed)  # (B, L, E)
             elif h is None:
                 h = e.recv(stage - 1, (*shape, self.config.hidden_size), self.norm)
             else:
@@ -176,7 +182,7 @@ class PartitionedModel(Model):
             if stage != last and e.pp_rank is not None:
                 e.send(h, stage + 1)
                 h = None
-        return h if last in self.stages else None
+        return (h if last in self.stages else None), state
 
     def make_page_pools(self, num_pages: int, page_size: int) -> list[PagePool]:
         """One empty :class:`~portable_llm.PagePool` per layer this process holds: ``num_pages``
@@ -215,9 +221,8 @@ class PartitionedModel(Model):
         B, L = len(chunks), len(chunks[0])
         starts = [seq[0].offset for seq in caches]
         check_learned_positions("forward_paged", self.config, max(starts, default=0), L)
-        state = PagedState(fwd.setup, caches, starts, L)
         x = asarray(chunks, backend=bk.name, device=self.device)  # (B, L)
-        h = self._stages(fwd, state, lambda: fwd.embed(x, state, self.embed), (B, L))
+        h, state = self._stages(fwd, lambda: PagedState(fwd.setup, caches, starts, L), x, (B, L))
         if not logits:
             return None
         out = None
