@@ -104,7 +104,7 @@ class Forward:
         rope_local = config.rope_local if use_rope else None
         scale = config.attn_scale  # Gemma: query_pre_attn_scalar ** -0.5
         self.setup = ForwardSetup(
-            bk, d, kernels, rope=dict(config.rope) if use_rope else None,
+            bk, bk.xp, d, kernels, rope=dict(config.rope) if use_rope else None,
             rope_local=None if rope_local is None else dict(rope_local),
             scale=1.0 / math.sqrt(config.head_dim) if scale is None else scale,
             softcap=config.attn_softcap, device=bk.device_of(norm),

@@ -45,6 +45,7 @@ class ForwardSetup:
     soft-capping, and the device new arrays go to."""
 
     bk: Backend
+    xp: Any  # bk.xp
     dispatch: Dispatcher
     kernels: KernelSet
     rope: Mapping[str, Any] | None  # None: no RoPE (learned positions)
@@ -53,10 +54,6 @@ class ForwardSetup:
     softcap: float | None  # Gemma 2: attn_logit_softcapping
     device: Any
     portable_rope: Fn  # RoPE's portable kernel: its tables are then built once per forward
-
-    @property
-    def xp(self) -> Any:
-        return self.bk.xp
 
 
 class ForwardState(AttentionState, Protocol):
