@@ -13,7 +13,12 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
 
-from portable_llm.core.checks import check_int, check_real
+from portable_llm.core.checks import check_int
+from portable_llm.decoder.config_values import read_bool as _bool
+from portable_llm.decoder.config_values import read_cap as _cap
+from portable_llm.decoder.config_values import read_int as _int
+from portable_llm.decoder.config_values import read_real as _real
+from portable_llm.decoder.families import FAMILIES, Family
 from portable_llm.ops.activations import ACTIVATIONS
 from portable_llm.rotary.scaling import ROPE_TYPES, check_dims, rope_spec
 
@@ -35,10 +40,10 @@ SUPPORTED_MODEL_TYPES: tuple[str, ...] = (
     "qwen2_moe",
     "phi",
     "gpt2",
-    "gemma2",
     "gemma3_text",
     "phi3",
     "llama4_text",
+    *FAMILIES,  # the families of a file of their own (decoder/families/)
 )
 #: Families whose ``config.json`` :meth:`DecoderConfig.from_dict` reads (their fields resolved
 #: below) but whose forward the decoder does not run yet: ``pl.load`` refuses them by name.
@@ -48,11 +53,11 @@ LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 # HF's class defaults where config.json may leave a field out (per family where they differ).
 _DEFAULT_THETA = {"mixtral": 1e6, "gemma3_text": 1e6, "llama4_text": 5e5}
 _DEFAULT_EPS = {"mixtral": 1e-5, "phi3": 1e-5, "llama4_text": 1e-5, "gpt2": 1e-5, "phi": 1e-5}
-_DEFAULT_HEAD_DIM = {"qwen3": 128, "gemma2": 256, "gemma3_text": 256}
+_DEFAULT_HEAD_DIM = {"qwen3": 128, "gemma3_text": 256}
 _DEFAULT_MPE = {"gpt2": 1024}  # GPT2Config's n_positions: the rows of its learned positions
 # transformers refuses hidden_size % num_attention_heads != 0 here, head_dim given or not
 # (validate_architecture of Llama, Gemma 2/3; GPT2Attention, which splits E into the heads).
-_WHOLE_HEADS = ("llama", "gemma2", "gemma3_text", "gpt2")
+_WHOLE_HEADS = ("llama", "gemma3_text", "gpt2")
 # Other spellings of HF's names, by family (GPT-2's own; LayerNorm eps names; Gemma's
 # activation): read when the usual name is absent.
 _ALIASES: dict[str, dict[str, str]] = {
@@ -66,18 +71,24 @@ _ALIASES: dict[str, dict[str, str]] = {
         "layer_norm_epsilon": "rms_norm_eps",
     },
     "phi": {"layer_norm_eps": "rms_norm_eps"},
-    "gemma2": {"hidden_activation": "hidden_act"},
     "gemma3_text": {"hidden_activation": "hidden_act"},
 }
-_GEMMA = ("gemma2", "gemma3_text")
+_GEMMA = ("gemma3_text",)
+#: A family of no file of its own: Llama's defaults and layer.
+_LLAMA_LIKE = Family("")
 
 
 def hf_spelling(d: Mapping[str, Any]) -> dict[str, Any]:
     """``config.json``'s dict with a family's own spellings (GPT-2's ``n_layer``, ``n_embd``,
     ...; LayerNorm eps names; Gemma's activation) also under HF's usual names, where those are
     absent: what :meth:`DecoderConfig.from_dict` and the checkpoint's count checks read."""
-    aliases = _ALIASES.get(d.get("model_type"), {})  # type: ignore[arg-type]
+    mt = d.get("model_type")
+    aliases = _ALIASES.get(mt) or _family_of(mt).aliases  # type: ignore[arg-type]
     return {**{new: d[old] for old, new in aliases.items() if old in d}, **d}
+
+
+def _family_of(model_type: Any) -> Family:
+    return FAMILIES.get(model_type, _LLAMA_LIKE)
 
 
 def check_model_type(d: Mapping[str, Any]) -> str:
@@ -193,6 +204,8 @@ class DecoderConfig:
         if mt not in READ_MODEL_TYPES:
             mt = check_model_type(d)  # the families it reads: READ_MODEL_TYPES too
         d = hf_spelling(d)
+        fam = _family_of(mt)  # HF's class defaults of a family file, where d has none
+        d = {**d, **{k: v for k, v in fam.defaults.items() if d.get(k) is None}}
         if mt == "gpt2" and d.get("intermediate_size") is None:
             d["intermediate_size"] = 4 * d.get("hidden_size", 0)  # GPT-2's n_inner=None
         for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
@@ -230,7 +243,9 @@ class DecoderConfig:
             rope=MappingProxyType(rope),
             tie_word_embeddings=_bool(d, "tie_word_embeddings", mt in ("gpt2", *_GEMMA)),
             qkv_bias={"qwen2": True, "qwen2_moe": _bool(d, "qkv_bias", True)}.get(mt, bias),
-            o_bias=bias if mt in ("llama", "qwen3", "gpt2", "phi", *_GEMMA) else False,
+            o_bias=bias
+            if mt in ("llama", "qwen3", "gpt2", "phi", *_GEMMA) or fam.o_bias
+            else False,
             mlp_bias=_bool(d, "mlp_bias") if mt == "llama" else mt in ("gpt2", "phi"),
             qk_norm=mt in ("qwen3", "gemma3_text"),
             sliding_window=window,
@@ -246,6 +261,7 @@ class DecoderConfig:
             pad_token_id=_token(d, "pad_token_id", low=None),
             rope_local=None if rope_local is None else MappingProxyType(rope_local),
             **_family(mt, d, n),
+            **fam.fields(d, n),
         )
         _check_forward_needs(cfg)
         return cfg
@@ -283,7 +299,8 @@ def _check_forward_needs(cfg: DecoderConfig) -> None:
         raise ValueError(
             f"config.json: num_attention_heads={H} is not a multiple of num_key_value_heads={H_kv}"
         )
-    if cfg.model_type in _WHOLE_HEADS and E % H:
+    whole = cfg.model_type in _WHOLE_HEADS or _family_of(cfg.model_type).whole_heads
+    if whole and E % H:
         raise ValueError(
             f"config.json: hidden_size={E} is not a multiple of num_attention_heads={H} "
             f"({cfg.model_type} splits the hidden size into whole heads)"
@@ -333,37 +350,6 @@ def _check_rotated_width(rope: Mapping[str, Any], D: int) -> None:
             "(it must be even and >= 2)"
         )
     check_dims("config.json", spec, dims)
-
-
-def _int(d: Mapping[str, Any], key: str, *, required: bool = False, low: int = 1) -> Any:
-    value = d.get(key)
-    if value is None:
-        if required:
-            raise ValueError(f"config.json: {key} is missing")
-        return None
-    try:
-        return check_int("config.json", key, value, low=low)
-    except TypeError as exc:  # a config value of the wrong type is a ValueError, as the rest
-        raise ValueError(str(exc)) from None
-
-
-def _real(d: Mapping[str, Any], key: str, default: float, *, low: float, **opts: Any) -> float:
-    value = d.get(key)
-    if value is None:
-        return default
-    try:
-        return check_real("config.json", key, value, low=low, **opts)
-    except TypeError as exc:
-        raise ValueError(str(exc)) from None
-
-
-def _bool(d: Mapping[str, Any], key: str, default: bool = False) -> bool:
-    value = d.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise ValueError(f"config.json: {key} must be true or false, got {value!r}")
-    return value
 
 
 def _token(d: Mapping[str, Any], key: str, *, low: int | None = 0) -> int | None:
@@ -458,7 +444,10 @@ def _windows(mt: str, d: Mapping[str, Any], n: int) -> tuple[int | None, tuple[s
     # as none: null is none
     window = _int(d, "sliding_window", low=0)
     given = d.get("layer_types")
-    if mt in ("mistral", "mixtral", "phi3"):  # the window (when set) applies to every layer
+    rule = _family_of(mt).layer_types
+    if rule is not None:
+        window, kinds = rule(d, n)
+    elif mt in ("mistral", "mixtral", "phi3"):  # the window (when set) applies to every layer
         kinds = ["sliding_attention" if window is not None else "full_attention"] * n
     elif mt in ("llama", "gpt2", "phi"):
         window, kinds = None, ["full_attention"] * n
@@ -467,9 +456,6 @@ def _windows(mt: str, d: Mapping[str, Any], n: int) -> tuple[int | None, tuple[s
             raise ValueError(f"config.json: layer_types must be a list, got {given!r}")
         kinds = list(given)
         window = window if mt in _GEMMA else None
-    elif mt == "gemma2":  # v4: even layers slide (HF Gemma2's is_sliding)
-        window = 4096 if window is None else window
-        kinds = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
     elif mt == "gemma3_text":  # v4: every sliding_window_pattern-th layer is global
         window = 4096 if window is None else window
         pattern = _int(d, "sliding_window_pattern") or 6
@@ -525,14 +511,13 @@ def _family(mt: str, d: Mapping[str, Any], n: int) -> dict[str, Any]:
         out.update(parallel_block=True, lm_head_bias=True)
     elif mt in _GEMMA:
         scalar = _real(d, "query_pre_attn_scalar", 256.0, low=0.0, low_open=True)
-        caps = (50.0, 30.0) if mt == "gemma2" else (None, None)  # HF's class defaults
         out.update(
             norm_offset=1.0,
             embed_scale=True,
             sandwich_norms=True,
             attn_scale=scalar**-0.5,
-            attn_softcap=_cap(d, "attn_logit_softcapping", caps[0]),
-            final_softcap=_cap(d, "final_logit_softcapping", caps[1]),
+            attn_softcap=_cap(d, "attn_logit_softcapping", None),
+            final_softcap=_cap(d, "final_logit_softcapping", None),
         )
     elif mt == "llama4_text":
         out.update(
@@ -547,13 +532,6 @@ def _family(mt: str, d: Mapping[str, Any], n: int) -> dict[str, Any]:
             router="sigmoid",
         )
     return out
-
-
-def _cap(d: Mapping[str, Any], key: str, default: float | None) -> float | None:
-    if key in d and d[key] is None:
-        return None
-    value = d.get(key, default)
-    return None if value is None else _real({key: value}, key, 0.0, low=0.0, low_open=True)
 
 
 def _rope_layers(d: Mapping[str, Any], n: int) -> tuple[bool, ...]:

@@ -1,7 +1,7 @@
 """The decoder: embedding, N layers (norm, attention, norm, MLP or MoE), norm, LM head.
 
 A :class:`Model` reads one :class:`~portable_llm.decoder.layer_weights.Layer` per layer from
-the checkpoint (:func:`~portable_llm.decoder.hf_layer.read_layer`) and runs them with the one
+the checkpoint (its family's recipe: :mod:`portable_llm.decoder.families`) and runs them with one
 forward (:class:`~portable_llm.decoder.forward.Forward`): prepared (kernels chosen once) where
 its weights allow, else op by op (the public ops, each checking its arguments).
 """
@@ -21,8 +21,8 @@ from portable_llm.core.arrays import asarray, to_numpy
 from portable_llm.core.checks import check_int
 from portable_llm.decoder.compiled import CompiledDecode, compile_decode
 from portable_llm.decoder.config import DecoderConfig
+from portable_llm.decoder.families import layer_reader
 from portable_llm.decoder.forward import Forward, check_learned_positions, head_weight
-from portable_llm.decoder.hf_layer import read_layer
 from portable_llm.decoder.layer_weights import Layer
 from portable_llm.decoder.paged_step import forward as paged_forward
 from portable_llm.decoder.prepared import op_by_op, preparable, prepare
@@ -82,8 +82,9 @@ class Model:
         #: Learned absolute position embeddings ``(P, E)`` (GPT-2's ``wpe``), or ``None``.
         self.positions = weights.get("model.embed_positions.weight")
         #: One record per layer, as read from the checkpoint.
+        read = layer_reader(config.model_type)  # decoder/families/: the family's recipe
         self.layers: list[Layer] = [
-            read_layer(config, weights, i) for i in range(config.num_hidden_layers)
+            read(config, weights, i) for i in range(config.num_hidden_layers)
         ]
         self.tokenizer = tokenizer
         self.generation_config = dict(generation_config or {})

@@ -1,0 +1,215 @@
+"""What every family shares: the :class:`Family` record, and the layer of transformers' Llama.
+
+A family file (``decoder/families/<model_type>.py``) holds what its architecture changes and
+nothing else; the rest is here:
+
+- :class:`Family`: the HF names of ``config.json`` it reads (``aliases``), HF's class defaults
+  where the file leaves a field out, the :class:`~portable_llm.decoder.config.DecoderConfig`
+  fields that differ (``fields``), which layers slide (``layer_types``) and its layer recipe
+  (``read_layer``);
+- :func:`read_layer`: the layer of transformers' Llama under the HF names
+  ``model.layers.{i}.self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj`` (or the experts of
+  ``mlp.experts`` and the router ``mlp.gate``), ``input_layernorm`` and
+  ``post_attention_layernorm``, the names the checkpoint readers give every family's tensors;
+  its pieces (:func:`read_attention`, :func:`read_mlp`, :func:`read_moe`) for a recipe of its
+  own.
+
+A family file takes the config as a :class:`LayerConfig` (the fields a layer reads), so it
+sits below ``decoder/config.py``, which looks families up by ``model_type``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from portable_llm.attn.block import AttnWeights
+from portable_llm.decoder.layer_weights import Layer
+from portable_llm.ops.linear import MlpWeights
+
+__all__ = [
+    "Family",
+    "LayerConfig",
+    "layer_rope",
+    "read_attention",
+    "read_layer",
+    "read_mlp",
+    "read_moe",
+]
+
+
+class LayerConfig(Protocol):
+    """The fields of :class:`~portable_llm.decoder.config.DecoderConfig` a layer recipe reads."""
+
+    @property
+    def num_attention_heads(self) -> int: ...
+    @property
+    def num_key_value_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def rms_norm_eps(self) -> float: ...
+    @property
+    def hidden_act(self) -> str: ...
+    @property
+    def moe_layers(self) -> tuple[bool, ...]: ...
+    @property
+    def num_experts_per_tok(self) -> int: ...
+    @property
+    def norm_topk_prob(self) -> bool: ...
+    @property
+    def router(self) -> str: ...
+    @property
+    def sandwich_norms(self) -> bool: ...
+    @property
+    def parallel_block(self) -> bool: ...
+    @property
+    def position_embedding(self) -> str: ...
+    @property
+    def rope(self) -> Mapping[str, Any]: ...
+    @property
+    def rope_local(self) -> Mapping[str, Any] | None: ...
+    @property
+    def layer_types(self) -> tuple[str, ...]: ...
+    @property
+    def no_rope_layers(self) -> tuple[bool, ...]: ...
+    @property
+    def attention_chunk_size(self) -> int | None: ...
+    @property
+    def qk_l2_norm(self) -> bool: ...
+    @property
+    def attn_temperature_tuning(self) -> bool: ...
+    @property
+    def floor_scale(self) -> float: ...
+    @property
+    def attn_temperature_scale(self) -> float: ...
+
+    def window(self, layer: int) -> int | None: ...
+
+
+#: ``read_layer(config, weights, i)``: layer ``i`` of the weights (HF names).
+ReadLayer = Callable[[LayerConfig, Mapping[str, Any], int], Layer]
+
+
+@dataclass(frozen=True)
+class Family:
+    """One architecture, as ``decoder/config.py`` and the model read it (see the module
+    docstring).
+
+    ``aliases``: the family's own ``config.json`` names -> HF's usual ones (read where the usual
+    one is absent). ``defaults``: HF's class defaults of the usual names where ``config.json``
+    leaves them out (``head_dim``, ``hidden_act``, ``tie_word_embeddings``, ...).
+    ``whole_heads``: transformers refuses ``hidden_size % num_attention_heads != 0``.
+    ``o_bias``: ``attention_bias`` also gives ``o_proj`` a bias. ``fields(d, n)``: the
+    :class:`~portable_llm.decoder.config.DecoderConfig` fields that differ from Llama's, of the
+    dict ``d`` of ``n`` layers. ``layer_types(d, n)``: ``(sliding_window, layer_types)``
+    (``None``: Qwen2's rule). ``read_layer``: the layer recipe.
+    """
+
+    model_type: str
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    whole_heads: bool = False
+    o_bias: bool = False
+    fields: Callable[[Mapping[str, Any], int], dict[str, Any]] = lambda d, n: {}
+    layer_types: Callable[[Mapping[str, Any], int], tuple[Any, list[str]]] | None = None
+    read_layer: Callable[..., Layer] = field(default=lambda *a: read_layer(*a))
+
+
+def read_layer(cfg: LayerConfig, w: Mapping[str, Any], i: int) -> Layer:
+    """Layer ``i`` of the weights ``w`` (HF names, the model's backend): Llama's, with the
+    options the config gives (Phi-2's parallel block, Gemma 3's sandwich norms, MoE)."""
+    p = f"model.layers.{i}."
+    sandwich = cfg.sandwich_norms  # Gemma: post_attention_layernorm norms attention's output
+    post = "pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"
+    moe = cfg.moe_layers[i]
+    return Layer(
+        input_norm=w[p + "input_layernorm.weight"],
+        post_norm=w.get(p + post + ".weight"),
+        attn=read_attention(cfg, w, i),
+        mlp=None if moe else read_mlp(w, i),
+        moe=read_moe(cfg, w, i) if moe else None,
+        input_bias=w.get(p + "input_layernorm.bias"),
+        post_bias=w.get(p + "post_attention_layernorm.bias"),
+        parallel=cfg.parallel_block,
+        attn_norm=w.get(p + "post_attention_layernorm.weight") if sandwich else None,
+        ff_norm=w.get(p + "post_feedforward_layernorm.weight") if sandwich else None,
+    )
+
+
+def read_attention(cfg: LayerConfig, w: Mapping[str, Any], i: int) -> AttnWeights:
+    """Layer ``i``'s attention: ``model.layers.{i}.self_attn.*``."""
+    a = f"model.layers.{i}.self_attn."
+    return AttnWeights(
+        wq=w[a + "q_proj.weight"],
+        wk=w[a + "k_proj.weight"],
+        wv=w[a + "v_proj.weight"],
+        wo=w[a + "o_proj.weight"],
+        bq=w.get(a + "q_proj.bias"),
+        bk=w.get(a + "k_proj.bias"),
+        bv=w.get(a + "v_proj.bias"),
+        bo=w.get(a + "o_proj.bias"),
+        q_norm=w.get(a + "q_norm.weight"),
+        k_norm=w.get(a + "k_norm.weight"),
+        window=cfg.window(i),
+        num_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        norm_eps=cfg.rms_norm_eps,
+        rope=layer_rope(cfg, i) is not None,
+        **_llama4_attention(cfg, i),
+    )
+
+
+def read_mlp(w: Mapping[str, Any], i: int) -> MlpWeights:
+    """Layer ``i``'s dense MLP: ``model.layers.{i}.mlp.{gate,up,down}_proj`` (no gate: the
+    plain MLP of GPT-2 and Phi-2)."""
+    m = f"model.layers.{i}.mlp."
+    return MlpWeights(
+        *(w.get(f"{m}{k}_proj.weight") for k in ("gate", "up", "down")),
+        *(w.get(f"{m}{k}_proj.bias") for k in ("gate", "up", "down")),
+    )
+
+
+def read_moe(cfg: LayerConfig, w: Mapping[str, Any], i: int) -> dict[str, Any]:
+    """Layer ``i``'s mixture of experts (``model.layers.{i}.mlp.``): the public ``moe``'s
+    arrays and options."""
+    m = f"model.layers.{i}.mlp."
+    options: dict[str, Any] = {
+        "top_k": cfg.num_experts_per_tok,
+        "norm_topk_prob": cfg.norm_topk_prob,
+        "router": cfg.router,  # Llama 4: "sigmoid", the scores scale the experts' inputs
+        "act": cfg.hidden_act,
+    }
+    s = m + "shared_expert."
+    if s + "gate_proj.weight" in w:  # Qwen2-MoE (gated by shared_expert_gate), Llama 4
+        options["shared"] = tuple(w[f"{s}{k}_proj.weight"] for k in ("gate", "up", "down"))
+    if m + "shared_expert_gate.weight" in w:  # Qwen2-MoE
+        options["shared_gate"] = w[m + "shared_expert_gate.weight"]
+    arrays = (w[m + "gate.weight"], *(w[f"{m}experts.{k}_proj"] for k in ("gate", "up", "down")))
+    return {"arrays": arrays, "options": options}
+
+
+def _llama4_attention(cfg: LayerConfig, i: int) -> dict[str, Any]:
+    """Layer ``i``'s options of Llama 4's attention (HF ``Llama4TextAttention``): the chunk of a
+    ``chunked_attention`` layer; the weightless q/k norm on RoPE layers (``use_qk_norm``); the
+    temperature tuning on the no-RoPE ones (``attn_temperature_tuning``)."""
+    chunked = cfg.layer_types[i] == "chunked_attention" and cfg.attention_chunk_size
+    no_rope = bool(cfg.no_rope_layers) and cfg.no_rope_layers[i]
+    tuned = no_rope and cfg.attn_temperature_tuning
+    return {
+        "chunk": cfg.attention_chunk_size if chunked else None,
+        "qk_l2_norm": cfg.qk_l2_norm and not no_rope,
+        "temperature": (cfg.floor_scale, cfg.attn_temperature_scale) if tuned else None,
+    }
+
+
+def layer_rope(cfg: LayerConfig, i: int) -> Any:
+    """Layer ``i``'s RoPE options: none (learned positions, Llama 4's no-RoPE layers), Gemma
+    3's ``rope_local`` on its sliding layers, else the model's."""
+    if cfg.position_embedding != "rope" or (cfg.no_rope_layers and cfg.no_rope_layers[i]):
+        return None
+    if cfg.rope_local is not None and cfg.layer_types[i] == "sliding_attention":
+        return cfg.rope_local
+    return cfg.rope
