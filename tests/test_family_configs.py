@@ -191,3 +191,28 @@ def test_unsupported_family_is_named_before_the_folder_is_read(tmp_path: Path, c
 def test_bad_family_configs(family: str, change: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         DecoderConfig.from_dict({**V5[family], **change})
+
+
+def test_gemma2_is_read_from_its_family_file() -> None:
+    """Gemma 2 lives in decoder/families/gemma2.py (issue 29): its model type is supported
+    through the registry, and its class defaults, fields, sliding layers and layer recipe are
+    the file's: a config.json that leaves them out gets HF's Gemma2Config defaults."""
+    from portable_llm.decoder.families import FAMILIES, gemma2, layer_reader
+
+    assert FAMILIES["gemma2"] is gemma2.FAMILY and "gemma2" in SUPPORTED_MODEL_TYPES
+    assert layer_reader("gemma2") is gemma2.read_layer
+    left_out = ("head_dim", "hidden_activation", "attn_logit_softcapping", "layer_types",
+                "final_logit_softcapping", "tie_word_embeddings", "sliding_window")  # fmt: skip
+    d = {k: v for k, v in V5["gemma2"].items() if k not in left_out}
+    cfg = DecoderConfig.from_dict({**d, "num_hidden_layers": 3})
+    # Gemma2Config's defaults: head_dim 256, gelu_pytorch_tanh, caps 50 and 30, tied, window
+    # 4096 on the even layers (v4's rule)
+    assert (cfg.head_dim, cfg.hidden_act, cfg.tie_word_embeddings) == (
+        256,
+        "gelu_pytorch_tanh",
+        True,
+    )
+    assert (cfg.attn_softcap, cfg.final_softcap, cfg.sliding_window) == (50.0, 30.0, 4096)
+    assert cfg.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+    assert (cfg.norm_offset, cfg.embed_scale, cfg.sandwich_norms) == (1.0, True, True)
+    assert cfg.attn_scale == 256**-0.5
