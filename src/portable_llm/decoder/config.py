@@ -18,6 +18,7 @@ from portable_llm.decoder.config_values import read_bool as _bool
 from portable_llm.decoder.config_values import read_cap as _cap
 from portable_llm.decoder.config_values import read_int as _int
 from portable_llm.decoder.config_values import read_real as _real
+from portable_llm.decoder.config_values import read_sparse_layers
 from portable_llm.decoder.families import FAMILIES, Family
 from portable_llm.ops.activations import ACTIVATIONS
 from portable_llm.rotary.scaling import ROPE_TYPES, check_dims, rope_spec
@@ -226,7 +227,7 @@ class DecoderConfig:
         moe = _moe(mt, d, n)
         window, layer_types = _windows(mt, d, n)
         rope, rope_local = _ropes(mt, d)
-        cfg = cls(
+        values: dict[str, Any] = dict(
             model_type=mt,
             vocab_size=d["vocab_size"],
             hidden_size=E,
@@ -262,9 +263,10 @@ class DecoderConfig:
             eos_token_id=_tokens(d, "eos_token_id"),
             pad_token_id=_token(d, "pad_token_id", low=None),
             rope_local=None if rope_local is None else MappingProxyType(rope_local),
-            **_family(mt, d, n),
-            **fam.fields(d, n),
         )
+        # a family's own fields win over the rules above (Cohere 2's head_dim, StarCoder2's
+        # use_bias for every bias, ...)
+        cfg = cls(**{**values, **_family(mt, d, n), **fam.fields(d, n)})
         _check_forward_needs(cfg)
         return cfg
 
@@ -580,12 +582,7 @@ def _moe(mt: str, d: Mapping[str, Any], n: int) -> dict[str, Any]:
         return {}
     x = _int(d, "num_experts", low=0)
     x = 60 if x is None else x
-    step = _int(d, "decoder_sparse_step") or 1
-    only = d.get("mlp_only_layers") or []
-    if not isinstance(only, list | tuple):
-        raise ValueError(f"config.json: mlp_only_layers must be a list of ints, got {only!r}")
-    dense = {_int({"mlp_only_layers": i}, "mlp_only_layers", low=0) for i in only}
-    layers = tuple(x > 0 and i not in dense and (i + 1) % step == 0 for i in range(n))
+    layers = read_sparse_layers(d, n, x)
     top_k = _int(d, "num_experts_per_tok") or 4
     return {
         "num_experts": x,

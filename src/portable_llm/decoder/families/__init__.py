@@ -10,13 +10,13 @@ moved here yet are the branches of ``decoder/config.py`` over Llama's layer
 
 from __future__ import annotations
 
-from portable_llm.decoder.families import gemma2
+from portable_llm.decoder.families import gemma2, qwen3_moe
 from portable_llm.decoder.families.base import Family, ReadLayer, read_layer
 
 __all__ = ["FAMILIES", "Family", "layer_reader"]
 
 #: ``model_type`` -> its family.
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (gemma2.FAMILY,)}
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (gemma2.FAMILY, qwen3_moe.FAMILY)}
 
 
 def layer_reader(model_type: str) -> ReadLayer:
