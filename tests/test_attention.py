@@ -440,8 +440,11 @@ BLOCK_SHAPES = [(2, 5, 16, 4, 2, 4), (1, 3, 12, 3, 1, 8), (1, 1, 8, 2, 2, 4)]
 ROPES = [None, {}, {"base": 1e6}, {"base": 500.0, "traditional": True}, {"dims": 2}]
 
 
-def block_inputs(seed: int, shape: tuple, dtype: str, backend: str, *, bias: bool, qk_norm: bool):
-    """The block's arrays (dict of backend arrays) and their float64 copies."""
+def block_inputs(
+    seed: int, shape: tuple, dtype: str, backend: str, *, bias: bool, qk_norm: bool | str
+):
+    """The block's arrays (dict of backend arrays) and their float64 copies; ``qk_norm``:
+    ``True`` norms each head, ``"whole"`` all heads' features (OLMo 2)."""
     b, L, E, h, h_kv, d = shape
     arrays = {
         "x": random_array(seed, (b, L, E), dtype, backend=backend),
@@ -454,9 +457,10 @@ def block_inputs(seed: int, shape: tuple, dtype: str, backend: str, *, bias: boo
         for i, (name, n) in enumerate((("bq", h), ("bk", h_kv), ("bv", h_kv))):
             arrays[name] = random_array(seed + 5 + i, (n * d,), dtype, backend=backend, scale=0.3)
     if qk_norm:
-        for i, name in enumerate(("q_norm", "k_norm")):
+        for i, (name, n) in enumerate((("q_norm", h), ("k_norm", h_kv))):
+            size = n * d if qk_norm == "whole" else d
             arrays[name] = random_array(
-                seed + 8 + i, (d,), dtype, backend=backend, low=0.5, high=1.5
+                seed + 8 + i, (size,), dtype, backend=backend, low=0.5, high=1.5
             )
     ops = {k: a for k, (a, _) in arrays.items()}
     refs = {k: r for k, (_, r) in arrays.items()}
@@ -468,7 +472,7 @@ def block_inputs(seed: int, shape: tuple, dtype: str, backend: str, *, bias: boo
     shape=st.sampled_from(BLOCK_SHAPES),
     rope=st.sampled_from(ROPES),
     bias=st.booleans(),
-    qk_norm=st.booleans(),
+    qk_norm=st.sampled_from([False, True, "whole"]),
     mask=st.sampled_from(["causal", None, "window"]),
     offset=st.sampled_from([0, 7]),  # a static option of the compiled RoPE on JAX
     seed=seeds(),
@@ -542,7 +546,10 @@ def test_attention_block_tiled_equals_portable(backend):
         ({"wo": np.zeros((16, 8), np.float32)}, ValueError,
          r"wo must have shape \(E_out, 16\) \(H \* D = 4 x 4\), got \(16, 8\)"),
         ({"q_norm": np.ones(5, np.float32)}, ValueError,
-         r"q_norm must have shape \(4,\) \(head_dim\), got \(5,\)"),
+         r"q_norm must have shape \(4,\) \(each head's head_dim features\) or \(16,\) "
+         r"\(all 4 heads' features, as OLMo 2\), q_norm and k_norm alike; got \(5,\)"),
+        ({"q_norm": np.ones(16, np.float32), "k_norm": np.ones(4, np.float32)}, ValueError,
+         r"k_norm must have shape \(4,\) .* or \(8,\) .*; got \(4,\)"),
         ({"rope": {"theta": 1e6}}, ValueError, r"unknown rope option\(s\) 'theta'; known: base"),
         ({"x": np.zeros((5, 16), np.float32)}, ValueError, r"x must have shape \(B, L, E\)"),
         ({"impl": "flash"}, ValueError, r"attention: impl must be one of"),

@@ -1,6 +1,7 @@
-"""The config.json of the families beyond Llama (GPT-2, Phi-2, Phi-3, Gemma 2/3, Llama 4), as
-transformers 5 writes it and in transformers 4's spellings, read into DecoderConfig's fields; a
-folder of an unsupported family is refused by its model type before anything else.
+"""The config.json of the families beyond Llama (GPT-2, Phi-2, Phi-3, Gemma 2/3, Llama 4,
+SmolLM3, OLMo 2, Granite, StarCoder2, Cohere 2), as transformers 5 writes it and in
+transformers 4's spellings, read into DecoderConfig's fields; a folder of an unsupported family
+is refused by its model type before anything else.
 """
 
 from __future__ import annotations
@@ -61,6 +62,34 @@ V5: dict[str, dict[str, Any]] = {
                     "num_experts_per_tok": 1, "num_local_experts": 4, "rms_norm_eps": 1e-05,
                     "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"},
                     "use_qk_norm": True, "tie_word_embeddings": False},
+    "smollm3": {**SIZES, "model_type": "smollm3", "num_hidden_layers": 4,
+                "num_key_value_heads": 2, "hidden_act": "silu", "rms_norm_eps": 1e-06,
+                "rope_parameters": {"rope_theta": 2000000.0, "rope_type": "default"},
+                "use_sliding_window": True, "sliding_window": 16, "no_rope_layers": [1, 1, 1, 0],
+                "no_rope_layer_interval": 4,
+                "layer_types": ["full_attention"] * 3 + ["sliding_attention"],
+                "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": True},
+    "olmo2": {**SIZES, "model_type": "olmo2", "num_hidden_layers": 4, "num_key_value_heads": 2,
+              "hidden_act": "silu", "rope_parameters": {"rope_theta": 10000.0,
+                                                        "rope_type": "default"},
+              "attention_bias": False, "rms_norm_eps": 1e-05, "tie_word_embeddings": False},
+    "granite": {**SIZES, "model_type": "granite", "num_hidden_layers": 4,
+                "num_key_value_heads": 2, "hidden_act": "silu", "rms_norm_eps": 1e-06,
+                "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+                "attention_bias": False, "mlp_bias": False, "embedding_multiplier": 12.0,
+                "logits_scaling": 8.0, "residual_multiplier": 0.22,
+                "attention_multiplier": 0.0078125, "tie_word_embeddings": False},
+    "starcoder2": {**SIZES, "model_type": "starcoder2", "num_hidden_layers": 4,
+                   "num_key_value_heads": 2, "hidden_act": "gelu_pytorch_tanh",
+                   "norm_epsilon": 1e-05, "rope_parameters": {"rope_theta": 10000.0,
+                                                              "rope_type": "default"},
+                   "sliding_window": 16, "use_bias": True, "tie_word_embeddings": True},
+    "cohere2": {**SIZES, "model_type": "cohere2", "num_hidden_layers": 4,
+                "num_key_value_heads": 2, "logit_scale": 0.0625, "hidden_act": "silu",
+                "layer_norm_eps": 1e-05, "tie_word_embeddings": True,
+                "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+                "attention_bias": False, "sliding_window": 16,
+                "layer_types": ["sliding_attention"] * 3 + ["full_attention"], "head_dim": 8},
 }  # fmt: skip
 
 # The same models in transformers 4's spellings (rope_theta, rope_scaling, per-family patterns).
@@ -83,6 +112,19 @@ V4: dict[str, dict[str, Any]] = {
                                     "no_rope_layers")},
                     "rope_theta": 500000.0, "interleave_moe_layer_step": 2,
                     "no_rope_layer_interval": 4},
+    # SmolLM3 without its lists: the NoPE layers every no_rope_layer_interval-th, they slide
+    "smollm3": {**{k: v for k, v in V5["smollm3"].items()
+                   if k not in ("rope_parameters", "layer_types", "no_rope_layers")},
+                "rope_theta": 2000000.0},
+    "olmo2": {**{k: v for k, v in V5["olmo2"].items() if k != "rope_parameters"},
+              "rope_theta": 10000.0, "rope_scaling": None},
+    "granite": {**{k: v for k, v in V5["granite"].items() if k != "rope_parameters"},
+                "rope_theta": 10000.0, "rope_scaling": None},
+    "starcoder2": {**{k: v for k, v in V5["starcoder2"].items() if k != "rope_parameters"},
+                   "rope_theta": 10000.0, "rope_scaling": None},
+    "cohere2": {**{k: v for k, v in V5["cohere2"].items()
+                   if k not in ("rope_parameters", "layer_types")},
+                "rope_theta": 10000.0, "sliding_window_pattern": 4},
 }  # fmt: skip
 
 
@@ -114,10 +156,29 @@ def test_family_fields(family: str, version: str) -> None:
                             moe_layers=(False, True, False, True),
                             no_rope_layers=(False, False, False, True),
                             layer_types=("chunked_attention",) * 3 + ("full_attention",)),
+        "smollm3": dict(no_rope_layers=(False, False, False, True), sliding_window=16,
+                        layer_types=("full_attention",) * 3 + ("sliding_attention",),
+                        tie_word_embeddings=True, o_bias=False, attn_temperature_tuning=False),
+        "olmo2": dict(post_norms=True, qk_norm=True, qk_norm_whole=True, rms_norm_eps=1e-5,
+                      sandwich_norms=False),
+        "granite": dict(embedding_multiplier=12.0, residual_multiplier=0.22,
+                        attn_scale=0.0078125, logit_scale=0.125),
+        "starcoder2": dict(norm="layer", norm_bias=True, gated_mlp=False, qkv_bias=True,
+                           o_bias=True, mlp_bias=True, rms_norm_eps=1e-5,
+                           hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True,
+                           sliding_window=16, layer_types=("sliding_attention",) * n),
+        "cohere2": dict(norm="layer", norm_bias=False, parallel_block=True, logit_scale=0.0625,
+                        head_dim=8, no_rope_layers=(False, False, False, True),
+                        layer_types=("sliding_attention",) * 3 + ("full_attention",),
+                        sliding_window=16, rms_norm_eps=1e-5, tie_word_embeddings=True),
     }[family]  # fmt: skip
     assert {k: getattr(cfg, k) for k in want} == want
     if family == "phi":
         assert cfg.rope["scaling"]["partial_rotary_factor"] == 0.5
+    if family == "smollm3":  # HF's default theta when v4 gives none is 2e6 too
+        assert cfg.rope["base"] == 2e6
+    if family == "cohere2":  # interleaved RoPE pairs
+        assert cfg.rope["traditional"] is True
     if family == "gemma3_text":  # each layer type its own RoPE
         assert cfg.rope["base"] == 1e6 and cfg.rope["scaling"]["factor"] == 8.0
         assert cfg.rope_local is not None and cfg.rope_local["base"] == 1e4
@@ -186,6 +247,12 @@ def test_unsupported_family_is_named_before_the_folder_is_read(tmp_path: Path, c
         ("llama4_text", {"no_rope_layers": [1, 0]}, "no_rope_layers must list 4 flags"),
         ("gemma2", {"query_pre_attn_scalar": 0}, "query_pre_attn_scalar must be"),
         ("phi3", {"rope_parameters": {"rope_type": "longrope"}}, "needs the field 'short_factor'"),
+        ("smollm3", {"no_rope_layers": [1, 0]}, "no_rope_layers must list 4 flags"),
+        ("granite", {"logits_scaling": 0}, "logits_scaling must be finite and > 0.0"),
+        ("granite", {"residual_multiplier": "1"}, "residual_multiplier must be a real number"),
+        ("starcoder2", {"use_bias": 1}, "use_bias must be true or false"),
+        ("cohere2", {"layer_types": "sliding_attention"}, "layer_types must be a list"),
+        ("cohere2", {"logit_scale": -1.0}, "logit_scale must be finite and > 0.0"),
     ],
 )  # fmt: skip
 def test_bad_family_configs(family: str, change: dict[str, Any], message: str) -> None:

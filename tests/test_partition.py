@@ -119,6 +119,18 @@ def test_bad_group_is_refused_before_the_weights_are_read(
 
 
 @numpy_only
+def test_whole_projection_qk_norms_refuse_tensor_ranks() -> None:
+    """OLMo 2's q/k norms span every head's features: a tensor rank holds only some of them,
+    so tensor parallelism is refused by name; pipeline stages are planned."""
+    d = {"model_type": "olmo2", "hidden_size": 32, "num_attention_heads": 4,
+         "intermediate_size": 64, "vocab_size": 100, "num_hidden_layers": 2}  # fmt: skip
+    cfg = DecoderConfig.from_dict(d)
+    with pytest.raises(ValueError, match="olmo2's q_norm and k_norm each span all heads"):
+        plan_partition(cfg, tp=(2, 0))
+    assert plan_partition(cfg, pp=(2, 1)).layers == range(1, 2)
+
+
+@numpy_only
 def test_group_on_a_backend_without_collectives() -> None:
     import portable_llm as pl
 
@@ -378,13 +390,15 @@ def test_cli_generate_under_torchrun(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("family", "mode"),
     [("gemma2", "tp"), ("gpt2", "pp"), pytest.param("phi3", "tp", marks=pytest.mark.slow),
-     ("llama4_text", "pp"), pytest.param("llama4_text", "tp", marks=pytest.mark.slow)],
+     ("llama4_text", "pp"), pytest.param("llama4_text", "tp", marks=pytest.mark.slow),
+     ("olmo2", "pp"), pytest.param("granite", "tp", marks=pytest.mark.slow)],
 )  # fmt: skip
 def test_families_over_mlx_ranks(tmp_path: Path, family: str, mode: str) -> None:
     """Families beyond Llama (Gemma 2's sandwich norms, scaled embedding and soft-capping;
     GPT-2's learned positions and fused Conv1D weights; Phi-3's fused projections; Llama 4's
     per-layer RoPE, chunks and temperature over pipeline stages, its sigmoid-routed experts
-    split over tensor ranks), saved by transformers, over 2 MLX ranks."""
+    split over tensor ranks; OLMo 2's norms of the outputs only over stages; Granite's
+    multipliers over tensor ranks), saved by transformers, over 2 MLX ranks."""
     transformers = pytest.importorskip("transformers")
     import torch
 

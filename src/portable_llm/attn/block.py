@@ -145,7 +145,9 @@ def attention(
     bq : array, shape ``(H * D,)``, optional
     bk, bv : array, shape ``(H_kv * D,)``, optional (Qwen2 has all three biases)
     q_norm, k_norm : array, shape ``(D,)``, optional
-        RMSNorm weights applied to each head of q and k before RoPE (Qwen3), with ``norm_eps``.
+        RMSNorm weights applied to each head of q and k before RoPE (Qwen3), with ``norm_eps``;
+        or of shapes ``(H * D,)`` and ``(H_kv * D,)``: one RMSNorm over all heads' features of
+        the projection, before it is split into heads (OLMo 2). Both of one kind.
     norm_eps : float
         HF ``rms_norm_eps`` for ``q_norm``/``k_norm``.
     rope : dict or None
@@ -202,7 +204,8 @@ def attention(
     be, (x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, pad, sinks, mask) = _resolve(
         backend, x, (wq, wk, wv, wo), (bq, bk, bv, q_norm, k_norm, left_padding, sinks), mask
     )
-    D = _check_shapes(be, x, h, h_kv, head_dim, (wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm))
+    D = _check_shapes(be, x, h, h_kv, head_dim, (wq, wk, wv, wo, bq, bk, bv))
+    whole = _qk_norm_whole(be, D, ((q_norm, h), (k_norm, h_kv)))
     sinks = None if sinks is None else check_sinks(OP, be, sinks, x, h, f"head, num_heads={h}")
     if not norm_eps >= 0:  # also rejects NaN
         raise ValueError(f"{OP}: norm_eps must be >= 0, got {norm_eps!r}")
@@ -221,7 +224,7 @@ def attention(
         wq=wq, wk=wk, wv=wv, wo=wo, bq=bq, bk=bk, bv=bv, bo=None, q_norm=q_norm, k_norm=k_norm,
         window=window, num_heads=h, num_kv_heads=h_kv, head_dim=D, norm_eps=norm_eps,
         rope=rope is not None, qk_l2_norm=bool(qk_l2_norm), temperature=temperature, chunk=chunk,
-        sinks=sinks,
+        sinks=sinks, qk_norm_whole=whole,
     )  # fmt: skip
     state = CallState(be, impl, rope, offset, rows, cache, pad, mask, softcap, scale, block_size)
     kernels = Kernels(be, "portable" if impl == "tiled" else impl)
@@ -267,9 +270,9 @@ def _resolve(
 def _check_shapes(
     be: Any, x: Any, h: int, h_kv: int, head_dim: Any, weights: tuple[Any, ...]
 ) -> int:
-    """x ``(B, L, E)`` and the weights' shapes and kinds for ``H``, ``H_kv`` heads; returns
-    ``D`` (``head_dim``, default ``E // H``)."""
-    wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm = weights
+    """x ``(B, L, E)`` and the projections' shapes and kinds for ``H``, ``H_kv`` heads
+    (the q/k norms: :func:`_qk_norm_whole`); returns ``D`` (``head_dim``, default ``E // H``)."""
+    wq, wk, wv, wo, bq, bk, bv = weights
     check_float(OP, "x", x, be)
     if x.ndim != 3:
         raise ValueError(f"{OP}: x must have shape (B, L, E), got {tuple(x.shape)}")
@@ -294,14 +297,25 @@ def _check_shapes(
         raise ValueError(
             f"{OP}: wo must have shape (E_out, {h * D}) (H * D = {h} x {D}), got {tuple(wo.shape)}"
         )
-    for name, nw in (("q_norm", q_norm), ("k_norm", k_norm)):
-        if nw is not None:
-            check_float(OP, name, nw, be)
-            if tuple(nw.shape) != (D,):
-                raise ValueError(
-                    f"{OP}: {name} must have shape ({D},) (head_dim), got {tuple(nw.shape)}"
-                )
     return D
+
+
+def _qk_norm_whole(be: Any, D: int, norms: tuple[tuple[Any, int], ...]) -> bool:
+    """Whether ``q_norm``/``k_norm`` (each with its head count) span all heads' features
+    (OLMo 2: ``(H * D,)``, ``(H_kv * D,)``) rather than each head's (``(D,)``): both alike;
+    with one head the two are the same norm."""
+    whole = any(nw is not None and n > 1 and tuple(nw.shape) == (n * D,) for nw, n in norms)
+    for (nw, n), name in zip(norms, ("q_norm", "k_norm"), strict=True):
+        if nw is None:
+            continue
+        check_float(OP, name, nw, be)
+        if tuple(nw.shape) != ((n * D,) if whole else (D,)):
+            raise ValueError(
+                f"{OP}: {name} must have shape ({D},) (each head's head_dim features) or "
+                f"({n * D},) (all {n} heads' features, as OLMo 2), q_norm and k_norm alike; "
+                f"got {tuple(nw.shape)}"
+            )
+    return whole
 
 
 def _check_temperature(temperature: Any) -> tuple[float, float] | None:
@@ -357,6 +371,7 @@ class AttnWeights:
     temperature: tuple[float, float] | None = None  # Llama 4: (floor_scale, attn_scale)
     chunk: int | None = None  # Llama 4: attention_chunk_size of a chunked_attention layer
     sinks: Any = None  # (H,) or None: gpt-oss's per-head sink logits (x's dtype)
+    qk_norm_whole: bool = False  # OLMo 2: q_norm (H * D,), k_norm (H_kv * D,), before the split
 
 
 class AttentionState(Protocol):
@@ -399,15 +414,20 @@ def attention_body(
     """
     B, L = x.shape[0], x.shape[1]
     H, H_kv, D = w.num_heads, w.num_kv_heads, w.head_dim
-    q = xp.reshape(kn.project(xp, x, w.wq, w.bq), (B, L, H, D))  # (B, L, H, D)
-    k = xp.reshape(kn.project(xp, x, w.wk, w.bk), (B, L, H_kv, D))  # (B, L, H_kv, D)
-    v = xp.reshape(kn.project(xp, x, w.wv, w.bv), (B, L, H_kv, D))  # (B, L, H_kv, D)
-    q = xp.permute_dims(q, (0, 2, 1, 3))  # (B, H, L, D)
-    k = xp.permute_dims(k, (0, 2, 1, 3))  # (B, H_kv, L, D)
-    v = xp.permute_dims(v, (0, 2, 1, 3))  # (B, H_kv, L, D)
-    if w.q_norm is not None:  # Qwen3: RMSNorm over each head's D features, before RoPE
+    q = kn.project(xp, x, w.wq, w.bq)  # (B, L, H * D)
+    k = kn.project(xp, x, w.wk, w.bk)  # (B, L, H_kv * D)
+    whole = w.qk_norm_whole  # OLMo 2: RMSNorm over all heads' features, before the split
+    if whole and w.q_norm is not None:
         q = kn.rms_norm(xp, q, w.q_norm, eps=w.norm_eps)
-    if w.k_norm is not None:
+    if whole and w.k_norm is not None:
+        k = kn.rms_norm(xp, k, w.k_norm, eps=w.norm_eps)
+    q = xp.permute_dims(xp.reshape(q, (B, L, H, D)), (0, 2, 1, 3))  # (B, H, L, D)
+    k = xp.permute_dims(xp.reshape(k, (B, L, H_kv, D)), (0, 2, 1, 3))  # (B, H_kv, L, D)
+    v = xp.reshape(kn.project(xp, x, w.wv, w.bv), (B, L, H_kv, D))  # (B, L, H_kv, D)
+    v = xp.permute_dims(v, (0, 2, 1, 3))  # (B, H_kv, L, D)
+    if not whole and w.q_norm is not None:  # Qwen3: RMSNorm of each head, before RoPE
+        q = kn.rms_norm(xp, q, w.q_norm, eps=w.norm_eps)
+    if not whole and w.k_norm is not None:
         k = kn.rms_norm(xp, k, w.k_norm, eps=w.norm_eps)
     if w.rope:
         q, k = state.rotate(kn, q, k)

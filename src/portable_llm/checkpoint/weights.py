@@ -35,6 +35,7 @@ from portable_llm.checkpoint.gpt2_layout import (
 )
 from portable_llm.checkpoint.shards import INDEX, SAFETENSORS_FLOATS, SafetensorsFiles
 from portable_llm.decoder.config import DecoderConfig
+from portable_llm.decoder.families import FAMILIES
 
 __all__ = [
     "CheckpointError",
@@ -64,16 +65,21 @@ def expected_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, E)}
     if cfg.position_embedding == "learned":  # GPT-2's wpe
         out["model.embed_positions.weight"] = (cfg.max_position_embeddings or 0, E)
-    norms = ("weight", "bias") if cfg.norm == "layer" else ("weight",)  # LayerNorm: a bias too
+    biased = cfg.norm == "layer" and cfg.norm_bias  # LayerNorm: a bias too (not Cohere 2's)
+    norms = ("weight", "bias") if biased else ("weight",)
+    layer_norms = ["input_layernorm", "post_attention_layernorm"]
+    if cfg.parallel_block:  # Phi-2, Cohere 2: one norm feeds attention and MLP
+        layer_norms = ["input_layernorm"]
+    if cfg.sandwich_norms:  # Gemma: the MLP's input and output normed too
+        layer_norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    if cfg.post_norms:  # OLMo 2: the outputs of attention and MLP only
+        layer_norms = ["post_attention_layernorm", "post_feedforward_layernorm"]
+    q_norm, k_norm = ((H * D,), (H_kv * D,)) if cfg.qk_norm_whole else ((D,), (D,))
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         for kind in norms:
-            out[p + f"input_layernorm.{kind}"] = (E,)
-            if not cfg.parallel_block:  # Phi-2: one norm feeds attention and MLP
-                out[p + f"post_attention_layernorm.{kind}"] = (E,)
-            if cfg.sandwich_norms:  # Gemma: the MLP's input and output normed too
-                out[p + f"pre_feedforward_layernorm.{kind}"] = (E,)
-                out[p + f"post_feedforward_layernorm.{kind}"] = (E,)
+            for norm in layer_norms:
+                out[p + f"{norm}.{kind}"] = (E,)
         for name, rows in (("q", H * D), ("k", H_kv * D), ("v", H_kv * D)):
             out[p + f"self_attn.{name}_proj.weight"] = (rows, E)
             if cfg.qkv_bias:
@@ -81,9 +87,9 @@ def expected_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
         out[p + "self_attn.o_proj.weight"] = (E, H * D)
         if cfg.o_bias:
             out[p + "self_attn.o_proj.bias"] = (E,)
-        if cfg.qk_norm:
-            out[p + "self_attn.q_norm.weight"] = (D,)
-            out[p + "self_attn.k_norm.weight"] = (D,)
+        if cfg.qk_norm:  # per head (Qwen3), or over all heads (OLMo 2)
+            out[p + "self_attn.q_norm.weight"] = q_norm
+            out[p + "self_attn.k_norm.weight"] = k_norm
         if cfg.moe_layers[i] and cfg.model_type == "llama4_text":  # experts cut (llama4_sources)
             X, I_m = cfg.num_experts, cfg.moe_intermediate_size
             out[p + "mlp.gate.weight"] = (X, E)  # HF feed_forward.router
@@ -142,8 +148,10 @@ FAMILY_NAMES: dict[str, tuple[tuple[str, str], ...]] = {
 
 def family_name(model_type: str, name: str) -> str:
     """A checkpoint tensor's name in the decoder's (Llama's) vocabulary: Phi-2's ``dense``,
-    ``fc1``, ``fc2`` and ``final_layernorm`` renamed (:data:`FAMILY_NAMES`)."""
-    for old, new in FAMILY_NAMES.get(model_type, ()):
+    ``fc1``, ``fc2`` and ``final_layernorm`` renamed (:data:`FAMILY_NAMES`, or the ``names``
+    of a family file's :class:`~portable_llm.decoder.families.Family`)."""
+    family = FAMILIES.get(model_type)
+    for old, new in FAMILY_NAMES.get(model_type, family.names if family else ()):
         if old in name:
             return name.replace(old, new)
     return name

@@ -18,7 +18,7 @@ from portable_llm.decoder.config_values import read_bool as _bool
 from portable_llm.decoder.config_values import read_cap as _cap
 from portable_llm.decoder.config_values import read_int as _int
 from portable_llm.decoder.config_values import read_real as _real
-from portable_llm.decoder.config_values import read_sparse_layers
+from portable_llm.decoder.config_values import read_rope_layers
 from portable_llm.decoder.families import FAMILIES, Family
 from portable_llm.ops.activations import ACTIVATIONS
 from portable_llm.rotary.scaling import ROPE_TYPES, check_dims, rope_spec
@@ -178,13 +178,17 @@ class DecoderConfig:
     attn_temperature_scale: float = 0.1  # Llama 4 temperature tuning (HF attn_scale)
     qk_l2_norm: bool = False  # Llama 4: weightless RMS norm of q and k on RoPE layers
     router: str = "softmax"  # "softmax" or "sigmoid" (Llama 4: scales the expert inputs)
+    norm_bias: bool = True  # a LayerNorm's bias (Cohere 2's LayerNorm has none)
+    post_norms: bool = False  # OLMo 2: each sublayer's output normed, not its input
+    qk_norm_whole: bool = False  # OLMo 2: q/k norms over all heads' features, (H * D,)
+    embedding_multiplier: float = 1.0  # Granite: the embeddings times it
+    residual_multiplier: float = 1.0  # Granite: each sublayer's output times it
+    logit_scale: float = 1.0  # Granite (1 / logits_scaling), Cohere 2: the logits times it
 
     def window(self, layer: int) -> int | None:
         """The sliding window of layer ``layer`` (``None``: full attention)."""
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
-    # Over 80 lines by its docstring (the refusals it makes, ~17 lines): the body reads each
-    # field once, in DecoderConfig's order, the family rules in the helpers below.
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> DecoderConfig:
         """Read an HF ``config.json`` dict; keys the decoder does not use are ignored.
@@ -429,7 +433,7 @@ def _rope(mt: str, d: Mapping[str, Any]) -> dict[str, Any]:
         elif mpe is not None:
             scaling.setdefault("original_max_position_embeddings", mpe)
     out: dict[str, Any] = {"base": theta, "scaling": MappingProxyType(scaling)}
-    if mt == "llama4_text":  # HF apply_rotary_emb: complex pairs (2i, 2i + 1), interleaved
+    if mt == "llama4_text" or _family_of(mt).interleaved_rope:  # pairs (2i, 2i + 1)
         out["traditional"] = True
     if kind in ("dynamic", "longrope"):  # longrope: its default factor, mpe / ompe
         out["max_position_embeddings"] = mpe
@@ -469,7 +473,7 @@ def _windows(mt: str, d: Mapping[str, Any], n: int) -> tuple[int | None, tuple[s
     elif mt == "llama4_text":  # v4: the RoPE layers are chunked, the no-RoPE ones global
         window, kinds = (
             None,
-            ["chunked_attention" if rope else "full_attention" for rope in _rope_layers(d, n)],
+            ["chunked_attention" if rope else "full_attention" for rope in read_rope_layers(d, n)],
         )
     else:  # qwen2, qwen3, qwen2_moe: use_sliding_window switches the window on
         if not _bool(d, "use_sliding_window"):
@@ -528,7 +532,7 @@ def _family(mt: str, d: Mapping[str, Any], n: int) -> dict[str, Any]:
             attention_chunk_size=(
                 _int(d, "attention_chunk_size") if "attention_chunk_size" in d else 8192
             ),  # HF's default when absent
-            no_rope_layers=tuple(not rope for rope in _rope_layers(d, n)),
+            no_rope_layers=tuple(not rope for rope in read_rope_layers(d, n)),
             attn_temperature_tuning=_bool(d, "attn_temperature_tuning", True),
             floor_scale=_real(d, "floor_scale", 8192.0, low=0.0, low_open=True),
             attn_temperature_scale=_real(d, "attn_scale", 0.1, low=0.0),
@@ -536,18 +540,6 @@ def _family(mt: str, d: Mapping[str, Any], n: int) -> dict[str, Any]:
             router="sigmoid",
         )
     return out
-
-
-def _rope_layers(d: Mapping[str, Any], n: int) -> tuple[bool, ...]:
-    """Llama 4: whether each layer applies RoPE (``no_rope_layers``: 1 where it does; v4 files
-    may give only ``no_rope_layer_interval``: every interval-th layer has none)."""
-    given = d.get("no_rope_layers")
-    if given:
-        if not isinstance(given, list | tuple) or len(given) != n:
-            raise ValueError(f"config.json: no_rope_layers must list {n} flags, got {given!r}")
-        return tuple(bool(g) for g in given)
-    step = _int(d, "no_rope_layer_interval") or 4
-    return tuple((i + 1) % step != 0 for i in range(n))
 
 
 def _moe(mt: str, d: Mapping[str, Any], n: int) -> dict[str, Any]:
@@ -582,7 +574,12 @@ def _moe(mt: str, d: Mapping[str, Any], n: int) -> dict[str, Any]:
         return {}
     x = _int(d, "num_experts", low=0)
     x = 60 if x is None else x
-    layers = read_sparse_layers(d, n, x)
+    step = _int(d, "decoder_sparse_step") or 1
+    only = d.get("mlp_only_layers") or []
+    if not isinstance(only, list | tuple):
+        raise ValueError(f"config.json: mlp_only_layers must be a list of ints, got {only!r}")
+    dense = {_int({"mlp_only_layers": i}, "mlp_only_layers", low=0) for i in only}
+    layers = tuple(x > 0 and i not in dense and (i + 1) % step == 0 for i in range(n))
     top_k = _int(d, "num_experts_per_tok") or 4
     return {
         "num_experts": x,

@@ -43,7 +43,7 @@ from portable_llm.ops.linear import mlp_body
 from portable_llm.ops.moe import moe
 from portable_llm.ops.quant import QuantizedWeight
 
-__all__ = ["Forward", "check_learned_positions", "head_weight", "position_ids"]
+__all__ = ["Forward", "check_learned_positions", "head_weight", "position_ids", "times"]
 
 
 def head_weight(embed: Any, lm_head: Any) -> Any:
@@ -123,8 +123,13 @@ class Forward:
         self.plain = (
             reduce is None
             and not self.layer_norm
+            and config.residual_multiplier == 1.0
             and all(
-                not layer.parallel and layer.mlp is not None and layer.attn_norm is None
+                not layer.parallel
+                and layer.mlp is not None
+                and layer.attn_norm is None
+                and layer.input_norm is not None
+                and layer.post_norm is not None
                 for layer in self.layers
             )
         )
@@ -185,6 +190,8 @@ class Forward:
         if self.config.embed_scale:  # Gemma: h * sqrt(E), in the model's dtype
             root = math.sqrt(self.config.hidden_size)
             h = h * xp.asarray(root, dtype=h.dtype, device=self.bk.device_of(h))
+        if self.config.embedding_multiplier != 1.0:  # Granite
+            h = times(xp, h, self.config.embedding_multiplier)
         return h
 
     def run_layers(self, h: Any, state: ForwardState, span: Sequence[int] | None = None) -> Any:
@@ -210,8 +217,10 @@ class Forward:
 
     def layer(self, h: Any, state: ForwardState, i: int) -> Any:
         """Layer ``i`` over ``h`` ``(B, L, E)``: any recipe (LayerNorm, Phi-2's parallel
-        block, Gemma's sandwich norms, MoE, a tensor-parallel rank's all-reduce)."""
+        block, Gemma's sandwich norms, OLMo 2's norms of the outputs only, Granite's residual
+        multiplier, MoE, a tensor-parallel rank's all-reduce)."""
         xp, kn, layer = self.xp, state.kn, self.layers[i]
+        scale = self.config.residual_multiplier  # Granite: each output times it
         r = self.normed(kn, h, layer.input_norm, layer.input_bias)
         a = attention_body(xp, kn, r, layer.attn, state, i)
         if self.reduce is not None:  # a tensor-parallel rank: the partial sums added
@@ -220,17 +229,20 @@ class Forward:
             a = a + layer.o_bias
         if layer.parallel:  # Phi-2: HF's attn_outputs + feed_forward + residual
             return (a + self.feed_forward(kn, r, layer)) + h
-        if layer.attn_norm is not None:  # Gemma's sandwich: the output normed too
+        if layer.attn_norm is not None:  # Gemma's sandwich, OLMo 2: the output normed
             a = self.normed(kn, a, layer.attn_norm, None)
-        h = h + a
+        h = h + (a if scale == 1.0 else times(xp, a, scale))
         r = self.normed(kn, h, layer.post_norm, layer.post_bias)
         m = self.feed_forward(kn, r, layer)
         if layer.ff_norm is not None:
             m = self.normed(kn, m, layer.ff_norm, None)
-        return h + m
+        return h + (m if scale == 1.0 else times(xp, m, scale))
 
     def normed(self, kn: KernelSet, h: Any, w: Any, b: Any) -> Any:
-        """The model's norm of ``h``: LayerNorm (weight and bias) or RMSNorm."""
+        """The model's norm of ``h``: LayerNorm (weight and bias) or RMSNorm; no weight, no
+        norm (OLMo 2's sublayers take ``h`` itself)."""
+        if w is None:
+            return h
         if self.layer_norm:
             return kn.layer_norm(self.xp, h, w, b, eps=self.eps)
         return kn.rms_norm(self.xp, h, w, eps=self.eps)
@@ -258,12 +270,23 @@ class Forward:
             logits = head(self.xp, h, self.head_bias)  # (B, L, V)
         else:
             logits = kn.project(self.xp, h, head, self.head_bias)  # (B, L, V)
+        if self.config.logit_scale != 1.0:  # Granite, Cohere 2
+            logits = times(self.xp, logits, self.config.logit_scale)
         cap = self.config.final_softcap
         if cap is not None:  # Gemma 2: cap * tanh(logits / cap), HF's order
             xp = self.xp
             c = xp.asarray(cap, dtype=logits.dtype, device=self.bk.device_of(logits))
             logits = xp.tanh(logits / c) * c
         return logits
+
+
+def times(xp: Any, x: Any, c: float) -> Any:
+    """``x * c`` for a Python float ``c``, as torch computes it (HF's multipliers: Granite's
+    embedding, residual and logit scales, Cohere 2's logit scale): in float32 for a narrower
+    float (bfloat16, float16), rounded once to ``x``'s dtype; in ``x``'s own dtype otherwise."""
+    if x.dtype in (xp.float32, xp.float64):
+        return x * c
+    return xp.astype(xp.astype(x, xp.float32) * c, x.dtype)
 
 
 def check_learned_positions(op: str, config: DecoderConfig, start: int, L: int) -> None:

@@ -59,6 +59,12 @@ class Layer:
     ff_norm: Any = None  # (E,): Gemma's norm of the MLP output
     o_bias: Any = None  # (E,): o_proj's bias after a tensor-parallel all-reduce (else attn.bo)
 
+    @property
+    def norm_weight(self) -> Any:
+        """A norm weight ``(E,)`` of the layer (where it lives, its arrays live): the input
+        norm's, else (OLMo 2, which norms the outputs only) the attention output's."""
+        return self.input_norm if self.input_norm is not None else self.attn_norm
+
 
 def _arrays(layer: Layer) -> list[Any]:
     a, m = layer.attn, layer.mlp

@@ -103,7 +103,7 @@ class PartitionedModel(Model):
         ):
             return op_by_op(self.config, bk, self.layers, **top)
         last = e.pp_size - 1 in self.stages
-        probe = self.norm if last else self.layers[0].input_norm  # (E,): the kernels' choice
+        probe = self.norm if last else self.layers[0].norm_weight  # (E,): the kernels' choice
         return prepare(self.config, bk, self.dtype, self.layers, **top, probe=probe)
 
     def __repr__(self) -> str:
@@ -193,7 +193,7 @@ class PartitionedModel(Model):
         cfg, bk = self.config, self.backend
         shape = (num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
         return [
-            PagePool(*shape, self.dtype, backend=bk.name, device=bk.device_of(layer.input_norm))
+            PagePool(*shape, self.dtype, backend=bk.name, device=bk.device_of(layer.norm_weight))
             for layer in self.layers
         ]
 

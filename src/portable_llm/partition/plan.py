@@ -204,6 +204,12 @@ def plan_partition(
             f"partition: num_key_value_heads={H_kv} and tensor_parallel={T}: one must divide "
             "the other (KV heads are split, or replicated when there are fewer than ranks)"
         )
+    if c.qk_norm_whole and T > 1:
+        raise ValueError(
+            f"partition: {c.model_type}'s q_norm and k_norm each span all heads' features "
+            f"(one RMSNorm over the whole projection), which tensor_parallel={T} would split "
+            "across ranks; use tensor_parallel=1 (pipeline stages are fine)"
+        )
     sizes = {}
     if not all(c.moe_layers):  # dense layers
         sizes["intermediate_size"] = c.intermediate_size

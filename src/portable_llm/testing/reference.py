@@ -316,6 +316,9 @@ def attention(
 ) -> np.ndarray:
     """The attention block: project, split heads, q/k RMSNorm, RoPE, attention, merge, project.
 
+    ``q_norm``/``k_norm``: ``(d,)`` norms each head; ``(H * d,)``/``(H_kv * d,)`` (OLMo 2) norm
+    the whole projection before the split.
+
     ``rope_options``: the keyword options of :func:`rope` (``None``: no rotary embedding);
     positions are ``offset + l``, ``offset`` an int or one per sequence ``(B,)``. Llama 4:
     ``chunk`` (chunked causal mask, ``mask="causal"`` and an int offset of 0), ``qk_l2_norm``
@@ -328,12 +331,17 @@ def attention(
     def heads(y: np.ndarray, n: int) -> np.ndarray:  # (B, L, n*d) -> (B, n, L, d)
         return y.reshape(b, L, n, d).transpose(0, 2, 1, 3)
 
-    q = heads(linear(x, wq, bq), num_heads)
-    k = heads(linear(x, wk, bk), num_kv_heads)
-    v = heads(linear(x, wv, bv), num_kv_heads)
-    if q_norm is not None:
+    q, k = linear(x, wq, bq), linear(x, wk, bk)  # (B, L, H*d), (B, L, H_kv*d)
+    whole = [n is not None and n.shape[0] != d for n in (q_norm, k_norm)]  # OLMo 2's (H*d,)
+    if q_norm is not None and whole[0]:
         q = rms_norm(q, q_norm, norm_eps)
-    if k_norm is not None:
+    if k_norm is not None and whole[1]:
+        k = rms_norm(k, k_norm, norm_eps)
+    q, k = heads(q, num_heads), heads(k, num_kv_heads)
+    v = heads(linear(x, wv, bv), num_kv_heads)
+    if q_norm is not None and not whole[0]:
+        q = rms_norm(q, q_norm, norm_eps)
+    if k_norm is not None and not whole[1]:
         k = rms_norm(k, k_norm, norm_eps)
     if rope_options is not None:
         off = np.asarray(offset)

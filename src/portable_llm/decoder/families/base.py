@@ -104,7 +104,10 @@ class Family:
     ``o_bias``: ``attention_bias`` also gives ``o_proj`` a bias. ``fields(d, n)``: the
     :class:`~portable_llm.decoder.config.DecoderConfig` fields that differ from Llama's, of the
     dict ``d`` of ``n`` layers. ``layer_types(d, n)``: ``(sliding_window, layer_types)``
-    (``None``: Qwen2's rule). ``read_layer``: the layer recipe.
+    (``None``: Qwen2's rule). ``read_layer``: the layer recipe. ``interleaved_rope``: RoPE
+    rotates the pairs ``(2i, 2i + 1)`` (``rope["traditional"]``), not HF's rotate-half ones.
+    ``names``: the family's checkpoint names that differ from Llama's, as ``(file's,
+    Llama's)`` pieces of a tensor's name (StarCoder2's ``.mlp.c_fc.``).
     """
 
     model_type: str
@@ -115,6 +118,8 @@ class Family:
     fields: Callable[[Mapping[str, Any], int], dict[str, Any]] = lambda d, n: {}
     layer_types: Callable[[Mapping[str, Any], int], tuple[Any, list[str]]] | None = None
     read_layer: Callable[..., Layer] = field(default=lambda *a: read_layer(*a))
+    interleaved_rope: bool = False
+    names: tuple[tuple[str, str], ...] = ()
 
 
 def read_layer(cfg: LayerConfig, w: Mapping[str, Any], i: int) -> Layer:
