@@ -419,9 +419,10 @@ def test_temperature_of_a_q_split_over_a_mesh() -> None:
     import sys
 
     from portable_llm.testing import reference
+    from portable_llm.testing.partition import host_devices_env
 
     q = np.random.default_rng(0).standard_normal((1, 4, 3, 8)).astype(np.float32)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = host_devices_env(2)
     done = subprocess.run(
         [sys.executable, "-c", _SHARDED_TEMPERATURE, json.dumps(q.tolist())],
         env=env, capture_output=True, text=True, timeout=300,

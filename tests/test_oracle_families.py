@@ -15,7 +15,8 @@ soft-capping, q/k norms, RoPE parameters per layer type), and ``phi3`` (fused ``
 MoE layers interleaved, the sigmoid router scaling the experts' inputs, a shared expert, fused
 ``(X, in, out)`` experts, chunked attention on the RoPE layers with chunks of 4 positions, shorter
 than the sequences, no-RoPE layers with temperature tuning from position 3 on, the q/k L2 norm,
-interleaved RoPE).
+interleaved RoPE), and ``qwen3_moe`` (q/k norms, q/k/v/o biases, MoE layers with renormalised
+top-2 of 6 experts beside a dense ``mlp_only_layers`` layer, a window of 6 on every layer).
 """
 
 from __future__ import annotations
@@ -74,6 +75,14 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         "num_experts_per_tok": 2, "moe_layers": [1, 2], "no_rope_layers": [1, 0, 1, 0],
         "attention_chunk_size": 4, "floor_scale": 4, "attn_scale": 0.5,
         "tie_word_embeddings": False,
+    }),
+    "qwen3_moe": ("Qwen3Moe", {
+        "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 24, "max_position_embeddings": 256, "num_experts": 6,
+        "num_experts_per_tok": 2, "norm_topk_prob": True, "decoder_sparse_step": 1,
+        "mlp_only_layers": [1], "attention_bias": True, "use_sliding_window": True,
+        "sliding_window": 6, "tie_word_embeddings": False,
     }),
     "smollm3": ("SmolLM3", {
         "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
@@ -209,7 +218,8 @@ def test_bfloat16_matches_transformers(
     if "bfloat16" not in pl.get_backend(backend).float_dtypes():
         pytest.skip(f"{backend} has no bfloat16")
     folder, hf = hf_models[family]
-    experts = FAMILIES[family][1].get("num_local_experts")
+    given = FAMILIES[family][1]
+    experts = given.get("num_local_experts", given.get("num_experts"))
     if experts:  # every expert routed: no top-k choice that bfloat16's rounding could flip
         folder = tmp_path
         hf = _build(family, folder, seed=7, num_experts_per_tok=experts)
@@ -324,6 +334,64 @@ def test_llama4_fused_experts_are_checked(hf_models: dict, tmp_path: Path) -> No
         pl.CheckpointError, match=r"gate_up_proj \(4, 96, 64\) \(config implies \(4, 64, 96\)\)"
     ):
         pl.load(tmp_path, backend="numpy")
+
+
+def test_qwen3_moe_fused_experts_and_v4_spellings(hf_models: dict, tmp_path: Path) -> None:
+    """Qwen3-MoE's other layouts give transformers' logits: the experts fused as HF v5 holds
+    them in memory (``mlp.experts.gate_up_proj`` ``(X, 2I, E)``, ``down_proj`` ``(X, E, I)``;
+    ``save_pretrained`` writes them per expert), and transformers 4's ``config.json`` names
+    (``num_experts`` for v5's ``num_local_experts``, ``rope_theta`` for ``rope_parameters``)."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    folder, hf = hf_models["qwen3_moe"]
+    tensors = load_file(str(folder / "model.safetensors"))
+    fused: dict[str, np.ndarray] = {}
+    for name, value in tensors.items():
+        stem, _, rest = name.partition(".experts.")
+        if not rest:
+            fused[name] = value
+        elif rest.startswith("0.gate_proj"):
+            X = FAMILIES["qwen3_moe"][1]["num_experts"]
+            part = [[tensors[f"{stem}.experts.{e}.{k}_proj.weight"] for e in range(X)]
+                    for k in ("gate", "up", "down")]  # fmt: skip
+            fused[stem + ".experts.gate_up_proj"] = np.concatenate(
+                [np.stack(part[0]), np.stack(part[1])], axis=1
+            )  # (X, 2I, E)
+            fused[stem + ".experts.down_proj"] = np.stack(part[2])  # (X, E, I)
+    assert len(fused) < len(tensors)  # the per-expert tensors were fused
+    config = json.loads((folder / "config.json").read_text())
+    config["num_experts"] = config.pop("num_local_experts")
+    config["rope_theta"] = config.pop("rope_parameters")["rope_theta"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_file(fused, str(tmp_path / "model.safetensors"))
+    assert_close(pl.load(tmp_path, backend="numpy", dtype="float32")(IDS), hf_logits(hf, IDS))
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        {"decoder_sparse_step": 2, "mlp_only_layers": [3]},
+        {"decoder_sparse_step": 1, "mlp_only_layers": [0, 2]},
+        {"num_experts": 0},
+        {"use_sliding_window": False, "sliding_window": 6},
+    ],
+)
+def test_qwen3_moe_config_reads_as_transformers(given: dict[str, Any]) -> None:
+    """Which layers are MoE layers (every ``decoder_sparse_step``-th not in
+    ``mlp_only_layers``, none without experts) and which slide (every layer, only with
+    ``use_sliding_window``): as transformers' ``Qwen3MoeDecoderLayer`` and config decide."""
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as m
+
+    n = 5
+    extra = {**FAMILIES["qwen3_moe"][1], "num_hidden_layers": n, **given}
+    hf = transformers.Qwen3MoeConfig(vocab_size=V, **extra)
+    cfg = pl.DecoderConfig.from_dict(hf.to_dict())
+    want = [isinstance(m.Qwen3MoeDecoderLayer(hf, i).mlp, m.Qwen3MoeSparseMoeBlock)
+            for i in range(n)]  # fmt: skip
+    assert list(cfg.moe_layers) == want
+    assert [cfg.window(i) for i in range(n)] == [hf.sliding_window] * n
 
 
 @pytest.mark.parametrize("family", ["smollm3", "olmo2", "granite", "starcoder2", "cohere2"])

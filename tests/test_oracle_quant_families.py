@@ -1,9 +1,9 @@
 """mlx-lm quantized folders of the families beyond Llama (``phi``, ``phi3``, ``gemma2``,
-``gemma3_text``, ``gpt2``): a random-initialised transformers model saved offline with
-``save_pretrained``, converted by ``mlx_lm.convert(quantize=True)`` (4 bits, groups of 64),
-loaded by ``pl.load`` kept quantized on every backend, against mlx-lm's own model on the same
-folder (float32 logits within the float32 tolerance: the same dequantized weights, summed in
-another order).
+``gemma3_text``, ``gpt2``, ``qwen3_moe``): a random-initialised transformers model saved
+offline with ``save_pretrained``, converted by ``mlx_lm.convert(quantize=True)`` (4 bits,
+groups of 64), loaded by ``pl.load`` kept quantized on every backend, against mlx-lm's own
+model on the same folder (float32 logits within the float32 tolerance: the same dequantized
+weights, summed in another order).
 
 What each family's folder holds beyond a Llama's (``checkpoint/mlx_layout.py``): Phi-2's own
 names (``dense``, ``fc1``, ``fc2``, ``final_layernorm``); Phi-3's fused ``qkv_proj`` and
@@ -18,7 +18,9 @@ own and mlx-lm's default); Gemma 2's window is longer than the prompt (mlx-lm's 
 sliding window); Gemma 3 gets ``sliding_window_pattern: 2`` (mlx-lm ignores ``layer_types``) and
 ``E = 64`` (mlx-lm rounds ``sqrt(E)`` to bfloat16; 8 is exact); both Gemmas tie their head
 (mlx-lm's have no ``lm_head``); GPT-2 is saved in the original
-``gpt2`` layout (no ``transformer.`` prefix, mlx-lm's convert expects none) with ``n_ctx``.
+``gpt2`` layout (no ``transformer.`` prefix, mlx-lm's convert expects none) with ``n_ctx``;
+Qwen3-MoE's config gets v4's ``num_experts`` and ``rope_theta`` (mlx-lm reads neither v5 name)
+and neither a window nor attention biases (mlx-lm's Qwen3-MoE has none).
 """
 
 from __future__ import annotations
@@ -67,6 +69,12 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
     }, {"sliding_window_pattern": 2}),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"n_embd": 128, "n_layer": 2, "n_head": 4,
                                                "n_positions": 64}, {"n_ctx": 64}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
+        "mlp_only_layers": [1],
+    }, {"num_experts": 4, "rope_theta": 10000.0}),
 }  # fmt: skip
 
 

@@ -400,8 +400,10 @@ def test_quantized_folder_equals_its_dequantized_weights(backend, tmp_path, bits
     assert_close(model(pl.asarray(ids, backend=backend)), want, backend=backend, dtype="float32")
 
 
-@pytest.mark.parametrize("dt", ["float32", "bfloat16"])
-def test_quantized_folder_dequantize_auto(backend, tmp_path, dt):
+# ``dtype``: so the bfloat16 run on JAX is slow there (conftest.SLOW_DTYPES; 10 CPU s of
+# emulated-bfloat16 compiles), JAX's float32 run keeps the kept-or-dequantized rule
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_quantized_folder_dequantize_auto(backend, tmp_path, dtype):
     """An mlx-lm folder loaded with ``dequantize="auto"``: each quantized module kept exactly
     where keeps_codes says so, the others equal to dequantize of the kept-quantized load's."""
     from portable_llm.checkpoint.build import LoadOptions
@@ -409,16 +411,18 @@ def test_quantized_folder_dequantize_auto(backend, tmp_path, dt):
     from portable_llm.ops.quant import device_kind, keeps_codes
 
     bk = get_backend(backend)
-    if dt not in bk.float_dtypes():
-        pytest.skip(f"{backend} has no {dt}")
+    if dtype not in bk.float_dtypes():
+        pytest.skip(f"{backend} has no {dtype}")
     qdir, _ = _quantized_folder(tmp_path, 4, 32, {})
-    kept = read_folder(qdir, LoadOptions(backend=backend, dtype=dt, dequantize=False)).weights
-    auto = read_folder(qdir, LoadOptions(backend=backend, dtype=dt, dequantize="auto")).weights
+    kept = read_folder(qdir, LoadOptions(backend=backend, dtype=dtype, dequantize=False)).weights
+    auto = read_folder(qdir, LoadOptions(backend=backend, dtype=dtype, dequantize="auto")).weights
     assert any(isinstance(w, QuantizedWeight) for w in kept.values())
     for name, w in kept.items():
         if not isinstance(w, QuantizedWeight):
             continue
-        keep = keeps_codes(backend, device=device_kind(bk, w), dtype=dt, bits=4, rows=w.shape[-2])
+        keep = keeps_codes(
+            backend, device=device_kind(bk, w), dtype=dtype, bits=4, rows=w.shape[-2]
+        )
         assert isinstance(auto[name], QuantizedWeight) is keep, name
         if not keep:
             np.testing.assert_array_equal(to64(auto[name], backend), to64(dequantize(w), backend))

@@ -262,6 +262,11 @@ def _run(gen: BatchGenerator) -> tuple[dict[int, list[int]], dict[int, str]]:
     return tokens, reasons
 
 
+# Slow on JAX (tox -e slow): 15 CPU s of compiles there (every mix of batch rows and chunk
+# lengths is a new shape). The plumbing it checks (each request's options to its row) is the
+# same code on every backend; JAX keeps apply_penalties' per-row float64 check and the batch
+# tests below (min_tokens, ignore_eos, n).
+@pytest.mark.slow_on("jax")
 def test_each_row_of_a_batch_gets_its_own_penalties(folder, backend):
     model = _model(folder, backend)
     gen = BatchGenerator(model, page_size=4, prefill_chunk=5)

@@ -51,7 +51,7 @@ from portable_llm.testing.checkpoints import (  # noqa: E402
     write_checkpoint,
     write_tokenizer,
 )
-from portable_llm.testing.partition import free_port  # noqa: E402
+from portable_llm.testing.partition import free_port, host_devices_env  # noqa: E402
 from servers import serving  # noqa: E402
 
 #: Seconds a request may take (a rank out of step would hang it)
@@ -325,7 +325,7 @@ def test_jax_mesh_of_four_answers_as_one_device(tmp_path: Path, flags: list[str]
     folder = _folder(tmp_path / "ckpt")
     want = _one_device(folder, "jax", JAX_REQUESTS)
     port = free_port()
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = host_devices_env(4)
     command = _serve(folder, "jax", port, *flags)
     with _ranks(tmp_path / "log", [command], [env], port) as (url, procs):
         assert _answers(url, JAX_REQUESTS) == want

@@ -79,7 +79,7 @@ def read_config(
     _check_type(file, d)  # first: a folder of another family is answered with its model type
     d = hf_spelling(d)  # GPT-2's n_layer is checked as num_hidden_layers
     counts = {"num_hidden_layers": layers}
-    if d.get("model_type") in ("mixtral", "qwen2_moe"):
+    if d.get("model_type") in ("mixtral", "qwen2_moe", "qwen3_moe"):
         counts["num_local_experts" if d.get("model_type") == "mixtral" else "num_experts"] = experts
     for key, held in counts.items():
         value = d.get(key)

@@ -10,7 +10,14 @@ from typing import Any
 
 from portable_llm.core.checks import check_int, check_real
 
-__all__ = ["read_bool", "read_cap", "read_int", "read_real", "read_rope_layers"]
+__all__ = [
+    "read_bool",
+    "read_cap",
+    "read_int",
+    "read_real",
+    "read_rope_layers",
+    "read_sparse_layers",
+]
 
 
 def read_int(d: Mapping[str, Any], key: str, *, required: bool = False, low: int = 1) -> Any:
@@ -49,6 +56,18 @@ def read_cap(d: Mapping[str, Any], key: str, default: float | None) -> float | N
         return None
     value = d.get(key, default)
     return None if value is None else read_real({key: value}, key, 0.0, low=0.0, low_open=True)
+
+
+def read_sparse_layers(d: Mapping[str, Any], n: int, experts: int) -> tuple[bool, ...]:
+    """Which of the ``n`` layers are MoE layers, by Qwen2-MoE's and Qwen3-MoE's rule (HF's
+    ``DecoderLayer``): every ``decoder_sparse_step``-th layer (1-based) not listed in
+    ``mlp_only_layers``, none when ``experts`` is 0."""
+    step = read_int(d, "decoder_sparse_step") or 1
+    only = d.get("mlp_only_layers") or []
+    if not isinstance(only, list | tuple):
+        raise ValueError(f"config.json: mlp_only_layers must be a list of ints, got {only!r}")
+    dense = {read_int({"mlp_only_layers": i}, "mlp_only_layers", low=0) for i in only}
+    return tuple(experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(n))
 
 
 def read_rope_layers(d: Mapping[str, Any], n: int) -> tuple[bool, ...]:

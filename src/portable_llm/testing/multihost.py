@@ -14,14 +14,19 @@ device of the next stage holds one of this stage too). Each process writes ``OUT
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from portable_llm.testing.partition import NEW_TOKENS, PROMPT, free_port, run_processes
+from portable_llm.testing.partition import (
+    NEW_TOKENS,
+    PROMPT,
+    free_port,
+    host_devices_env,
+    run_processes,
+)
 
 __all__ = ["CASES", "launch_jax_processes", "run_jax_process"]
 
@@ -66,8 +71,7 @@ def launch_jax_processes(folder: str | Path, out: str | Path, case: str, *, proc
     """Start ``processes`` local JAX processes of ``case`` and return each one's results."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    flags = f"--xla_force_host_platform_device_count={CASES[case]}"
-    env = {**os.environ, "XLA_FLAGS": flags, "OMP_NUM_THREADS": "1"}
+    env = {**host_devices_env(CASES[case]), "OMP_NUM_THREADS": "1"}
     port = str(free_port())
     cmd = [sys.executable, "-m", "portable_llm.testing.multihost"]
     rest = [port, case, str(folder), str(out)]

@@ -30,6 +30,7 @@ __all__ = [
     "NEW_TOKENS",
     "PROMPT",
     "free_port",
+    "host_devices_env",
     "launch",
     "launch_jax",
     "more_tokens",
@@ -50,6 +51,14 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def host_devices_env(devices: int) -> dict[str, str]:
+    """This process's environment for a JAX subprocess with ``devices`` host (CPU) devices: the
+    caller's ``XLA_FLAGS`` kept (the JAX test envs' compile settings, which cut the compile time
+    by a third), ``--xla_force_host_platform_device_count`` added."""
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
+    return {**os.environ, "XLA_FLAGS": flags.strip()}
 
 
 def run_rank(
@@ -265,9 +274,7 @@ def launch_jax(folder: str | Path, out: str | Path, cases: list[str], *, dtype: 
     (``batch``: :func:`run_jax`'s)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    # The caller's XLA flags kept (the JAX test env's compile settings), 8 host devices added.
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
-    env = {**os.environ, "XLA_FLAGS": flags.strip()}
+    env = host_devices_env(8)
     args = ["jax", str(folder), str(out), dtype, str(dequantize), *cases]
     if batch:
         args.append("--batch")

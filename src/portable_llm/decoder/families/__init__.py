@@ -10,7 +10,15 @@ moved here yet are the branches of ``decoder/config.py`` over Llama's layer
 
 from __future__ import annotations
 
-from portable_llm.decoder.families import cohere2, gemma2, granite, olmo2, smollm3, starcoder2
+from portable_llm.decoder.families import (
+    cohere2,
+    gemma2,
+    granite,
+    olmo2,
+    qwen3_moe,
+    smollm3,
+    starcoder2,
+)
 from portable_llm.decoder.families.base import Family, ReadLayer, read_layer
 
 __all__ = ["FAMILIES", "Family", "layer_reader"]
@@ -20,6 +28,7 @@ FAMILIES: dict[str, Family] = {
     f.model_type: f
     for f in (
         gemma2.FAMILY,
+        qwen3_moe.FAMILY,
         smollm3.FAMILY,
         olmo2.FAMILY,
         granite.FAMILY,
