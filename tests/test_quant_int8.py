@@ -156,6 +156,22 @@ def test_numba_q8_blocks_equal_the_portable_blocks(seed):
     assert np.array_equal(got, (xq * d).reshape(4, 64))
 
 
+def test_numba_kernels_are_cacheable_across_processes():
+    """numba's on-disk cache (``cache=True``) keys a kernel by its code and its closure: the
+    kernels once defined inside a function held their callee in a closure cell, so every new
+    process compiled them again (5-10 s per test process and CLI run that first used the int8
+    mode) and saved one more cache entry. Module-level kernels with no closure load from it."""
+    if not numba_cpu.available():
+        pytest.skip("numba is not installed")
+    from portable_llm.native import numba_kernels
+
+    for kernel in (numba_kernels.quantize, numba_kernels.nibbles, numba_kernels.bytes_):
+        assert type(kernel._cache).__name__ == "FunctionCache"  # cache=True
+        assert kernel.py_func.__closure__ is None, kernel.py_func.__qualname__
+        assert "<locals>" not in kernel.py_func.__qualname__
+    assert numba_cpu._kernels()[1] is numba_kernels.bytes_
+
+
 @pytest.mark.slow_on("jax")  # 14 s of compiles: tox -e slow (issue 34)
 @given(bits=INT8_BITS, group=GROUPS, seed=seeds())
 def test_jax_integer_dot_equals_portable(backend, bits, group, seed):
