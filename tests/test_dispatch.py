@@ -292,3 +292,23 @@ def test_enable_float64_turns_on_jax_x64_in_a_fresh_process():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "True", "True"]
+
+
+def test_a_variant_without_a_kernel_of_its_own_takes_its_base_ops_choices(backend):
+    """``model_linear`` (a model's products, ``variant`` of ``linear``): where the backend has
+    no kernel of its own for it, every impl picks what ``linear``'s picks; where it has one
+    (torch), ``auto`` and ``native`` take that one and ``portable`` stays ``linear``'s."""
+    from portable_llm.core.dispatch import pick
+
+    bk = pl.get_backend(backend)
+    x, _ = random_array(0, (1, 8), "float32", backend=backend)
+    w, _ = random_array(1, (3, 8), "float32", backend=backend)
+    own = dispatcher(bk).native.get("model_linear")
+    for impl in ("auto", "portable", "native"):
+        if impl == "native" and own is None and "linear" not in dispatcher(bk).native:
+            with pytest.raises(ValueError, match="no native kernel"):
+                pick(bk, "model_linear", impl, x, w, None)
+            continue
+        got = pick(bk, "model_linear", impl, x, w, None)
+        mine = own is not None and impl != "portable"
+        assert got is (own.fn if mine else pick(bk, "linear", impl, x, w, None)), impl

@@ -63,7 +63,8 @@ def _kept(tiny: Any, backend: str, activations: str) -> pl.Model:
 def test_every_quantized_projection_runs_int8(tiny, backend) -> None:
     """A trace of one forward: each of the layers' 7 projections and the LM head runs
     ``quantized_linear_int8`` in the int8 mode and ``quantized_linear`` in the float mode; a
-    projection given as floats (the first layer's down_proj here) runs ``linear`` in both."""
+    projection given as floats (the first layer's down_proj here) runs ``model_linear`` (a model's
+    ``linear``) in both."""
     folder, cfg, _ = tiny
     ids = np.arange(3, 3 + 8)[None, :]
     layers = cfg.num_hidden_layers
@@ -76,7 +77,7 @@ def test_every_quantized_projection_runs_int8(tiny, backend) -> None:
         with pl.trace() as t:
             model(ids)
         ops = [e.op for e in t]
-        assert ops.count(op) == 7 * layers and ops.count("linear") == 1, ops
+        assert ops.count(op) == 7 * layers and ops.count("model_linear") == 1, ops
         other = {"quantized_linear", "quantized_linear_int8"} - {op}
         assert not other & set(ops)
     assert "activations='int8'" in repr(_kept(tiny, backend, "int8"))

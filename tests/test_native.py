@@ -83,16 +83,20 @@ def test_torch_rms_norm_half_keeps_hf_rounding():
 @only_on("torch")
 @pytest.mark.parametrize("shape", [(48,), (1, 48), (1, 1, 48), (3, 48), (2, 1, 48)])
 def test_torch_float32_linear_one_row_and_gradients(shape):
-    """float32 linear on torch's CPU: one row of x at one torch thread runs NumPy's BLAS
-    GEMV, more rows or threads F.linear; both within float32's tolerance of the float64
-    reference, float32 kept, and the gradient reaches x through autograd and through
-    ``torch.func.grad`` (F.linear there)."""
+    """float32 linear on torch's CPU: the public ``linear`` is F.linear bit for bit at any
+    thread count (no NumPy detour); a model's ``model_linear`` runs NumPy's BLAS GEMV for one
+    row of x at one torch thread, F.linear for more rows or threads; both within float32's
+    tolerance of the float64 reference, and the gradient reaches x through autograd and
+    through ``torch.func.grad`` (F.linear there)."""
     torch = pytest.importorskip("torch")
+    from portable_llm.core.dispatch import pick
+
+    bk = pl.get_backend("torch")
     x, x64 = random_array(0, shape, "float32", backend="torch")
     w, w64 = random_weight(1, (17, 48), "float32", backend="torch")
     b, b64 = random_array(2, (17,), "float32", backend="torch")
+    model_linear = pick(bk, "model_linear", "auto", x, w, b)
     assert_close(pl.linear(x, w, b), x64 @ w64.T + b64, backend="torch", dtype="float32")
-    assert_close(pl.linear(x, w), x64 @ w64.T, backend="torch", dtype="float32")
     threads = torch.get_num_threads()
     try:  # the branch taken: at one torch thread, NumPy's product bit for bit; else F.linear
         torch.set_num_threads(1)
@@ -100,18 +104,24 @@ def test_torch_float32_linear_one_row_and_gradients(shape):
         rows = x.numpy().reshape(-1, shape[-1])  # (M, 48)
         gemv = torch.from_numpy(rows @ w.numpy().T).reshape(*shape[:-1], 17)
         dense = torch.nn.functional.linear(x, w)
-        assert torch.equal(pl.linear(x, w), gemv if one_row else dense)
-        assert_close(pl.linear(x, w, b), x64 @ w64.T + b64, backend="torch", dtype="float32")
+        with pl.trace() as t:
+            assert torch.equal(pl.linear(x, w), dense)
+        assert [e.kernel for e in t] == ["torch.nn.functional.linear"]
+        assert torch.equal(model_linear(bk.xp, x, w, None), gemv if one_row else dense)
+        got = model_linear(bk.xp, x, w, b)
+        assert_close(got, x64 @ w64.T + b64, backend="torch", dtype="float32")
         torch.set_num_threads(2)
+        assert torch.equal(model_linear(bk.xp, x, w, None), torch.nn.functional.linear(x, w))
         assert torch.equal(pl.linear(x, w), torch.nn.functional.linear(x, w))
+        torch.set_num_threads(1)
+        dx = np.broadcast_to(w64.sum(axis=0), shape)  # d sum(x @ w.T + b) / dx
+        xg = x.clone().requires_grad_()
+        model_linear(bk.xp, xg, w, b).sum().backward()
+        assert_close(xg.grad, dx, backend="torch", dtype="float32")
+        grad = torch.func.grad(lambda t: model_linear(bk.xp, t, w, b).sum())(x)
+        assert_close(grad, dx, backend="torch", dtype="float32")
+        with torch.no_grad():  # a weight that requires grad, read without autograd
+            got = model_linear(bk.xp, x, w.clone().requires_grad_(), b)
+            assert_close(got, x64 @ w64.T + b64, backend="torch", dtype="float32")
     finally:
         torch.set_num_threads(threads)
-    dx = np.broadcast_to(w64.sum(axis=0), shape)  # d sum(x @ w.T + b) / dx
-    xg = x.clone().requires_grad_()
-    pl.linear(xg, w, b).sum().backward()
-    assert_close(xg.grad, dx, backend="torch", dtype="float32")
-    grad = torch.func.grad(lambda t: pl.linear(t, w, b).sum())(x)
-    assert_close(grad, dx, backend="torch", dtype="float32")
-    with torch.no_grad():  # a weight that requires grad, read without autograd
-        got = pl.linear(x, w.clone().requires_grad_(), b)
-        assert_close(got, x64 @ w64.T + b64, backend="torch", dtype="float32")

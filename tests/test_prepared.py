@@ -94,6 +94,36 @@ def test_prepared_cached_decode_equals_op_by_op(
         start = stop
 
 
+@only_on("torch")
+def test_torch_float32_decode_takes_numpy_gemv_on_both_paths(folders: dict) -> None:
+    """At one torch thread a float32 decode step's products run ``model_linear`` (NumPy's BLAS
+    for one row, native/torch.py) on the prepared and the op-by-op path alike, whose logits
+    stay equal bit for bit; a prefill's many rows run F.linear on both."""
+    import torch
+
+    backend = "torch"
+    model = _eager(_loaded(folders, "llama", backend, "float32"))
+    slow = _op_by_op(model)
+    ids = _ids(5, L)
+    caches = model.make_cache(), slow.make_cache()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        prompt = pl.asarray(ids[None, :-1], backend=backend)
+        _same(model(prompt, cache=caches[0]), slow(prompt, cache=caches[1]), "prefill")
+        step = pl.asarray(ids[None, -1:], backend=backend)
+        traces = []
+        for m, cache in zip((model, slow), caches, strict=True):
+            with pl.trace() as t:
+                traces.append(m(step, cache=cache))
+            projections = [e for e in t if "linear" in e.op]
+            assert projections and {e.op for e in projections} == {"model_linear"}
+            assert all(e.kernel.startswith("numpy.matmul") for e in projections)
+        _same(*traces, "decode")
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.slow_on("jax")
 @pytest.mark.parametrize("family", ["mistral", "qwen2_moe"])
 def test_prepared_left_padded_batch_equals_op_by_op(

@@ -52,7 +52,7 @@ def test_one_prepared_decode_step_traces_every_kernel(folder, backend, quantized
     t, token = _one_step(model)
     assert all(e.backend == model.backend.name for e in t)
     ops = [e.op for e in t if "." not in e.op]  # a kernel's own pieces carry a suffix
-    proj = "quantized_linear" if quantized else "linear"
+    proj = "quantized_linear" if quantized else "model_linear"  # a model's float products
     # The embedding, then per layer: norm, q/k/v projections, q/k norms, RoPE on q and k,
     # attention, output projection, norm, gate and up projections, activation, down projection.
     layer = ["rms_norm", proj, proj, proj, "rms_norm", "rms_norm", "rope", "rope", SDPA, proj]

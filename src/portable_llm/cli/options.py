@@ -203,9 +203,9 @@ def apply_threads(threads: int | None, backends: Sequence[str], file: Any = None
     ``threads``: the ``--threads`` value; ``None`` takes :func:`default_threads`. torch gets
     ``torch.set_num_threads``; NumPy's BLAS gets ``threadpoolctl.threadpool_limits`` where
     threadpoolctl is installed (else a note on ``file``, default stderr, says how to set
-    ``OPENBLAS_NUM_THREADS``), for NumPy and for torch alike: at one torch thread torch's
-    one-row float32 products (a decode step) run on NumPy's BLAS (``native/torch.py``
-    ``linear``), whose threads, left at one per core, spin against the other processes of a
+    ``OPENBLAS_NUM_THREADS``), for NumPy and for torch alike: at one torch thread a torch
+    model's one-row float32 products (a decode step) run on NumPy's BLAS (``native/torch.py``
+    ``model_linear``), whose threads, left at one per core, spin against the other processes of a
     busy machine (SmolLM2 float32 decode 0.27 tok/s with OpenBLAS at 2 threads against 1.4-1.5
     at 1, load 15-19 on 2 cores). JAX and MLX are left as they are: XLA fixes its CPU threads
     when it starts, and MLX has no thread setting.
@@ -239,8 +239,8 @@ def apply_threads(threads: int | None, backends: Sequence[str], file: Any = None
 
 def one_thread_decode(threads: int | None, model: Any) -> bool:
     """Whether ``generate`` decodes on one torch thread once the prompt is read: torch float32
-    on the CPU, no ``--threads`` given, more than one thread chosen. At one torch thread torch's
-    ``linear`` runs each one-row product (a decode step) on NumPy's BLAS, which streams the
+    on the CPU, no ``--threads`` given, more than one thread chosen. At one torch thread a model's
+    ``model_linear`` runs each one-row product (a decode step) on NumPy's BLAS, which streams the
     weights 1.6-1.85x faster than ``F.linear``'s GEMV and which it leaves alone at two threads
     (the two thread pools contend: docs/ops/linear.md). Measured on an idle 2-core VM
     (2026-11-27), SmolLM2 Q4_1 float32: 49 decode tokens/s on one torch thread against 25 on

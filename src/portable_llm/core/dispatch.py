@@ -40,6 +40,7 @@ __all__ = [
     "trace",
     "tracing",
     "unregister_kernel",
+    "variant",
 ]
 
 #: The ``impl=`` values every op accepts.
@@ -53,6 +54,8 @@ _PURE: set[Callable[..., Any]] = set()
 _NATIVE: dict[str, dict[str, Native]] = {}
 # backend name -> op -> Native registered by users (register_kernel); these win over _NATIVE.
 _USER_NATIVE: dict[str, dict[str, Native]] = {}
+# op -> the op it is a variant of (:func:`variant`).
+_BASE_OP: dict[str, str] = {}
 _NATIVE_MODULES = {
     "numpy": "portable_llm.native.numpy",
     "torch": "portable_llm.native.torch",
@@ -161,6 +164,14 @@ def auto_portable(op: str) -> Callable[[Callable[..., str]], Callable[..., str]]
         return fn
 
     return deco
+
+
+def variant(op: str, *, of: str) -> None:
+    """Declare ``op`` a variant of the op ``of``: the same meaning, signature and checks, with a
+    native kernel of its own on some backends (a choice a model makes for its own products,
+    e.g. ``model_linear``). Where the backend has none (or it does not apply), and for
+    ``impl="portable"``, each impl of ``op`` is that of ``of``."""
+    _BASE_OP[op] = of
 
 
 def native(
@@ -276,12 +287,15 @@ class Dispatcher:
                             fn = self._auto_by_dtype[key] = nat.fn
                         else:  # cached only when no chooser looks at the shapes
                             fn = self._fallback(op, args, options)
-                            if op not in _AUTO_PORTABLE:
+                            if op not in _AUTO_PORTABLE and op not in _BASE_OP:
                                 self._auto_by_dtype[key] = fn
                     return fn
                 if nat.auto(*args, **options):
                     return nat.fn
             return self._fallback(op, args, options)
+        base = _BASE_OP.get(op)
+        if base is not None and (impl != "native" or op not in self.native):
+            return self.pick(base, impl, *args, **options)
         if impl == "native":
             nat = self.native.get(op)
             if nat is None:
@@ -305,6 +319,9 @@ class Dispatcher:
     def _fallback(
         self, op: str, args: tuple[Any, ...], options: dict[str, Any]
     ) -> Callable[..., Any]:
+        base = _BASE_OP.get(op)
+        if base is not None:  # a variant without a kernel of its own that applies
+            return self.pick(base, "auto", *args, **options)
         chooser = _AUTO_PORTABLE.get(op)
         return self.portable_impl(op, chooser(*args, **options) if chooser else "portable")
 

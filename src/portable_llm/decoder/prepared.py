@@ -14,7 +14,9 @@ and casting a weight of another dtype. Both give the same logits, bit for bit.
 
 Where the model's kernels are chosen is here, in one place: a per-model choice is a field of
 the kernel set or of the bound weights, made in :func:`prepare` (``activations="int8"``: each
-quantized projection bound to ``quantized_linear_int8``).
+quantized projection bound to ``quantized_linear_int8``; the float products: ``model_linear``,
+:data:`~portable_llm.ops.kernels.MODEL_LINEAR`, which both kernel sets take, so that they agree
+bit for bit).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from portable_llm.decoder.layer_weights import (
 )
 from portable_llm.ops.activations import activation_op
 from portable_llm.ops.checked_kernels import CheckedKernels
-from portable_llm.ops.kernels import BOUND_PROJECTIONS, BoundKernels
+from portable_llm.ops.kernels import BOUND_PROJECTIONS, MODEL_LINEAR, BoundKernels
 from portable_llm.ops.quant import QuantizedWeight
 
 __all__ = [
@@ -92,7 +94,7 @@ def prepare(
     x = bk.xp.zeros((1, 1, config.hidden_size), dtype=dtype, device=bk.device_of(probe))
     kernels = BoundKernels.choose_for(
         bk, x, probe, eps=config.rms_norm_eps, act=activation_op(config.hidden_act, "model"),
-        bound=any(type(w) in BOUND_PROJECTIONS for w in projections),
+        bound=any(type(w) in BOUND_PROJECTIONS for w in projections), linear_op=MODEL_LINEAR,
     )  # fmt: skip
     fwd = Forward(
         config, bk, kernels, bound, embed=embed, norm=norm, head=head, bound_head=bound_head,
@@ -118,7 +120,7 @@ def op_by_op(
             for layer in layers
         ]
     return Forward(
-        config, bk, CheckedKernels(bk, config.hidden_act), layers, embed=embed, norm=norm,
-        head=head, norm_bias=norm_bias, head_bias=head_bias, positions=positions,
+        config, bk, CheckedKernels(bk, config.hidden_act, MODEL_LINEAR), layers, embed=embed,
+        norm=norm, head=head, norm_bias=norm_bias, head_bias=head_bias, positions=positions,
         reduce=reduce,
     )  # fmt: skip

@@ -73,17 +73,25 @@ def relu(xp: Any, x: Any) -> Any:
     return torch.relu(x)
 
 
-# float32, one row of x (a decode step), on the CPU, torch at one thread: NumPy's BLAS
-# (OpenBLAS in NumPy's wheels) streams the weight at 1.6-1.85x the speed of F.linear's GEMV
-# (1 thread, SmolLM2's 1536x576: 103 against 191 us; its 49152x576 head: 3.8 against 6.9 ms),
-# so a float32 decode step runs 1.5-1.65x faster (SmolLM2, 26.6 -> 40-44 tok/s; 50-55 with
-# NumPy's BLAS at 2 threads beside torch's one). Only at one torch thread: with two, torch's
-# OpenMP workers and BLAS's threads contend for the cores between ops (3.7 tok/s measured,
-# idle 2-core VM), and F.linear (whose GEMV does not use the second core anyway: 25.7 against
-# 25.6 ms for the 30 layers) runs. From two rows on F.linear is as fast or faster (measured 2
-# to 64 rows). Not where autograd, torch.compile or a torch.func transform sees the tensors:
-# NumPy is outside their graphs.
-def _numpy_gemv(x: Any, weight: Any, bias: Any) -> bool:
+@native("torch", "linear", kernel="torch.nn.functional.linear")
+def linear(xp: Any, x: Any, weight: Any, bias: Any = None) -> Any:
+    return F.linear(x, weight, bias)
+
+
+# A model's own products (``model_linear``, the kernel its kernel sets bind: decoder/prepared.py
+# and ops/checked_kernels.py; the public ``linear`` stays F.linear). float32, one row of x (a
+# decode step), on the CPU, torch at one thread: NumPy's BLAS (OpenBLAS in NumPy's wheels)
+# streams the weight faster than F.linear's GEMV (1 thread, SmolLM2's 1536x576: 103 against
+# 191 us; its 49152x576 head: 3.8 against 6.9 ms; measured again at bd4d722: 10-35% per
+# projection shape, benchmarks/README.md), so a float32 decode step runs 1.5-1.65x faster
+# (SmolLM2, 26.6 -> 40-44 tok/s; 50-55 with NumPy's BLAS at 2 threads beside torch's one).
+# Only at one torch thread: with two, torch's OpenMP workers and BLAS's threads contend for the
+# cores between ops (3.7 tok/s measured, idle 2-core VM), and F.linear (whose GEMV does not use
+# the second core anyway: 25.7 against 25.6 ms for the 30 layers) runs. From two rows on
+# F.linear is as fast or faster (measured 2 to 64 rows). Not where autograd, torch.compile or a
+# torch.func transform sees the tensors: NumPy is outside their graphs.
+def numpy_gemv_applies(x: Any, weight: Any, bias: Any) -> bool:
+    """Whether ``model_linear`` runs NumPy's product for these arguments (checked per call)."""
     return (
         x.dtype == torch.float32
         and weight.dtype == torch.float32
@@ -111,11 +119,11 @@ _functorch_wrapped = getattr(
 
 @native(
     "torch",
-    "linear",
-    kernel="torch.nn.functional.linear | numpy.matmul (one float32 row, one thread)",
+    "model_linear",
+    kernel="numpy.matmul (one float32 row, one thread) | torch.nn.functional.linear",
 )
-def linear(xp: Any, x: Any, weight: Any, bias: Any = None) -> Any:
-    if _numpy_gemv(x, weight, bias):
+def model_linear(xp: Any, x: Any, weight: Any, bias: Any = None) -> Any:
+    if numpy_gemv_applies(x, weight, bias):
         y = torch.from_numpy(x.detach().numpy().reshape(1, -1) @ weight.detach().numpy().T)
         y = y.reshape(*x.shape[:-1], weight.shape[0])  # (N.., O)
         return y if bias is None else y + bias

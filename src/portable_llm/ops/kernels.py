@@ -27,11 +27,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from portable_llm.backends import Backend
-from portable_llm.core.dispatch import dispatcher, pick, portable
+from portable_llm.core.dispatch import dispatcher, pick, portable, variant
 from portable_llm.ops.quant import MXFP4Weight, QuantizedWeight, quantized_linear
 
 __all__ = [
     "BOUND_PROJECTIONS",
+    "MODEL_LINEAR",
     "BoundKernels",
     "KernelSet",
     "Kernels",
@@ -42,6 +43,13 @@ __all__ = [
 ]
 
 Fn = Callable[..., Any]
+
+#: The op of a model's own float products: ``linear``'s meaning, checks and kernels, except
+#: where a backend has a kernel that only a model's forward takes (torch's CPU: NumPy's BLAS
+#: for one float32 row at one thread, ``native/torch.py``). A model's kernel sets ask for it
+#: (:func:`~portable_llm.decoder.prepared.prepare` chooses it); the public ``linear`` never.
+MODEL_LINEAR = "model_linear"
+variant(MODEL_LINEAR, of="linear")
 
 
 @portable("pack_linear")
@@ -198,16 +206,20 @@ class Kernels:
         The ``impl=`` of every choice (``"auto"``, ``"portable"``, ``"native"``).
     act : str, optional
         The activation's op name (:func:`~portable_llm.ops.activations.activation_op`).
+    linear_op : str
+        The op of the float products: ``"linear"``, or a model's :data:`MODEL_LINEAR`.
     """
 
-    __slots__ = ("act_op", "bk", "impl")
+    __slots__ = ("act_op", "bk", "impl", "linear_op")
 
     #: Whether the kernels were chosen once (:class:`BoundKernels`): a body may then keep the
     #: choices it makes with :meth:`choose` for the rest of a forward.
     bound = False
 
-    def __init__(self, bk: Backend, impl: str = "auto", act: str | None = None) -> None:
-        self.bk, self.impl, self.act_op = bk, impl, act
+    def __init__(
+        self, bk: Backend, impl: str = "auto", act: str | None = None, linear_op: str = "linear"
+    ) -> None:
+        self.bk, self.impl, self.act_op, self.linear_op = bk, impl, act, linear_op
 
     def choose(self, op: str, *args: Any, **options: Any) -> Fn:
         """The implementation of ``op`` for these arguments (the dispatcher's, recorded)."""
@@ -215,7 +227,7 @@ class Kernels:
 
     def linear(self, xp: Any, x: Any, w: Any, b: Any) -> Any:
         """``x @ w.T + b`` for a float weight ``w`` ``(O, I)`` in x's dtype."""
-        return pick(self.bk, "linear", self.impl, x, w, b)(xp, x, w, b)
+        return pick(self.bk, self.linear_op, self.impl, x, w, b)(xp, x, w, b)
 
     def project(self, xp: Any, x: Any, w: Any, b: Any) -> Any:
         """``x @ w.T + b`` for a float weight, a ``QuantizedWeight`` or a bound one."""
@@ -224,7 +236,7 @@ class Kernels:
             return quantized_linear(x, w, b, impl=self.impl, backend=self.bk)
         if t in BOUND_PROJECTIONS:
             return w.picked(self.bk, xp, x, b)
-        return pick(self.bk, "linear", self.impl, x, w, b)(xp, x, w, b)
+        return pick(self.bk, self.linear_op, self.impl, x, w, b)(xp, x, w, b)
 
     def rms_norm(self, xp: Any, x: Any, w: Any, *, eps: float) -> Any:
         return pick(self.bk, "rms_norm", self.impl, x, w, eps=eps)(xp, x, w, eps=eps)
@@ -262,19 +274,22 @@ class BoundKernels:
     project: Fn
     layer_norm: Fn = _no_layer_norm  # fn(xp, x, w, b, *, eps)
     glu: Fn = _no_glu  # fn(xp, gate, up, *, limit, alpha): gpt-oss's clamped SwiGLU
+    linear_op: str = "linear"  # the op ``linear`` was chosen for (a model's: MODEL_LINEAR)
 
     bound = True
 
     @classmethod
     def choose_for(
-        cls, bk: Backend, x: Any, norm: Any, *, eps: float, act: str, bound: bool = True
-    ) -> BoundKernels:
+        cls, bk: Backend, x: Any, norm: Any, *, eps: float, act: str, bound: bool = True,
+        linear_op: str = "linear",
+    ) -> BoundKernels:  # fmt: skip
         """The kernels ``auto`` takes for activations like ``x`` ``(1, 1, E)`` and a norm
         weight ``(E,)`` of the model's dtype; ``act``: the activation's op name; ``bound``:
-        whether some projection carries its kernel (:class:`Packed`, :class:`QLinear`)."""
+        whether some projection carries its kernel (:class:`Packed`, :class:`QLinear`);
+        ``linear_op``: the op of the float products (a model's: :data:`MODEL_LINEAR`)."""
         d, xp = dispatcher(bk), bk.xp
         w = xp.zeros((1, x.shape[-1]), dtype=x.dtype, device=bk.device_of(x))
-        linear = d.pick("linear", "auto", x, w, None)
+        linear = d.pick(linear_op, "auto", x, w, None)
         return cls(
             bk,
             linear=linear,
@@ -284,6 +299,7 @@ class BoundKernels:
             project=projector(linear) if bound else linear,
             layer_norm=d.pick("layer_norm", "auto", x, norm, norm, eps=eps),
             glu=d.pick("clamped_swiglu", "auto", x, x, limit=7.0, alpha=1.702),
+            linear_op=linear_op,
         )
 
     @classmethod
@@ -299,7 +315,7 @@ class BoundKernels:
     def traced(self) -> Kernels:
         """The same choices asked of the dispatcher per call, so a trace records them."""
         assert self.bk is not None
-        return Kernels(self.bk, "auto", self.act_op)
+        return Kernels(self.bk, "auto", self.act_op, self.linear_op)
 
     def choose(self, op: str, *args: Any, **options: Any) -> Fn:
         """``auto``'s implementation of ``op`` for these arguments (not recorded)."""
