@@ -4,7 +4,8 @@
 transformers' model comes from ``tests/test_oracle_gemma3.py``'s cached fixture (its float32
 weights saved once under the temporary directory); its logits and greedy continuations are
 computed once per module. ``pl.load(file.gguf)`` (``dequantize="auto"``, the default, which
-dequantizes every matrix of this file on a CPU) is called once per backend: its config equals
+dequantizes every matrix of this file on a CPU) is called once per backend (MLX's and JAX's in
+``tox -e slow``): its config equals
 transformers', its logits agree within the real-model GGUF bound, and its greedy continuations
 are identical. Once, on NumPy, the file is read again with ``dequantize=False``, keeping the
 Q4_K, Q5_0, Q8_0 and Q6_K matrices quantized (exact affine codes, Q6_K's in groups of 16; a
@@ -64,6 +65,12 @@ def _model(backend: str) -> Any:
     return _load(backend)
 
 
+# Slow on MLX and JAX (tox -e slow), as the SmolLM2 GGUF oracle: loading the 270M model there
+# (every matrix dequantized on the device) and its forward took about 16 and 23 CPU s of the
+# oracle env's. The default run checks the file on NumPy and torch; on MLX and JAX, the Gemma 3
+# recipe against transformers (test_oracle_families.py, gemma3_text) and the k-quant blocks'
+# decoding (test_gguf.py) stay.
+@pytest.mark.slow_on("mlx", "jax")
 def test_config_equals_transformers(hf_answers: dict[str, Any], backend: str) -> None:
     model = _model(backend)
     want = json.loads((hf_answers["folder"] / "config.json").read_text())
@@ -71,6 +78,7 @@ def test_config_equals_transformers(hf_answers: dict[str, Any], backend: str) ->
     assert model.config.model_type == "gemma3_text" and model.config.norm_offset == 1.0
 
 
+@pytest.mark.slow_on("mlx", "jax")  # as the config test above
 def test_logits_equal_transformers(hf_answers: dict[str, Any], backend: str) -> None:
     model = _model(backend)
     ids = hf_answers["ids"][0]
