@@ -15,14 +15,27 @@ match it (NumPy's BLAS reads it at import).
 ``--model`` may be given several times (each file's variants join the same rounds); ``--peer``
 adds llama.cpp (``llama-cpp-python``, when installed) on each file, with torch's thread count,
 as ``portable-llm bench --model`` runs it.
+
+``--mlx-lm`` adds mlx-lm's own decode of the same weights on each file: ``mx.load`` reads the
+GGUF's Q4_0/Q4_1/Q8_0 matrices as MLX's affine codes (group 32; Q4_1's ``d * q + m`` is that
+format exactly, Q8_0 becomes 8-bit codes with bias ``-128 d``), the rows of Q and K un-permuted
+(llama.cpp's RoPE order back to the HF one), into mlx-lm's ``llama`` model quantized
+``group_size=32`` (float32 activations, scales cast to float32). Llama files only.
+
+On JAX the table's ``compiled`` column says whether ``pl.generate`` ran the decode step through
+``Model.compiled`` (one ``jax.jit`` program a token). One thread there:
+``XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"`` (and
+``taskset -c 0``).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import statistics
+import tempfile
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -30,7 +43,7 @@ from pathlib import Path
 import numpy as np
 
 import portable_llm as pl
-from portable_llm.cli.model_bench import GGUF_PEERS, weight_bytes
+from portable_llm.cli.model_bench import GGUF_PEERS, PEERS, weight_bytes
 
 
 def smollm2_gguf() -> Path:
@@ -54,6 +67,7 @@ def main() -> None:
     ap.add_argument("--dtype", action="append", default=None)
     ap.add_argument("--choice", action="append", default=None, help="False, True or auto")
     ap.add_argument("--activations", action="append", default=None, help="float or int8")
+    ap.add_argument("--mlx-lm", action="store_true", help="also mlx-lm on each file's codes")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--new", type=int, default=24)
     ap.add_argument(
@@ -71,23 +85,33 @@ def main() -> None:
     choices = {"False": False, "True": True, "auto": "auto"}
     ids = np.random.default_rng(0).integers(0, 1000, size=128)
     variants: dict[tuple[str, str, str, str], tuple[Callable[[], tuple[float, float]], float]] = {}
+    compiled: dict[tuple[str, str, str, str], str] = {}
     for path in paths:
         for backend in args.backend or ["torch"]:
             for dtype in args.dtype or ["float32"]:
                 for c in args.choice or ["False", "True", "auto"]:
                     for mode in args.activations or [None]:
+                        if c == "True" and mode == "int8":
+                            continue  # the int8 mode multiplies the codes: dequantized, none
                         opts = {} if mode is None else {"activations": mode}
                         model = pl.load(
                             path, backend=backend, dtype=dtype, dequantize=choices[c], **opts
                         )
                         mem = sum(
-                            weight_bytes(p) for p in (model.embed, model.lm_head, model.blocks)
+                            weight_bytes(p) for p in (model.embed, model.lm_head, model.layers)
                         )
                         label = c if mode is None else f"{c}, {mode}"
                         variants[path.name, backend, dtype, label] = (
                             partial(_once, model, ids, args.new),
                             mem,
                         )
+                        compiled[path.name, backend, dtype, label] = str(model.compiled is not None)
+        if args.mlx_lm:
+            runner, size = _mlx_lm_gguf(path, Path(tempfile.mkdtemp()))
+            variants[path.name, "mlx-lm", "float32", "-"] = (
+                partial(_peer, runner, ids, args.new),
+                size,
+            )
         if args.peer and importlib.util.find_spec("llama_cpp") is not None:
             _, runner = GGUF_PEERS[0][2](path, "float32")
             size = path.stat().st_size
@@ -108,9 +132,9 @@ def main() -> None:
           f"{args.rounds} rounds, "
           f"{args.new} new tokens, load average {min(loads):.1f}-{max(loads):.1f}")  # fmt: skip
     head = "| file | engine | dtype | dequantize[, activations] | weights MiB | prefill tok/s |"
-    head += " decode tok/s |"
+    head += " decode tok/s | compiled |"
     print(head + " decode / llama.cpp |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     med = {
         key: tuple(statistics.median(r[i] for r in rates[key]) for i in (0, 1)) for key in variants
     }
@@ -120,7 +144,7 @@ def main() -> None:
         ratio = "-" if peer is None else f"{dec / peer[1]:.2f}"
         print(
             f"| {name} | {backend} | {dtype} | {c} | {mem / 2**20:.0f} | {pre:.1f} | {dec:.2f} "
-            f"| {ratio} |"
+            f"| {compiled.get((name, backend, dtype, c), '-')} | {ratio} |"
         )
 
 
@@ -139,6 +163,53 @@ def _peer(
     """The same for llama.cpp (model_bench's runner: prefill and decode seconds)."""
     prefill, decode = runner(ids[None, :], new)
     return len(ids) / prefill, (new - 1) / decode
+
+
+def _mlx_lm_gguf(path: Path, folder: Path) -> tuple[Callable[..., tuple[float, float]], float]:
+    """mlx-lm on ``path``'s codes (see the module's docstring): an mlx-lm folder written in
+    ``folder`` (``config.json`` with its ``quantization``, ``model.safetensors``), loaded by
+    model_bench's mlx-lm runner (prefill and decode seconds of a greedy run); and the weights'
+    bytes."""
+    import mlx.core as mx
+
+    c = pl.load(path, backend="numpy", dequantize=False).config  # the file's own config
+    names = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+    per_block = {
+        "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+    }  # fmt: skip
+    weights, quantization = {}, {}
+    stored = mx.load(str(path))
+    for key, value in stored.items():
+        stem, leaf = key.rsplit(".", 1)
+        if stem.startswith("blk."):
+            _, i, part = stem.split(".")
+            name = f"model.layers.{i}.{per_block[part]}"
+            heads = {"attn_q": c.num_attention_heads, "attn_k": c.num_key_value_heads}.get(part)
+            if heads:  # llama.cpp's rows (h, half, pair) back to HF's (h, pair, half)
+                rows = value.shape[0]
+                value = value.reshape(heads, rows // heads // 2, 2, -1).swapaxes(1, 2)
+                value = value.reshape(rows, -1)
+        else:
+            name = names[stem]
+        if leaf == "scales":  # packed (N, K * bits / 32) uint32, scales (N, K / 32)
+            bits = stored[key[: -len("scales")] + "weight"].shape[-1] // value.shape[-1]
+            quantization[name] = {"group_size": 32, "bits": bits}
+        weights[f"{name}.{leaf}"] = value
+    config = {
+        "model_type": "llama", "hidden_size": c.hidden_size,
+        "num_hidden_layers": c.num_hidden_layers, "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps, "vocab_size": c.vocab_size,
+        "rope_theta": float(c.rope["base"]), "tie_word_embeddings": c.tie_word_embeddings,
+        "quantization": {"group_size": 32, "bits": 4, **quantization},
+    }  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    _, runner = PEERS["mlx"][0][2](folder, "float32")
+    return runner, sum(v.nbytes for v in weights.values())
 
 
 if __name__ == "__main__":
