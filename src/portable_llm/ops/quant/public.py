@@ -130,6 +130,8 @@ def dequantize(qw: QuantizedWeight | MXFP4Weight, /, *, impl: str = "auto") -> A
     return pick(bk, "dequantize", impl, *qw.arrays, **opts)(bk.xp, *qw.arrays, **opts)
 
 
+# Over 80 lines for its docstring (each impl and mode of each backend); the body is the usual
+# front: checks, then one pick.
 def quantized_linear(
     x: Any,
     qw: QuantizedWeight | MXFP4Weight,
