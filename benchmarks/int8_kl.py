@@ -27,32 +27,10 @@ from typing import Any  # noqa: E402
 import numpy as np  # noqa: E402
 
 import portable_llm as pl  # noqa: E402
+from portable_llm.cli.model_bench import LlamaCppLogits  # noqa: E402
 from portable_llm.generation.perplexity import adds_bos  # noqa: E402
 
 TEXT = "/usr/share/common-licenses/GPL-3"
-
-
-class LlamaCppLogits:
-    """llama.cpp as a model of the generation protocol: ``model(ids (1, L), cache=None)`` gives
-    the logits ``(1, L, V)`` of every position (``logits_all=True``), from an empty context."""
-
-    def __init__(self, path: Path, ctx: int) -> None:
-        import llama_cpp
-
-        self.llm = llama_cpp.Llama(
-            model_path=str(path), n_ctx=ctx, n_batch=ctx, n_ubatch=ctx, n_threads=1,
-            n_threads_batch=1, logits_all=True, verbose=False,
-        )  # fmt: skip
-        self.vocab_size = self.llm.n_vocab()
-
-    def make_cache(self) -> None:
-        return None
-
-    def __call__(self, ids: Any, cache: Any = None) -> np.ndarray:
-        row = [int(i) for i in np.asarray(ids)[0]]
-        self.llm.reset()
-        self.llm.eval(row)
-        return np.array(self.llm.scores[: len(row)], dtype=np.float32)[None]  # (1, L, V)
 
 
 def _row(name: str, r: Any) -> str:
