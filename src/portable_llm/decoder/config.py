@@ -1,9 +1,11 @@
 """The decoder configuration: one frozen dataclass read from an HF ``config.json``.
 
-Field names are HF's (``hidden_size``, ``num_key_value_heads``, ``rms_norm_eps``, ...). Where the
-families differ only in a default or in which tensors exist (Qwen2's fixed q/k/v biases, Qwen3's
-q/k norms, Mistral's window on every layer, Qwen2-MoE's sparse-step rule), :func:`from_dict`
-resolves the difference once, into plain fields the model reads without knowing the family.
+Field names are HF's (``hidden_size``, ``num_key_value_heads``, ``rms_norm_eps``, ...).
+:meth:`DecoderConfig.from_dict` reads what every family shares, Llama's way; what a family
+changes (its spellings and defaults, its fields, its window rule, its RoPEs: Qwen2's fixed q/k/v
+biases, Qwen3's q/k norms, Mistral's window on every layer, Qwen2-MoE's sparse-step rule) is its
+file's, ``decoder/families/<model_type>.py``, resolved once into plain fields the model reads
+without knowing the family.
 """
 
 from __future__ import annotations
@@ -15,13 +17,11 @@ from typing import Any
 
 from portable_llm.core.checks import check_int
 from portable_llm.decoder.config_values import read_bool as _bool
-from portable_llm.decoder.config_values import read_cap as _cap
 from portable_llm.decoder.config_values import read_int as _int
 from portable_llm.decoder.config_values import read_real as _real
-from portable_llm.decoder.config_values import read_rope_layers, read_sparse_layers
 from portable_llm.decoder.families import FAMILIES, Family
 from portable_llm.ops.activations import ACTIVATIONS
-from portable_llm.rotary.scaling import ROPE_TYPES, check_dims, rope_spec
+from portable_llm.rotary.scaling import check_dims, rope_spec
 
 __all__ = [
     "READ_MODEL_TYPES",
@@ -31,51 +31,15 @@ __all__ = [
     "hf_spelling",
 ]
 
-#: The ``model_type`` values :func:`portable_llm.load` reads and runs.
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = (
-    "qwen2",
-    "qwen3",
-    "llama",
-    "mistral",
-    "mixtral",
-    "qwen2_moe",
-    "phi",
-    "gpt2",
-    "gemma3_text",
-    "phi3",
-    "llama4_text",
-    *FAMILIES,  # the families of a file of their own (decoder/families/)
-)
+#: The ``model_type`` values :func:`portable_llm.load` reads and runs: one per family file
+#: (``decoder/families/<model_type>.py``).
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)
 #: Families whose ``config.json`` :meth:`DecoderConfig.from_dict` reads (their fields resolved
 #: below) but whose forward the decoder does not run yet: ``pl.load`` refuses them by name.
 #: None today (``llama4_text`` was one until its forward came).
 READ_MODEL_TYPES: tuple[str, ...] = ()
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
-# HF's class defaults where config.json may leave a field out (per family where they differ).
-_DEFAULT_THETA = {"mixtral": 1e6, "gemma3_text": 1e6, "llama4_text": 5e5}
-_DEFAULT_EPS = {"mixtral": 1e-5, "phi3": 1e-5, "llama4_text": 1e-5, "gpt2": 1e-5, "phi": 1e-5}
-_DEFAULT_HEAD_DIM = {"qwen3": 128, "gemma3_text": 256}
-_DEFAULT_MPE = {"gpt2": 1024}  # GPT2Config's n_positions: the rows of its learned positions
-# transformers refuses hidden_size % num_attention_heads != 0 here, head_dim given or not
-# (validate_architecture of Llama, Gemma 2/3; GPT2Attention, which splits E into the heads).
-_WHOLE_HEADS = ("llama", "gemma3_text", "gpt2")
-# Other spellings of HF's names, by family (GPT-2's own; LayerNorm eps names; Gemma's
-# activation): read when the usual name is absent.
-_ALIASES: dict[str, dict[str, str]] = {
-    "gpt2": {
-        "n_embd": "hidden_size",
-        "n_layer": "num_hidden_layers",
-        "n_head": "num_attention_heads",
-        "n_positions": "max_position_embeddings",
-        "n_inner": "intermediate_size",
-        "activation_function": "hidden_act",
-        "layer_norm_epsilon": "rms_norm_eps",
-    },
-    "phi": {"layer_norm_eps": "rms_norm_eps"},
-    "gemma3_text": {"hidden_activation": "hidden_act"},
-}
-_GEMMA = ("gemma3_text",)
-#: A family of no file of its own: Llama's defaults and layer.
+#: A model type of no family file (one of :data:`READ_MODEL_TYPES`): Llama's defaults and layer.
 _LLAMA_LIKE = Family("")
 
 
@@ -83,8 +47,7 @@ def hf_spelling(d: Mapping[str, Any]) -> dict[str, Any]:
     """``config.json``'s dict with a family's own spellings (GPT-2's ``n_layer``, ``n_embd``,
     ...; LayerNorm eps names; Gemma's activation) also under HF's usual names, where those are
     absent: what :meth:`DecoderConfig.from_dict` and the checkpoint's count checks read."""
-    mt = d.get("model_type")
-    aliases = _ALIASES.get(mt) or _family_of(mt).aliases  # type: ignore[arg-type]
+    aliases = _family_of(d.get("model_type")).aliases
     return {**{new: d[old] for old, new in aliases.items() if old in d}, **d}
 
 
@@ -212,67 +175,48 @@ class DecoderConfig:
         mt = d.get("model_type")
         if mt not in READ_MODEL_TYPES:
             mt = check_model_type(d)  # the families it reads: READ_MODEL_TYPES too
-        d = hf_spelling(d)
-        fam = _family_of(mt)  # HF's class defaults of a family file, where d has none
-        d = {**d, **{k: v for k, v in fam.defaults.items() if d.get(k) is None}}
-        if mt == "gpt2" and d.get("intermediate_size") is None:
-            d["intermediate_size"] = 4 * d.get("hidden_size", 0)  # GPT-2's n_inner=None
+        fam = _family_of(mt)
+        d = {k: v for k, v in hf_spelling(d).items() if k not in fam.ignores}
+        d = {**d, **{k: v for k, v in fam.defaults.items() if d.get(k) is None}}  # HF's class's
+        d = {**d, **{k: v for k, v in fam.derived(d).items() if d.get(k) is None}}
         for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
             _int(d, key, required=True)
         E, n, H = d["hidden_size"], d["num_hidden_layers"], d["num_attention_heads"]
-        H_kv = _int(d, "num_key_value_heads") or H
-        # GPT-2 has no head_dim (GPT2Attention splits E into H heads): a stray one is ignored
-        head_dim = None if mt == "gpt2" else _int(d, "head_dim")
-        head_dim = head_dim or _DEFAULT_HEAD_DIM.get(mt) or E // H
-        act = d.get("hidden_act", "gelu_pytorch_tanh" if mt in _GEMMA else "silu")
+        act = d.get("hidden_act", "silu")
         if not isinstance(act, str) or act not in ACTIVATIONS:
             raise ValueError(
                 f"config.json: unknown hidden_act {act!r}; known: {', '.join(sorted(ACTIVATIONS))}"
             )
-        bias = _bool(d, "attention_bias", mt in ("gpt2", "phi"))
-        moe = _moe(mt, d, n)
-        window, layer_types = _windows(mt, d, n)
-        rope, rope_local = _ropes(mt, d)
+        bias = _bool(d, "attention_bias")
+        window, layer_types = _check_layer_types(fam.layer_types(d, n), n)
+        rope, rope_local = fam.read_ropes(d)
         values: dict[str, Any] = dict(
             model_type=mt,
             vocab_size=d["vocab_size"],
             hidden_size=E,
-            intermediate_size=_int(
-                d,
-                "intermediate_size_mlp" if mt == "llama4_text" else "intermediate_size",
-                required=True,
-            ),
+            intermediate_size=_int(d, "intermediate_size", required=True),
             num_hidden_layers=n,
             num_attention_heads=H,
-            num_key_value_heads=H_kv,
-            head_dim=head_dim,
-            rms_norm_eps=_real(d, "rms_norm_eps", _DEFAULT_EPS.get(mt, 1e-6), low=0.0),
+            num_key_value_heads=_int(d, "num_key_value_heads") or H,
+            head_dim=_int(d, "head_dim") or E // H,
+            rms_norm_eps=_real(d, "rms_norm_eps", 1e-6, low=0.0),
             hidden_act=act,
-            max_position_embeddings=_int(d, "max_position_embeddings") or _DEFAULT_MPE.get(mt),
+            max_position_embeddings=_int(d, "max_position_embeddings"),
             rope=MappingProxyType(rope),
-            tie_word_embeddings=_bool(d, "tie_word_embeddings", mt in ("gpt2", *_GEMMA)),
-            qkv_bias={"qwen2": True, "qwen2_moe": _bool(d, "qkv_bias", True)}.get(mt, bias),
-            o_bias=bias
-            if mt in ("llama", "qwen3", "gpt2", "phi", *_GEMMA) or fam.o_bias
-            else False,
-            mlp_bias=_bool(d, "mlp_bias") if mt == "llama" else mt in ("gpt2", "phi"),
-            qk_norm=mt in ("qwen3", "gemma3_text"),
+            tie_word_embeddings=_bool(d, "tie_word_embeddings"),
+            qkv_bias=bias,
+            o_bias=bias and fam.o_bias,
             sliding_window=window,
             layer_types=layer_types,
-            num_experts=moe.get("num_experts", 0),
-            num_experts_per_tok=moe.get("top_k", 0),
-            norm_topk_prob=moe.get("norm", False),
-            moe_intermediate_size=moe.get("size", 0),
-            shared_expert_intermediate_size=moe.get("shared", 0),
-            moe_layers=moe.get("layers", (False,) * n),
+            moe_layers=(False,) * n,
             bos_token_id=_token(d, "bos_token_id"),
             eos_token_id=_tokens(d, "eos_token_id"),
             pad_token_id=_token(d, "pad_token_id", low=None),
             rope_local=None if rope_local is None else MappingProxyType(rope_local),
         )
-        # a family's own fields win over the rules above (Cohere 2's head_dim, StarCoder2's
-        # use_bias for every bias, ...)
-        cfg = cls(**{**values, **_family(mt, d, n), **fam.fields(d, n)})
+        # a family's own fields win over the common reads above (Qwen2's q/k/v biases, Cohere
+        # 2's head_dim, StarCoder2's use_bias for every bias, the experts, ...)
+        cfg = cls(**{**values, **fam.fields(d, n)})
         _check_forward_needs(cfg)
         return cfg
 
@@ -294,7 +238,7 @@ def _check_forward_needs(cfg: DecoderConfig) -> None:
 
     - heads: ``num_attention_heads`` a multiple of ``num_key_value_heads`` (every family), and
       ``hidden_size`` a multiple of ``num_attention_heads`` where transformers asks for it
-      (:data:`_WHOLE_HEADS`);
+      (the family's ``whole_heads``);
     - RoPE: the rotated width ``int(head_dim * partial_rotary_factor)`` even, and what its
       scaling needs of it (a ``longrope`` factor per rotated pair, ``dynamic``'s width > 2);
     - experts: ``num_experts_per_tok`` in ``[1, num_experts]``;
@@ -309,7 +253,7 @@ def _check_forward_needs(cfg: DecoderConfig) -> None:
         raise ValueError(
             f"config.json: num_attention_heads={H} is not a multiple of num_key_value_heads={H_kv}"
         )
-    whole = cfg.model_type in _WHOLE_HEADS or _family_of(cfg.model_type).whole_heads
+    whole = _family_of(cfg.model_type).whole_heads
     if whole and E % H:
         raise ValueError(
             f"config.json: hidden_size={E} is not a multiple of num_attention_heads={H} "
@@ -382,207 +326,13 @@ def _tokens(d: Mapping[str, Any], key: str) -> tuple[int, ...]:
     return tuple(_token({key: v}, key) or 0 for v in values)
 
 
-def _ropes(mt: str, d: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """``(rope, rope of the sliding layers or None)``: Gemma 3 gives each layer type its own,
-    as ``rope_parameters`` per layer type (v5) or ``rope_local_base_freq`` (v4)."""
-    if mt != "gemma3_text":
-        return _rope(mt, d), None
-    params = d.get("rope_parameters")
-    if isinstance(params, Mapping) and any(isinstance(v, Mapping) for v in params.values()):
-        full, local = params.get("full_attention"), params.get("sliding_attention")
-        if not isinstance(full, Mapping) or not isinstance(local, Mapping):
-            raise ValueError(
-                "config.json: rope_parameters per layer type must give full_attention and "
-                f"sliding_attention, got keys {sorted(params)}"
-            )
-        return _rope(mt, {**d, "rope_parameters": full}), _rope(mt, {**d, "rope_parameters": local})
-    base = _real(d, "rope_local_base_freq", 10000.0, low=1.0, low_open=True)
-    return _rope(mt, d), _rope(
-        mt, {"rope_parameters": {"rope_type": "default", "rope_theta": base}}
-    )
-
-
-def _rope(mt: str, d: Mapping[str, Any]) -> dict[str, Any]:
-    """``{"base", "scaling", "max_position_embeddings"}`` from ``rope_parameters`` (v5) or
-    ``rope_theta`` + ``rope_scaling`` (v4), as HF's config standardisation reads them."""
-    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    if not isinstance(params, Mapping):
-        raise ValueError(f"config.json: rope_parameters must be a dict, got {params!r}")
-    if any(isinstance(v, Mapping) for v in params.values()):
-        raise ValueError(
-            "config.json: rope_parameters per layer type (a dict of dicts) are not supported; "
-            f"got keys {sorted(params)}"
-        )
-    scaling = dict(params)
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if mt == "phi3" and kind in ("su", "yarn"):  # HF's Phi3Config: the earlier names of longrope
-        kind = "longrope"
-    if kind not in ROPE_TYPES:
-        raise ValueError(
-            f"config.json: unknown rope type {kind!r}; supported: {', '.join(ROPE_TYPES)}"
-        )
-    theta = scaling.get("rope_theta", d.get("rope_theta", _DEFAULT_THETA.get(mt, 10000.0)))
-    theta = _real({"rope_theta": theta}, "rope_theta", 0.0, low=1.0, low_open=True)
-    scaling.update(rope_type=kind, rope_theta=theta)
-    prf = d.get("partial_rotary_factor")
-    if prf is not None:
-        scaling.setdefault("partial_rotary_factor", prf)
-    mpe = d.get("max_position_embeddings")
-    if kind in ("llama3", "yarn", "longrope"):  # HF: the config's own field comes first
-        ompe = d.get("original_max_position_embeddings", 4096 if mt == "phi3" else None)
-        if ompe is not None:
-            scaling["original_max_position_embeddings"] = ompe
-        elif mpe is not None:
-            scaling.setdefault("original_max_position_embeddings", mpe)
-    out: dict[str, Any] = {"base": theta, "scaling": MappingProxyType(scaling)}
-    if mt == "llama4_text" or _family_of(mt).interleaved_rope:  # pairs (2i, 2i + 1)
-        out["traditional"] = True
-    if kind in ("dynamic", "longrope"):  # longrope: its default factor, mpe / ompe
-        out["max_position_embeddings"] = mpe
-    rope_spec(
-        "config.json",
-        out["scaling"],
-        base=theta,
-        max_position_embeddings=out.get("max_position_embeddings"),
-    )  # every field checked now, not at the first forward
-    return out
-
-
-def _windows(mt: str, d: Mapping[str, Any], n: int) -> tuple[int | None, tuple[str, ...]]:
-    """``(sliding_window, layer_types)`` by each family's rule (HF's ``__post_init__``)."""
-    # 0 is read as a window of 0 (refused where a layer slides: _check_forward_needs), not
-    # as none: null is none
-    window = _int(d, "sliding_window", low=0)
-    given = d.get("layer_types")
-    rule = _family_of(mt).layer_types
-    if rule is not None:
-        window, kinds = rule(d, n)
-    elif mt in ("mistral", "mixtral", "phi3"):  # the window (when set) applies to every layer
-        kinds = ["sliding_attention" if window is not None else "full_attention"] * n
-    elif mt in ("llama", "gpt2", "phi"):
-        window, kinds = None, ["full_attention"] * n
-    elif mt in (*_GEMMA, "llama4_text") and given is not None:
-        if not isinstance(given, list | tuple):
-            raise ValueError(f"config.json: layer_types must be a list, got {given!r}")
-        kinds = list(given)
-        window = window if mt in _GEMMA else None
-    elif mt == "gemma3_text":  # v4: every sliding_window_pattern-th layer is global
-        window = 4096 if window is None else window
-        pattern = _int(d, "sliding_window_pattern") or 6
-        kinds = [
-            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)
-        ]
-    elif mt == "llama4_text":  # v4: the RoPE layers are chunked, the no-RoPE ones global
-        window, kinds = (
-            None,
-            ["chunked_attention" if rope else "full_attention" for rope in read_rope_layers(d, n)],
-        )
-    else:  # qwen2, qwen3, qwen2_moe: use_sliding_window switches the window on
-        if not _bool(d, "use_sliding_window"):
-            window = None
-        mwl = _int(d, "max_window_layers", low=0)
-        mwl = 28 if mwl is None else mwl
-        slides = window is not None
-        if given is not None:
-            if not isinstance(given, list | tuple):
-                raise ValueError(f"config.json: layer_types must be a list, got {given!r}")
-            kinds = list(given)
-        elif mt == "qwen2_moe":
-            kinds = [
-                "sliding_attention" if slides and (i + 1) % 2 and i < mwl else "full_attention"
-                for i in range(n)
-            ]
-        else:
-            kinds = [
-                "sliding_attention" if slides and i >= mwl else "full_attention" for i in range(n)
-            ]
+def _check_layer_types(
+    rule: tuple[int | None, list[Any]], n: int
+) -> tuple[int | None, tuple[str, ...]]:
+    """``(sliding_window, layer_types)`` of a family's rule, its ``n`` kinds checked."""
+    window, kinds = rule
     if len(kinds) != n or any(not isinstance(k, str) or k not in LAYER_TYPES for k in kinds):
         raise ValueError(
             f"config.json: layer_types must list {n} entries from {LAYER_TYPES}, got {kinds!r}"
         )
     return window, tuple(kinds)
-
-
-def _family(mt: str, d: Mapping[str, Any], n: int) -> dict[str, Any]:
-    """The fields of the families beyond Llama (DecoderConfig's last group)."""
-    out: dict[str, Any] = {}
-    if mt in ("gpt2", "phi"):
-        out.update(norm="layer", gated_mlp=False)
-    if mt == "gpt2":
-        out["position_embedding"] = "learned"
-        if not _bool(d, "scale_attn_weights", True) or _bool(d, "scale_attn_by_inverse_layer_idx"):
-            raise ValueError(
-                "config.json: GPT-2 with scale_attn_weights=false or "
-                "scale_attn_by_inverse_layer_idx=true is not supported"
-            )
-    elif mt == "phi":
-        if _bool(d, "qk_layernorm"):
-            raise ValueError("config.json: Phi with qk_layernorm=true is not supported")
-        out.update(parallel_block=True, lm_head_bias=True)
-    elif mt in _GEMMA:
-        scalar = _real(d, "query_pre_attn_scalar", 256.0, low=0.0, low_open=True)
-        out.update(
-            norm_offset=1.0,
-            embed_scale=True,
-            sandwich_norms=True,
-            attn_scale=scalar**-0.5,
-            attn_softcap=_cap(d, "attn_logit_softcapping", None),
-            final_softcap=_cap(d, "final_logit_softcapping", None),
-        )
-    elif mt == "llama4_text":
-        out.update(
-            attention_chunk_size=(
-                _int(d, "attention_chunk_size") if "attention_chunk_size" in d else 8192
-            ),  # HF's default when absent
-            no_rope_layers=tuple(not rope for rope in read_rope_layers(d, n)),
-            attn_temperature_tuning=_bool(d, "attn_temperature_tuning", True),
-            floor_scale=_real(d, "floor_scale", 8192.0, low=0.0, low_open=True),
-            attn_temperature_scale=_real(d, "attn_scale", 0.1, low=0.0),
-            qk_l2_norm=_bool(d, "use_qk_norm", True),
-            router="sigmoid",
-        )
-    return out
-
-
-def _moe(mt: str, d: Mapping[str, Any], n: int) -> dict[str, Any]:
-    if mt == "llama4_text":  # routed experts of intermediate_size and a shared expert alike
-        x = _int(d, "num_local_experts") or 16
-        given = d.get("moe_layers")
-        if given is None:  # v4: every interleave_moe_layer_step-th layer
-            step = _int(d, "interleave_moe_layer_step") or 1
-            given = list(range(step - 1, n, step))
-        if not isinstance(given, list | tuple):
-            raise ValueError(f"config.json: moe_layers must be a list of ints, got {given!r}")
-        chosen = {_int({"moe_layers": i}, "moe_layers", low=0) for i in given}
-        size = _int(d, "intermediate_size", required=True)
-        return {
-            "num_experts": x,
-            "top_k": _int(d, "num_experts_per_tok") or 1,
-            "norm": False,
-            "size": size,
-            "shared": size,
-            "layers": tuple(i in chosen for i in range(n)),
-        }
-    if mt == "mixtral":
-        x = _int(d, "num_local_experts") or _int(d, "num_experts") or 8
-        return {
-            "num_experts": x,
-            "top_k": _int(d, "num_experts_per_tok") or 2,
-            "norm": True,  # MixtralTopKRouter always renormalises
-            "size": _int(d, "intermediate_size", required=True),
-            "layers": (True,) * n,
-        }
-    if mt != "qwen2_moe":
-        return {}
-    x = _int(d, "num_experts", low=0)
-    x = 60 if x is None else x
-    layers = read_sparse_layers(d, n, x)
-    top_k = _int(d, "num_experts_per_tok") or 4
-    return {
-        "num_experts": x,
-        "top_k": top_k,
-        "norm": _bool(d, "norm_topk_prob"),
-        "size": _int(d, "moe_intermediate_size") or 1408,
-        "shared": _int(d, "shared_expert_intermediate_size") or 5632,
-        "layers": layers,
-    }

@@ -6,15 +6,19 @@ the key. :mod:`portable_llm.decoder.config` and the family files
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from portable_llm.core.checks import check_int, check_real
+from portable_llm.rotary.scaling import ROPE_TYPES, rope_spec
 
 __all__ = [
     "read_bool",
     "read_cap",
     "read_int",
+    "read_layer_types",
     "read_real",
+    "read_rope",
     "read_rope_layers",
     "read_sparse_layers",
 ]
@@ -81,3 +85,66 @@ def read_rope_layers(d: Mapping[str, Any], n: int) -> tuple[bool, ...]:
         return tuple(bool(g) for g in given)
     step = read_int(d, "no_rope_layer_interval") or 4
     return tuple((i + 1) % step != 0 for i in range(n))
+
+
+def read_layer_types(d: Mapping[str, Any]) -> list[Any] | None:
+    """``layer_types`` as given (a list, checked against the layer count by the config), or
+    ``None`` when absent."""
+    given = d.get("layer_types")
+    if given is not None and not isinstance(given, list | tuple):
+        raise ValueError(f"config.json: layer_types must be a list, got {given!r}")
+    return None if given is None else list(given)
+
+
+def read_rope(
+    d: Mapping[str, Any],
+    *,
+    interleaved: bool = False,
+    renames: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """``{"base", "scaling", "max_position_embeddings"}`` from ``rope_parameters`` (v5) or
+    ``rope_theta`` + ``rope_scaling`` (v4), as HF's config standardisation reads them: the
+    options of :func:`portable_llm.rotary.rope`, every field checked now (not at the first
+    forward). ``rope_theta`` absent: 10000 (a family's other default is in ``d`` already).
+    ``interleaved``: the pairs ``(2i, 2i + 1)`` (``traditional``). ``renames``: a family's
+    older names of a rope type (Phi-3's ``su`` and ``yarn`` for ``longrope``)."""
+    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if not isinstance(params, Mapping):
+        raise ValueError(f"config.json: rope_parameters must be a dict, got {params!r}")
+    if any(isinstance(v, Mapping) for v in params.values()):
+        raise ValueError(
+            "config.json: rope_parameters per layer type (a dict of dicts) are not supported; "
+            f"got keys {sorted(params)}"
+        )
+    scaling = dict(params)
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    kind = (renames or {}).get(kind, kind)
+    if kind not in ROPE_TYPES:
+        raise ValueError(
+            f"config.json: unknown rope type {kind!r}; supported: {', '.join(ROPE_TYPES)}"
+        )
+    theta = scaling.get("rope_theta", d.get("rope_theta", 10000.0))
+    theta = read_real({"rope_theta": theta}, "rope_theta", 0.0, low=1.0, low_open=True)
+    scaling.update(rope_type=kind, rope_theta=theta)
+    prf = d.get("partial_rotary_factor")
+    if prf is not None:
+        scaling.setdefault("partial_rotary_factor", prf)
+    mpe = d.get("max_position_embeddings")
+    if kind in ("llama3", "yarn", "longrope"):  # HF: the config's own field comes first
+        ompe = d.get("original_max_position_embeddings")
+        if ompe is not None:
+            scaling["original_max_position_embeddings"] = ompe
+        elif mpe is not None:
+            scaling.setdefault("original_max_position_embeddings", mpe)
+    out: dict[str, Any] = {"base": theta, "scaling": MappingProxyType(scaling)}
+    if interleaved:  # pairs (2i, 2i + 1)
+        out["traditional"] = True
+    if kind in ("dynamic", "longrope"):  # longrope: its default factor, mpe / ompe
+        out["max_position_embeddings"] = mpe
+    rope_spec(
+        "config.json",
+        out["scaling"],
+        base=theta,
+        max_position_embeddings=out.get("max_position_embeddings"),
+    )
+    return out

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from portable_llm.attn.block import AttnWeights
+from portable_llm.decoder.config_values import read_bool, read_int, read_layer_types, read_rope
 from portable_llm.decoder.layer_weights import Layer
 from portable_llm.ops.linear import MlpWeights
 
@@ -32,10 +33,13 @@ __all__ = [
     "Family",
     "LayerConfig",
     "layer_rope",
+    "no_windows",
+    "qwen2_layer_types",
     "read_attention",
     "read_layer",
     "read_mlp",
     "read_moe",
+    "window_everywhere",
 ]
 
 
@@ -98,28 +102,82 @@ class Family:
     docstring).
 
     ``aliases``: the family's own ``config.json`` names -> HF's usual ones (read where the usual
-    one is absent). ``defaults``: HF's class defaults of the usual names where ``config.json``
-    leaves them out (``head_dim``, ``hidden_act``, ``tie_word_embeddings``, ...).
+    one is absent). ``ignores``: names its HF class does not read (GPT-2 has no ``head_dim``).
+    ``defaults``: HF's class defaults of the usual names where ``config.json`` leaves them out
+    (``head_dim``, ``hidden_act``, ``tie_word_embeddings``, ``rope_theta``, ...);
+    ``derived(d)``: those that HF's class computes from others (GPT-2's ``n_inner``).
     ``whole_heads``: transformers refuses ``hidden_size % num_attention_heads != 0``.
     ``o_bias``: ``attention_bias`` also gives ``o_proj`` a bias. ``fields(d, n)``: the
     :class:`~portable_llm.decoder.config.DecoderConfig` fields that differ from Llama's, of the
     dict ``d`` of ``n`` layers. ``layer_types(d, n)``: ``(sliding_window, layer_types)``
-    (``None``: Qwen2's rule). ``read_layer``: the layer recipe. ``interleaved_rope``: RoPE
-    rotates the pairs ``(2i, 2i + 1)`` (``rope["traditional"]``), not HF's rotate-half ones.
+    (default: Qwen2's rule, :func:`qwen2_layer_types`). ``ropes(d)``: ``(rope, rope of the
+    sliding layers or None)`` where layer types have RoPEs of their own (Gemma 3; default: one,
+    :func:`~portable_llm.decoder.config_values.read_rope`). ``read_layer``: the layer recipe.
+    ``interleaved_rope``: RoPE rotates the pairs ``(2i, 2i + 1)`` (``rope["traditional"]``),
+    not HF's rotate-half ones. ``rope_renames``: older names of a rope type (Phi-3's ``su``).
     ``names``: the family's checkpoint names that differ from Llama's, as ``(file's,
     Llama's)`` pieces of a tensor's name (StarCoder2's ``.mlp.c_fc.``).
     """
 
     model_type: str
     aliases: Mapping[str, str] = field(default_factory=dict)
+    ignores: tuple[str, ...] = ()
     defaults: Mapping[str, Any] = field(default_factory=dict)
+    derived: Callable[[Mapping[str, Any]], dict[str, Any]] = lambda d: {}
     whole_heads: bool = False
     o_bias: bool = False
     fields: Callable[[Mapping[str, Any], int], dict[str, Any]] = lambda d, n: {}
-    layer_types: Callable[[Mapping[str, Any], int], tuple[Any, list[str]]] | None = None
+    layer_types: Callable[[Mapping[str, Any], int], tuple[Any, list[str]]] = field(
+        default=lambda d, n: qwen2_layer_types(d, n)
+    )
+    ropes: Callable[[Mapping[str, Any]], tuple[dict[str, Any], dict[str, Any] | None]] | None = None
     read_layer: Callable[..., Layer] = field(default=lambda *a: read_layer(*a))
     interleaved_rope: bool = False
+    rope_renames: Mapping[str, str] = field(default_factory=dict)
     names: tuple[tuple[str, str], ...] = ()
+
+    def read_ropes(self, d: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """``(rope, rope of the sliding layers or None)`` of the ``config.json`` dict ``d``."""
+        if self.ropes is not None:
+            return self.ropes(d)
+        return read_rope(d, interleaved=self.interleaved_rope, renames=self.rope_renames), None
+
+
+def no_windows(d: Mapping[str, Any], n: int) -> tuple[None, list[str]]:
+    """Every layer attends to all before it (Llama, GPT-2, Phi-2): no window, read or not."""
+    return None, ["full_attention"] * n
+
+
+def window_everywhere(d: Mapping[str, Any], n: int) -> tuple[int | None, list[str]]:
+    """``sliding_window`` (when set) on every layer (Mistral, Mixtral, Phi-3)."""
+    window = read_int(d, "sliding_window", low=0)
+    return window, ["sliding_attention" if window is not None else "full_attention"] * n
+
+
+def qwen2_layer_types(
+    d: Mapping[str, Any], n: int, *, every_other: bool = False
+) -> tuple[int | None, list[str]]:
+    """Qwen2's rule (HF's ``__post_init__``): ``use_sliding_window`` switches the window on; then
+    ``layer_types`` as given, else the layers from ``max_window_layers`` (default 28) on slide.
+    ``every_other`` (Qwen2-MoE): the odd-numbered (1-based) layers below it slide instead."""
+    # 0 is read as a window of 0 (refused where a layer slides), not as none: null is none
+    window = read_int(d, "sliding_window", low=0)
+    if not read_bool(d, "use_sliding_window"):
+        window = None
+    mwl = read_int(d, "max_window_layers", low=0)
+    mwl = 28 if mwl is None else mwl
+    slides = window is not None
+    given = read_layer_types(d)
+    if given is not None:
+        return window, given
+    if every_other:
+        return window, [
+            "sliding_attention" if slides and (i + 1) % 2 and i < mwl else "full_attention"
+            for i in range(n)
+        ]
+    return window, [
+        "sliding_attention" if slides and i >= mwl else "full_attention" for i in range(n)
+    ]
 
 
 def read_layer(cfg: LayerConfig, w: Mapping[str, Any], i: int) -> Layer:

@@ -24,19 +24,23 @@ from portable_llm.decoder.config_values import read_cap, read_int, read_real
 from portable_llm.decoder.families.base import Family, LayerConfig, read_attention, read_mlp
 from portable_llm.decoder.layer_weights import Layer
 
-__all__ = ["FAMILY"]
+__all__ = ["FAMILY", "gemma_fields"]
 
 
-def fields(d: Mapping[str, Any], n: int) -> dict[str, Any]:
-    """The :class:`~portable_llm.decoder.config.DecoderConfig` fields Gemma 2 changes."""
+def gemma_fields(
+    d: Mapping[str, Any], *, softcaps: tuple[float | None, float | None] = (50.0, 30.0)
+) -> dict[str, Any]:
+    """The :class:`~portable_llm.decoder.config.DecoderConfig` fields Gemma 2 changes (and
+    Gemma 3, whose ``softcaps``, the defaults of the attention's and the final soft-capping,
+    are none)."""
     scalar = read_real(d, "query_pre_attn_scalar", 256.0, low=0.0, low_open=True)
     return {
         "norm_offset": 1.0,  # the norms scale by 1 + w
         "embed_scale": True,  # the embeddings times sqrt(E)
         "sandwich_norms": True,
         "attn_scale": scalar**-0.5,
-        "attn_softcap": read_cap(d, "attn_logit_softcapping", 50.0),
-        "final_softcap": read_cap(d, "final_logit_softcapping", 30.0),
+        "attn_softcap": read_cap(d, "attn_logit_softcapping", softcaps[0]),
+        "final_softcap": read_cap(d, "final_logit_softcapping", softcaps[1]),
     }
 
 
@@ -72,7 +76,7 @@ FAMILY = Family(
     defaults={"head_dim": 256, "hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": True},
     whole_heads=True,
     o_bias=True,
-    fields=fields,
+    fields=lambda d, n: gemma_fields(d),
     layer_types=layer_types,
     read_layer=read_layer,
 )
