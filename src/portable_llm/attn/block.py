@@ -32,6 +32,7 @@ from portable_llm.core.checks import (
 )
 from portable_llm.core.dispatch import IMPLS, pick
 from portable_llm.core.types import Array, Namespace
+from portable_llm.ops.activations import sigmoid
 from portable_llm.ops.kernels import Kernels, KernelSet
 from portable_llm.ops.linear import check_linear
 from portable_llm.ops.quant import QuantizedWeight
@@ -94,6 +95,7 @@ def attention(
     wk: Any,
     wv: Any,
     wo: Any,
+    wg: Any = None,
     num_heads: int,
     num_kv_heads: int,
     head_dim: int | None = None,
@@ -136,6 +138,10 @@ def attention(
         are a TypeError.
     wk, wv : array, shape ``(H_kv * D, E)``
     wo : array, shape ``(E_out, H * D)`` (HF ``o_proj.weight``; usually ``E_out = E``)
+    wg : array, shape ``(H * D, E)``, optional
+        Qwen3-Next's output gate: the heads' merged output is multiplied by
+        ``sigmoid(x wg^T)`` before ``wo`` (HF ``Qwen3NextAttention``: the second ``D`` of
+        each head's ``2 D`` rows of ``q_proj``).
     num_heads, num_kv_heads : int
         ``H`` and ``H_kv`` (HF ``num_attention_heads``, ``num_key_value_heads``; Python or
         NumPy integers);
@@ -201,19 +207,23 @@ def attention(
         offset = block_offset(OP, cache, offset, left_padding)
         left_padding = cache.left_padding
     h, h_kv = _check_options(impl, num_heads, num_kv_heads, rope)
-    be, (x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, pad, sinks, mask) = _resolve(
-        backend, x, (wq, wk, wv, wo), (bq, bk, bv, q_norm, k_norm, left_padding, sinks), mask
-    )
+    gated = wg is not None
+    be, (x, wq, wk, wv, wo, *wg_, bq, bk, bv, q_norm, k_norm, pad, sinks, mask) = _resolve(
+        backend, x, (wq, wk, wv, wo, *(wg,) * gated),
+        (bq, bk, bv, q_norm, k_norm, left_padding, sinks), mask,
+    )  # fmt: skip
     D = _check_shapes(be, x, h, h_kv, head_dim, (wq, wk, wv, wo, bq, bk, bv))
+    wg = _check_gate(be, x, wg_[0], h * D) if gated else None
     whole = _qk_norm_whole(be, D, ((q_norm, h), (k_norm, h_kv)))
     sinks = None if sinks is None else check_sinks(OP, be, sinks, x, h, f"head, num_heads={h}")
     if not norm_eps >= 0:  # also rejects NaN
         raise ValueError(f"{OP}: norm_eps must be >= 0, got {norm_eps!r}")
     chunk = int_option(OP, "chunk", chunk, low=1, optional=True)
     temperature = _check_temperature(temperature)
-    wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm = _match_dtypes(
-        be, x, wq=wq, wk=wk, wv=wv, wo=wo, bq=bq, bk=bk, bv=bv, q_norm=q_norm, k_norm=k_norm
-    )
+    wq, wk, wv, wo, wg, bq, bk, bv, q_norm, k_norm = _match_dtypes(
+        be, x, wq=wq, wk=wk, wv=wv, wo=wo, wg=wg, bq=bq, bk=bk, bv=bv, q_norm=q_norm,
+        k_norm=k_norm,
+    )  # fmt: skip
     b, L = x.shape[0], x.shape[1]
     rows = None if pad is None else row_offsets(OP, be, offset, pad, b)  # (B,)
     if pad is not None and cache is None:  # a cache checked its own
@@ -224,7 +234,7 @@ def attention(
         wq=wq, wk=wk, wv=wv, wo=wo, bq=bq, bk=bk, bv=bv, bo=None, q_norm=q_norm, k_norm=k_norm,
         window=window, num_heads=h, num_kv_heads=h_kv, head_dim=D, norm_eps=norm_eps,
         rope=rope is not None, qk_l2_norm=bool(qk_l2_norm), temperature=temperature, chunk=chunk,
-        sinks=sinks, qk_norm_whole=whole,
+        sinks=sinks, qk_norm_whole=whole, wg=wg,
     )  # fmt: skip
     state = CallState(be, impl, rope, offset, rows, cache, pad, mask, softcap, scale, block_size)
     kernels = Kernels(be, "portable" if impl == "tiled" else impl)
@@ -300,6 +310,17 @@ def _check_shapes(
     return D
 
 
+def _check_gate(be: Any, x: Any, wg: Any, HD: int) -> Any:
+    """The output gate ``wg`` ``(H * D, E)`` (Qwen3-Next), checked as a projection of x."""
+    check_linear(OP, be, x, wg, None, "wg")
+    if wg.shape[0] != HD:
+        raise ValueError(
+            f"{OP}: wg must have shape ({HD}, {x.shape[-1]}) (H * D, E: one gate per output "
+            f"feature of the heads), got {tuple(wg.shape)}"
+        )
+    return wg
+
+
 def _qk_norm_whole(be: Any, D: int, norms: tuple[tuple[Any, int], ...]) -> bool:
     """Whether ``q_norm``/``k_norm`` (each with its head count) span all heads' features
     (OLMo 2: ``(H * D,)``, ``(H_kv * D,)``) rather than each head's (``(D,)``): both alike;
@@ -372,6 +393,7 @@ class AttnWeights:
     chunk: int | None = None  # Llama 4: attention_chunk_size of a chunked_attention layer
     sinks: Any = None  # (H,) or None: gpt-oss's per-head sink logits (x's dtype)
     qk_norm_whole: bool = False  # OLMo 2: q_norm (H * D,), k_norm (H_kv * D,), before the split
+    wg: Any = None  # (H * D, E) or None: Qwen3-Next's output gate, sigmoid(x wg^T) * heads
 
 
 class AttentionState(Protocol):
@@ -441,6 +463,8 @@ def attention_body(
     else:  # gpt-oss
         o = state.attend(kn, i, q, k, v, w.window, w.chunk, sinks=w.sinks)
     o = xp.reshape(xp.permute_dims(o, (0, 2, 1, 3)), (B, L, H * D))  # (B, L, H*D)
+    if w.wg is not None:  # Qwen3-Next: o * sigmoid(x wg^T), the sigmoid rounded once
+        o = o * sigmoid(xp, kn.project(xp, x, w.wg, None))
     o = kn.project(xp, o, w.wo, None)  # (B, L, E_out)
     return o if w.bo is None else o + w.bo
 

@@ -70,7 +70,7 @@ def _arrays(layer: Layer) -> list[Any]:
     a, m = layer.attn, layer.mlp
     out = [layer.input_norm, layer.post_norm, layer.o_bias, layer.input_bias, layer.post_bias]
     out += [layer.attn_norm, layer.ff_norm]
-    out += [a.wq, a.wk, a.wv, a.wo, a.bq, a.bk, a.bv, a.q_norm, a.k_norm]
+    out += [a.wq, a.wk, a.wv, a.wo, a.wg, a.bq, a.bk, a.bv, a.q_norm, a.k_norm]
     if m is not None:
         out += [m.w_gate, m.w_up, m.w_down, m.b_gate, m.b_up, m.b_down]
     return [x for x in out if x is not None]
@@ -116,6 +116,8 @@ def bind_layer(layer: Layer, bind: Callable[[Any], Any]) -> Layer:
     """``layer`` with each projection bound by ``bind`` (:func:`bind_weight`)."""
     a, m = layer.attn, layer.mlp
     attn = replace(a, wq=bind(a.wq), wk=bind(a.wk), wv=bind(a.wv), wo=bind(a.wo))
+    if a.wg is not None:  # Qwen3-Next's output gate
+        attn = replace(attn, wg=bind(a.wg))
     if m is not None:
         gate = None if m.w_gate is None else bind(m.w_gate)
         m = replace(m, w_gate=gate, w_up=bind(m.w_up), w_down=bind(m.w_down))
@@ -123,7 +125,9 @@ def bind_layer(layer: Layer, bind: Callable[[Any], Any]) -> Layer:
 
 
 def layer_projections(layer: Layer) -> tuple[Any, ...]:
-    """The projections a layer binds: the attention's, then a dense MLP's."""
+    """The projections a layer binds: the attention's (its output gate too), then a dense
+    MLP's."""
     a, m = layer.attn, layer.mlp
     mlp = () if m is None else (w for w in (m.w_gate, m.w_up, m.w_down) if w is not None)
-    return (a.wq, a.wk, a.wv, a.wo, *mlp)
+    gate = () if a.wg is None else (a.wg,)
+    return (a.wq, a.wk, a.wv, a.wo, *gate, *mlp)

@@ -31,6 +31,7 @@ __all__ = [
     "gelu_tanh",
     "logistic",
     "relu",
+    "sigmoid",
     "silu",
     "softmax",
 ]
@@ -45,6 +46,12 @@ def logistic(xp: Namespace, x: Array) -> Array:
     # exp(-|x|) never overflows, so neither branch produces inf or NaN.
     e = xp.exp(-xp.abs(x))
     return xp.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+def sigmoid(xp: Namespace, x: Array) -> Array:
+    """``1 / (1 + exp(-x))`` in float32 (float64 for float64), rounded once to x's dtype
+    (``torch.sigmoid``'s bits): the output gates of Qwen3-Next's attention and DeltaNet."""
+    return xp.astype(logistic(xp, xp.astype(x, float_compute_dtype(xp, x.dtype))), x.dtype)
 
 
 def _erf(xp: Namespace, z: Array) -> Array:
