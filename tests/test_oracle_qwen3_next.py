@@ -32,10 +32,10 @@ E, L, PREFIX = 64, 7, 5  # the last L - PREFIX tokens run one at a time
 SCALE = 0.2  # of the random weights: outputs of order 1
 
 
-def _config():
+def _config(**extra):
     from transformers import Qwen3NextConfig
 
-    return Qwen3NextConfig(
+    return Qwen3NextConfig(**extra,
         hidden_size=E, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         linear_num_key_heads=2, linear_key_head_dim=8, linear_num_value_heads=4,
         linear_value_head_dim=6, linear_conv_kernel_dim=4, num_hidden_layers=2,
@@ -123,7 +123,7 @@ def test_gated_attention_matches_transformers(backend):
         Qwen3NextRotaryEmbedding,
     )
 
-    cfg = _config()
+    cfg = _config(attention_bias=True)  # q_proj's bias holds the gate's too
     hf = _randomised(Qwen3NextAttention(cfg, layer_idx=1), seed=4)
     x = _x(5)
     with torch.no_grad():
@@ -132,21 +132,23 @@ def test_gated_attention_matches_transformers(backend):
     H, H_kv, D = 4, 2, 16
     xp = get_backend(backend).xp
     wq, wg = split_gated_q_proj(xp, _on(hf.q_proj.weight, backend), H, D)
+    bq, bg = split_gated_q_proj(xp, _on(hf.q_proj.bias, backend), H, D)
     kw = {
-        "wq": wq, "wg": wg, "wk": _on(hf.k_proj.weight, backend),
+        "wq": wq, "wg": wg, "bq": bq, "bg": bg, "bk": _on(hf.k_proj.bias, backend),
+        "bv": _on(hf.v_proj.bias, backend), "wk": _on(hf.k_proj.weight, backend),
         "wv": _on(hf.v_proj.weight, backend), "wo": _on(hf.o_proj.weight, backend),
         "q_norm": _on(1.0 + hf.q_norm.weight, backend),  # the zero-centred scale
         "k_norm": _on(1.0 + hf.k_norm.weight, backend), "norm_eps": cfg.rms_norm_eps,
         "num_heads": H, "num_kv_heads": H_kv, "head_dim": D,
         "rope": {"base": 10000.0, "dims": 4},  # partial_rotary_factor 0.25 of D = 16
     }  # fmt: skip
-    xs = _on(x, backend)
-    assert_close(pl.attention(xs, **kw), want, backend=backend)
+    xs, bo = _on(x, backend), _on(hf.o_proj.bias, backend)  # the block has no o_proj bias
+    assert_close(pl.attention(xs, **kw) + bo, want, backend=backend)
     cache = pl.KVCache()
-    assert_close(pl.attention(xs[:, :PREFIX, :], cache=cache, **kw), want[:, :PREFIX],
+    assert_close(pl.attention(xs[:, :PREFIX, :], cache=cache, **kw) + bo, want[:, :PREFIX],
                  backend=backend)  # fmt: skip
     for t in range(PREFIX, L):
-        out = pl.attention(xs[:, t : t + 1, :], cache=cache, **kw)
+        out = pl.attention(xs[:, t : t + 1, :], cache=cache, **kw) + bo
         assert_close(out, want[:, t : t + 1], backend=backend)
 
 
@@ -155,3 +157,7 @@ def test_gated_attention_gate_shape_is_checked():
     w = pl.asarray([[0.0] * 8] * 8)
     with pytest.raises(ValueError, match=r"attention: wg must have shape \(8, 8\)"):
         pl.attention(x, wq=w, wk=w, wv=w, wo=w, wg=w[:4], num_heads=2, num_kv_heads=2)
+    with pytest.raises(ValueError, match="attention: bg is the output gate's bias"):
+        pl.attention(x, wq=w, wk=w, wv=w, wo=w, bg=w[0], num_heads=2, num_kv_heads=2)
+    with pytest.raises(ValueError, match=r"the bias of wg must have shape \(8,\)"):
+        pl.attention(x, wq=w, wk=w, wv=w, wo=w, wg=w, bg=w[0, :4], num_heads=2, num_kv_heads=2)

@@ -102,6 +102,7 @@ def attention(
     bq: Any = None,
     bk: Any = None,
     bv: Any = None,
+    bg: Any = None,
     q_norm: Any = None,
     k_norm: Any = None,
     norm_eps: float = 1e-6,
@@ -150,6 +151,8 @@ def attention(
         ``D``; default ``E // H`` (E must then be a multiple of H).
     bq : array, shape ``(H * D,)``, optional
     bk, bv : array, shape ``(H_kv * D,)``, optional (Qwen2 has all three biases)
+    bg : array, shape ``(H * D,)``, optional
+        The output gate's bias (Qwen3-Next with ``attention_bias``); only with ``wg``.
     q_norm, k_norm : array, shape ``(D,)``, optional
         RMSNorm weights applied to each head of q and k before RoPE (Qwen3), with ``norm_eps``;
         or of shapes ``(H * D,)`` and ``(H_kv * D,)``: one RMSNorm over all heads' features of
@@ -208,20 +211,22 @@ def attention(
         left_padding = cache.left_padding
     h, h_kv = _check_options(impl, num_heads, num_kv_heads, rope)
     gated = wg is not None
-    be, (x, wq, wk, wv, wo, *wg_, bq, bk, bv, q_norm, k_norm, pad, sinks, mask) = _resolve(
+    if bg is not None and not gated:
+        raise ValueError(f"{OP}: bg is the output gate's bias: give it with wg")
+    be, (x, wq, wk, wv, wo, *wg_, bq, bk, bv, bg, q_norm, k_norm, pad, sinks, mask) = _resolve(
         backend, x, (wq, wk, wv, wo, *(wg,) * gated),
-        (bq, bk, bv, q_norm, k_norm, left_padding, sinks), mask,
+        (bq, bk, bv, bg, q_norm, k_norm, left_padding, sinks), mask,
     )  # fmt: skip
     D = _check_shapes(be, x, h, h_kv, head_dim, (wq, wk, wv, wo, bq, bk, bv))
-    wg = _check_gate(be, x, wg_[0], h * D) if gated else None
+    wg = _check_gate(be, x, wg_[0], bg, h * D) if gated else None
     whole = _qk_norm_whole(be, D, ((q_norm, h), (k_norm, h_kv)))
     sinks = None if sinks is None else check_sinks(OP, be, sinks, x, h, f"head, num_heads={h}")
     if not norm_eps >= 0:  # also rejects NaN
         raise ValueError(f"{OP}: norm_eps must be >= 0, got {norm_eps!r}")
     chunk = int_option(OP, "chunk", chunk, low=1, optional=True)
     temperature = _check_temperature(temperature)
-    wq, wk, wv, wo, wg, bq, bk, bv, q_norm, k_norm = _match_dtypes(
-        be, x, wq=wq, wk=wk, wv=wv, wo=wo, wg=wg, bq=bq, bk=bk, bv=bv, q_norm=q_norm,
+    wq, wk, wv, wo, wg, bq, bk, bv, bg, q_norm, k_norm = _match_dtypes(
+        be, x, wq=wq, wk=wk, wv=wv, wo=wo, wg=wg, bq=bq, bk=bk, bv=bv, bg=bg, q_norm=q_norm,
         k_norm=k_norm,
     )  # fmt: skip
     b, L = x.shape[0], x.shape[1]
@@ -234,7 +239,7 @@ def attention(
         wq=wq, wk=wk, wv=wv, wo=wo, bq=bq, bk=bk, bv=bv, bo=None, q_norm=q_norm, k_norm=k_norm,
         window=window, num_heads=h, num_kv_heads=h_kv, head_dim=D, norm_eps=norm_eps,
         rope=rope is not None, qk_l2_norm=bool(qk_l2_norm), temperature=temperature, chunk=chunk,
-        sinks=sinks, qk_norm_whole=whole, wg=wg,
+        sinks=sinks, qk_norm_whole=whole, wg=wg, bg=bg,
     )  # fmt: skip
     state = CallState(be, impl, rope, offset, rows, cache, pad, mask, softcap, scale, block_size)
     kernels = Kernels(be, "portable" if impl == "tiled" else impl)
@@ -310,9 +315,10 @@ def _check_shapes(
     return D
 
 
-def _check_gate(be: Any, x: Any, wg: Any, HD: int) -> Any:
-    """The output gate ``wg`` ``(H * D, E)`` (Qwen3-Next), checked as a projection of x."""
-    check_linear(OP, be, x, wg, None, "wg")
+def _check_gate(be: Any, x: Any, wg: Any, bg: Any, HD: int) -> Any:
+    """The output gate ``wg`` ``(H * D, E)`` and its bias (Qwen3-Next), checked as a
+    projection of x."""
+    check_linear(OP, be, x, wg, bg, "wg")
     if wg.shape[0] != HD:
         raise ValueError(
             f"{OP}: wg must have shape ({HD}, {x.shape[-1]}) (H * D, E: one gate per output "
@@ -394,6 +400,7 @@ class AttnWeights:
     sinks: Any = None  # (H,) or None: gpt-oss's per-head sink logits (x's dtype)
     qk_norm_whole: bool = False  # OLMo 2: q_norm (H * D,), k_norm (H_kv * D,), before the split
     wg: Any = None  # (H * D, E) or None: Qwen3-Next's output gate, sigmoid(x wg^T) * heads
+    bg: Any = None  # (H * D,) or None: the gate's bias
 
 
 class AttentionState(Protocol):
@@ -464,7 +471,7 @@ def attention_body(
         o = state.attend(kn, i, q, k, v, w.window, w.chunk, sinks=w.sinks)
     o = xp.reshape(xp.permute_dims(o, (0, 2, 1, 3)), (B, L, H * D))  # (B, L, H*D)
     if w.wg is not None:  # Qwen3-Next: o * sigmoid(x wg^T), the sigmoid rounded once
-        o = o * sigmoid(xp, kn.project(xp, x, w.wg, None))
+        o = o * sigmoid(xp, kn.project(xp, x, w.wg, w.bg))
     o = kn.project(xp, o, w.wo, None)  # (B, L, E_out)
     return o if w.bo is None else o + w.bo
 

@@ -70,7 +70,7 @@ def _arrays(layer: Layer) -> list[Any]:
     a, m = layer.attn, layer.mlp
     out = [layer.input_norm, layer.post_norm, layer.o_bias, layer.input_bias, layer.post_bias]
     out += [layer.attn_norm, layer.ff_norm]
-    out += [a.wq, a.wk, a.wv, a.wo, a.wg, a.bq, a.bk, a.bv, a.q_norm, a.k_norm]
+    out += [a.wq, a.wk, a.wv, a.wo, a.wg, a.bq, a.bk, a.bv, a.bg, a.q_norm, a.k_norm]
     if m is not None:
         out += [m.w_gate, m.w_up, m.w_down, m.b_gate, m.b_up, m.b_down]
     return [x for x in out if x is not None]

@@ -37,7 +37,7 @@ from portable_llm.ops.recurrent import (
     one_token_is_recurrent,
 )
 
-__all__ = ["gated_delta_rule"]
+__all__ = ["gated_delta_rule", "gated_delta_rule_body"]
 
 OP = "gated_delta_rule"
 _L2_EPS = 1e-6  # HF l2norm (the FLA library's): x * rsqrt(sum(x^2) + 1e-6)
@@ -211,12 +211,43 @@ def gated_delta_rule(
     check_dims(OP, "g", g, "(B, L, H)", (B, L, H), bk)
     check_dims(OP, "beta", beta, "(B, L, H)", (B, L, H), bk)
     state = check_state(OP, bk, state, (B, H, d_k, d_v), "(B, H, D_k, D_v)", q)
+
+    def choose(op: str, *args: Any, **options: Any) -> Any:
+        return pick(bk, op, impl, *args, **options)
+
+    return gated_delta_rule_body(
+        bk.xp, choose, q, k, v, g, beta, state=state,
+        qk_l2_norm=check_bool(OP, "qk_l2_norm", qk_l2_norm),
+        scale=None if scale is None else check_real(OP, "scale", scale),
+        chunk_size=check_int(OP, "chunk_size", chunk_size, low=1),
+        all_states=check_bool(OP, "all_states", all_states),
+    )  # fmt: skip
+
+
+def gated_delta_rule_body(
+    xp: Namespace, choose: Any, q: Array, k: Array, v: Array, g: Array, beta: Array, *,
+    state: Array | None, qk_l2_norm: bool, scale: float | None, chunk_size: int = 64,
+    all_states: bool = False,
+) -> tuple[Array, Array]:  # fmt: skip
+    """The gated delta rule of checked arguments: the body of :func:`gated_delta_rule` and of
+    a model's layers (Qwen3-Next's Gated DeltaNet).
+
+    ``choose(op, *args, **options)``: the kernel of ``gated_delta_rule`` for these arguments
+    (the public op's :func:`~portable_llm.core.dispatch.pick` of its ``impl``; a model's
+    ``kn.choose``: the chunked form for a prompt, the recurrent one for one token). ``state``
+    ``(B, H, D_k, D_v)`` in any float dtype, or ``None`` (zeros); ``scale`` ``None``:
+    ``D_k ** -0.5``. Returns ``(o, state)`` as :func:`gated_delta_rule`.
+    """
+    B, d_k, (H, d_v) = q.shape[0], q.shape[3], v.shape[2:]
+    c = compute_dtype(xp, q.dtype)
+    if state is None:
+        state = xp.zeros((B, H, d_k, d_v), dtype=c, device=creation_device(q))
+    else:
+        state = xp.astype(state, c)
     opts = {
-        "qk_l2_norm": check_bool(OP, "qk_l2_norm", qk_l2_norm),
-        "scale": d_k**-0.5 if scale is None else check_real(OP, "scale", scale),
-        "chunk_size": check_int(OP, "chunk_size", chunk_size, low=1),
-        "all_states": check_bool(OP, "all_states", all_states),
-    }
-    fn = pick(bk, OP, impl, q, k, v, g, beta, state, **opts)
-    out: tuple[Array, Array] = fn(bk.xp, q, k, v, g, beta, state, **opts)
+        "qk_l2_norm": qk_l2_norm, "scale": d_k**-0.5 if scale is None else scale,
+        "chunk_size": chunk_size, "all_states": all_states,
+    }  # fmt: skip
+    fn = choose(OP, q, k, v, g, beta, state, **opts)
+    out: tuple[Array, Array] = fn(xp, q, k, v, g, beta, state, **opts)
     return out

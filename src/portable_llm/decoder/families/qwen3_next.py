@@ -45,11 +45,13 @@ __all__ = ["GatedDeltaNet", "split_ba", "split_gated_q_proj", "split_qkvz"]
 
 
 def split_gated_q_proj(xp: Namespace, w: Array, H: int, D: int) -> tuple[Array, Array]:
-    """HF's ``q_proj.weight`` ``(H * 2 D, E)`` of a gated attention as ``(wq, wg)``, each
-    ``(H * D, E)``: each head's rows are its query's ``D``, then its gate's ``D``."""
-    E = w.shape[-1]
-    heads = xp.reshape(w, (H, 2 * D, E))
-    return (xp.reshape(heads[:, :D, :], (H * D, E)), xp.reshape(heads[:, D:, :], (H * D, E)))
+    """HF's ``q_proj.weight`` ``(H * 2 D, E)`` (or its bias, ``(H * 2 D,)``) of a gated
+    attention as ``(wq, wg)``, each ``(H * D, E)`` (``(H * D,)``): each head's rows are its
+    query's ``D``, then its gate's ``D``."""
+    rest = tuple(w.shape[1:])
+    heads = xp.reshape(w, (H, 2 * D, *rest))  # (H, 2 D, E..)
+    q, gate = (xp.reshape(heads[:, a : a + D, ...], (H * D, *rest)) for a in (0, D))
+    return q, gate
 
 
 def split_qkvz(
