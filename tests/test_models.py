@@ -368,8 +368,8 @@ def test_load_on_a_device(checkpoints: dict, b: str, spec: str) -> None:
         attn = vars(block.attn).values()
         arrays += [v for v in attn if isinstance(v, type(model.embed))]
         assert block.moe is not None
-        arrays += [*block.moe["arrays"], *block.moe["options"]["shared"]]
-        arrays.append(block.moe["options"]["shared_gate"])
+        arrays += [*block.moe.arrays, *block.moe.shared]
+        arrays.append(block.moe.shared_gate)
     assert len(arrays) > 20 and all(pl.device_of(a) == device for a in arrays)
     ids = _ids(8, L)[None]
     for given in (ids, pl.asarray(ids, backend=b)):  # a host array, a CPU array: moved

@@ -121,7 +121,7 @@ def test_moe_folder_logits_match_mlx_lm(mixtral_folder: Path, backend: str) -> N
     ref, _ = mlx_lm_utils.load_model(mixtral_folder)
     want = np.array(ref(mx.array(IDS)))
     model = pl.load(mixtral_folder, backend=backend, dequantize=False)
-    gate = model.layers[0].moe["arrays"][1]  # the experts' gate projections, stacked
+    gate = model.layers[0].moe.experts_gate  # the experts' gate projections, stacked
     assert isinstance(gate, QuantizedWeight) and gate.shape == (4, 128, 128)
     got = model(pl.asarray(IDS, backend=backend))
     assert_close(got, want, backend=backend, dtype="float32")

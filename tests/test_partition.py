@@ -160,7 +160,7 @@ def test_tensor_ranks_read_their_slices(tmp_path: Path) -> None:
     np.testing.assert_array_equal(a.wo, full["model.layers.0.self_attn.o_proj.weight"][:, 16:])
     w1 = full["model.layers.0.block_sparse_moe.experts.3.w1.weight"]  # expert 3's gate (I, E)
     assert moe is not None
-    np.testing.assert_array_equal(moe["arrays"][1][3], w1[24:])
+    np.testing.assert_array_equal(moe.experts_gate[3], w1[24:])
 
 
 def _smollm_like_gguf(folder: Path, **types: str) -> tuple[Path, dict[str, np.ndarray]]:

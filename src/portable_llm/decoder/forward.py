@@ -40,7 +40,6 @@ from portable_llm.decoder.states import DenseState, ForwardSetup, ForwardState
 from portable_llm.ops.embedding import embedding
 from portable_llm.ops.kernels import BOUND_PROJECTIONS, KernelSet
 from portable_llm.ops.linear import mlp_body
-from portable_llm.ops.moe import moe
 from portable_llm.ops.quant import QuantizedWeight
 
 __all__ = ["Forward", "check_learned_positions", "head_weight", "position_ids", "times"]
@@ -254,7 +253,7 @@ class Forward:
             m = mlp_body(self.xp, kn, r, layer.mlp)
         else:
             assert layer.moe is not None
-            m = moe(r, *layer.moe["arrays"], **layer.moe["options"])
+            m = layer.moe(r)
         return m if self.reduce is None else self.reduce(m)
 
     def head(self, h: Any, state: ForwardState, norm: Any, head: Any) -> Any:

@@ -21,12 +21,14 @@ from portable_llm.attn.block import AttnWeights
 from portable_llm.backends import Backend, backend_of
 from portable_llm.ops.kernels import Packed, QLinear
 from portable_llm.ops.linear import MlpWeights
+from portable_llm.ops.moe import MoeWeights
 from portable_llm.ops.quant import QuantizedWeight, projection_op
 
 __all__ = [
     "AttnWeights",
     "Layer",
     "MlpWeights",
+    "MoeWeights",
     "Packed",
     "QLinear",
     "bind_layer",
@@ -51,7 +53,7 @@ class Layer:
     post_norm: Any  # (E,), or None (parallel)
     attn: AttnWeights
     mlp: MlpWeights | None
-    moe: dict[str, Any] | None  # {"arrays": ..., "options": ...} of portable_llm.ops.moe
+    moe: MoeWeights | None
     input_bias: Any = None  # (E,): LayerNorm's bias
     post_bias: Any = None  # (E,)
     parallel: bool = False

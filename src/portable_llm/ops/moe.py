@@ -14,7 +14,8 @@ Experts are stacked as HF stores them: ``experts_gate``/``experts_up`` ``(X, I, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from functools import cached_property
 from typing import Any
 
 from portable_llm.backends import Backend, resolve
@@ -33,7 +34,7 @@ from portable_llm.ops.kernels import BoundKernels
 from portable_llm.ops.linear import MlpWeights, mlp, mlp_body, swiglu_option
 from portable_llm.ops.quant import dequantized
 
-__all__ = ["ROUTERS", "moe", "route"]
+__all__ = ["ROUTERS", "MoeWeights", "moe", "route"]
 
 #: The routers of :func:`route` and :func:`moe`.
 ROUTERS: tuple[str, ...] = ("softmax", "sigmoid", GROUPED)
@@ -50,6 +51,47 @@ def _expert_ranks(xp: Namespace, gate: Array, dtype: Any) -> Array:
     """0, 1, ..., X-1 on gate's device (built from gate: the standard's arange needs a device)."""
     ones = xp.ones_like(gate[:, 0, 0], dtype=dtype)  # (X,)
     return xp.cumulative_sum(ones) - 1
+
+
+@dataclass(frozen=True)
+class MoeWeights:
+    """A decoder layer's mixture of experts: :func:`moe`'s four arrays and its options, under
+    :func:`moe`'s own names (see it for each); calling it runs :func:`moe` on ``x``
+    ``(B.., L, E)``.
+
+    ``w_router`` ``(X, E)``, ``experts_gate`` and ``experts_up`` ``(X, I, E)``,
+    ``experts_down`` ``(X, E, I)`` (arrays, or quantized weights :func:`moe` dequantizes).
+    """
+
+    w_router: Any
+    experts_gate: Any
+    experts_up: Any
+    experts_down: Any
+    top_k: int
+    norm_topk_prob: bool = False
+    router: str = "softmax"
+    shared: tuple[Any, Any, Any] | None = None
+    shared_gate: Any = None
+    act: str = "silu"
+    n_group: int = 1
+    topk_group: int = 1
+    e_score_correction_bias: Any = None
+    routed_scaling_factor: float = 1.0
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+
+    @property
+    def arrays(self) -> tuple[Any, Any, Any, Any]:
+        """``(w_router, experts_gate, experts_up, experts_down)``."""
+        return self.w_router, self.experts_gate, self.experts_up, self.experts_down
+
+    @cached_property
+    def options(self) -> dict[str, Any]:
+        """:func:`moe`'s keyword options (every field but the four arrays)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)[4:]}
+
+    def __call__(self, x: Array, /) -> Array:
+        return moe(x, *self.arrays, **self.options)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from portable_llm.attn.block import AttnWeights
 from portable_llm.decoder.config_values import read_bool, read_int, read_layer_types, read_rope
 from portable_llm.decoder.layer_weights import Layer
 from portable_llm.ops.linear import MlpWeights
+from portable_llm.ops.moe import MoeWeights
 
 __all__ = [
     "Family",
@@ -235,7 +236,7 @@ def read_mlp(w: Mapping[str, Any], i: int) -> MlpWeights:
     )
 
 
-def read_moe(cfg: LayerConfig, w: Mapping[str, Any], i: int) -> dict[str, Any]:
+def read_moe(cfg: LayerConfig, w: Mapping[str, Any], i: int) -> MoeWeights:
     """Layer ``i``'s mixture of experts (``model.layers.{i}.mlp.``): the public ``moe``'s
     arrays and options."""
     m = f"model.layers.{i}.mlp."
@@ -251,7 +252,7 @@ def read_moe(cfg: LayerConfig, w: Mapping[str, Any], i: int) -> dict[str, Any]:
     if m + "shared_expert_gate.weight" in w:  # Qwen2-MoE
         options["shared_gate"] = w[m + "shared_expert_gate.weight"]
     arrays = (w[m + "gate.weight"], *(w[f"{m}experts.{k}_proj"] for k in ("gate", "up", "down")))
-    return {"arrays": arrays, "options": options}
+    return MoeWeights(*arrays, **options)
 
 
 def _llama4_attention(cfg: LayerConfig, i: int) -> dict[str, Any]:
