@@ -7,8 +7,10 @@ time):
 - the metadata (``{arch}.block_count``, ``{arch}.attention.head_count``, ...) becomes a
   :class:`~portable_llm.models.DecoderConfig`, through the same ``from_dict`` as ``config.json``;
 - the tensors (``blk.{i}.attn_q.weight``, ...) get HF's names (``model.layers.{i}.self_attn.
-  q_proj.weight``); for the ``llama`` architecture, the rows of ``attn_q``/``attn_k`` that
-  llama.cpp's converter permuted for its rotary layout are put back (as transformers does);
+  q_proj.weight``); for the ``llama``, ``smollm3`` and ``granite`` architectures, the rows of
+  ``attn_q``/``attn_k`` (weights and biases) that llama.cpp's converter permuted for its rotary
+  layout are put back (as transformers does); a MoE layer's stacked ``ffn_*_exps`` are the
+  experts' gate, up and down;
   fused tensors (``attn_qkv``; Phi-3's ``ffn_up``) are split into HF's row blocks, and Gemma's
   norm weights, stored as ``1 + w``, lose the 1;
 - quantized tensors stay quantized (:class:`~portable_llm.ops.quant.QuantizedWeight`, MLX's
@@ -80,6 +82,20 @@ _LAYER = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a MoE layer's router
+}
+#: A MoE layer's experts, stacked ``(X, N, K)``: HF v5's ``mlp.experts.{gate_up,down}_proj``
+#: (no ``.weight``), the gate and up halves apart as the model takes them.
+_EXPERTS = {
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
+#: OLMo 2's names (a norm after each sublayer, none before).
+_POST_NORMS = {
+    **{g: h for g, h in _LAYER.items() if g not in ("attn_norm", "ffn_norm")},
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 #: Gemma's names (sandwich norms): ``ffn_norm`` is the norm before the MLP there, and
 #: ``post_attention_norm``/``post_ffw_norm`` norm the outputs of attention and the MLP.
@@ -95,18 +111,28 @@ _FUSED = {
     "ffn_up": ("mlp.gate_proj", "mlp.up_proj"),  # Phi-3's gate_up_proj (its only ffn_up)
 }
 _PLUS_ONE_TYPES = tuple(MODEL_TYPES.get(a, a) for a in NORM_PLUS_ONE)
+_PERMUTED_TYPES = tuple(MODEL_TYPES.get(a, a) for a in PERMUTED)
 _BLK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-def hf_name(name: str, *, sandwich: bool = False) -> str | None:
+def layer_names(cfg: DecoderConfig) -> dict[str, str]:
+    """A layer's GGUF names -> HF's for ``cfg``: Gemma's sandwich norms (``ffn_norm`` is the
+    norm before the MLP there), OLMo 2's norms after each sublayer, else Llama's."""
+    return _SANDWICH if cfg.sandwich_norms else _POST_NORMS if cfg.post_norms else _LAYER
+
+
+def hf_name(name: str, *, layer: dict[str, str] | None = None) -> str | None:
     """HF's name of a GGUF tensor (``blk.0.attn_q.weight`` -> ``model.layers.0.self_attn.
-    q_proj.weight``), or ``None`` for a name outside the decoder's vocabulary. ``sandwich``:
-    Gemma's names of the norms (``ffn_norm`` is ``pre_feedforward_layernorm``)."""
+    q_proj.weight``; ``blk.0.ffn_gate_exps.weight`` -> ``model.layers.0.mlp.experts.
+    gate_proj``), or ``None`` for a name outside the decoder's vocabulary. ``layer``: the
+    layer's names (:func:`layer_names`; Llama's by default)."""
     stem, _, suffix = name.rpartition(".")
     if stem in _GLOBAL and suffix in ("weight", "bias"):  # LayerNorm, Phi-2's lm_head: a bias
         return f"{_GLOBAL[stem]}.{suffix}"
     m = _BLK.match(name)
-    layer = _SANDWICH if sandwich else _LAYER
+    if m and m[2] in _EXPERTS and m[3] == "weight":
+        return f"model.layers.{m[1]}.{_EXPERTS[m[2]]}"
+    layer = _LAYER if layer is None else layer
     if m and m[2] in layer:
         return f"model.layers.{m[1]}.{layer[m[2]]}.{m[3]}"
     return None
@@ -120,8 +146,24 @@ def hf_parts(name: str, cfg: DecoderConfig) -> tuple[str, ...]:
     fused = _FUSED.get(m[2]) if m else None
     if m and fused and (m[2] == "attn_qkv" or cfg.model_type == "phi3"):
         return tuple(f"model.layers.{m[1]}.{stem}.{m[3]}" for stem in fused)
-    h = hf_name(name, sandwich=cfg.sandwich_norms)
+    h = hf_name(name, layer=layer_names(cfg))
     return () if h is None else (h,)
+
+
+def gguf_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
+    """:func:`~portable_llm.checkpoint.weights.expected_shapes`, with each MoE layer's
+    ``mlp.experts.gate_up_proj`` ``(X, 2I, E)`` as the two tensors a GGUF file holds apart
+    (``ffn_gate_exps``, ``ffn_up_exps``) and the model takes: ``mlp.experts.gate_proj`` and
+    ``mlp.experts.up_proj``, ``(X, I, E)`` each."""
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in expected_shapes(cfg).items():
+        if name.endswith(".experts.gate_up_proj"):
+            X, two_i, E = shape
+            for half in ("gate_proj", "up_proj"):
+                out[name.removesuffix("gate_up_proj") + half] = (X, two_i // 2, E)
+        else:
+            out[name] = shape
+    return out
 
 
 def read_gguf(path: str | Path, options: LoadOptions | None = None, /) -> CheckpointContents:
@@ -200,7 +242,7 @@ class GGUFSlices:
         self.file, self.keep, self.float16 = Path(path), keep, float16
         meta, self.tensors, self.config = _open(self.file)
         self.names, self.parts = _check(self.file, self.config, self.tensors)
-        self.shapes = expected_shapes(self.config)
+        self.shapes = gguf_shapes(self.config)
         self.tokenizer, self.generation_config = _extras(self.file, meta, self.config)
         self.touched = 0
         self.size = self.file.stat().st_size
@@ -232,6 +274,9 @@ class GGUFSlices:
             if self.float16:
                 _check_float16(self.file, t, kind, blocks)
             host = dequantize_blocks(kind, blocks).reshape(shape)[part]
+            order = _row_order(name, self.config)  # a permuted q/k bias
+            if order is not None:
+                host = host[order]
             return _unstored(name, self.config, host)[index]
         (N, K), per = shape, BLOCK_SIZES[kind][0]
         rows = np.arange(N)[part][index[0]]
@@ -266,7 +311,7 @@ def _check(
 ) -> tuple[dict[str, str], dict[str, slice]]:
     """``(HF name -> GGUF name of every expected tensor, HF name -> its rows in a fused GGUF
     tensor)``; :class:`CheckpointError` listing the missing, unexpected and misshapen ones."""
-    expected = expected_shapes(cfg)
+    expected = gguf_shapes(cfg)
     names: dict[str, str] = {}
     parts: dict[str, slice] = {}
     fused: dict[str, tuple[int, ...]] = {}  # GGUF name -> the shape its parts imply
@@ -286,7 +331,7 @@ def _check(
                 start += expected[h][0]
             fused[g] = (start, *expected[hs[0]][1:])
     problems = []
-    missing = [_gguf_name(h, cfg.sandwich_norms) for h in expected if h not in names]
+    missing = [_gguf_name(h, layer_names(cfg)) for h in expected if h not in names]
     if missing:
         problems.append(f"missing tensors ({len(missing)}): {listed(missing)}")
     if unexpected:
@@ -304,7 +349,7 @@ def _check(
     return {h: names[h] for h in expected}, parts
 
 
-def _gguf_name(h: str, sandwich: bool) -> str:
+def _gguf_name(h: str, layer: dict[str, str]) -> str:
     """The GGUF name of an HF tensor name (for messages)."""
     for g, stem in _GLOBAL.items():
         for suffix in ("weight", "bias"):
@@ -312,9 +357,14 @@ def _gguf_name(h: str, sandwich: bool) -> str:
                 return f"{g}.{suffix}"
     m = re.match(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$", h)
     if m:
-        for g, stem in (_SANDWICH if sandwich else _LAYER).items():
+        for g, stem in layer.items():
             if stem == m[2]:
                 return f"blk.{m[1]}.{g}.{m[3]}"
+    m = re.match(r"^model\.layers\.(\d+)\.(mlp\.experts\.\w+)$", h)
+    if m:
+        for g, stem in _EXPERTS.items():
+            if stem == m[2]:
+                return f"blk.{m[1]}.{g}.weight"
     return h
 
 
@@ -367,8 +417,10 @@ def _unstored(name: str, cfg: DecoderConfig, host: np.ndarray) -> np.ndarray:
 
 
 def _row_order(name: str, cfg: DecoderConfig) -> np.ndarray | None:
-    """The rows that undo llama.cpp's q/k permutation (transformers' ``_reverse_permute``)."""
-    if cfg.model_type not in PERMUTED or not name.endswith(("q_proj.weight", "k_proj.weight")):
+    """The rows that undo llama.cpp's q/k permutation (transformers' ``_reverse_permute``), of
+    the weights and the biases alike."""
+    qk = ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
+    if cfg.model_type not in _PERMUTED_TYPES or not name.endswith(qk):
         return None
     heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
     half = cfg.head_dim // 2

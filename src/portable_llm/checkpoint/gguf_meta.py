@@ -43,14 +43,22 @@ GGUF_ARCHITECTURES: tuple[str, ...] = (
     "phi2",
     "phi3",
     "gpt2",
+    "smollm3",
+    "olmo2",
+    "granite",
+    "starcoder2",
+    "cohere2",
+    "qwen3moe",
 )
-#: llama.cpp's LlamaModel converter (its Mistral subclass too) permutes q/k rows; Qwen's do not.
-PERMUTED: tuple[str, ...] = ("llama",)
+#: llama.cpp's LlamaModel converter (its Mistral, SmolLM3 and Granite subclasses too) permutes
+#: the rows of q/k (weights and biases) for its rotary layout; Qwen's, OLMo 2's and StarCoder2's
+#: (NeoX rotary) and Cohere 2's (interleaved pairs, llama.cpp's own layout) do not.
+PERMUTED: tuple[str, ...] = ("llama", "smollm3", "granite")
 #: HF's ``model_type`` of an architecture whose name differs (a Gemma 3 GGUF holds only the
 #: text model, as transformers reads it).
-MODEL_TYPES: dict[str, str] = {"gemma3": "gemma3_text", "phi2": "phi"}
+MODEL_TYPES: dict[str, str] = {"gemma3": "gemma3_text", "phi2": "phi", "qwen3moe": "qwen3_moe"}
 #: The architectures with LayerNorm (``{arch}.attention.layer_norm_epsilon``), not RMSNorm.
-LAYER_NORM: tuple[str, ...] = ("phi2", "gpt2")
+LAYER_NORM: tuple[str, ...] = ("phi2", "gpt2", "starcoder2", "cohere2")
 #: The architectures whose head size is ``embedding_length / head_count`` (no ``key_length``),
 #: RoPE on the first ``rope.dimension_count`` of each head's dimensions (Phi's partial rotary).
 PARTIAL_ROPE: tuple[str, ...] = ("phi2", "phi3")
@@ -187,6 +195,7 @@ def gguf_config(meta: GGUFMetadata, tensors: dict[str, GGUFTensor]) -> DecoderCo
         check_tokenizer_metadata(meta, vocab)
     d = _common_fields(meta, arch, tensors, layers, vocab)
     d.update(_family_fields(meta, arch, d))
+    d.update(_arch_fields(meta, arch, tensors))
     if arch == "gpt2":  # learned positions, no RoPE
         del d["rope_theta"]
     d.update(_rope_scaling(meta, arch, tensors))
@@ -234,7 +243,9 @@ def _common_fields(
         "model_type": MODEL_TYPES.get(arch, arch),
         "vocab_size": vocab,
         "hidden_size": meta.count(f"{arch}.embedding_length"),
-        "intermediate_size": meta.count(f"{arch}.feed_forward_length"),
+        "intermediate_size": meta.count_or_none(f"{arch}.feed_forward_length")
+        if arch in _EXPERTS  # a MoE file may hold no dense MLP: HF's default then
+        else meta.count(f"{arch}.feed_forward_length"),
         "num_hidden_layers": layers,
         "num_attention_heads": meta.count(f"{arch}.attention.head_count"),
         "num_key_value_heads": meta.count_or_none(f"{arch}.attention.head_count_kv"),
@@ -265,13 +276,59 @@ def _family_fields(meta: GGUFMetadata, arch: str, d: dict[str, Any]) -> dict[str
         rope_dim = meta.count_or_none(f"{arch}.rope.dimension_count")
         if rope_dim is not None and rope_dim != d["hidden_size"] // heads:
             out["partial_rotary_factor"] = rope_dim / (d["hidden_size"] // heads)
-    if arch in LAYER_NORM:  # Phi-2, GPT-2: llama.cpp's GELU is the tanh form (HF's gelu_new)
+    if arch in ("phi2", "gpt2"):  # llama.cpp's GELU is the tanh form (HF's gelu_new)
         out["hidden_act"] = "gelu_new"
     if arch in NORM_PLUS_ONE:  # Gemma: transformers reads the window (the pattern: its default)
         out["sliding_window"] = meta.count_or_none(f"{arch}.attention.sliding_window")
     for cap in ("attn_logit_softcapping", "final_logit_softcapping"):  # as llama.cpp reads them
         if arch == "gemma2" and meta.get(f"{arch}.{cap}") is not None:
             out[cap] = meta.number(f"{arch}.{cap}", low=1e-30)
+    return out
+
+
+#: Each architecture's own numbers (``{arch}.key`` -> HF's config name), each required, as
+#: llama.cpp's loader requires them: Granite's four multipliers (llama.cpp divides its logits
+#: by ``logit_scale``, HF's ``logits_scaling``; Cohere 2's are multiplied by theirs), Cohere 2's
+#: window (every fourth layer global: fixed in llama.cpp, HF's default pattern).
+_NUMBERS: dict[str, dict[str, str]] = {
+    "granite": {
+        "attention.scale": "attention_multiplier",
+        "embedding_scale": "embedding_multiplier",
+        "residual_scale": "residual_multiplier",
+        "logit_scale": "logits_scaling",
+    },
+    "cohere2": {"logit_scale": "logit_scale"},
+}
+_COUNTS: dict[str, dict[str, str]] = {"cohere2": {"attention.sliding_window": "sliding_window"}}
+#: The MoE architectures' counts. llama.cpp's Qwen3-MoE renormalises the top-k weights and has
+#: no dense layers (transformers' GGUF reading sets ``norm_topk_prob`` for it too).
+_EXPERTS: dict[str, dict[str, str]] = {
+    "qwen3moe": {
+        "expert_count": "num_experts",
+        "expert_used_count": "num_experts_per_tok",
+        "expert_feed_forward_length": "moe_intermediate_size",
+    },
+}
+#: The architectures whose biases no metadata announces: a converter writes a bias where the
+#: HF model has one (``blk.0.attn_q.bias``, ``blk.0.ffn_down.bias``), read where present.
+_BIASED = ("smollm3", "olmo2", "granite", "starcoder2", "cohere2", "qwen3moe")
+
+
+def _arch_fields(meta: GGUFMetadata, arch: str, tensors: dict[str, GGUFTensor]) -> dict[str, Any]:
+    """The fields of the architectures of issue 31 (:data:`_NUMBERS`, :data:`_COUNTS`,
+    :data:`_EXPERTS`, :data:`_BIASED`)."""
+    out: dict[str, Any] = {
+        hf: meta.number(f"{arch}.{key}", low=1e-30) for key, hf in _NUMBERS.get(arch, {}).items()
+    }
+    for key, hf in {**_COUNTS.get(arch, {}), **_EXPERTS.get(arch, {})}.items():
+        out[hf] = meta.count(f"{arch}.{key}")
+    if arch in _EXPERTS:
+        out["norm_topk_prob"] = True
+    if arch in _BIASED:
+        attn, mlp = "blk.0.attn_q.bias" in tensors, "blk.0.ffn_down.bias" in tensors
+        out.update(attention_bias=attn, mlp_bias=mlp)
+        if arch == "starcoder2":  # one switch for every bias (its LayerNorms always have one)
+            out["use_bias"] = attn
     return out
 
 

@@ -1,0 +1,213 @@
+"""GGUF files of issue 31's families (llama.cpp's architectures ``smollm3``, ``olmo2``,
+``granite``, ``starcoder2``, ``cohere2``, ``qwen3moe``), written here with gguf-py as llama.cpp's
+converters write them (its tensor names, q/k rows permuted for ``smollm3`` and ``granite``, each
+architecture's metadata keys, the matrices in Q8_0 and Q4_0, routers and vectors in float32),
+from a random-initialised transformers model; read kept quantized, they give transformers'
+logits on the same (dequantized) weights, on every backend.
+
+The test models switch on what llama.cpp's reading of each architecture holds: SmolLM3's no-RoPE
+layers (llama.cpp: every fourth, HF's default; no window), OLMo 2's norms after each sublayer
+and whole-projection q/k norms, Granite's four multipliers and its biases, StarCoder2's LayerNorm
+with biases and ``c_fc``/``c_proj``, Cohere 2's parallel block, logit scale and window (every
+fourth layer global, without RoPE), Qwen3-MoE's per-head q/k norms and renormalised top-2 of 4
+experts on every layer (llama.cpp has no dense ``mlp_only_layers`` and no window).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import portable_llm as pl
+from portable_llm.ops.quant import QuantizedWeight
+from portable_llm.testing import assert_close
+
+pytestmark = pytest.mark.oracle
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (extra: gguf)")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+V = 300
+IDS = np.random.default_rng(1).integers(3, V, size=(2, 12))
+_BASE = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "max_position_embeddings": 256,
+         "tie_word_embeddings": False}  # fmt: skip
+#: llama.cpp's architecture -> (transformers' class prefix, the test model's config).
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "smollm3": ("SmolLM3", {**_BASE, "num_hidden_layers": 4, "pad_token_id": 0}),
+    "olmo2": ("Olmo2", {**_BASE, "num_hidden_layers": 2, "num_attention_heads": 8,
+                        "num_key_value_heads": 4}),
+    "granite": ("Granite", {**_BASE, "num_hidden_layers": 2, "embedding_multiplier": 3.0,
+                            "residual_multiplier": 0.5, "attention_multiplier": 0.1,
+                            "logits_scaling": 2.0, "attention_bias": True, "mlp_bias": True}),
+    "starcoder2": ("Starcoder2", {**_BASE, "num_hidden_layers": 2}),
+    "cohere2": ("Cohere2", {**_BASE, "num_hidden_layers": 4, "sliding_window": 6,
+                            "logit_scale": 0.5, "tie_word_embeddings": True}),
+    "qwen3moe": ("Qwen3Moe", {**_BASE, "num_hidden_layers": 2, "head_dim": 24,
+                              "moe_intermediate_size": 32, "num_experts": 4,
+                              "num_experts_per_tok": 2, "norm_topk_prob": True}),
+}  # fmt: skip
+#: HF's module names -> llama.cpp's (OLMo 2's ``post_attention_layernorm`` is its own name).
+_NAMES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm", "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
+}  # fmt: skip
+_TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+Q8_0, Q4_0 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0
+
+
+def _hf_model(arch: str) -> Any:
+    name, extra = FAMILIES[arch]
+    config = getattr(transformers, f"{name}Config")(
+        vocab_size=V, bos_token_id=1, eos_token_id=2, **extra
+    )
+    torch.manual_seed(len(arch))
+    model = getattr(transformers, f"{name}ForCausalLM")(config).eval()
+    with torch.no_grad():  # wider than the default init
+        for pname, p in model.named_parameters():
+            if pname.endswith("bias"):
+                p.copy_(torch.randn_like(p) * 0.1)
+            elif p.ndim == 1:
+                p.copy_(torch.rand_like(p) * 0.4 + 0.8)
+            else:
+                p.copy_(torch.randn_like(p) * 0.15)
+    return model
+
+
+def _kind(hf: str, value: np.ndarray) -> Any:
+    """The file's type of HF's tensor ``hf``: Q4_0 MLPs and experts, Q8_0 the other matrices,
+    float32 vectors and routers (llama.cpp's converter keeps ``ffn_gate_inp`` in float32)."""
+    if value.ndim == 1 or hf.endswith("mlp.gate.weight"):
+        return None
+    return Q4_0 if ".mlp." in hf else Q8_0
+
+
+def _held(hf: str, value: np.ndarray) -> np.ndarray:
+    """The values the file holds of HF's tensor ``hf``: its blocks quantized and dequantized."""
+    kind = _kind(hf, value)
+    return (
+        value if kind is None else gguf.quants.dequantize(gguf.quants.quantize(value, kind), kind)
+    )
+
+
+def _gguf_tensors(arch: str, state: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, Any]]:
+    """llama.cpp's tensors (name -> float32 values, the file's type) of HF's ``state``."""
+    out = {}
+    for hf, value in state.items():
+        kind = _kind(hf, value)
+        stem, _, suffix = hf.rpartition(".")
+        if stem in _TOP:
+            out[f"{_TOP[stem]}.{suffix}"] = value, kind
+            continue
+        _, _, i, rest = hf.split(".", 3)
+        if rest == "mlp.experts.gate_up_proj":  # (X, 2I, E): llama.cpp's gate and up apart
+            half = value.shape[1] // 2
+            out[f"blk.{i}.ffn_gate_exps.weight"] = value[:, :half], kind
+            out[f"blk.{i}.ffn_up_exps.weight"] = value[:, half:], kind
+        elif rest == "mlp.experts.down_proj":
+            out[f"blk.{i}.ffn_down_exps.weight"] = value, kind
+        else:
+            stem, _, suffix = rest.rpartition(".")
+            g = _NAMES[stem]
+            if arch == "olmo2" and stem == "post_attention_layernorm":
+                g = "post_attention_norm"
+            out[f"blk.{i}.{g}.{suffix}"] = value, kind
+    return out
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's ``LlamaModel.permute`` of q/k rows (weights and biases): each head's two
+    halves interleaved, for its rotary layout."""
+    shape = w.shape
+    return w.reshape(heads, 2, shape[0] // heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def _write(path: Path, arch: str, cfg: Any, tensors: dict[str, tuple[np.ndarray, Any]]) -> None:
+    """``tensors`` (:func:`_gguf_tensors`) with the metadata llama.cpp's converter of ``arch``
+    writes."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    if arch == "starcoder2":
+        w.add_layer_norm_eps(cfg.norm_epsilon)
+    elif arch == "cohere2":
+        w.add_layer_norm_eps(cfg.layer_norm_eps)
+    else:
+        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if arch in ("smollm3", "granite", "cohere2"):  # LlamaModel's, Cohere 2's (its full rotary)
+        w.add_rope_dimension_count(D)
+    if arch == "qwen3moe":
+        w.add_key_length(D)
+        w.add_value_length(D)
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if arch == "granite":
+        w.add_attention_scale(cfg.attention_multiplier)
+        w.add_embedding_scale(cfg.embedding_multiplier)
+        w.add_residual_scale(cfg.residual_multiplier)
+        w.add_logit_scale(cfg.logits_scaling)
+    if arch == "cohere2":
+        w.add_logit_scale(cfg.logit_scale)
+        w.add_sliding_window(cfg.sliding_window)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    for name, (value, kind) in tensors.items():
+        if arch in ("smollm3", "granite") and ".attn_q." in name:
+            value = _permute(value, cfg.num_attention_heads)
+        elif arch in ("smollm3", "granite") and ".attn_k." in name:
+            value = _permute(value, cfg.num_key_value_heads)
+        if kind is None:
+            w.add_tensor(name, value.astype(np.float32))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(value, kind), raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any, np.ndarray]]:
+    """arch -> (its GGUF file, transformers' model, its float32 logits of ``IDS`` on the
+    file's weights dequantized)."""
+    root = tmp_path_factory.mktemp("gguf_families")
+    out = {}
+    for arch in FAMILIES:
+        model = _hf_model(arch)
+        state = {k: v.numpy() for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            del state["lm_head.weight"]
+        _write(root / f"{arch}.gguf", arch, model.config, _gguf_tensors(arch, state))
+        held = {k: torch.from_numpy(_held(k, v)) for k, v in state.items()}
+        model.load_state_dict(held, strict=False)  # a tied head follows the embedding
+        with torch.no_grad():
+            want = model(torch.tensor(IDS)).logits.float().numpy()
+        out[arch] = (root / f"{arch}.gguf", model, want)
+    return out
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_gguf_logits_match_transformers(gguf_files: dict, arch: str, backend: str) -> None:
+    """Kept quantized (Q8_0/Q4_0 matrices as MLX's affine codes, the stacked experts
+    dequantized), the file gives transformers' logits on its weights."""
+    path, hf, want = gguf_files[arch]
+    model = pl.load(path, backend=backend, dtype="float32", dequantize=False)
+    assert model.config.model_type == hf.config.model_type
+    assert isinstance(model.layers[0].attn.wq, QuantizedWeight)
+    assert_close(model(pl.asarray(IDS, backend=backend)), want, backend=backend, dtype="float32")
