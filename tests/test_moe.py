@@ -18,6 +18,7 @@ from portable_llm.testing import assert_close, random_array, random_weight, refe
 from portable_llm.testing.strategies import seeds
 
 moe_module = importlib.import_module("portable_llm.ops.moe")  # pl.moe is the function
+experts_module = importlib.import_module("portable_llm.ops.moe_experts")  # its kernels
 
 X, INTER, E, INTER_SHARED = 4, 12, 8, 6  # X experts, I, E, the shared I; one set of sizes:
 # JAX compiles each op once per shape.
@@ -211,13 +212,13 @@ def test_unused_experts_are_skipped(backend, dtype):
 @pytest.mark.parametrize("top_k", [1, 2, X])
 def test_the_gather_runs_top_k_rows_per_token_not_x(backend, top_k, monkeypatch):
     rows = []
-    real = moe_module._expert_mlp
+    real = experts_module._expert_mlp
 
     def counting(xp, xs, *args):
         rows.append(xs.shape[0])
         return real(xp, xs, *args)
 
-    monkeypatch.setattr(moe_module, "_expert_mlp", counting)
+    monkeypatch.setattr(experts_module, "_expert_mlp", counting)
     inp = _inputs(3, "float32", backend, (2, 3), top_k)
     gathered = inp.call(top_k, True, False, impl="portable")
     assert sum(rows) == 6 * top_k  # each token through its top_k experts only, not all X

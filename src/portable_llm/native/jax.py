@@ -158,16 +158,18 @@ def _ragged_preferred(x: Any, *_: Any, **__: Any) -> bool:
 # impl="portable" gathers with host-side counts instead.
 @native("jax", "moe_experts", kernel="jax.lax.ragged_dot_general", prefer=_ragged_preferred)
 def moe_experts(
-    xp: Any, x: Any, weights: Any, ids: Any, gate: Any, up: Any, down: Any, *,
+    xp: Any, x: Any, weights: Any, ids: Any, gate: Any, up: Any, down: Any,
+    b_gate: Any = None, b_up: Any = None, b_down: Any = None, *,
     act: Any, linear: Any, to_host: Any, glu: Any = None,
 ) -> Any:  # fmt: skip
-    return _moe_experts(x, weights, ids, gate, up, down, act=act, glu=glu)
+    return _moe_experts(x, weights, ids, gate, up, down, b_gate, b_up, b_down, act=act, glu=glu)
 
 
 @partial(jax.jit, static_argnames=("act", "glu"))  # one program per shape, also when eager
 def _moe_experts(
-    x: Any, weights: Any, ids: Any, gate: Any, up: Any, down: Any, *, act: Any, glu: Any
-) -> Any:
+    x: Any, weights: Any, ids: Any, gate: Any, up: Any, down: Any, b_gate: Any, b_up: Any,
+    b_down: Any, *, act: Any, glu: Any,
+) -> Any:  # fmt: skip
     # Static shapes throughout (group sizes stay on the device), so this traces under jax.jit.
     n, k = ids.shape
     acc = _compute(x.dtype)
@@ -175,15 +177,17 @@ def _moe_experts(
     order = jnp.argsort(flat, stable=True)  # (A,) grouped by expert
     tokens = order // k
     sizes = jnp.bincount(flat, length=gate.shape[0]).astype(jnp.int32)  # (X,)
+    owner = flat[order]  # (A,) each assignment's expert
 
-    def proj(a: Any, w: Any) -> Any:  # (A, in) x (X, out, in) -> (A, out), x's dtype
+    def proj(a: Any, w: Any, b: Any) -> Any:  # (A, in) x (X, out, in) [+ b (X, out)] -> (A, out)
         y = jax.lax.ragged_dot_general(a, w, sizes, _RAGGED, preferred_element_type=acc)
-        return y.astype(x.dtype)
+        y = y.astype(x.dtype)
+        return y if b is None else y + b.astype(x.dtype)[owner]  # gpt-oss: the expert's bias
 
     xs = x[tokens]  # (A, E)
-    g, u = proj(xs, gate), proj(xs, up)  # (A, I)
-    h = act(jnp, g) * u if glu is None else glu(jnp, g, u)  # glu: ops.moe.ClampedGlu (gpt-oss)
-    y = proj(h, down)  # (A, E)
+    g, u = proj(xs, gate, b_gate), proj(xs, up, b_up)  # (A, I)
+    h = act(jnp, g) * u if glu is None else glu(jnp, g, u)  # glu: ops.moe_experts.ClampedGlu (gpt-oss)
+    y = proj(h, down, b_down)  # (A, E)
     y = y.astype(weights.dtype) * weights.reshape(-1)[order][:, None]
     out = jnp.zeros((n, x.shape[-1]), weights.dtype).at[tokens].add(y)  # (N, E)
     return out.astype(x.dtype)

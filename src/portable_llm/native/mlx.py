@@ -132,7 +132,8 @@ def _gather_mm_applies(x: Any, *_: Any, **__: Any) -> bool:
 
 @native("mlx", "moe_experts", kernel="mx.gather_mm", applies=_gather_mm_applies)
 def moe_experts(
-    xp: Any, x: Any, weights: Any, ids: Any, gate: Any, up: Any, down: Any, *,
+    xp: Any, x: Any, weights: Any, ids: Any, gate: Any, up: Any, down: Any,
+    b_gate: Any = None, b_up: Any = None, b_down: Any = None, *,
     act: Any, linear: Any, to_host: Any, glu: Any = None,
 ) -> Any:  # fmt: skip
     # mlx-lm's SwitchGLU: each (token, slot) row multiplies its expert's matrix, gathered.
@@ -142,12 +143,13 @@ def moe_experts(
     xs = x[order // k][:, None, :]  # (A, 1, E)
     idx = flat[order]
 
-    def proj(a: Any, w: Any) -> Any:  # (A, 1, in) x (X, out, in) -> (A, 1, out)
-        return mx.gather_mm(a, w.swapaxes(-1, -2), rhs_indices=idx, sorted_indices=True)
+    def proj(a: Any, w: Any, b: Any) -> Any:  # (A, 1, in) x (X, out, in) -> (A, 1, out)
+        y = mx.gather_mm(a, w.swapaxes(-1, -2), rhs_indices=idx, sorted_indices=True)
+        return y if b is None else y + b[idx][:, None, :]  # gpt-oss: the expert's bias
 
-    g, u = proj(xs, gate), proj(xs, up)  # (A, 1, I)
-    h = act(xp, g) * u if glu is None else glu(xp, g, u)  # glu: ops.moe.ClampedGlu (gpt-oss)
-    y = proj(h, down)[:, 0, :]  # (A, E)
+    g, u = proj(xs, gate, b_gate), proj(xs, up, b_up)  # (A, 1, I)
+    h = act(xp, g) * u if glu is None else glu(xp, g, u)  # glu: ops.moe_experts.ClampedGlu (gpt-oss)
+    y = proj(h, down, b_down)[:, 0, :]  # (A, E)
     y = y.astype(weights.dtype) * weights.reshape(-1)[order][:, None]
     y = y[mx.argsort(order)].reshape(n, k, x.shape[-1])  # token-major
     return y.sum(axis=1).astype(x.dtype)

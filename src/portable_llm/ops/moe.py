@@ -30,8 +30,14 @@ from portable_llm.core.dispatch import pick, portable
 from portable_llm.core.types import Array, Namespace
 from portable_llm.ops.activations import activation_op, logistic
 from portable_llm.ops.grouped_router import GROUPED, Grouping, check_grouping, grouped_route
-from portable_llm.ops.kernels import BoundKernels
-from portable_llm.ops.linear import MlpWeights, mlp, mlp_body, swiglu_option
+from portable_llm.ops.linear import mlp, swiglu_option
+from portable_llm.ops.moe_experts import (
+    check_expert_biases,
+    check_experts,
+    check_mxfp4_experts,
+    mxfp4_experts,
+    run_experts,
+)
 from portable_llm.ops.quant import dequantized
 
 __all__ = ["ROUTERS", "MoeWeights", "moe", "route"]
@@ -47,12 +53,6 @@ def _top_k(xp: Namespace, x: Array, *, k: int) -> tuple[Array, Array]:
     return xp.take_along_axis(x, idx, axis=-1), idx
 
 
-def _expert_ranks(xp: Namespace, gate: Array, dtype: Any) -> Array:
-    """0, 1, ..., X-1 on gate's device (built from gate: the standard's arange needs a device)."""
-    ones = xp.ones_like(gate[:, 0, 0], dtype=dtype)  # (X,)
-    return xp.cumulative_sum(ones) - 1
-
-
 @dataclass(frozen=True)
 class MoeWeights:
     """A decoder layer's mixture of experts: :func:`moe`'s four arrays and its options, under
@@ -60,7 +60,8 @@ class MoeWeights:
     ``(B.., L, E)``.
 
     ``w_router`` ``(X, E)``, ``experts_gate`` and ``experts_up`` ``(X, I, E)``,
-    ``experts_down`` ``(X, E, I)`` (arrays, or quantized weights :func:`moe` dequantizes).
+    ``experts_down`` ``(X, E, I)`` (arrays, MXFP4 weights kept quantized, or other quantized
+    weights :func:`moe` dequantizes).
     """
 
     w_router: Any
@@ -79,6 +80,10 @@ class MoeWeights:
     routed_scaling_factor: float = 1.0
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    router_bias: Any = None  # gpt-oss: (X,)
+    experts_gate_bias: Any = None  # gpt-oss: (X, I)
+    experts_up_bias: Any = None  # gpt-oss: (X, I)
+    experts_down_bias: Any = None  # gpt-oss: (X, E)
 
     @property
     def arrays(self) -> tuple[Any, Any, Any, Any]:
@@ -94,85 +99,14 @@ class MoeWeights:
         return moe(x, *self.arrays, **self.options)
 
 
-@dataclass(frozen=True)
-class ClampedGlu:
-    """gpt-oss's clamped SwiGLU as the experts' gate product: ``glu(xp, gate, up)`` in place of
-    ``act(xp, gate) * up``. Every ``moe_experts`` kernel takes it as ``glu=`` (hashable: JAX's
-    kernel compiles once per option set)."""
-
-    fn: Any  # the clamped_swiglu kernel, fn(xp, gate, up, *, limit, alpha)
-    limit: float
-    alpha: float
-
-    def __call__(self, xp: Namespace, gate: Array, up: Array) -> Array:
-        return self.fn(xp, gate, up, limit=self.limit, alpha=self.alpha)
-
-
-def _expert_mlp(
-    xp: Namespace, xs: Array, gate: Array, up: Array, down: Array, act: Any, linear: Any,
-    glu: ClampedGlu | None = None,
-) -> Array:  # fmt: skip
-    """One expert over its tokens ``xs`` ``(n, E)``: the gated MLP's body with the kernels the
-    call chose (``glu``: the clamped SwiGLU in place of ``act``)."""
-    if glu is None:
-        kernels = BoundKernels.for_mlp(linear, act)
-        return mlp_body(xp, kernels, xs, MlpWeights(gate, up, down, None, None, None))  # (n, E)
-    kernels = BoundKernels.for_mlp(linear, act, glu.fn)
-    weights = MlpWeights(gate, up, down, None, None, None, (glu.limit, glu.alpha))
-    return mlp_body(xp, kernels, xs, weights)  # (n, E)
-
-
-@portable("moe_experts")
-def _moe_gather(
-    xp: Namespace, x: Array, weights: Array, ids: Array, gate: Array, up: Array, down: Array, *,
-    act: Any, linear: Any, to_host: Any, glu: ClampedGlu | None = None,
-) -> Array:  # fmt: skip
-    """Sort the (token, slot) assignments by expert; run each expert on its own tokens only.
-
-    The segment bounds are read back to the host (one sync) to slice the segments.
-    """
-    n, k = ids.shape
-    flat = xp.reshape(ids, (-1,))  # (A,) = (N * k,), token-major
-    order = xp.argsort(flat, stable=True)  # (A,) assignments grouped by expert
-    starts = xp.searchsorted(xp.take(flat, order), _expert_ranks(xp, gate, flat.dtype))  # (X,)
-    bounds = [*to_host(starts).tolist(), n * k]
-    tokens = order // k  # (A,) the token of each assignment, in expert order
-    ys = []
-    for e in range(gate.shape[0]):
-        if bounds[e + 1] > bounds[e]:
-            xs = xp.take(x, tokens[bounds[e] : bounds[e + 1]], axis=0)  # (count_e, E)
-            ys.append(_expert_mlp(xp, xs, gate[e, ...], up[e, ...], down[e, ...], act, linear, glu))
-    if not ys:  # no tokens
-        return xp.zeros_like(x)
-    w = xp.take(xp.reshape(weights, (-1,)), order)  # (A,) routing weight, expert order
-    y = xp.astype(xp.concat(ys, axis=0), weights.dtype) * w[:, None]  # (A, E)
-    y = xp.take(y, xp.argsort(order), axis=0)  # (A, E) back to token-major
-    return xp.astype(xp.sum(xp.reshape(y, (n, k, x.shape[-1])), axis=1), x.dtype)  # (N, E)
-
-
-@portable("moe_experts", "dense", pure=True)
-def _moe_dense(
-    xp: Namespace, x: Array, weights: Array, ids: Array, gate: Array, up: Array, down: Array, *,
-    act: Any, linear: Any, to_host: Any = None, glu: ClampedGlu | None = None,
-) -> Array:  # fmt: skip
-    """Every expert on every token, weighted by its routing weight (0 where not routed)."""
-    out = xp.zeros_like(x, dtype=weights.dtype)  # (N, E)
-    zero = xp.zeros_like(weights)
-    for e in range(gate.shape[0]):
-        w_e = xp.sum(xp.where(ids == e, weights, zero), axis=-1, keepdims=True)  # (N, 1)
-        y = _expert_mlp(xp, x, gate[e, ...], up[e, ...], down[e, ...], act, linear, glu)
-        out = out + xp.astype(y, weights.dtype) * w_e
-    return xp.astype(out, x.dtype)
-
-
 def _route(
     bk: Backend, x: Array, w_router: Array, top_k: int, norm_topk_prob: bool, impl: str,
-    router: str = "softmax", grouping: Grouping | None = None,
+    router: str = "softmax", grouping: Grouping | None = None, bias: Array = None,
 ) -> tuple[Array, Array]:  # fmt: skip
     if grouping is not None:  # router="grouped"
         return grouped_route(bk, x, w_router, top_k, norm_topk_prob, impl, grouping)
     xp = bk.xp
-    logits = pick(bk, "linear", impl, x, w_router)(xp, x, w_router)  # (N.., X), x's dtype
+    logits = pick(bk, "linear", impl, x, w_router, bias)(xp, x, w_router, bias)  # (N.., X)
     if router == "sigmoid":  # HF Llama4Router: top-k of the logits, then their sigmoid
         top, ids = pick(bk, "top_k", impl, logits, k=top_k)(xp, logits, k=top_k)  # (N.., k)
         scores = logistic(xp, xp.astype(top, float_compute_dtype(xp, x.dtype)))
@@ -197,36 +131,34 @@ def _grouping(
     )  # fmt: skip
 
 
-def _run_experts(
-    bk: Backend, impl: str, xf: Array, weights: Array, ids: Array, experts: tuple[Array, ...],
-    act_name: str, swiglu: tuple[float, float] | None,
-) -> Array:  # fmt: skip
-    """The routed experts of checked arguments through the ``moe_experts`` kernel ``impl``
-    picks: ``(N, E)`` rows ``xf``, their ``(N, k)`` weights and expert ids."""
-    xp, sub = bk.xp, "portable" if impl == "portable" else "auto"
-    run = pick(bk, "moe_experts", impl, xf, weights, ids, *experts)
-    if run is _moe_gather and bk.is_traced(xf):
-        raise ValueError(
-            "moe: impl='portable' reads the per-expert token counts back to the host, which a "
-            "traced call (jax.jit) cannot do; use impl='auto' (jax.lax.ragged_dot) or 'dense'"
-        )
-    extra = {}
-    if swiglu is not None:  # gpt-oss: the clamped SwiGLU, in every moe_experts kernel
-        glu_fn = pick(bk, "clamped_swiglu", sub, xf, xf, limit=swiglu[0], alpha=swiglu[1])
-        extra["glu"] = ClampedGlu(glu_fn, *swiglu)
-    return run(
-        xp, xf, weights, ids, *experts,
-        act=pick(bk, act_name, sub, xf), linear=pick(bk, "linear", sub, xf, experts[0][0, ...]),
-        to_host=bk.to_numpy, **extra,
-    )  # fmt: skip
-
-
 def _check_router(op: str, router: Any, norm_topk_prob: Any) -> str:
     if router not in ROUTERS:
         raise ValueError(f"{op}: router must be one of {ROUTERS}, got {router!r}")
     if router == "sigmoid" and norm_topk_prob:
         raise ValueError(f"{op}: router='sigmoid' scores are not renormalised; norm_topk_prob=True")
     return str(router)
+
+
+def _check_router_bias(
+    op: str, bk: Backend, bias: Array, x: Array, w_router: Array, router: str
+) -> Array:
+    """``router_bias`` ``(X,)`` in x's dtype (or None); not with ``router="grouped"``, whose
+    bias (``e_score_correction_bias``) only ranks."""
+    if bias is None:
+        return None
+    if router == GROUPED:
+        raise ValueError(
+            f"{op}: router_bias is added to the logits of router='softmax' or 'sigmoid'; "
+            "router='grouped' takes e_score_correction_bias"
+        )
+    check_float(op, "router_bias", bias, bk)
+    X = w_router.shape[0]
+    if tuple(bias.shape) != (X,):
+        raise ValueError(
+            f"{op}: router_bias must have shape ({X},) (one logit per expert of w_router "
+            f"{tuple(w_router.shape)}), got {tuple(bias.shape)}"
+        )
+    return match_weight(op, "router_bias", bias, x, bk)
 
 
 def _check_route(op: str, bk: Backend, x: Array, w_router: Array, top_k: Any) -> tuple[Array, int]:
@@ -260,12 +192,13 @@ def route(
     topk_group: int = 1,
     e_score_correction_bias: Array = None,
     routed_scaling_factor: float = 1.0,
+    router_bias: Array = None,
     impl: str = "auto",
     backend: str | None = None,
 ) -> tuple[Array, Array]:
     """The MoE router: the ``top_k`` experts of each token and their weights.
 
-    ``logits = x @ w_router.T`` (in x's dtype, as HF's router ``F.linear``).
+    ``logits = x @ w_router.T [+ router_bias]`` (in x's dtype, as HF's router ``F.linear``).
 
     - ``router="softmax"`` (Mixtral, Qwen2-MoE): softmax over all experts in float32 (float64
       for float64 x); the top-k ranks by probability, ties broken by the lower expert id.
@@ -302,6 +235,11 @@ def route(
         selection only (used in float32).
     routed_scaling_factor : float > 0
         ``router="grouped"``: HF ``routed_scaling_factor``.
+    router_bias : array, shape ``(X,)``, float dtype, optional
+        ``router="softmax"`` or ``"sigmoid"``: added to the logits (gpt-oss, HF
+        ``GptOssTopKRouter.bias``; cast to x's dtype). gpt-oss's router, a softmax over the
+        top-k biased logits, is ``router="softmax"`` with ``norm_topk_prob=True``: the same
+        weights.
     impl : {"auto", "portable", "native"}
         For the router projection and the top-k (``jax.lax.top_k`` on JAX; the portable
         top-k is a stable descending ``argsort``).
@@ -316,42 +254,15 @@ def route(
         the graph, so ``mx.grad`` flows to x and w_router through the weights).
     """
     router = _check_router("route", router, norm_topk_prob)
-    bk, (x, w_router, bias) = resolve("route", backend, x, w_router, e_score_correction_bias)
+    bk, (x, w_router, bias, r_bias) = resolve(
+        "route", backend, x, w_router, e_score_correction_bias, router_bias
+    )
     w_router, top_k = _check_route("route", bk, x, w_router, top_k)
+    r_bias = _check_router_bias("route", bk, r_bias, x, w_router, router)
     opts = {"n_group": n_group, "topk_group": topk_group, "e_score_correction_bias": bias,
             "routed_scaling_factor": routed_scaling_factor}  # fmt: skip
     grouping = _grouping("route", bk, x, w_router, top_k, router, opts)
-    return _route(bk, x, w_router, top_k, bool(norm_topk_prob), impl, router, grouping)
-
-
-def _check_experts(
-    bk: Backend, x: Array, gate: Array, up: Array, down: Array, n_experts: int
-) -> tuple[Array, Array, Array]:
-    """Check the stacked experts; the three in x's dtype (the mixed-precision rule)."""
-    e = x.shape[-1]
-    for name, arr in (("experts_gate", gate), ("experts_up", up), ("experts_down", down)):
-        check_float("moe", name, arr, bk)
-    if gate.ndim != 3 or gate.shape[0] != n_experts or gate.shape[2] != e:
-        raise ValueError(
-            f"moe: experts_gate must have shape ({n_experts}, I, {e}) (X x I x E, X from w_router, "
-            f"E from x of shape {tuple(x.shape)}), got {tuple(gate.shape)}"
-        )
-    if tuple(up.shape) != tuple(gate.shape):
-        raise ValueError(
-            f"moe: experts_up must have the shape of experts_gate, {tuple(gate.shape)}, "
-            f"got {tuple(up.shape)}"
-        )
-    want = (n_experts, e, gate.shape[1])
-    if tuple(down.shape) != want:
-        raise ValueError(
-            f"moe: experts_down must have shape {want} (X x E x I) to match experts_gate "
-            f"{tuple(gate.shape)}, got {tuple(down.shape)}"
-        )
-    return (
-        match_weight("moe", "experts_gate", gate, x, bk),
-        match_weight("moe", "experts_up", up, x, bk),
-        match_weight("moe", "experts_down", down, x, bk),
-    )
+    return _route(bk, x, w_router, top_k, bool(norm_topk_prob), impl, router, grouping, r_bias)
 
 
 # Over 80 lines for its docstring (three routers, the shared expert, every impl); the code is the
@@ -376,6 +287,10 @@ def moe(
     routed_scaling_factor: float = 1.0,
     swiglu_limit: float | None = None,
     swiglu_alpha: float = 1.702,
+    router_bias: Array = None,
+    experts_gate_bias: Array = None,
+    experts_up_bias: Array = None,
+    experts_down_bias: Array = None,
     impl: str = "auto",
     backend: str | None = None,
 ) -> Array:
@@ -395,9 +310,14 @@ def moe(
     x : array, shape ``(B.., L, E)``, float dtype
     w_router : array, shape ``(X, E)``
         HF ``gate.weight``.
-    experts_gate, experts_up : array, shape ``(X, I, E)``
-        HF ``experts.gate_up_proj[:, :I]`` and ``[:, I:]``.
-    experts_down : array, shape ``(X, E, I)``
+    experts_gate, experts_up : array or MXFP4Weight, shape ``(X, I, E)``
+        HF ``experts.gate_up_proj[:, :I]`` and ``[:, I:]``. Three
+        :class:`~portable_llm.MXFP4Weight` experts (gpt-oss's checkpoints) stay quantized: each
+        expert that has tokens is multiplied by the ``quantized_linear`` kernel of MXFP4
+        (dequantized per selected expert on the portable path; ``mx.quantized_matmul`` on MLX;
+        under ``jax.jit``, ``impl="auto"`` dequantizes inside the compiled ``ragged_dot``
+        program). Other quantized experts are dequantized for the call.
+    experts_down : array or MXFP4Weight, shape ``(X, E, I)``
         HF ``experts.down_proj``.
     top_k : int in ``[1, X]``
     norm_topk_prob : bool
@@ -419,7 +339,14 @@ def moe(
         gpt-oss: the routed experts' gate product is :func:`~portable_llm.clamped_swiglu`
         (as in :func:`~portable_llm.mlp`; ``act`` must be ``"silu"``); the shared expert keeps
         ``act``. gpt-oss's router (HF ``GptOssTopKRouter``: a softmax over the top-k logits)
-        is ``router="softmax"`` with ``norm_topk_prob=True``, without its bias.
+        is ``router="softmax"`` with ``norm_topk_prob=True`` and ``router_bias``.
+    router_bias : array, shape ``(X,)``, optional
+        Added to the router logits (gpt-oss, HF ``router.bias``); see :func:`route`.
+    experts_gate_bias, experts_up_bias : array, shape ``(X, I)``, optional
+    experts_down_bias : array, shape ``(X, E)``, optional
+        The routed experts' biases (gpt-oss, HF ``experts.gate_up_proj_bias`` de-interleaved
+        and ``experts.down_proj_bias``): expert ``e`` is ``down_e(glu(gate_e(x) + bg_e,
+        up_e(x) + bu_e)) + bd_e``, each sum in x's dtype as HF's. All three or none.
     impl : {"auto", "portable", "native", "dense"}
         How the routed experts run. ``"portable"``: sort the assignments by expert and run each
         expert on its own tokens; the per-expert counts are read back to the host (one sync per
@@ -445,20 +372,33 @@ def moe(
         raise ValueError("moe: shared must be a tuple (w_gate, w_up, w_down) or None")
     if shared_gate is not None and shared is None:
         raise ValueError("moe: shared_gate was given without a shared expert (shared=None)")
-    # Quantized experts are dequantized for the call (correct, not memory-light).
+    # MXFP4 experts stay quantized (moe_experts_mxfp4); other quantized weights are dequantized
+    # for the call (correct, not memory-light).
+    mx4 = mxfp4_experts(experts_gate, experts_up, experts_down)
     s_w = [dequantized(w) for w in (shared if shared is not None else (None, None, None))]
-    w_router, experts_gate, experts_up, experts_down, shared_gate = map(
-        dequantized, (w_router, experts_gate, experts_up, experts_down, shared_gate)
-    )
-    bk, (x, w_router, gate, up, down, s_gate, s_up, s_down, shared_gate, bias) = resolve(
-        "moe", backend, x, w_router, experts_gate, experts_up, experts_down, *s_w, shared_gate,
-        e_score_correction_bias,
+    if not mx4:
+        experts_gate, experts_up, experts_down = map(
+            dequantized, (experts_gate, experts_up, experts_down)
+        )
+    w_router, shared_gate = dequantized(w_router), dequantized(shared_gate)
+    dense = (None, None, None) if mx4 else (experts_gate, experts_up, experts_down)
+    e_biases = (experts_gate_bias, experts_up_bias, experts_down_bias)
+    bk, (x, w_router, gate, up, down, s_gate, s_up, s_down, shared_gate, bias, r_bias, *eb) = (
+        resolve("moe", backend, x, w_router, *dense, *s_w, shared_gate, e_score_correction_bias,
+                router_bias, *e_biases)
     )  # fmt: skip
     w_router, top_k = _check_route("moe", bk, x, w_router, top_k)
+    r_bias = _check_router_bias("moe", bk, r_bias, x, w_router, router)
     grouped = {"n_group": n_group, "topk_group": topk_group, "e_score_correction_bias": bias,
                "routed_scaling_factor": routed_scaling_factor}  # fmt: skip
     grouping = _grouping("moe", bk, x, w_router, top_k, router, grouped)
-    gate, up, down = _check_experts(bk, x, gate, up, down, w_router.shape[0])
+    if mx4:
+        gate, up, down = check_mxfp4_experts(
+            "moe", bk, x, experts_gate, experts_up, experts_down, w_router.shape[0]
+        )
+    else:
+        gate, up, down = check_experts(bk, x, gate, up, down, w_router.shape[0])
+    biases = check_expert_biases(bk, x, eb, gate.shape)
     e = x.shape[-1]
     if shared_gate is not None and tuple(shared_gate.shape) != (1, e):
         raise ValueError(
@@ -470,32 +410,36 @@ def moe(
         return bk.xp.zeros_like(x)
     experts = (gate, up, down)
     shared_w = None if shared is None else (s_gate, s_up, s_down)
-    route_opts = (top_k, bool(norm_topk_prob), router, grouping)
+    route_opts = (top_k, bool(norm_topk_prob), router, grouping, r_bias)
     return _moe_body(bk, impl, x, w_router, route_opts, experts, (act, act_name, swiglu),
-                     shared_w, shared_gate)  # fmt: skip
+                     shared_w, shared_gate, biases)  # fmt: skip
 
 
 def _moe_body(
     bk: Any, impl: str, x: Array, w_router: Array, route_opts: tuple[Any, ...],
     experts: tuple[Array, Array, Array], acts: tuple[str, str, Any],
     shared: tuple[Array, Array, Array] | None, shared_gate: Array,
+    biases: tuple[Array, Array, Array] | None = None,
 ) -> Array:  # fmt: skip
     """:func:`moe` on checked arguments: route, run the experts on their tokens, add the shared
-    expert (``route_opts``: top_k, norm_topk_prob, router, grouping; ``acts``: the shared
-    expert's ``act``, the experts' activation op and their clamped SwiGLU)."""
+    expert (``route_opts``: top_k, norm_topk_prob, router, grouping, router bias; ``acts``: the
+    shared expert's ``act``, the experts' activation op and their clamped SwiGLU; ``biases``:
+    the experts' stacked biases)."""
     xp, e = bk.xp, x.shape[-1]
-    top_k, norm_topk_prob, router, grouping = route_opts
+    top_k, norm_topk_prob, router, grouping, r_bias = route_opts
     act, act_name, swiglu = acts
     sub = "portable" if impl == "portable" else "auto"
     xf = xp.reshape(x, (-1, e))  # (N, E)
-    weights, ids = _route(bk, xf, w_router, top_k, norm_topk_prob, sub, router, grouping)  # (N, k)
+    weights, ids = _route(
+        bk, xf, w_router, top_k, norm_topk_prob, sub, router, grouping, r_bias
+    )  # (N, k)
     n = xf.shape[0]
     if router == "sigmoid":  # each (token, slot) its own row: x * score, weight 1
         scaled = xp.expand_dims(xf, axis=1) * xp.expand_dims(xp.astype(weights, x.dtype), axis=2)
         xf = xp.reshape(scaled, (n * top_k, e))  # (N * k, E), token-major
         ids = xp.reshape(ids, (n * top_k, 1))  # (N * k, 1)
         weights = xp.ones_like(xp.reshape(weights, (n * top_k, 1)))  # (N * k, 1)
-    out = _run_experts(bk, impl, xf, weights, ids, experts, act_name, swiglu)  # (N*, E)
+    out = run_experts(bk, impl, xf, weights, ids, experts, act_name, swiglu, biases)  # (N*, E)
     if router == "sigmoid":  # the k slots of each token summed in float32, rounded once
         ys = xp.reshape(xp.astype(out, weights.dtype), (n, top_k, e))  # (N, k, E)
         out = xp.astype(xp.sum(ys, axis=1), x.dtype)  # (N, E)

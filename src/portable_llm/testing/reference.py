@@ -139,13 +139,15 @@ def mlp(
     w_down: np.ndarray,
     act: str = "silu",
     swiglu: tuple[float, float] | None = None,
+    biases: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
 ) -> np.ndarray:
     """``down(act(gate(x)) * up(x))``; ``swiglu`` ``(limit, alpha)``: ``down(clamped_swiglu(
-    gate(x), up(x)))`` (gpt-oss)."""
+    gate(x), up(x)))`` (gpt-oss); ``biases``: of gate, up and down."""
+    bg, bu, bd = (None, None, None) if biases is None else biases
+    gate, up = linear(x, w_gate, bg), linear(x, w_up, bu)
     if swiglu is not None:
-        return linear(clamped_swiglu(linear(x, w_gate), linear(x, w_up), *swiglu), w_down)
-    gate = ACTIVATIONS[act](linear(x, w_gate))
-    return linear(gate * linear(x, w_up), w_down)
+        return linear(clamped_swiglu(gate, up, *swiglu), w_down, bd)
+    return linear(ACTIVATIONS[act](gate) * up, w_down, bd)
 
 
 # -- attention ---------------------------------------------------------------------------------
@@ -437,21 +439,22 @@ def penalties(
 
 def route(
     x: np.ndarray, w_router: np.ndarray, *, top_k: int, norm_topk_prob: bool = False,
-    router: str = "softmax", **grouped: Any,
+    router: str = "softmax", router_bias: np.ndarray | None = None, **grouped: Any,
 ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """(weights, ids), each ``(N.., top_k)``: softmax over experts, the k largest; ``router=
     "sigmoid"`` (Llama 4): the k largest logits and their sigmoid; ``router="grouped"``:
-    :func:`grouped_route` (``grouped``: its options).
+    :func:`grouped_route` (``grouped``: its options). ``router_bias`` (gpt-oss): added to the
+    logits.
 
     Ties: the lower expert id first.
     """
     if router == "grouped":
         return grouped_route(x, w_router, top_k=top_k, norm_topk_prob=norm_topk_prob, **grouped)
+    logits = linear(x, w_router, router_bias)
     if router == "sigmoid":
-        logits = linear(x, w_router)
         ids = np.argsort(-logits, axis=-1, kind="stable")[..., :top_k]
         return 1.0 / (1.0 + np.exp(-np.take_along_axis(logits, ids, axis=-1))), ids
-    probs = softmax(linear(x, w_router))
+    probs = softmax(logits)
     ids = np.argsort(-probs, axis=-1, kind="stable")[..., :top_k]
     weights = np.take_along_axis(probs, ids, axis=-1)
     if norm_topk_prob:
@@ -501,24 +504,30 @@ def moe(
     act: str = "silu",
     router: str = "softmax",
     swiglu: tuple[float, float] | None = None,
+    router_bias: np.ndarray | None = None,
+    experts_biases: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
     **grouped: Any,
 ) -> np.ndarray:
     """Token by token: the weighted sum of its top-k experts' MLPs (``router="sigmoid"``: the
     sum of the experts' MLPs of the input times its score), plus the gated shared MLP.
-    ``swiglu`` ``(limit, alpha)``: the routed experts' clamped SwiGLU (gpt-oss); ``grouped``:
-    the options of :func:`grouped_route` (``router="grouped"``)."""
+    ``swiglu`` ``(limit, alpha)``: the routed experts' clamped SwiGLU (gpt-oss); ``router_bias``
+    ``(X,)`` and ``experts_biases`` (stacked gate ``(X, I)``, up ``(X, I)`` and down ``(X, E)``
+    biases): gpt-oss's; ``grouped``: the options of :func:`grouped_route`
+    (``router="grouped"``)."""
     x = _f64(x)
     weights, ids = route(
-        x, w_router, top_k=top_k, norm_topk_prob=norm_topk_prob, router=router, **grouped
-    )
+        x, w_router, top_k=top_k, norm_topk_prob=norm_topk_prob, router=router,
+        router_bias=router_bias, **grouped,
+    )  # fmt: skip
     out = np.zeros_like(x)
     for pos in np.ndindex(*x.shape[:-1]):
         for w, e in zip(weights[pos], ids[pos], strict=True):
             g, u, d = experts_gate[e], experts_up[e], experts_down[e]
+            b = None if experts_biases is None else tuple(a[e] for a in experts_biases)
             if router == "sigmoid":  # Llama 4: the score scales the expert's input
-                out[pos] += mlp(x[pos] * w, g, u, d, act)
+                out[pos] += mlp(x[pos] * w, g, u, d, act, None, b)
             else:
-                out[pos] += w * mlp(x[pos], g, u, d, act, swiglu)
+                out[pos] += w * mlp(x[pos], g, u, d, act, swiglu, b)
     if shared is not None:
         s_gate, s_up, s_down = shared
         s = mlp(x, s_gate, s_up, s_down, act)
