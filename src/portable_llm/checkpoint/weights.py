@@ -36,6 +36,7 @@ from portable_llm.checkpoint.gpt2_layout import (
 from portable_llm.checkpoint.shards import INDEX, SAFETENSORS_FLOATS, SafetensorsFiles
 from portable_llm.decoder.config import DecoderConfig
 from portable_llm.decoder.families import FAMILIES
+from portable_llm.decoder.families.base import mlp_tensors
 
 __all__ = [
     "CheckpointError",
@@ -90,22 +91,16 @@ def expected_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
         if cfg.qk_norm:  # per head (Qwen3), or over all heads (OLMo 2)
             out[p + "self_attn.q_norm.weight"] = q_norm
             out[p + "self_attn.k_norm.weight"] = k_norm
-        if cfg.moe_layers[i] and cfg.model_type == "llama4_text":  # experts cut (llama4_sources)
-            X, I_m = cfg.num_experts, cfg.moe_intermediate_size
-            out[p + "mlp.gate.weight"] = (X, E)  # HF feed_forward.router
-            out[p + "mlp.experts.gate_proj"] = out[p + "mlp.experts.up_proj"] = (X, I_m, E)
-            out[p + "mlp.experts.down_proj"] = (X, E, I_m)
-            _mlp(out, p + "mlp.shared_expert.", E, cfg.shared_expert_intermediate_size, False)
-        elif cfg.moe_layers[i]:
+        if cfg.moe_layers[i]:
             X, I_m = cfg.num_experts, cfg.moe_intermediate_size
             out[p + "mlp.gate.weight"] = (X, E)
             out[p + "mlp.experts.gate_up_proj"] = (X, 2 * I_m, E)
             out[p + "mlp.experts.down_proj"] = (X, E, I_m)
-            if cfg.model_type == "qwen2_moe":
-                _mlp(out, p + "mlp.shared_expert.", E, cfg.shared_expert_intermediate_size, False)
-                out[p + "mlp.shared_expert_gate.weight"] = (1, E)
         else:
-            _mlp(out, p + "mlp.", E, cfg.intermediate_size, cfg.mlp_bias, cfg.gated_mlp)
+            mlp_tensors(out, p + "mlp.", E, cfg.intermediate_size, cfg.mlp_bias, cfg.gated_mlp)
+        family = FAMILIES.get(cfg.model_type)
+        if family is not None and family.tensors is not None:  # what the family changes
+            family.tensors(cfg, i, out)
     for kind in norms:
         out[f"model.norm.{kind}"] = (E,)
     if not cfg.tie_word_embeddings:
@@ -115,43 +110,12 @@ def expected_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _mlp(
-    out: dict[str, tuple[int, ...]],
-    p: str,
-    E: int,
-    I: int,  # noqa: E741
-    bias: bool,
-    gated: bool = True,
-) -> None:
-    for name, shape in (("gate", (I, E)), ("up", (I, E)), ("down", (E, I))):
-        if name == "gate" and not gated:  # the plain MLP: up (fc1) and down (fc2)
-            continue
-        out[f"{p}{name}_proj.weight"] = shape
-        if bias:
-            out[f"{p}{name}_proj.bias"] = shape[:1]
-
-
-#: Each family's checkpoint names that differ from Llama's, as (file's, the decoder's).
-FAMILY_NAMES: dict[str, tuple[tuple[str, str], ...]] = {
-    "phi": (
-        (".self_attn.dense.", ".self_attn.o_proj."),
-        (".mlp.fc1.", ".mlp.up_proj."),
-        (".mlp.fc2.", ".mlp.down_proj."),
-        ("model.final_layernorm.", "model.norm."),
-    ),
-    "llama4_text": (
-        (".feed_forward.router.", ".mlp.gate."),
-        (".feed_forward.", ".mlp."),
-    ),
-}
-
-
 def family_name(model_type: str, name: str) -> str:
-    """A checkpoint tensor's name in the decoder's (Llama's) vocabulary: Phi-2's ``dense``,
-    ``fc1``, ``fc2`` and ``final_layernorm`` renamed (:data:`FAMILY_NAMES`, or the ``names``
-    of a family file's :class:`~portable_llm.decoder.families.Family`)."""
+    """A checkpoint tensor's name in the decoder's (Llama's) vocabulary: the ``names`` of the
+    family's :class:`~portable_llm.decoder.families.Family` (Phi-2's ``dense``, ``fc1``,
+    ``fc2`` and ``final_layernorm`` renamed)."""
     family = FAMILIES.get(model_type)
-    for old, new in FAMILY_NAMES.get(model_type, family.names if family else ()):
+    for old, new in family.names if family else ():
         if old in name:
             return name.replace(old, new)
     return name

@@ -34,6 +34,7 @@ __all__ = [
     "Family",
     "LayerConfig",
     "layer_rope",
+    "mlp_tensors",
     "no_windows",
     "qwen2_layer_types",
     "read_attention",
@@ -117,7 +118,10 @@ class Family:
     ``interleaved_rope``: RoPE rotates the pairs ``(2i, 2i + 1)`` (``rope["traditional"]``),
     not HF's rotate-half ones. ``rope_renames``: older names of a rope type (Phi-3's ``su``).
     ``names``: the family's checkpoint names that differ from Llama's, as ``(file's,
-    Llama's)`` pieces of a tensor's name (StarCoder2's ``.mlp.c_fc.``).
+    Llama's)`` pieces of a tensor's name (StarCoder2's ``.mlp.c_fc.``). ``tensors(cfg, i,
+    out)``: amends layer ``i``'s entries of the checkpoint's expected tensors ``out`` (HF name
+    -> shape; what the config's fields imply, :func:`~portable_llm.checkpoint.weights.
+    expected_shapes`) where the family's differ (Qwen2-MoE's shared expert).
     """
 
     model_type: str
@@ -136,12 +140,31 @@ class Family:
     interleaved_rope: bool = False
     rope_renames: Mapping[str, str] = field(default_factory=dict)
     names: tuple[tuple[str, str], ...] = ()
+    tensors: Callable[[Any, int, dict[str, tuple[int, ...]]], None] | None = None
 
     def read_ropes(self, d: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """``(rope, rope of the sliding layers or None)`` of the ``config.json`` dict ``d``."""
         if self.ropes is not None:
             return self.ropes(d)
         return read_rope(d, interleaved=self.interleaved_rope, renames=self.rope_renames), None
+
+
+def mlp_tensors(
+    out: dict[str, tuple[int, ...]],
+    p: str,
+    E: int,
+    I: int,  # noqa: E741
+    bias: bool,
+    gated: bool = True,
+) -> None:
+    """The tensors of an MLP under the prefix ``p`` (``...mlp.``) into ``out``: HF's
+    ``{gate,up,down}_proj`` (the plain MLP: no gate), with biases where ``bias``."""
+    for name, shape in (("gate", (I, E)), ("up", (I, E)), ("down", (E, I))):
+        if name == "gate" and not gated:  # the plain MLP: up (fc1) and down (fc2)
+            continue
+        out[f"{p}{name}_proj.weight"] = shape
+        if bias:
+            out[f"{p}{name}_proj.bias"] = shape[:1]
 
 
 def no_windows(d: Mapping[str, Any], n: int) -> tuple[None, list[str]]:

@@ -29,7 +29,7 @@ from portable_llm.decoder.config_values import (
     read_real,
     read_rope_layers,
 )
-from portable_llm.decoder.families.base import Family
+from portable_llm.decoder.families.base import Family, mlp_tensors
 
 __all__ = ["FAMILY"]
 
@@ -78,8 +78,21 @@ def layer_types(d: Mapping[str, Any], n: int) -> tuple[None, list[str]]:
     ]
 
 
+def tensors(cfg: Any, i: int, out: dict[str, tuple[int, ...]]) -> None:
+    """An MoE layer's experts as the reader cuts them from the fused ``gate_up_proj``
+    (``checkpoint/gpt2_layout.py: llama4_sources``), and its shared expert."""
+    if cfg.moe_layers[i]:
+        p, E = f"model.layers.{i}.mlp.", cfg.hidden_size
+        X, I_m = cfg.num_experts, cfg.moe_intermediate_size
+        del out[p + "experts.gate_up_proj"]
+        out[p + "experts.gate_proj"] = out[p + "experts.up_proj"] = (X, I_m, E)
+        mlp_tensors(out, p + "shared_expert.", E, cfg.shared_expert_intermediate_size, False)
+
+
 FAMILY = Family(
     "llama4_text",
+    names=((".feed_forward.router.", ".mlp.gate."), (".feed_forward.", ".mlp.")),
+    tensors=tensors,
     defaults={"rope_theta": 5e5, "rms_norm_eps": 1e-5},
     fields=fields,
     layer_types=layer_types,

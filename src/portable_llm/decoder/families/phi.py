@@ -42,4 +42,10 @@ FAMILY = Family(
     o_bias=True,
     fields=fields,
     layer_types=no_windows,
+    names=(
+        (".self_attn.dense.", ".self_attn.o_proj."),
+        (".mlp.fc1.", ".mlp.up_proj."),
+        (".mlp.fc2.", ".mlp.down_proj."),
+        ("model.final_layernorm.", "model.norm."),
+    ),
 )

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from portable_llm.decoder.config_values import read_bool, read_int, read_sparse_layers
-from portable_llm.decoder.families.base import Family, qwen2_layer_types
+from portable_llm.decoder.families.base import Family, mlp_tensors, qwen2_layer_types
 
 __all__ = ["FAMILY"]
 
@@ -40,8 +40,17 @@ def fields(d: Mapping[str, Any], n: int) -> dict[str, Any]:
     }
 
 
+def tensors(cfg: Any, i: int, out: dict[str, tuple[int, ...]]) -> None:
+    """A sparse layer's gated shared expert, beside its experts."""
+    if cfg.moe_layers[i]:
+        p, E = f"model.layers.{i}.mlp.", cfg.hidden_size
+        mlp_tensors(out, p + "shared_expert.", E, cfg.shared_expert_intermediate_size, False)
+        out[p + "shared_expert_gate.weight"] = (1, E)
+
+
 FAMILY = Family(
     "qwen2_moe",
     fields=fields,
+    tensors=tensors,
     layer_types=lambda d, n: qwen2_layer_types(d, n, every_other=True),
 )
