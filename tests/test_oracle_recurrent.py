@@ -5,7 +5,9 @@ heads, the L2 norm, a start state, the final state). Mamba-2: ``mamba2_chunk_sca
 chunked SSD with D, dt bias, softplus, groups, a start state) and
 ``mamba2_selective_state_update`` (one decode step, with the z gate). LFM2:
 ``causal_conv1d_fn`` and ``causal_conv1d_update`` (the full sequence and one step with the
-rolling state). Small float32 inputs; each call is one HF function call.
+rolling state). Falcon-H1: the whole ``FalconH1Mixer`` (pure-torch path, random weights, every
+option on) over a sequence and step by step through HF's cache (the states compared too), and
+its ``FalconH1RMSNormGated``. Small float32 inputs; each call is one HF function call.
 """
 
 from __future__ import annotations
@@ -117,3 +119,71 @@ def test_short_conv_matches_lfm2_causal_conv1d(backend):
     y1, new = pl.short_conv(xs[:, L - 1 :, :], _on(w, backend), bias=_on(b, backend), state=held)
     assert_close(y1, want_step.transpose(1, 2).numpy(), backend=backend)
     assert_close(new, np.ascontiguousarray(state.transpose(1, 2).numpy()), backend=backend)
+
+
+def _falcon_h1_mixer(rms_norm: bool, before: bool):
+    """transformers' ``FalconH1Mixer`` (its pure-torch path) with every option on (groups,
+    both biases, the multipliers, the mup vector), random weights; and its config."""
+    from transformers import FalconH1Config
+    from transformers.models.falcon_h1 import modeling_falcon_h1 as hf
+
+    config = FalconH1Config(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        mamba_d_ssm=24, mamba_n_heads=6, mamba_n_groups=2, mamba_d_state=5, mamba_d_conv=4,
+        mamba_chunk_size=4, mamba_rms_norm=rms_norm, mamba_norm_before_gate=before,
+        mamba_proj_bias=True, projectors_bias=True, ssm_in_multiplier=0.7,
+        ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 2.0], vocab_size=300,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    mixer = hf.FalconH1Mixer(config, 0).eval()
+    mixer.register_buffer("mup_vector", hf.compute_mup_vector(config), persistent=False)
+    with torch.no_grad():
+        for p in mixer.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    return mixer, config
+
+
+@pytest.mark.slow_on("jax")  # the scan compiled for 5 lengths: ~30 s; the family tests run there
+@pytest.mark.parametrize(("rms_norm", "before"), [(True, True), (True, False), (False, True)])
+def test_mamba2_mixer_matches_falcon_h1_mixer(backend, rms_norm, before):
+    """The whole sequence, then a prompt of 4 and one token at a time through HF's cache."""
+    from transformers import DynamicCache
+
+    from portable_llm.decoder.families import falcon_h1
+
+    mixer, config = _falcon_h1_mixer(rms_norm, before)
+    d = config.to_dict()
+    w = {f"model.layers.0.mamba.{k}": _on(v.detach(), backend)
+         for k, v in mixer.state_dict().items()}  # fmt: skip
+    weights = falcon_h1.read_mixer(w, 0, falcon_h1.mixer_options(d), falcon_h1.mup_vector(d),
+                                   rms_norm=rms_norm)  # fmt: skip
+    x = _t(30, 2, 7, 32)
+    with torch.no_grad():
+        want = mixer(x).numpy()
+        cache = DynamicCache(config=config)
+        steps = [mixer(x[:, :4], cache_params=cache)]
+        steps += [mixer(x[:, t : t + 1], cache_params=cache) for t in range(4, 7)]
+    y, _ = pl.mamba2_mixer(_on(x, backend), weights)
+    assert_close(y, want, backend=backend)
+    parts, state = [], None
+    for start, end in [(0, 4), (4, 5), (5, 6), (6, 7)]:
+        part, state = pl.mamba2_mixer(_on(x[:, start:end], backend), weights, state=state)
+        parts.append(pl.to_numpy(part))
+    assert_close(np.concatenate(parts, axis=1), torch.cat(steps, dim=1).numpy(), backend="numpy")
+    assert_close(state[1], cache.get_recurrent_state(0, state_idx=0).numpy(), backend=backend)
+    held = cache.get_conv_state(0, state_idx=0)[:, :, 1:]  # HF keeps K inputs, (B, C, K)
+    assert_close(state[0], held.transpose(1, 2).numpy(), backend=backend)
+
+
+@pytest.mark.parametrize("before", [True, False])
+def test_gated_rms_norm_matches_falcon_h1(backend, before):
+    from transformers.models.falcon_h1 import modeling_falcon_h1 as hf
+
+    norm = hf.FalconH1RMSNormGated(12, eps=1e-5, n_groups=3, norm_before_gate=before)
+    with torch.no_grad():
+        norm.weight.copy_(_t(40, 12))
+        x, gate = _t(41, 2, 5, 12), _t(42, 2, 5, 12)
+        want = norm(x, gate).numpy()
+    got = pl.gated_rms_norm(_on(x, backend), _on(gate, backend), _on(norm.weight.detach(), backend),
+                            eps=1e-5, n_groups=3, norm_before_gate=before)  # fmt: skip
+    assert_close(got, want, backend=backend)

@@ -69,7 +69,9 @@ from portable_llm.ops.activations import (
 )
 from portable_llm.ops.delta_rule import gated_delta_rule
 from portable_llm.ops.embedding import embedding, unembed
+from portable_llm.ops.gated_norm import gated_rms_norm
 from portable_llm.ops.linear import intermediate_size, linear, mlp
+from portable_llm.ops.mamba2 import Mamba2Weights, mamba2_mixer
 from portable_llm.ops.moe import moe, route
 from portable_llm.ops.norm import layer_norm, rms_norm
 from portable_llm.ops.penalties import apply_penalties, logit_bias_row
@@ -98,6 +100,7 @@ __all__ = [
     "dequantize",
     "embedding",
     "gated_delta_rule",
+    "gated_rms_norm",
     "gelu",
     "gelu_tanh",
     "greedy",
@@ -107,6 +110,8 @@ __all__ = [
     "left_pad",
     "linear",
     "logprobs",
+    "mamba2_mixer",
+    "Mamba2Weights",
     "mlp",
     "moe",
     "paged_attention",

@@ -59,6 +59,7 @@ from portable_llm.extras import install_hint
 from portable_llm.ops.activations import clamped_swiglu, gelu, gelu_tanh, relu, silu, softmax
 from portable_llm.ops.delta_rule import gated_delta_rule
 from portable_llm.ops.embedding import embedding, unembed
+from portable_llm.ops.gated_norm import gated_rms_norm
 from portable_llm.ops.linear import linear, mlp
 from portable_llm.ops.moe import moe
 from portable_llm.ops.moe import route as moe_route
@@ -576,7 +577,22 @@ def _ssd_case(seed: int, dtype: str, backend: str) -> Inputs:
     )
 
 
+def _gated_norm_case(seed: int, dtype: str, backend: str) -> Inputs:
+    kw: dict[str, Any] = {"backend": backend}
+    return _inputs(
+        random_array(seed, _X, dtype, **kw),
+        random_array(seed + 1, _X, dtype, **kw),
+        random_array(seed + 2, _X[-1:], dtype, **kw),
+        n_groups=4,
+        norm_before_gate=False,
+    )
+
+
 CASES.extend([
+    Case("gated_rms_norm", "gated_rms_norm", _gated_norm_case,
+         lambda x, g, w, **o: gated_rms_norm(x, g, w, **o),
+         lambda x, g, w, n_groups, norm_before_gate: reference.gated_rms_norm(
+             x, g, w, 1e-6, n_groups, norm_before_gate), seed=225),
     Case("short_conv", "short_conv", _conv_case,
          lambda x, w, b, s, **o: short_conv(x, w, bias=b, state=s, **o)[0],
          lambda x, w, b, s, **o: reference.short_conv(x, w, b, s, **o)[0], seed=230),

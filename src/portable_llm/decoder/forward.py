@@ -37,12 +37,13 @@ from portable_llm.core.dispatch import dispatcher
 from portable_llm.decoder.config import DecoderConfig
 from portable_llm.decoder.layer_weights import Layer
 from portable_llm.decoder.states import DenseState, ForwardSetup, ForwardState
+from portable_llm.ops.affine import times
 from portable_llm.ops.embedding import embedding
 from portable_llm.ops.kernels import BOUND_PROJECTIONS, KernelSet
 from portable_llm.ops.linear import mlp_body
 from portable_llm.ops.quant import QuantizedWeight
 
-__all__ = ["Forward", "check_learned_positions", "head_weight", "position_ids", "times"]
+__all__ = ["Forward", "check_learned_positions", "head_weight", "position_ids"]
 
 
 def head_weight(embed: Any, lm_head: Any) -> Any:
@@ -277,15 +278,6 @@ class Forward:
             c = xp.asarray(cap, dtype=logits.dtype, device=self.bk.device_of(logits))
             logits = xp.tanh(logits / c) * c
         return logits
-
-
-def times(xp: Any, x: Any, c: float) -> Any:
-    """``x * c`` for a Python float ``c``, as torch computes it (HF's multipliers: Granite's
-    embedding, residual and logit scales, Cohere 2's logit scale): in float32 for a narrower
-    float (bfloat16, float16), rounded once to ``x``'s dtype; in ``x``'s own dtype otherwise."""
-    if x.dtype in (xp.float32, xp.float64):
-        return x * c
-    return xp.astype(xp.astype(x, xp.float32) * c, x.dtype)
 
 
 def check_learned_positions(op: str, config: DecoderConfig, start: int, L: int) -> None:

@@ -1,4 +1,5 @@
-"""The one float product under :func:`~portable_llm.linear` and the quantized ops: ``affine``.
+"""The one float product under :func:`~portable_llm.linear` and the quantized ops: ``affine``;
+and ``times``, the product with a Python float of HF's multipliers.
 
 Kept below ``ops/linear.py`` and ``ops/quant/`` so that both call it without importing each
 other.
@@ -9,7 +10,7 @@ from __future__ import annotations
 from portable_llm.core.checks import is_half
 from portable_llm.core.types import Array, Namespace
 
-__all__ = ["affine"]
+__all__ = ["affine", "times"]
 
 
 def affine(xp: Namespace, x: Array, weight: Array, bias: Array = None) -> Array:
@@ -34,3 +35,13 @@ def affine(xp: Namespace, x: Array, weight: Array, bias: Array = None) -> Array:
     if bias is not None:
         y = y + bias
     return xp.astype(y, dtype)
+
+
+def times(xp: Namespace, x: Array, c: float) -> Array:
+    """``x * c`` for a Python float ``c``, as torch computes it (HF's multipliers: Granite's
+    embedding, residual and logit scales, Cohere 2's logit scale, Falcon-H1's many): in float32
+    for a narrower float (bfloat16, float16), rounded once to ``x``'s dtype; in ``x``'s own dtype
+    otherwise."""
+    if x.dtype in (xp.float32, xp.float64):
+        return x * c
+    return xp.astype(xp.astype(x, xp.float32) * c, x.dtype)

@@ -1,6 +1,7 @@
 """float64 NumPy references of the recurrent ops, written step by step from the equations (one
 token, one row, one head at a time, no chunking): :func:`short_conv`, :func:`gated_delta_rule`,
-:func:`ssd_scan`. Re-exported by :mod:`portable_llm.testing.reference`."""
+:func:`ssd_scan`; and the mixer of Mamba-2 over them, :func:`mamba2_mixer` (with its
+:func:`gated_rms_norm`). Re-exported by :mod:`portable_llm.testing.reference`."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["gated_delta_rule", "short_conv", "ssd_scan"]
+__all__ = ["gated_delta_rule", "gated_rms_norm", "mamba2_mixer", "short_conv", "ssd_scan"]
 
 
 def _f64(*arrays: Any) -> list[Any]:
@@ -103,3 +104,50 @@ def ssd_scan(
                 y[b, t, h] = out
             S_all[b, h] = S
     return y, S_all
+
+
+def gated_rms_norm(
+    x: np.ndarray, gate: np.ndarray, weight: np.ndarray, eps: float = 1e-6, n_groups: int = 1,
+    norm_before_gate: bool = True,
+) -> np.ndarray:  # fmt: skip
+    """The gated RMSNorm, one group of ``E / n_groups`` features at a time: ``weight *
+    rms(x) * silu(gate)`` (``norm_before_gate``) or ``weight * rms(x * silu(gate))``."""
+    x, gate, weight = _f64(x, gate, weight)
+    silu = gate / (1.0 + np.exp(-gate))
+    v = x if norm_before_gate else x * silu
+    out = np.empty_like(v)
+    width = v.shape[-1] // n_groups
+    for g in range(n_groups):
+        part = v[..., g * width : (g + 1) * width]
+        out[..., g * width : (g + 1) * width] = part / np.sqrt(
+            np.mean(part**2, axis=-1, keepdims=True) + eps
+        )
+    out = out * weight
+    return out * silu if norm_before_gate else out
+
+
+def mamba2_mixer(
+    x: np.ndarray, w: Any, state: tuple[Any, Any] | None = None
+) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+    """``(out, (conv, ssm))`` of the Mamba-2 mixer of the weights ``w`` (a
+    :class:`~portable_llm.ops.mamba2.Mamba2Weights` of NumPy arrays), composed of the references
+    above in float64: the projection, the multipliers, the convolution, the scan, the gate."""
+    x, w_in, b_in, mup, w_out, b_out = _f64(x, w.in_proj, w.in_bias, w.mup, w.out_proj, w.out_bias)
+    b, L, _ = x.shape
+    H, P, G = int(w.A.shape[0]), w.head_dim, w.n_groups
+    Di, C = H * P, int(w.conv.shape[0])
+    N = (C - Di) // (2 * G)
+    proj = (x * w.in_multiplier) @ w_in.T + (0.0 if b_in is None else b_in)
+    proj = proj if mup is None else proj * mup
+    z, xBC, dt = proj[..., :Di], proj[..., Di : Di + C], proj[..., Di + C :]
+    conv_state, ssm_state = (None, None) if state is None else state
+    xBC, conv_state = short_conv(xBC, w.conv, w.conv_bias, conv_state, activation="silu")
+    xs = xBC[..., :Di].reshape(b, L, H, P)
+    Bm, Cm = (xBC[..., Di + i * G * N : Di + (i + 1) * G * N].reshape(b, L, G, N) for i in (0, 1))
+    gate = z.reshape(b, L, H, P) if w.norm is None else None
+    y, ssm_state = ssd_scan(xs, dt, w.A, Bm, Cm, D=w.D, z=gate, dt_bias=w.dt_bias,
+                            state=ssm_state, dt_limit=w.dt_limit)  # fmt: skip
+    y = y.reshape(b, L, Di)
+    if w.norm is not None:
+        y = gated_rms_norm(y, z, w.norm, w.eps, G, w.norm_before_gate)
+    return y @ w_out.T + (0.0 if b_out is None else b_out), (conv_state, ssm_state)

@@ -12,7 +12,13 @@ from typing import Any
 
 import numpy as np
 
-from portable_llm.testing.recurrent_reference import gated_delta_rule, short_conv, ssd_scan
+from portable_llm.testing.recurrent_reference import (
+    gated_delta_rule,
+    gated_rms_norm,
+    mamba2_mixer,
+    short_conv,
+    ssd_scan,
+)
 
 __all__ = [
     "attention",
@@ -22,11 +28,13 @@ __all__ = [
     "embedding",
     "gelu",
     "gated_delta_rule",
+    "gated_rms_norm",
     "gelu_tanh",
     "grouped_route",
     "latent_attention",
     "layer_norm",
     "linear",
+    "mamba2_mixer",
     "mlp",
     "moe",
     "mxfp4_dequantize",

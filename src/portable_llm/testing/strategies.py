@@ -1,5 +1,6 @@
 """Hypothesis strategies shared by every test: shapes ``N.. x D``, float dtypes, seeds, token
-ids, JSON schemas, the dimensions of the recurrent ops, latent attention's sizes."""
+ids, JSON schemas, the dimensions of the recurrent ops and the Mamba-2 mixer, latent
+attention's sizes."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ __all__ = [
     "float_dtypes",
     "json_schemas",
     "latent_sizes",
+    "mamba2_dims",
     "mxfp4_shapes",
     "seeds",
     "shapes",
@@ -175,6 +177,14 @@ def ssd_dims() -> st.SearchStrategy[tuple[int, int, int, int, int, int]]:
     heads = st.sampled_from([(1, 1), (1, 2), (2, 4)])
     dims = st.sampled_from([(2, 4), (4, 8)])
     return st.tuples(_BATCH, _TOKENS, heads, dims).map(lambda t: (t[0], t[1], *t[2], *t[3]))
+
+
+def mamba2_dims() -> st.SearchStrategy[tuple[int, ...]]:
+    """``(B, L, n_groups, H, P, N, K, E)`` of :func:`~portable_llm.mamba2_mixer`: the scan's
+    sizes (:func:`ssd_dims`), ``K`` convolution taps (Mamba-2's ``d_conv`` is 4) and the
+    hidden size ``E``."""
+    more = st.tuples(st.sampled_from([2, 4]), st.sampled_from([6, 16]))
+    return st.tuples(ssd_dims(), more).map(lambda t: (*t[0], *t[1]))
 
 
 def chunk_sizes() -> st.SearchStrategy[int]:
