@@ -427,3 +427,20 @@ def test_mx_grad_of_route_weights(backend):
 
     assert_close(gx, _fd_grad(f_x, r["x"]), backend=backend, dtype="float32")
     assert_close(gw, _fd_grad(f_w, r["w_router"]), backend=backend, dtype="float32")
+
+
+def test_moe_weights_name_every_option_of_moe() -> None:
+    """A decoder layer's ``MoeWeights`` carries each keyword option of ``pl.moe`` under the same
+    name (an option added to the op but not to the record would never reach a model)."""
+    import dataclasses
+    import inspect
+
+    from portable_llm.ops.moe import MoeWeights
+
+    params = inspect.signature(pl.moe).parameters.values()
+    options = [
+        p.name for p in params if p.kind is p.KEYWORD_ONLY and p.name not in ("impl", "backend")
+    ]
+    arrays = [p.name for p in params if p.kind is p.POSITIONAL_ONLY][1:]  # after x
+    names = [f.name for f in dataclasses.fields(MoeWeights)]
+    assert names == arrays + options
