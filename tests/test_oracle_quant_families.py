@@ -1,5 +1,6 @@
 """mlx-lm quantized folders of the families beyond Llama (``phi``, ``phi3``, ``gemma2``,
-``gemma3_text``, ``gpt2``, ``qwen3_moe``): a random-initialised transformers model saved
+``gemma3_text``, ``gpt2``, ``qwen3_moe``, ``smollm3``, ``olmo2``, ``granite``, ``starcoder2``,
+``cohere2``): a random-initialised transformers model saved
 offline with ``save_pretrained``, converted by ``mlx_lm.convert(quantize=True)`` (4 bits,
 groups of 64), loaded by ``pl.load`` kept quantized on every backend, against mlx-lm's own
 model on the same folder (float32 logits within the float32 tolerance: the same dequantized
@@ -20,7 +21,12 @@ sliding window); Gemma 3 gets ``sliding_window_pattern: 2`` (mlx-lm ignores ``la
 (mlx-lm's have no ``lm_head``); GPT-2 is saved in the original
 ``gpt2`` layout (no ``transformer.`` prefix, mlx-lm's convert expects none) with ``n_ctx``;
 Qwen3-MoE's config gets v4's ``num_experts`` and ``rope_theta`` (mlx-lm reads neither v5 name)
-and neither a window nor attention biases (mlx-lm's Qwen3-MoE has none).
+and neither a window nor attention biases (mlx-lm's Qwen3-MoE has none); every config gets v4's
+top-level ``rope_theta`` from v5's ``rope_parameters``; SmolLM3 no window (mlx-lm's has none);
+StarCoder2 ``hidden_act="gelu"`` and no window (mlx-lm's runs the erf GELU whatever the config
+says, transformers' default is the tanh form, and has no window); Cohere 2 v4's
+``sliding_window_pattern`` (mlx-lm ignores ``layer_types``), with a window of 4, shorter than
+the prompt.
 """
 
 from __future__ import annotations
@@ -49,6 +55,8 @@ V = 300
 IDS = np.random.default_rng(0).integers(3, V, size=(2, 7))
 _GEMMA = {"intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
           "num_key_value_heads": 2, "head_dim": 32, "query_pre_attn_scalar": 24}  # fmt: skip
+_DENSE = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
 # family -> (config class, model class, config keywords, config.json additions for mlx-lm)
 FAMILIES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
     "phi": ("PhiConfig", "PhiForCausalLM", {
@@ -75,6 +83,21 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
         "head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
         "mlp_only_layers": [1],
     }, {"num_experts": 4, "rope_theta": 10000.0}),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {
+        **_DENSE, "num_hidden_layers": 4, "attention_bias": True, "mlp_bias": True,
+        "tie_word_embeddings": False, "pad_token_id": 0,
+    }, {}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {**_DENSE, "tie_word_embeddings": False}, {}),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {
+        **_DENSE, "embedding_multiplier": 3.0, "residual_multiplier": 0.5,
+        "attention_multiplier": 0.1, "logits_scaling": 2.0, "attention_bias": True,
+        "mlp_bias": True,
+    }, {}),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {**_DENSE, "hidden_act": "gelu"},
+                   {}),
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", {
+        **_DENSE, "num_hidden_layers": 4, "sliding_window": 4, "logit_scale": 0.5,
+    }, {"sliding_window_pattern": 4}),
 }  # fmt: skip
 
 
@@ -92,6 +115,9 @@ def _hf_folder(family: str, folder: Path) -> Path:
     model.save_pretrained(folder)
     save_hf_tokenizer(folder, vocab_size=V)
     config_json = json.loads((folder / "config.json").read_text())
+    theta = config_json.get("rope_parameters", {}).get("rope_theta")
+    if theta is not None:  # mlx-lm reads only v4's top-level rope_theta
+        additions = {"rope_theta": theta, **additions}
     (folder / "config.json").write_text(json.dumps({**config_json, **additions}))
     if family == "gpt2":  # the original gpt2 layout: no transformer. prefix
         from safetensors.numpy import load_file, save_file

@@ -4,8 +4,9 @@ mlx-lm converts a checkpoint into its own model's names, then quantizes every ``
 ``Embedding`` whose input width the group size divides. Most families keep HF's names; these
 do not:
 
-- ``phi`` (Phi-2): ``self_attn.dense``, ``mlp.fc1``/``fc2``, ``model.final_layernorm`` (HF's
-  names, renamed by :func:`~portable_llm.checkpoint.weights.family_name` as for a float folder);
+- ``phi`` (Phi-2): ``self_attn.dense``, ``mlp.fc1``/``fc2``, ``model.final_layernorm``, and
+  ``starcoder2``: ``mlp.c_fc``/``c_proj`` (HF's names, renamed by
+  :func:`~portable_llm.checkpoint.weights.family_name` as for a float folder);
 - ``phi3``: the fused ``self_attn.qkv_proj`` and ``mlp.gate_up_proj``, quantized whole: q, k and
   v (gate and up) are row ranges of one stored module;
 - ``gpt2``: mlx-lm's ``model.wte``, ``model.wpe``, ``model.h.{i}.attn.c_attn`` (q, k, v as row
@@ -45,10 +46,8 @@ def stored_tensors(
     folder's tensors ``files`` (mlx-lm's names; the stacked experts are read by the caller)."""
     if cfg.model_type == "gpt2":
         return _gpt2(cfg, expected, files)
-    out = {name: Stored(name, shape) for name, shape in expected.items()}
-    if cfg.model_type == "phi":
-        renamed = {family_name("phi", f): f for f in files}
-        return {n: s._replace(name=renamed.get(n, n)) for n, s in out.items()}
+    renamed = {family_name(cfg.model_type, f): f for f in files}  # Phi-2's, StarCoder2's names
+    out = {name: Stored(renamed.get(name, name), shape) for name, shape in expected.items()}
     if cfg.model_type == "phi3":
         E, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim  # noqa: E741
         q, kv = cfg.num_attention_heads * D, cfg.num_key_value_heads * D
