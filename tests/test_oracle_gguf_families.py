@@ -23,6 +23,8 @@ import numpy as np
 import pytest
 
 import portable_llm as pl
+from conftest import numpy_only
+from portable_llm.checkpoint.weights import family_name
 from portable_llm.ops.quant import QuantizedWeight
 from portable_llm.testing import assert_close
 
@@ -131,10 +133,19 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, shape[0] // heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def _write(path: Path, arch: str, cfg: Any, tensors: dict[str, tuple[np.ndarray, Any]]) -> None:
+def _write(
+    path: Path,
+    arch: str,
+    cfg: Any,
+    tensors: dict[str, tuple[np.ndarray, Any]],
+    skip: str | None = None,
+) -> None:
     """``tensors`` (:func:`_gguf_tensors`) with the metadata llama.cpp's converter of ``arch``
-    writes."""
+    writes (but the key ``skip``)."""
     w = gguf.GGUFWriter(str(path), arch)
+    if skip is not None:  # every write of that key drops it
+        add_key = w.add_key_value
+        w.add_key_value = lambda key, *a, **k: None if key == skip else add_key(key, *a, **k)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -211,3 +222,41 @@ def test_gguf_logits_match_transformers(gguf_files: dict, arch: str, backend: st
     assert model.config.model_type == hf.config.model_type
     assert isinstance(model.layers[0].attn.wq, QuantizedWeight)
     assert_close(model(pl.asarray(IDS, backend=backend)), want, backend=backend, dtype="float32")
+
+
+@numpy_only
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_gguf_slices_read_the_weights(gguf_files: dict, arch: str) -> None:
+    """A partitioned load's reader (:class:`~portable_llm.checkpoint.gguf.GGUFSlices`) gives
+    every tensor as transformers holds it: the q/k rows and biases un-permuted, the experts'
+    gate and up halves apart, the quantized blocks dequantized exactly as gguf-py does."""
+    from portable_llm.checkpoint.gguf import GGUFSlices
+
+    path, hf, _ = gguf_files[arch]
+    mt = hf.config.model_type  # StarCoder2's c_fc/c_proj: the decoder's up/down_proj
+    want = {family_name(mt, k): _held(k, v.numpy()) for k, v in hf.state_dict().items()}
+    for name, value in list(want.items()):
+        if name.endswith("experts.gate_up_proj"):
+            stem, half = name.removesuffix("gate_up_proj"), value.shape[1] // 2
+            want[stem + "gate_proj"], want[stem + "up_proj"] = value[:, :half], value[:, half:]
+    slices = GGUFSlices(path)
+    for name, shape in slices.shapes.items():
+        got = slices.read(name)
+        assert got.shape == shape
+        np.testing.assert_array_equal(got, want[name], err_msg=name)
+
+
+@numpy_only
+@pytest.mark.parametrize(
+    ("arch", "key"),
+    [("granite", "granite.logit_scale"), ("cohere2", "cohere2.attention.sliding_window"),
+     ("qwen3moe", "qwen3moe.expert_count")],
+)  # fmt: skip
+def test_gguf_missing_family_key(arch: str, key: str, tmp_path: Path) -> None:
+    """A file without one of its architecture's required keys: an error naming the key."""
+    model = _hf_model(arch)
+    state = {k: v.numpy() for k, v in model.state_dict().items()}
+    tensors = _gguf_tensors(arch, state)
+    _write(tmp_path / "m.gguf", arch, model.config, tensors, skip=key)
+    with pytest.raises(pl.CheckpointError, match=f"GGUF metadata key {key} is missing"):
+        pl.load(tmp_path / "m.gguf", backend="numpy")
