@@ -16,7 +16,9 @@ MoE layers interleaved, the sigmoid router scaling the experts' inputs, a shared
 ``(X, in, out)`` experts, chunked attention on the RoPE layers with chunks of 4 positions, shorter
 than the sequences, no-RoPE layers with temperature tuning from position 3 on, the q/k L2 norm,
 interleaved RoPE), and ``qwen3_moe`` (q/k norms, q/k/v/o biases, MoE layers with renormalised
-top-2 of 6 experts beside a dense ``mlp_only_layers`` layer, a window of 6 on every layer).
+top-2 of 6 experts beside a dense ``mlp_only_layers`` layer, a window of 6 on every layer), and
+``lfm2`` (short convolution layers of 4 taps, biased, beside attention layers with q/k norms;
+the MLP width adjusted by ``block_ffn_dim_multiplier`` and ``block_multiple_of``).
 """
 
 from __future__ import annotations
@@ -112,6 +114,13 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
         "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6,
         "logit_scale": 0.5, "attention_bias": True,
+    }),
+    "lfm2": ("Lfm2", {  # conv layers beside attention, biased conv, 4 taps, adjusted MLP width
+        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+        "layer_types": ["conv", "full_attention", "conv", "full_attention"],
+        "conv_L_cache": 4, "conv_bias": True, "block_multiple_of": 16,
+        "block_ffn_dim_multiplier": 1.5, "tie_word_embeddings": False,
     }),
 }  # fmt: skip
 IDS = np.random.default_rng(0).integers(3, V, size=(2, 12))

@@ -22,7 +22,20 @@ from portable_llm.backends import Backend, backend_of, resolve
 from portable_llm.core.arrays import to_numpy
 from portable_llm.core.checks import check_float, check_int, check_optional_int
 
-__all__ = ["BufferCache"]
+__all__ = ["BufferCache", "check_padding"]
+
+
+def check_padding(left_padding: Any, name: str = "RecurrentCache") -> Any:
+    """``left_padding`` checked as the caches take it: a 1-d array of ints ``>= 0`` (one per
+    row), of any backend or a sequence (then a NumPy array); else a ``ValueError``."""
+    pad = left_padding if backend_of(left_padding) is not None else np.asarray(left_padding)
+    host = to_numpy(pad)
+    if host.ndim != 1 or host.dtype.kind not in "iu" or (host < 0).any():
+        raise ValueError(
+            f"{name}: left_padding must be a 1-d array of ints >= 0 (one per row), got "
+            f"{host.dtype} with shape {host.shape}"
+        )
+    return pad
 
 
 class BufferCache:
@@ -49,14 +62,7 @@ class BufferCache:
         self._unmasked = False  # the last update's keys need make_mask, not yet called
         self._pad: Any = None
         if left_padding is not None:
-            pad = left_padding if backend_of(left_padding) is not None else np.asarray(left_padding)
-            host = to_numpy(pad)
-            if host.ndim != 1 or host.dtype.kind not in "iu" or (host < 0).any():
-                raise ValueError(
-                    f"{name}: left_padding must be a 1-d array of ints >= 0 (one per row), got "
-                    f"{host.dtype} with shape {host.shape}"
-                )
-            self._pad = pad
+            self._pad = check_padding(left_padding, name)
         self._bk: Backend | None = None
         self._k: Any = None
         self._v: Any = None

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from portable_llm.backends import Backend, get_backend, resolve
+from portable_llm.caches.base import check_padding
 from portable_llm.core.checks import check_bool, check_int
 
 __all__ = ["RecurrentCache", "RecurrentSlots"]
@@ -27,7 +28,13 @@ class RecurrentCache:
     ----------
     max_rewind : int, >= 0
         Tokens :meth:`trim` can take back: the cache keeps the states after each of the last
-        ``max_rewind`` tokens (speculative decoding: the number of draft tokens).
+        ``max_rewind`` tokens (speculative decoding: the number of draft tokens). A public
+        attribute: :func:`~portable_llm.speculative_generate` sets it on the caches of
+        ``model.make_cache()`` to its draft length.
+    left_padding : integer array ``(B,)``, optional
+        The pad tokens at the start of each row of a left-padded batch, as the KV caches take
+        them (:func:`~portable_llm.left_pad`): a model's recurrent layer zeroes its inputs at
+        those columns, so that its state starts from the row's first real token.
 
     Notes
     -----
@@ -35,8 +42,9 @@ class RecurrentCache:
     tuple of arrays of the last update.
     """
 
-    def __init__(self, *, max_rewind: int = 0) -> None:
+    def __init__(self, *, max_rewind: int = 0, left_padding: Any = None) -> None:
         self.max_rewind = check_int("RecurrentCache", "max_rewind", max_rewind, low=0)
+        self._pad = None if left_padding is None else check_padding(left_padding)
         self._offset = 0
         # (offset, states) for the offsets a trim may return to, oldest first
         self._kept: list[tuple[int, tuple[Any, ...] | None]] = [(0, None)]
@@ -45,6 +53,11 @@ class RecurrentCache:
     def offset(self) -> int:
         """Tokens seen so far."""
         return self._offset
+
+    @property
+    def left_padding(self) -> Any:
+        """The ``(B,)`` pad counts given at construction, or ``None``."""
+        return self._pad
 
     @property
     def state(self) -> tuple[Any, ...] | None:

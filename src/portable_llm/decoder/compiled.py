@@ -17,7 +17,12 @@ The step applies to a decode step (``L = 1``) on plain :class:`~portable_llm.KVC
 that already hold the prompt, on a model of dense layers (MoE layers too on JAX, their
 experts by ``jax.lax.ragged_dot``) without ``"dynamic"`` RoPE (whose table depends on the
 position; ``"longrope"`` compiles one program per side of its original length, where its table
-switches); anything else runs the eager prepared forward. The caches keep their meaning: after
+switches); anything else runs the eager prepared forward. A model with recurrent token
+mixers (:attr:`Layer.mixer <portable_llm.decoder.layer_weights.Layer>`: LFM2, Qwen3-Next,
+Falcon-H1) has no compiled step: its per-layer states (:class:`~portable_llm.RecurrentCache`,
+tuples of arrays whose per-token history a rewind keeps) are not the key and value buffers the
+step updates functionally, so it runs the eager prepared forward on every backend (JAX still
+compiles the ops' own kernels). The caches keep their meaning: after
 a compiled step they hold what an eager step would have left in them.
 Token ids go in unchecked: an id outside ``[0, V)`` gives a row of NaN (the embedding's
 ``"masked"`` implementation), so its logits have no distribution and the decode loop stops with
@@ -141,6 +146,8 @@ def compile_decode(prepared: Forward) -> CompiledDecode | None:
     compilers = _COMPILERS.get(prepared.bk.name)
     if compilers is None:
         return None
+    if any(layer.mixer is not None for layer in prepared.layers):
+        return None  # recurrent mixers: their states are no buffers of the step (eager)
     if any(layer.mlp is None for layer in prepared.layers) and prepared.bk.name not in _TRACES_MOE:
         return None  # MoE: eager (the portable experts read their token counts on the host)
     if prepared.quantized and prepared.bk.name not in _TAKES_QUANTIZED:

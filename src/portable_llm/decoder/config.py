@@ -38,7 +38,18 @@ SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)
 #: below) but whose forward the decoder does not run yet: ``pl.load`` refuses them by name.
 #: None today (``llama4_text`` was one until its forward came).
 READ_MODEL_TYPES: tuple[str, ...] = ()
-LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+LAYER_TYPES = (
+    "full_attention",
+    "sliding_attention",
+    "chunked_attention",
+    "conv",
+    "linear_attention",
+)
+#: The layer types whose token mixer is a recurrent one, not attention (LFM2's ``"conv"``,
+#: Qwen3-Next's ``"linear_attention"``): their family reads a
+#: :class:`~portable_llm.decoder.mixer.RecurrentMixer` and no attention
+#: (:func:`~portable_llm.decoder.families.base.drop_attention` takes its tensors out).
+RECURRENT_LAYER_TYPES = ("conv", "linear_attention")
 #: A model type of no family file (one of :data:`READ_MODEL_TYPES`): Llama's defaults and layer.
 _LLAMA_LIKE = Family("")
 
@@ -147,6 +158,9 @@ class DecoderConfig:
     embedding_multiplier: float = 1.0  # Granite: the embeddings times it
     residual_multiplier: float = 1.0  # Granite: each sublayer's output times it
     logit_scale: float = 1.0  # Granite (1 / logits_scaling), Cohere 2: the logits times it
+    # The options of a hybrid family's recurrent mixers, as its file reads them from
+    # config.json (LFM2's conv_L_cache, ...): empty for a model without them.
+    mixer: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
     def window(self, layer: int) -> int | None:
         """The sliding window of layer ``layer`` (``None``: full attention)."""
@@ -221,8 +235,9 @@ class DecoderConfig:
         return cfg
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as a plain dict (``rope`` as a dict)."""
+        """The fields as a plain dict (``rope`` and ``mixer`` as dicts)."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["mixer"] = dict(self.mixer)
         for key in ("rope", "rope_local"):
             rope = getattr(self, key)
             if rope is not None:

@@ -36,6 +36,7 @@ from portable_llm.core.arrays import creation_device
 from portable_llm.core.dispatch import dispatcher
 from portable_llm.decoder.config import DecoderConfig
 from portable_llm.decoder.layer_weights import Layer
+from portable_llm.decoder.mixer import run_mixer
 from portable_llm.decoder.states import DenseState, ForwardSetup, ForwardState
 from portable_llm.ops.affine import times
 from portable_llm.ops.embedding import embedding
@@ -126,6 +127,8 @@ class Forward:
             and config.residual_multiplier == 1.0
             and all(
                 not layer.parallel
+                and layer.attn is not None
+                and layer.mixer is None
                 and layer.mlp is not None
                 and layer.attn_norm is None
                 and layer.input_norm is not None
@@ -210,7 +213,7 @@ class Forward:
         for i in span:
             layer = layers[i]
             r = kn.rms_norm(xp, h, layer.input_norm, eps=eps)
-            h = h + attention_body(xp, kn, r, layer.attn, state, i)
+            h = h + attention_body(xp, kn, r, layer.attn, state, i)  # type: ignore[arg-type]
             r = kn.rms_norm(xp, h, layer.post_norm, eps=eps)
             h = h + mlp_body(xp, kn, r, layer.mlp)  # type: ignore[arg-type]  # plain: dense
         return h
@@ -218,15 +221,12 @@ class Forward:
     def layer(self, h: Any, state: ForwardState, i: int) -> Any:
         """Layer ``i`` over ``h`` ``(B, L, E)``: any recipe (LayerNorm, Phi-2's parallel
         block, Gemma's sandwich norms, OLMo 2's norms of the outputs only, Granite's residual
-        multiplier, MoE, a tensor-parallel rank's all-reduce)."""
+        multiplier, MoE, a recurrent token mixer beside or instead of attention, a
+        tensor-parallel rank's all-reduce)."""
         xp, kn, layer = self.xp, state.kn, self.layers[i]
         scale = self.config.residual_multiplier  # Granite: each output times it
         r = self.normed(kn, h, layer.input_norm, layer.input_bias)
-        a = attention_body(xp, kn, r, layer.attn, state, i)
-        if self.reduce is not None:  # a tensor-parallel rank: the partial sums added
-            a = self.reduce(a)
-        if layer.o_bias is not None:  # o_proj's bias, after the sum (counted once)
-            a = a + layer.o_bias
+        a = self.token_mixers(kn, r, layer, state, i)
         if layer.parallel:  # Phi-2: HF's attn_outputs + feed_forward + residual
             return (a + self.feed_forward(kn, r, layer)) + h
         if layer.attn_norm is not None:  # Gemma's sandwich, OLMo 2: the output normed
@@ -237,6 +237,23 @@ class Forward:
         if layer.ff_norm is not None:
             m = self.normed(kn, m, layer.ff_norm, None)
         return h + (m if scale == 1.0 else times(xp, m, scale))
+
+    def token_mixers(self, kn: KernelSet, r: Any, layer: Layer, state: ForwardState, i: int) -> Any:
+        """The token mixers of layer ``i`` over its normed input ``r`` ``(B, L, E)``: the
+        attention, the recurrent mixer (its state in the layer's recurrent cache,
+        :func:`~portable_llm.decoder.mixer.run_mixer`), or both added (Falcon-H1)."""
+        xp = self.xp
+        a = None
+        if layer.attn is not None:
+            a = attention_body(xp, kn, r, layer.attn, state, i)
+            if self.reduce is not None:  # a tensor-parallel rank: the partial sums added
+                a = self.reduce(a)
+            if layer.o_bias is not None:  # o_proj's bias, after the sum (counted once)
+                a = a + layer.o_bias
+        if layer.mixer is not None:
+            m = run_mixer(layer.mixer, xp, kn, r, state.recurrent(i), state.pads())
+            a = m if a is None else a + m
+        return a
 
     def normed(self, kn: KernelSet, h: Any, w: Any, b: Any) -> Any:
         """The model's norm of ``h``: LayerNorm (weight and bias) or RMSNorm; no weight, no

@@ -19,6 +19,7 @@ from typing import Any
 
 from portable_llm.attn.block import AttnWeights
 from portable_llm.backends import Backend, backend_of
+from portable_llm.decoder.mixer import RecurrentMixer
 from portable_llm.ops.kernels import Packed, QLinear
 from portable_llm.ops.linear import MlpWeights
 from portable_llm.ops.moe import MoeWeights
@@ -31,6 +32,7 @@ __all__ = [
     "MoeWeights",
     "Packed",
     "QLinear",
+    "RecurrentMixer",
     "bind_layer",
     "bind_weight",
     "layer_projections",
@@ -40,9 +42,16 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Layer:
-    """One decoder layer: norms, attention, and a dense MLP or the public ``moe``'s arguments;
-    the only per-layer record (read from the checkpoint by its family's recipe, its projections
-    bound for the prepared forward by :func:`bind_layer`).
+    """One decoder layer: norms, its token mixers (attention, a recurrent mixer, or both), and a
+    dense MLP or the public ``moe``'s arguments; the only per-layer record (read from the
+    checkpoint by its family's recipe, its projections bound for the prepared forward by
+    :func:`bind_layer`).
+
+    ``attn``: the attention, or ``None`` in a layer whose only token mixer is ``mixer``.
+    ``mixer``: a recurrent token mixer (:class:`~portable_llm.decoder.mixer.RecurrentMixer`:
+    LFM2's short convolution, Qwen3-Next's Gated DeltaNet, Falcon-H1's Mamba-2), run on the same
+    normed input as the attention; with both, their outputs are added (Falcon-H1). A layer has
+    at least one of the two.
 
     ``parallel`` (Phi-2): attention and MLP both read ``input_norm``'s output and are added to
     the residual together; there is no ``post_norm``. The norm biases are LayerNorm's.
@@ -51,7 +60,7 @@ class Layer:
 
     input_norm: Any  # (E,)
     post_norm: Any  # (E,), or None (parallel)
-    attn: AttnWeights
+    attn: AttnWeights | None
     mlp: MlpWeights | None
     moe: MoeWeights | None
     input_bias: Any = None  # (E,): LayerNorm's bias
@@ -60,6 +69,15 @@ class Layer:
     attn_norm: Any = None  # (E,): Gemma's norm of the attention output
     ff_norm: Any = None  # (E,): Gemma's norm of the MLP output
     o_bias: Any = None  # (E,): o_proj's bias after a tensor-parallel all-reduce (else attn.bo)
+    mixer: RecurrentMixer | None = None  # a token mixer that is not attention
+
+    def __post_init__(self) -> None:
+        if self.attn is None and self.mixer is None:
+            raise ValueError("Layer: a layer needs a token mixer: attn, mixer or both")
+        if self.mixer is not None and not isinstance(self.mixer, RecurrentMixer):
+            raise TypeError(
+                f"Layer: mixer must be a RecurrentMixer, got {type(self.mixer).__name__}"
+            )
 
     @property
     def norm_weight(self) -> Any:
@@ -72,9 +90,12 @@ def _arrays(layer: Layer) -> list[Any]:
     a, m = layer.attn, layer.mlp
     out = [layer.input_norm, layer.post_norm, layer.o_bias, layer.input_bias, layer.post_bias]
     out += [layer.attn_norm, layer.ff_norm]
-    out += [a.wq, a.wk, a.wv, a.wo, a.wg, a.bq, a.bk, a.bv, a.bg, a.q_norm, a.k_norm]
+    if a is not None:
+        out += [a.wq, a.wk, a.wv, a.wo, a.wg, a.bq, a.bk, a.bv, a.bg, a.q_norm, a.k_norm]
     if m is not None:
         out += [m.w_gate, m.w_up, m.w_down, m.b_gate, m.b_up, m.b_down]
+    if layer.mixer is not None:
+        out += layer.mixer.arrays()
     return [x for x in out if x is not None]
 
 
@@ -117,19 +138,22 @@ def bind_weight(d: Any, w: Any, activations: str = "float") -> Any:
 def bind_layer(layer: Layer, bind: Callable[[Any], Any]) -> Layer:
     """``layer`` with each projection bound by ``bind`` (:func:`bind_weight`)."""
     a, m = layer.attn, layer.mlp
-    attn = replace(a, wq=bind(a.wq), wk=bind(a.wk), wv=bind(a.wv), wo=bind(a.wo))
-    if a.wg is not None:  # Qwen3-Next's output gate
-        attn = replace(attn, wg=bind(a.wg))
+    if a is not None:
+        a = replace(a, wq=bind(a.wq), wk=bind(a.wk), wv=bind(a.wv), wo=bind(a.wo))
+        if a.wg is not None:  # Qwen3-Next's output gate
+            a = replace(a, wg=bind(a.wg))
     if m is not None:
         gate = None if m.w_gate is None else bind(m.w_gate)
         m = replace(m, w_gate=gate, w_up=bind(m.w_up), w_down=bind(m.w_down))
-    return replace(layer, attn=attn, mlp=m)
+    mixer = None if layer.mixer is None else layer.mixer.bound(bind)
+    return replace(layer, attn=a, mlp=m, mixer=mixer)
 
 
 def layer_projections(layer: Layer) -> tuple[Any, ...]:
     """The projections a layer binds: the attention's (its output gate too), then a dense
-    MLP's."""
+    MLP's, then its recurrent mixer's."""
     a, m = layer.attn, layer.mlp
+    attn = () if a is None else (a.wq, a.wk, a.wv, a.wo, *(() if a.wg is None else (a.wg,)))
     mlp = () if m is None else (w for w in (m.w_gate, m.w_up, m.w_down) if w is not None)
-    gate = () if a.wg is None else (a.wg,)
-    return (a.wq, a.wk, a.wv, a.wo, *gate, *mlp)
+    mixer = () if layer.mixer is None else layer.mixer.projection_weights()
+    return (*attn, *mlp, *mixer)

@@ -15,8 +15,10 @@ import numpy as np
 
 from portable_llm.backends import Backend, backend_of
 from portable_llm.caches.check import check_caches
+from portable_llm.caches.hybrid import HybridCache
 from portable_llm.caches.kv import KVCache, RotatingKVCache
 from portable_llm.caches.page_pool import PagePool
+from portable_llm.caches.recurrent import RecurrentCache
 from portable_llm.core.arrays import asarray, to_numpy
 from portable_llm.core.checks import check_int
 from portable_llm.decoder.compiled import CompiledDecode, compile_decode
@@ -265,6 +267,20 @@ class Model:
             return None
         return int(scaling["original_max_position_embeddings"])
 
+    @property
+    def paged(self) -> bool:
+        """Whether :meth:`forward_paged` runs this model: ``False`` for a model with recurrent
+        mixers (their states live in no page), which
+        :class:`~portable_llm.BatchGenerator` then runs request by request, each over its own
+        :meth:`make_cache` (:func:`~portable_llm.generation.protocol.check_paged_model`)."""
+        return not self.recurrent
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether a layer has a recurrent token mixer (a hybrid model: LFM2, Qwen3-Next,
+        Falcon-H1)."""
+        return any(layer.mixer is not None for layer in self.layers)
+
     def make_page_pools(self, num_pages: int, page_size: int) -> list[PagePool]:
         """One empty :class:`~portable_llm.PagePool` per layer: ``num_pages`` pages of
         ``page_size`` tokens, ``(H_kv, D)`` heads, the model's dtype, backend and device."""
@@ -289,8 +305,12 @@ class Model:
         return paged_forward(self, caches, [list(row) for row in ids], logits=logits)
 
     def make_cache(self, *, left_padding: Any = None, step: int = 256) -> list[Any]:
-        """One KV cache per layer: a :class:`~portable_llm.KVCache`, or for a sliding-window
-        layer a :class:`~portable_llm.RotatingKVCache` of the window's size.
+        """One cache per layer: for attention a :class:`~portable_llm.KVCache`, or for a
+        sliding-window layer a :class:`~portable_llm.RotatingKVCache` of the window's size; for
+        a recurrent mixer (:attr:`Layer.mixer <portable_llm.decoder.layer_weights.Layer>`) a
+        :class:`~portable_llm.RecurrentCache` (``max_rewind=0``:
+        :func:`~portable_llm.speculative_generate` sets its draft length); for a layer with
+        both a :class:`~portable_llm.caches.hybrid.HybridCache` of the two.
 
         On a backend that compiles per shape (:attr:`Backend.static_shapes
         <portable_llm.backends.Backend.static_shapes>`, JAX), and wherever the model has a
@@ -304,12 +324,19 @@ class Model:
         # Fixed-size views where shapes compile (JAX) and where a compiled step runs (MLX).
         static = self.backend.static_shapes or self.compiled is not None
         caches: list[Any] = []
-        for i in range(self.config.num_hidden_layers):
-            window = self.config.window(i)
-            if window is None:
-                caches.append(KVCache(step=step, left_padding=left_padding, static_shapes=static))
-            else:
-                caches.append(RotatingKVCache(window, step=step, left_padding=left_padding))
+        for i, layer in enumerate(self.layers):
+            kv: Any = None
+            if layer.attn is not None:
+                window = self.config.window(i)
+                if window is None:
+                    kv = KVCache(step=step, left_padding=left_padding, static_shapes=static)
+                else:
+                    kv = RotatingKVCache(window, step=step, left_padding=left_padding)
+            if layer.mixer is None:
+                caches.append(kv)
+                continue
+            state = RecurrentCache(left_padding=left_padding)
+            caches.append(state if kv is None else HybridCache(kv, state))
         return caches
 
 

@@ -93,6 +93,12 @@ def forward(
     batch (:class:`PagedState`); a model without one runs each row alone. ``logits=False``: only
     fill the caches (a prefill chunk before the last), without the LM head; returns ``None``.
     """
+    if not model.paged:
+        raise ValueError(
+            f"forward_paged: {model.config.model_type}'s recurrent layers keep their state in "
+            "no page (model.paged is False): run each sequence over model.make_cache(), as "
+            "BatchGenerator does for such a model"
+        )
     bk, p = model.backend, model.prepared
     start = max((seq[0].offset for seq in caches), default=0)  # the row reaching furthest
     check_learned_positions("forward_paged", model.config, start, len(chunks[0]))

@@ -84,10 +84,7 @@ def prepare(
 
     bound = [bind_layer(layer, bind) for layer in layers]
     if reduce is not None:  # o_proj's bias after the sum, so that it counts once
-        bound = [
-            replace(layer, attn=replace(layer.attn, bo=None), o_bias=layer.attn.bo)
-            for layer in bound
-        ]
+        bound = [moved_o_bias(layer) for layer in bound]
     bound_head = bind(head)  # QLinear (quantized) or Packed where packed
     projections = [*(w for layer in bound for w in layer_projections(layer)), bound_head]
     probe = norm if probe is None else probe
@@ -107,6 +104,14 @@ def prepare(
     return fwd
 
 
+def moved_o_bias(layer: Layer) -> Layer:
+    """``layer`` on a tensor-parallel rank: ``o_proj``'s bias moved after the all-reduce
+    (:attr:`Layer.o_bias`), so that the sum counts it once."""
+    if layer.attn is None:
+        return layer
+    return replace(layer, attn=replace(layer.attn, bo=None), o_bias=layer.attn.bo)
+
+
 def op_by_op(
     config: DecoderConfig, bk: Backend, layers: Sequence[Layer], *,
     embed: Any, norm: Any, head: Any, norm_bias: Any = None, head_bias: Any = None,
@@ -115,10 +120,7 @@ def op_by_op(
     """The op-by-op forward: the public ops as the kernel set, each checking its arguments
     and casting a float weight of another dtype (:mod:`portable_llm.ops.checked_kernels`)."""
     if reduce is not None:  # o_proj's bias after the sum, so that it counts once
-        layers = [
-            replace(layer, attn=replace(layer.attn, bo=None), o_bias=layer.attn.bo)
-            for layer in layers
-        ]
+        layers = [moved_o_bias(layer) for layer in layers]
     return Forward(
         config, bk, CheckedKernels(bk, config.hidden_act, MODEL_LINEAR), layers, embed=embed,
         norm=norm, head=head, norm_bias=norm_bias, head_bias=head_bias, positions=positions,

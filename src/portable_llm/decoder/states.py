@@ -5,8 +5,10 @@ The one forward (:class:`~portable_llm.decoder.forward.Forward`) runs its layers
 forward (bound at load, or asked per call inside a trace), RoPE's positions and table, and the
 attention over the keys each layer sees. The kinds of state:
 
-- :class:`DenseState` (here): the layers' KV caches (:class:`~portable_llm.KVCache`,
-  :class:`~portable_llm.RotatingKVCache`) or none, with left padding or not;
+- :class:`DenseState` (here): the layers' caches (:class:`~portable_llm.KVCache`,
+  :class:`~portable_llm.RotatingKVCache`; a recurrent mixer's :class:`~portable_llm.RecurrentCache`,
+  a layer with both: :class:`~portable_llm.caches.hybrid.HybridCache`) or none, with left
+  padding or not;
 - :class:`~portable_llm.decoder.paged_step.PagedState`: rows over paged caches;
 - :class:`~portable_llm.decoder.compiled.TracedState`: one decode token under a compilation,
   the key and value buffers updated functionally.
@@ -28,6 +30,8 @@ from portable_llm.attn.sdpa import OP as SDPA
 from portable_llm.attn.sdpa_args import SdpaOptions
 from portable_llm.attn.visibility import visible
 from portable_llm.backends import Backend
+from portable_llm.caches.hybrid import attention_cache, recurrent_cache
+from portable_llm.caches.recurrent import RecurrentCache
 from portable_llm.core.dispatch import Dispatcher, tracing
 from portable_llm.ops.kernels import KernelSet
 from portable_llm.rotary.args import dispatch_args as rope_dispatch_args
@@ -71,6 +75,16 @@ class ForwardState(AttentionState, Protocol):
         """This state with the RoPE of the sliding layers (Gemma 3's ``rope_local``)."""
         ...
 
+    def recurrent(self, i: int) -> RecurrentCache | None:
+        """Layer ``i``'s recurrent state (a recurrent mixer's), or ``None`` (no caches: the
+        mixer starts from zeros and its state is dropped)."""
+        ...
+
+    def pads(self) -> Any:
+        """``(B, L, 1)`` bool, ``True`` at the new tokens that are not left padding; ``None``
+        when no row is padded."""
+        ...
+
 
 class DenseState:
     """What one forward over KV caches (or none) builds once and its layers share: its kernels
@@ -101,6 +115,7 @@ class DenseState:
         self.sdpa: dict[tuple[Any, ...], Fn] = {}
         #: The options of this state's RoPE (Gemma 3's sliding layers: their own, :meth:`local`).
         self.rope_options: Mapping[str, Any] = s.rope or {}
+        self._pads: Any = None  # (B, L, 1) bool: not left padding (pads())
 
     def local(self) -> DenseState:
         """This state with the RoPE of the sliding layers (Gemma 3's ``rope_local``): the same
@@ -149,6 +164,23 @@ class DenseState:
             rotate(xp, k, cos, sin, cos, sin, dims, traditional),
         )
 
+    def recurrent(self, i: int) -> RecurrentCache | None:
+        """Layer ``i``'s :class:`~portable_llm.RecurrentCache` (a
+        :class:`~portable_llm.caches.hybrid.HybridCache`'s), or ``None`` without caches."""
+        return None if self.cache is None else recurrent_cache(self.cache[i])
+
+    def pads(self) -> Any:
+        """``(B, L, 1)`` bool: the new tokens' columns ``offset + l`` at or past each row's left
+        padding (``None`` without padding); built once per forward."""
+        if self.pad is None:
+            return None
+        if self._pads is None:
+            xp, L = self.s.xp, self.L
+            cols = xp.arange(L, device=self.s.bk.device_of(self.pad)) + self.offset  # (L,)
+            pad = xp.reshape(self.pad, (self.pad.shape[0], 1, 1))  # (B, 1, 1)
+            self._pads = xp.reshape(cols, (1, L, 1)) >= xp.astype(pad, cols.dtype)  # (B, L, 1)
+        return self._pads
+
     def positions(self) -> Any:
         """Each row's first position: the offset, or ``(B,)`` (a padded batch's rows, whose
         first real token is at 0, pad columns below; paged rows of other lengths)."""
@@ -159,7 +191,7 @@ class DenseState:
     ) -> tuple[Any, Any, Any, Any]:
         """Layer ``i``'s keys and values to attend (its cache updated) and ``(mask, window)``,
         the mask built once per kind of layer (``chunk``: Llama 4's chunked layers)."""
-        c = None if self.cache is None else self.cache[i]
+        c = None if self.cache is None else attention_cache(self.cache[i])
         if c is None:
             if self.pad is None and chunk is None:
                 return k, v, "causal", window

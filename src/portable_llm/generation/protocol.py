@@ -196,6 +196,9 @@ class PagedLanguageModel(LanguageModel, Protocol):
     max_seq_len : int or None
         The longest sequence the model takes (a config's ``max_position_embeddings``);
         ``None``: it states none.
+    paged : bool, optional
+        ``False``: this model does not run over pages now (a hybrid model's recurrent states
+        live in no page), and is batched as a model without these members.
     """
 
     @property
@@ -387,8 +390,12 @@ def check_cache_list(op: str, name: str, caches: Any, model: LanguageModel) -> l
 
 
 def check_paged_model(model: LanguageModel) -> PagedLanguageModel | None:
-    """``model`` when it is a :class:`PagedLanguageModel`, else ``None`` (the fallback)."""
-    return model if isinstance(model, PagedLanguageModel) else None
+    """``model`` when it is a :class:`PagedLanguageModel` that pages (its optional ``paged``
+    is not ``False``: a hybrid :class:`~portable_llm.Model`, whose recurrent states no page
+    holds, says ``False``), else ``None`` (the fallback)."""
+    if isinstance(model, PagedLanguageModel) and getattr(model, "paged", True) is not False:
+        return model
+    return None
 
 
 def decode_step(model: LanguageModel) -> Callable[..., Any]:

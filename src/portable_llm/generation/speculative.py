@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from portable_llm.backends import Backend, backend_of
+from portable_llm.caches.hybrid import HybridCache, attention_cache, recurrent_cache
 from portable_llm.caches.kv import KVCache, RotatingKVCache
 from portable_llm.core.arrays import asarray, to_numpy
 from portable_llm.core.checks import check_int, check_optional_int
@@ -164,12 +165,27 @@ def _vocab_differs(vm: int, vd: int) -> None:
     )
 
 
-def _caches(model: LanguageModel) -> list[Any]:
-    """``model.make_cache()``, each :class:`~portable_llm.RotatingKVCache` replaced by a
-    rewindable :class:`~portable_llm.KVCache` (see the notes of :func:`speculative_generate`)."""
+def _caches(model: LanguageModel, rewind: int) -> list[Any]:
+    """``model.make_cache()`` made rewindable by ``rewind`` tokens (the draft length): each
+    :class:`~portable_llm.RotatingKVCache` (a :class:`~portable_llm.caches.hybrid.HybridCache`'s
+    too) replaced by a :class:`~portable_llm.KVCache` (see the notes of
+    :func:`speculative_generate`), and each :class:`~portable_llm.RecurrentCache` told to keep
+    the states of the last ``rewind`` tokens (``max_rewind``: a recurrent state is restored,
+    not re-run)."""
     caches = model.make_cache()
-    static = any(isinstance(c, KVCache) and c.static_shapes for c in caches)
-    return [KVCache(static_shapes=static) if isinstance(c, RotatingKVCache) else c for c in caches]
+    kv = [attention_cache(c) for c in caches]
+    static = any(isinstance(c, KVCache) and c.static_shapes for c in kv)
+    out = []
+    for c in caches:
+        if isinstance(c, RotatingKVCache):
+            c = KVCache(static_shapes=static)
+        elif isinstance(c, HybridCache) and isinstance(c.attention, RotatingKVCache):
+            c = HybridCache(KVCache(static_shapes=static), c.recurrent)
+        state = recurrent_cache(c)
+        if state is not None:
+            state.max_rewind = max(state.max_rewind, rewind)
+        out.append(c)
+    return out
 
 
 @dataclass
@@ -229,7 +245,7 @@ class _Speculation:
             stats.finish_reason = "length"
             return
         start = time.perf_counter()
-        target_cache = _caches(self.model)
+        target_cache = _caches(self.model, self.k)
         # The draft is lazy: its caches are made, and the prompt prefilled into them, at its
         # first proposal (never when the first token stops or is the last one asked for).
         draft_cache: list[Any] | None = None
@@ -256,7 +272,7 @@ class _Speculation:
                 start = time.perf_counter()
                 n = min(self.k, max_new - done - 1)  # a round yields up to n + 1 tokens
                 if n and draft_cache is None:
-                    draft_cache = _caches(self.draft)
+                    draft_cache = _caches(self.draft, self.k)
                 round_tokens, pending = self._round(
                     n, pending, stops, target_cache, draft_cache or []
                 )

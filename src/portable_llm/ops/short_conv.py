@@ -20,13 +20,14 @@ from __future__ import annotations
 from typing import Any
 
 from portable_llm.backends import resolve
+from portable_llm.core.arrays import creation_device
 from portable_llm.core.checks import check_bool, check_int, float_compute_dtype, match_weight
 from portable_llm.core.dispatch import auto_portable, pick, portable
 from portable_llm.core.types import Array, Namespace
 from portable_llm.ops.activations import logistic
 from portable_llm.ops.recurrent import RECURRENT, check_dims
 
-__all__ = ["CONV_ACTIVATIONS", "short_conv"]
+__all__ = ["CONV_ACTIVATIONS", "short_conv", "short_conv_body"]
 
 OP = "short_conv"
 
@@ -140,14 +141,39 @@ def short_conv(
     check_bool(OP, "all_states", all_states)
     weight = match_weight(OP, "weight", weight, x, bk)  # the mixed-precision rule
     bias = match_weight(OP, "bias", bias, x, bk)
-    if state is None:
-        state = xp.zeros((B, K - 1, C), dtype=x.dtype, device=bk.device_of(x))
-    else:
+    if state is not None:
         check_dims(OP, "state", state, "(B, K - 1, C)", (B, K - 1, C), bk)
+
+    def choose(op: str, *args: Any) -> Any:
+        return pick(bk, op, impl, *args)
+
+    return short_conv_body(
+        xp, choose, x, weight, bias=bias, state=state, silu=activation is not None,
+        all_states=all_states,
+    )  # fmt: skip
+
+
+def short_conv_body(
+    xp: Namespace, choose: Any, x: Array, weight: Array, *, bias: Array | None,
+    state: Array | None, silu: bool, all_states: bool,
+) -> tuple[Array, Array]:  # fmt: skip
+    """The convolution of checked arguments: the body of :func:`short_conv` and of a model's
+    layers (LFM2's ``conv``, a recurrent mixer's).
+
+    ``choose(op, u, weight)``: the kernel of ``short_conv`` for the joined inputs ``u``
+    ``(B, K - 1 + L, C)`` (the public op's :func:`~portable_llm.core.dispatch.pick` of its
+    ``impl``; a model's ``kn.choose``). ``x`` ``(B, L, C)``; ``weight`` ``(C, K)`` and ``bias``
+    ``(C,)`` of ``x``'s dtype; ``state`` ``(B, K - 1, C)`` or ``None`` (zeros; another float
+    dtype is cast); ``silu``: the activation. Returns ``(y, state)`` as :func:`short_conv`.
+    """
+    B, L, C = x.shape
+    K = weight.shape[1]
+    if state is None:
+        state = xp.zeros((B, K - 1, C), dtype=x.dtype, device=creation_device(x))
+    else:
         state = xp.astype(state, x.dtype)
     u = xp.concat([state, x], axis=1)  # (B, K - 1 + L, C)
-    y = _finish(xp, pick(bk, OP, impl, u, weight)(xp, u, weight), bias, activation is not None,
-                x.dtype)  # fmt: skip
+    y = _finish(xp, choose(OP, u, weight)(xp, u, weight), bias, silu, x.dtype)
     if all_states:  # the window after token t: u[:, t + 1 : t + K]
         return y, xp.stack([u[:, t + 1 : t + K, :] for t in range(L)], axis=1)
     return y, u[:, L:, :]

@@ -204,6 +204,12 @@ def plan_partition(
             f"partition: num_key_value_heads={H_kv} and tensor_parallel={T}: one must divide "
             "the other (KV heads are split, or replicated when there are fewer than ranks)"
         )
+    if c.mixer and T > 1:
+        raise ValueError(
+            f"partition: {c.model_type}'s recurrent layers (short convolutions, linear "
+            f"attention, state-space scans) are not split across ranks: use "
+            f"tensor_parallel=1, not {T} (pipeline stages are fine)"
+        )
     if c.qk_norm_whole and T > 1:
         raise ValueError(
             f"partition: {c.model_type}'s q_norm and k_norm each span all heads' features "

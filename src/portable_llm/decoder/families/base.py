@@ -33,6 +33,7 @@ from portable_llm.ops.moe import MoeWeights
 __all__ = [
     "Family",
     "LayerConfig",
+    "drop_attention",
     "layer_rope",
     "mlp_tensors",
     "no_windows",
@@ -90,6 +91,9 @@ class LayerConfig(Protocol):
     def floor_scale(self) -> float: ...
     @property
     def attn_temperature_scale(self) -> float: ...
+
+    @property
+    def mixer(self) -> Mapping[str, Any]: ...
 
     def window(self, layer: int) -> int | None: ...
 
@@ -165,6 +169,15 @@ def mlp_tensors(
         out[f"{p}{name}_proj.weight"] = shape
         if bias:
             out[f"{p}{name}_proj.bias"] = shape[:1]
+
+
+def drop_attention(out: dict[str, tuple[int, ...]], i: int) -> None:
+    """Take layer ``i``'s attention tensors out of the expected ``out`` (a hybrid family's
+    ``tensors`` on a layer whose token mixer is a recurrent one:
+    :data:`~portable_llm.decoder.config.RECURRENT_LAYER_TYPES`)."""
+    prefix = f"model.layers.{i}.self_attn."
+    for name in [n for n in out if n.startswith(prefix)]:
+        del out[name]
 
 
 def no_windows(d: Mapping[str, Any], n: int) -> tuple[None, list[str]]:
