@@ -53,6 +53,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3moe": ("Qwen3Moe", {**_BASE, "num_hidden_layers": 2, "head_dim": 24,
                               "moe_intermediate_size": 32, "num_experts": 4,
                               "num_experts_per_tok": 2, "norm_topk_prob": True}),
+    "lfm2": ("Lfm2", {**_BASE, "num_hidden_layers": 4, "block_multiple_of": 32,
+                      "layer_types": ["conv", "full_attention", "conv", "conv"]}),
 }  # fmt: skip
 #: HF's module names -> llama.cpp's (OLMo 2's ``post_attention_layernorm`` is its own name).
 _NAMES = {
@@ -62,8 +64,14 @@ _NAMES = {
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
     "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
+    "operator_norm": "attn_norm", "ffn_norm": "ffn_norm", "self_attn.q_layernorm": "attn_q_norm",
+    "self_attn.k_layernorm": "attn_k_norm", "self_attn.out_proj": "attn_output",
+    "feed_forward.w1": "ffn_gate", "feed_forward.w3": "ffn_up", "feed_forward.w2": "ffn_down",
+    "conv.conv": "shortconv.conv", "conv.in_proj": "shortconv.in_proj",
+    "conv.out_proj": "shortconv.out_proj",
 }  # fmt: skip
-_TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+        "model.embedding_norm": "token_embd_norm"}  # fmt: skip
 Q8_0, Q4_0 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0
 
 
@@ -88,8 +96,8 @@ def _hf_model(arch: str) -> Any:
 def _kind(hf: str, value: np.ndarray) -> Any:
     """The file's type of HF's tensor ``hf``: Q4_0 MLPs and experts, Q8_0 the other matrices,
     float32 vectors and routers (llama.cpp's converter keeps ``ffn_gate_inp`` in float32)."""
-    if value.ndim == 1 or hf.endswith("mlp.gate.weight"):
-        return None
+    if value.ndim == 1 or hf.endswith("mlp.gate.weight") or value.shape[-1] % 32:
+        return None  # (and LFM2's convolution: rows of K = 3 values)
     return Q4_0 if ".mlp." in hf else Q8_0
 
 
@@ -122,6 +130,8 @@ def _gguf_tensors(arch: str, state: dict[str, np.ndarray]) -> dict[str, tuple[np
             g = _NAMES[stem]
             if arch == "olmo2" and stem == "post_attention_layernorm":
                 g = "post_attention_norm"
+            if stem == "conv.conv":  # llama.cpp's converter squeezes (E, 1, K) to (E, K)
+                value = value[:, 0, :]
             out[f"blk.{i}.{g}.{suffix}"] = value, kind
     return out
 
@@ -149,16 +159,26 @@ def _write(
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    if arch == "lfm2":  # the MLP's adjusted width; H_kv per layer, 0 on the convolutions
+        w.add_feed_forward_length(
+            next(t for n, (t, _) in tensors.items() if "ffn_gate" in n).shape[0]
+        )
+        w.add_head_count_kv(
+            [0 if k == "conv" else cfg.num_key_value_heads for k in cfg.layer_types]
+        )
+        w.add_shortconv_l_cache(cfg.conv_L_cache)
+        w.add_vocab_size(cfg.vocab_size)
+    else:
+        w.add_feed_forward_length(cfg.intermediate_size)
+        w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     if arch == "starcoder2":
         w.add_layer_norm_eps(cfg.norm_epsilon)
     elif arch == "cohere2":
         w.add_layer_norm_eps(cfg.layer_norm_eps)
     else:
-        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+        w.add_layer_norm_rms_eps(cfg.norm_eps if arch == "lfm2" else cfg.rms_norm_eps)
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     if arch in ("smollm3", "granite", "cohere2"):  # LlamaModel's, Cohere 2's (its full rotary)
         w.add_rope_dimension_count(D)
@@ -220,7 +240,8 @@ def test_gguf_logits_match_transformers(gguf_files: dict, arch: str, backend: st
     path, hf, want = gguf_files[arch]
     model = pl.load(path, backend=backend, dtype="float32", dequantize=False)
     assert model.config.model_type == hf.config.model_type
-    assert isinstance(model.layers[0].attn.wq, QuantizedWeight)
+    attention = next(layer.attn for layer in model.layers if layer.attn is not None)
+    assert isinstance(attention.wq, QuantizedWeight)
     assert_close(model(pl.asarray(IDS, backend=backend)), want, backend=backend, dtype="float32")
 
 

@@ -83,7 +83,13 @@ _LAYER = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",  # a MoE layer's router
+    "shortconv.conv": "conv.conv",  # LFM2's short convolution (E, K): HF's (E, 1, K)
+    "shortconv.in_proj": "conv.in_proj",
+    "shortconv.out_proj": "conv.out_proj",
 }
+#: Tensors llama.cpp stores with a dimension of 1 squeezed out (LFM2's convolution ``(E, K)``,
+#: HF's ``(E, 1, K)``): read back in HF's shape.
+_SQUEEZED = (".conv.conv.weight",)
 #: A MoE layer's experts, stacked ``(X, N, K)``: HF v5's ``mlp.experts.{gate_up,down}_proj``
 #: (no ``.weight``), the gate and up halves apart as the model takes them.
 _EXPERTS = {
@@ -112,7 +118,7 @@ _FUSED = {
 }
 _PLUS_ONE_TYPES = tuple(MODEL_TYPES.get(a, a) for a in NORM_PLUS_ONE)
 _PERMUTED_TYPES = tuple(MODEL_TYPES.get(a, a) for a in PERMUTED)
-_BLK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_BLK = re.compile(r"^blk\.(\d+)\.([\w.]+)\.(weight|bias)$")
 
 
 def layer_names(cfg: DecoderConfig) -> dict[str, str]:
@@ -146,6 +152,8 @@ def hf_parts(name: str, cfg: DecoderConfig) -> tuple[str, ...]:
     fused = _FUSED.get(m[2]) if m else None
     if m and fused and (m[2] == "attn_qkv" or cfg.model_type == "phi3"):
         return tuple(f"model.layers.{m[1]}.{stem}.{m[3]}" for stem in fused)
+    if name == "token_embd_norm.weight" and cfg.model_type == "lfm2":
+        return ("model.norm.weight",)  # LFM2's final norm (HF's model.embedding_norm)
     h = hf_name(name, layer=layer_names(cfg))
     return () if h is None else (h,)
 
@@ -269,7 +277,7 @@ class GGUFSlices:
         kind, blocks = _blocks(self.file, t)  # a view of the memory-mapped file
         shape, part = _shape(t), self.parts.get(name, slice(None))
         index = tuple(index) + (slice(None),) * (len(shape) - len(index))
-        if len(shape) != 2:
+        if len(shape) != 2 or name.endswith(_SQUEEZED):
             self.touched += blocks.nbytes
             if self.float16:
                 _check_float16(self.file, t, kind, blocks)
@@ -336,7 +344,7 @@ def _check(
         problems.append(f"missing tensors ({len(missing)}): {listed(missing)}")
     if unexpected:
         problems.append(f"unexpected tensors ({len(unexpected)}): {listed(unexpected)}")
-    implied = {g: fused.get(g, expected[h]) for h, g in names.items()}
+    implied = {g: fused.get(g, _stored_shape(h, expected[h])) for h, g in names.items()}
     bad = [
         f"{g} {_shape(tensors[g])} (metadata implies {want})"
         for g, want in implied.items()
@@ -347,6 +355,11 @@ def _check(
     if problems:
         raise CheckpointError(f"load: {str(file)!r}: " + "; ".join(problems))
     return {h: names[h] for h in expected}, parts
+
+
+def _stored_shape(h: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape a GGUF file stores of HF's tensor ``h`` of ``shape`` (:data:`_SQUEEZED`)."""
+    return (shape[0], shape[2]) if h.endswith(_SQUEEZED) else shape
 
 
 def _gguf_name(h: str, layer: dict[str, str]) -> str:
@@ -413,6 +426,8 @@ def _unstored(name: str, cfg: DecoderConfig, host: np.ndarray) -> np.ndarray:
     (transformers' ``Gemma2TensorProcessor`` subtracts the 1; the decoder adds it back)."""
     if cfg.model_type in _PLUS_ONE_TYPES and name.endswith("norm.weight"):
         return host - np.float32(1.0)
+    if name.endswith(_SQUEEZED):  # (E, K) -> (E, 1, K)
+        return host[:, None, :]
     return host
 
 
@@ -454,7 +469,7 @@ def _tensor(
         bits, group = AFFINE_FORMATS[kind]
         fmt = {"bits": bits, "group_size": group, "rows": shape[0]}
         dequantize = not keeps_codes(bk, device=where, dtype=bk.dtype_name(dtype), **fmt)
-    if dequantize or kind not in AFFINE_FORMATS or len(shape) != 2:
+    if dequantize or kind not in AFFINE_FORMATS or len(shape) != 2 or name.endswith(_SQUEEZED):
         host = _unstored(name, cfg, dequantize_blocks(kind, blocks).reshape(_shape(t)))
         if rows is not None:
             host = host[rows]

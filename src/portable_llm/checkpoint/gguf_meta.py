@@ -49,6 +49,7 @@ GGUF_ARCHITECTURES: tuple[str, ...] = (
     "starcoder2",
     "cohere2",
     "qwen3moe",
+    "lfm2",
 )
 #: llama.cpp's LlamaModel converter (its Mistral, SmolLM3 and Granite subclasses too) permutes
 #: the rows of q/k (weights and biases) for its rotary layout; Qwen's, OLMo 2's and StarCoder2's
@@ -248,7 +249,7 @@ def _common_fields(
         else meta.count(f"{arch}.feed_forward_length"),
         "num_hidden_layers": layers,
         "num_attention_heads": meta.count(f"{arch}.attention.head_count"),
-        "num_key_value_heads": meta.count_or_none(f"{arch}.attention.head_count_kv"),
+        "num_key_value_heads": _kv_heads(meta, arch),
         "head_dim": head_dim,
         "rms_norm_eps": meta.number(eps),
         "rope_theta": meta.number(
@@ -260,6 +261,18 @@ def _common_fields(
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
         "eos_token_id": eos_ids(meta),
     }
+
+
+def _kv_heads(meta: GGUFMetadata, arch: str) -> int | None:
+    """``H_kv``: ``{arch}.attention.head_count_kv``, or in a hybrid file (:data:`_HYBRID`) the
+    one count of its attention layers (0 on the others)."""
+    key = f"{arch}.attention.head_count_kv"
+    if arch not in _HYBRID or not isinstance(meta.get(key), list):
+        return meta.count_or_none(key)
+    counts = {c for c in meta.items(key, (int,), "integers", None) if c != 0}
+    if len(counts) != 1 or min(counts) < 0:
+        raise meta.fail(key, f"must be one count >= 1 and zeros, got {brief(meta.get(key))}")
+    return counts.pop()
 
 
 def _family_fields(meta: GGUFMetadata, arch: str, d: dict[str, Any]) -> dict[str, Any]:
@@ -309,6 +322,9 @@ _EXPERTS: dict[str, dict[str, str]] = {
         "expert_feed_forward_length": "moe_intermediate_size",
     },
 }
+#: The hybrid architectures: ``{arch}.attention.head_count_kv`` lists each layer's count, 0 on
+#: its recurrent layers (LFM2's short convolutions: ``layer_types`` ``"conv"``).
+_HYBRID = ("lfm2",)
 #: The architectures whose biases no metadata announces: a converter writes a bias where the
 #: HF model has one (``blk.0.attn_q.bias``, ``blk.0.ffn_down.bias``), read where present.
 _BIASED = ("smollm3", "olmo2", "granite", "starcoder2", "cohere2", "qwen3moe")
@@ -324,12 +340,32 @@ def _arch_fields(meta: GGUFMetadata, arch: str, tensors: dict[str, GGUFTensor]) 
         out[hf] = meta.count(f"{arch}.{key}")
     if arch in _EXPERTS:
         out["norm_topk_prob"] = True
+    if arch == "lfm2":
+        out.update(_lfm2_fields(meta))
     if arch in _BIASED:
         attn, mlp = "blk.0.attn_q.bias" in tensors, "blk.0.ffn_down.bias" in tensors
         out.update(attention_bias=attn, mlp_bias=mlp)
         if arch == "starcoder2":  # one switch for every bias (its LayerNorms always have one)
             out["use_bias"] = attn
     return out
+
+
+def _lfm2_fields(meta: GGUFMetadata) -> dict[str, Any]:
+    """LFM2's layer kinds (a 0 in ``lfm2.attention.head_count_kv``: a short convolution), its
+    convolution's taps ``lfm2.shortconv.l_cache``; ``feed_forward_length`` is the MLP's width
+    as llama.cpp's converter adjusted it (HF's ``block_auto_adjust_ff_dim`` done)."""
+    layers = meta.count("lfm2.block_count")
+    kv = meta.get("lfm2.attention.head_count_kv")
+    kinds = kv if isinstance(kv, list) else [kv] * layers
+    if len(kinds) != layers:
+        raise meta.fail(
+            "lfm2.attention.head_count_kv", f"has {len(kinds)} entries for {layers} layers"
+        )
+    return {
+        "layer_types": ["conv" if k == 0 else "full_attention" for k in kinds],
+        "conv_L_cache": meta.count("lfm2.shortconv.l_cache"),
+        "block_auto_adjust_ff_dim": False,
+    }
 
 
 def _rope_scaling(meta: GGUFMetadata, arch: str, tensors: dict[str, GGUFTensor]) -> dict[str, Any]:
