@@ -90,6 +90,13 @@ V5: dict[str, dict[str, Any]] = {
                 "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
                 "attention_bias": False, "sliding_window": 16,
                 "layer_types": ["sliding_attention"] * 3 + ["full_attention"], "head_dim": 8},
+    "lfm2": {**SIZES, "model_type": "lfm2", "num_hidden_layers": 4, "num_key_value_heads": 2,
+             "norm_eps": 1e-05, "tie_word_embeddings": True, "conv_bias": False,
+             "conv_L_cache": 3, "block_multiple_of": 256, "block_ffn_dim_multiplier": 1.0,
+             "block_auto_adjust_ff_dim": True, "full_attn_idxs": [1, 3],
+             "layer_types": ["conv", "full_attention", "conv", "full_attention"],
+             "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+             "max_position_embeddings": 128000},
 }  # fmt: skip
 
 # The same models in transformers 4's spellings (rope_theta, rope_scaling, per-family patterns).
@@ -125,6 +132,11 @@ V4: dict[str, dict[str, Any]] = {
     "cohere2": {**{k: v for k, v in V5["cohere2"].items()
                    if k not in ("rope_parameters", "layer_types")},
                 "rope_theta": 10000.0, "sliding_window_pattern": 4},
+    # LFM2's original names: block_ff_dim, tie_embedding, full_attn_idxs without layer_types
+    "lfm2": {**{k: v for k, v in V5["lfm2"].items()
+                if k not in ("rope_parameters", "layer_types", "intermediate_size",
+                             "tie_word_embeddings")},
+             "rope_theta": 1000000.0, "block_ff_dim": 64, "tie_embedding": True},
 }  # fmt: skip
 
 
@@ -171,6 +183,11 @@ def test_family_fields(family: str, version: str) -> None:
                         head_dim=8, no_rope_layers=(False, False, False, True),
                         layer_types=("sliding_attention",) * 3 + ("full_attention",),
                         sliding_window=16, rms_norm_eps=1e-5, tie_word_embeddings=True),
+        # the MLP: int(2 * 64 / 3) = 42, rounded up to a multiple of 256
+        "lfm2": dict(qk_norm=True, intermediate_size=256, rms_norm_eps=1e-5,
+                     tie_word_embeddings=True, sliding_window=None,
+                     layer_types=("conv", "full_attention", "conv", "full_attention"),
+                     mixer={"conv_L_cache": 3, "conv_bias": False}),
     }[family]  # fmt: skip
     assert {k: getattr(cfg, k) for k in want} == want
     if family == "phi":
@@ -253,6 +270,10 @@ def test_unsupported_family_is_named_before_the_folder_is_read(tmp_path: Path, c
         ("starcoder2", {"use_bias": 1}, "use_bias must be true or false"),
         ("cohere2", {"layer_types": "sliding_attention"}, "layer_types must be a list"),
         ("cohere2", {"logit_scale": -1.0}, "logit_scale must be finite and > 0.0"),
+        ("lfm2", {"layer_types": ["conv", "mamba", "conv", "conv"]},
+         "lfm2's layer_types must list"),
+        ("lfm2", {"conv_L_cache": 0}, "conv_L_cache must be"),
+        ("lfm2", {"conv_bias": "no"}, "conv_bias must be true or false"),
     ],
 )  # fmt: skip
 def test_bad_family_configs(family: str, change: dict[str, Any], message: str) -> None:

@@ -422,3 +422,21 @@ def test_class_defaults_are_transformers(family: str) -> None:
     assert {k: v for k, v in ours.items() if k not in ignored} == {
         k: v for k, v in theirs.items() if k not in ignored
     }
+
+
+def test_lfm2_class_defaults_are_transformers() -> None:
+    """An LFM2 ``config.json`` that leaves out every family-specific key is read as
+    ``Lfm2Config`` reads it (8 KV heads, every layer attention, 3 taps, no conv bias, the MLP
+    width adjusted to a multiple of 256, theta 1e6, a tied head, eps 1e-5)."""
+    from portable_llm.decoder.config import DecoderConfig
+
+    sizes = {"hidden_size": 64, "intermediate_size": 600, "num_hidden_layers": 3,
+             "num_attention_heads": 8, "vocab_size": V}  # fmt: skip
+    spelled = transformers.Lfm2Config(**sizes).to_dict()
+    ours = DecoderConfig.from_dict({**sizes, "model_type": "lfm2"}).to_dict()
+    theirs = DecoderConfig.from_dict(spelled).to_dict()
+    ignored = ("bos_token_id", "eos_token_id", "pad_token_id")
+    assert {k: v for k, v in ours.items() if k not in ignored} == {
+        k: v for k, v in theirs.items() if k not in ignored
+    }
+    assert ours["num_key_value_heads"] == 8 and ours["intermediate_size"] == 512

@@ -8,7 +8,8 @@ config.json
     the MLP's width from ``intermediate_size`` (``block_ff_dim``) by
     ``block_auto_adjust_ff_dim`` (true: ``2/3`` of it, times ``block_ffn_dim_multiplier``,
     rounded up to ``block_multiple_of``); tied embeddings by default (``tie_embedding``);
-    ``rope_theta`` 1e6 by default.
+    ``rope_theta`` 1e6, ``num_key_value_heads`` 8 and ``max_position_embeddings`` 128000 by
+    default (HF's class defaults).
 model
     Llama's; the final norm is named ``model.embedding_norm``.
 layer (the recipe below)
@@ -172,7 +173,13 @@ FAMILY = Family(
         "tie_embedding": "tie_word_embeddings",
         "block_ff_dim": "intermediate_size",
     },
-    defaults={"rms_norm_eps": 1e-5, "tie_word_embeddings": True, "rope_theta": 1e6},
+    defaults={
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": True,
+        "rope_theta": 1e6,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 128_000,
+    },
     fields=fields,
     layer_types=layer_types,
     read_layer=read_layer,
