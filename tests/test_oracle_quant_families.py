@@ -1,6 +1,6 @@
 """mlx-lm quantized folders of the families beyond Llama (``phi``, ``phi3``, ``gemma2``,
 ``gemma3_text``, ``gpt2``, ``qwen3_moe``, ``smollm3``, ``olmo2``, ``granite``, ``starcoder2``,
-``cohere2``): a random-initialised transformers model saved
+``cohere2``, ``lfm2``): a random-initialised transformers model saved
 offline with ``save_pretrained``, converted by ``mlx_lm.convert(quantize=True)`` (4 bits,
 groups of 64), loaded by ``pl.load`` kept quantized on every backend, against mlx-lm's own
 model on the same folder (float32 logits within the float32 tolerance: the same dequantized
@@ -26,7 +26,10 @@ top-level ``rope_theta`` from v5's ``rope_parameters``; SmolLM3 no window (mlx-l
 StarCoder2 ``hidden_act="gelu"`` and no window (mlx-lm's runs the erf GELU whatever the config
 says, transformers' default is the tanh form, and has no window); Cohere 2 v4's
 ``sliding_window_pattern`` (mlx-lm ignores ``layer_types``), with a window of 4, shorter than
-the prompt.
+the prompt; LFM2 ``block_dim`` (mlx-lm requires it; transformers 5 does not write it), its
+convolution in MLX's ``Conv1d`` layout ``(E, K, 1)``, two layers (a convolution, then attention:
+with four, conv, attention, conv, conv, array-api-strict's float32 logits were up to 1.7e-5 from
+mlx-lm's, 5 of 4200 past the table's 1e-5; the other backends within it).
 """
 
 from __future__ import annotations
@@ -98,6 +101,9 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
     "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", {
         **_DENSE, "num_hidden_layers": 4, "sliding_window": 4, "logit_scale": 0.5,
     }, {"sliding_window_pattern": 4}),
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", {
+        **_DENSE, "block_multiple_of": 64, "layer_types": ["conv", "full_attention"],
+    }, {"block_dim": 128}),
 }  # fmt: skip
 
 
@@ -147,8 +153,11 @@ def test_family_folder_logits_match_mlx_lm(mlx_folders: dict, family: str, backe
     want = np.array(ref(mx.array(IDS)).astype(mx.float32))
     model = pl.load(folder, backend=backend, dequantize=False)
     assert model.config.model_type == family
-    q = model.layers[0].attn.wq  # kept quantized, a fused module's rows for phi3 and gpt2
+    attn = next(layer.attn for layer in model.layers if layer.attn is not None)  # LFM2: layer 1
+    q = attn.wq  # kept quantized, a fused module's rows for phi3 and gpt2
     assert isinstance(q, QuantizedWeight) and (q.bits, q.group_size) == (4, 64)
     assert isinstance(model.embed, QuantizedWeight)
+    if family == "lfm2":  # the short convolution's projections kept quantized too
+        assert isinstance(model.layers[0].mixer.in_proj, QuantizedWeight)
     got = model(pl.asarray(IDS, backend=backend))
     assert_close(got, want, backend=backend, dtype="float32")

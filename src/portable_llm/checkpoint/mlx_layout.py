@@ -7,6 +7,8 @@ do not:
 - ``phi`` (Phi-2): ``self_attn.dense``, ``mlp.fc1``/``fc2``, ``model.final_layernorm``, and
   ``starcoder2``: ``mlp.c_fc``/``c_proj`` (HF's names, renamed by
   :func:`~portable_llm.checkpoint.weights.family_name` as for a float folder);
+- ``lfm2``: the convolution ``conv.conv.weight`` in MLX's ``Conv1d`` layout ``(E, K, 1)``, HF's
+  ``(E, 1, K)`` transposed;
 - ``phi3``: the fused ``self_attn.qkv_proj`` and ``mlp.gate_up_proj``, quantized whole: q, k and
   v (gate and up) are row ranges of one stored module;
 - ``gpt2``: mlx-lm's ``model.wte``, ``model.wpe``, ``model.h.{i}.attn.c_attn`` (q, k, v as row
@@ -31,12 +33,14 @@ __all__ = ["Stored", "stored_tensors"]
 
 class Stored(NamedTuple):
     """Where one of the decoder's tensors lies: the stored tensor's name (``p.weight`` of a
-    quantized module ``p``, or a float tensor) and shape (dequantized), and the row range the
-    tensor takes of it (``None``: all of it)."""
+    quantized module ``p``, or a float tensor) and shape (dequantized), the row range the
+    tensor takes of it (``None``: all of it), and the stored axes in the decoder's order
+    (``numpy.transpose``'s; ``None``: as stored; a float tensor's only)."""
 
     name: str
     shape: tuple[int, ...]
     rows: tuple[int, int] | None = None
+    axes: tuple[int, ...] | None = None
 
 
 def stored_tensors(
@@ -48,6 +52,11 @@ def stored_tensors(
         return _gpt2(cfg, expected, files)
     renamed = {family_name(cfg.model_type, f): f for f in files}  # Phi-2's, StarCoder2's names
     out = {name: Stored(renamed.get(name, name), shape) for name, shape in expected.items()}
+    if cfg.model_type == "lfm2":  # MLX's Conv1d weight (out, K, in): HF's (E, 1, K) transposed
+        for name, shape in expected.items():
+            if name.endswith(".conv.conv.weight"):
+                E, _, K = shape
+                out[name] = Stored(name, (E, K, 1), axes=(0, 2, 1))
     if cfg.model_type == "phi3":
         E, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim  # noqa: E741
         q, kv = cfg.num_attention_heads * D, cfg.num_key_value_heads * D

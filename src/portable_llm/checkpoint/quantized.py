@@ -47,12 +47,15 @@ class Entry(NamedTuple):
     """One of the model's tensors in a quantized folder: the stored tensor (``p.weight`` of a
     quantized module ``p``, whose ``p.scales`` and ``p.biases`` come with it, or a float
     tensor), the model tensor's (dequantized) shape, its ``(bits, group_size)`` (``None``: a
-    float tensor), and the stored rows it takes (``None``: all; a fused module's part)."""
+    float tensor), the stored rows it takes (``None``: all; a fused module's part), and the
+    stored axes in the model's order (``None``: as stored; :class:`~portable_llm.checkpoint.
+    mlx_layout.Stored`)."""
 
     stored: str
     shape: tuple[int, ...]
     fmt: tuple[int, int] | None
     rows: tuple[int, int] | None = None
+    axes: tuple[int, ...] | None = None
 
 
 class Quantization:
@@ -142,9 +145,12 @@ def read_quantized_weights(
             last = (name, st.read(name))
         return last[1] if rows is None else np.ascontiguousarray(last[1][rows[0] : rows[1]])
 
-    for out_name, (name, _, fmt, rows) in check_quantized(st, cfg, quant).items():
+    for out_name, (name, _, fmt, rows, axes) in check_quantized(st, cfg, quant).items():
         if fmt is None:
-            out[out_name] = to_backend(name, read(name, rows), bk, dtype, device)
+            host = read(name, rows)
+            if axes is not None:  # (LFM2's convolution in MLX's layout)
+                host = np.ascontiguousarray(host.transpose(axes))
+            out[out_name] = to_backend(name, host, bk, dtype, device)
             continue
         stem = name.removesuffix(".weight")
         codes = read(name, rows)
@@ -172,7 +178,7 @@ def check_quantized(
     entries: dict[str, Entry] = {}
     checked: dict[str, tuple[int, int] | None] = {}  # stored name -> its format, checked once
     used: set[str] = set()
-    for out_name, (name, shape, rows) in _stored_names(st, cfg).items():
+    for out_name, (name, shape, rows, axes) in _stored_names(st, cfg).items():
         stem = name.removesuffix(".weight")
         if name in checked:
             entries[out_name] = Entry(name, _cut(shape, rows), checked[name], rows)
@@ -207,6 +213,9 @@ def check_quantized(
         else:
             continue
         checked[name] = fmt
+        if axes is not None:  # a float tensor stored in another axis order
+            entries[out_name] = Entry(name, tuple(shape[a] for a in axes), None, None, axes)
+            continue
         entries[out_name] = Entry(name, _cut(shape, rows), fmt, rows)
     unexpected = [
         n for n in st.files if n not in used and not n.endswith(".rotary_emb.inv_freq")

@@ -48,8 +48,11 @@ class QuantizedSlices:
     def read(self, name: str, index: tuple[slice, ...] = ()) -> np.ndarray | QuantizedSlice:
         """Tensor ``name`` (a key of :attr:`shapes`), or its slice ``index`` in the coordinates
         of its dequantized shape: a float array, or a quantized module's whole groups."""
-        stored, shape, fmt, rows = self.entries[name]
+        stored, shape, fmt, rows, axes = self.entries[name]
         index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+        if axes is not None:  # read whole, in the model's axis order
+            whole = self._read(stored, (slice(None),) * len(shape))
+            return np.ascontiguousarray(whole.transpose(axes)[index])
         if fmt is None:
             return self._read(stored, _rows(index, shape, rows))
         bits, group = fmt
