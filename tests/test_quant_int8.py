@@ -9,6 +9,7 @@ of the activations allows, and bad input.
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -186,6 +187,29 @@ def test_jax_integer_dot_equals_portable(backend, bits, group, seed):
     bias, _ = random_array(seed + 2, (24,), "float32", backend=backend)
     got = quantized_linear_int8_integer(x, *qw.arrays, bias, bits=bits, group_size=group)
     assert_close(got, qlinear(x, qw, bias, activations="int8", impl="portable"))
+
+
+def test_jax_int8_row_reads_its_blocks_as_a_buffer(backend):
+    """Regression (issue 30): with one row of x (a decode step) XLA's CPU fusion took the Q8_0
+    blocks' rounding and scaling into the product's loop fusion and redid them for every output
+    element (1536x576: 10x the exact mode's time; the compiled decode step 0.24x the float
+    mode's). The computation that holds the dot must read the blocks' values, not round them."""
+    if backend != "jax":
+        pytest.skip("JAX's int8 kernel (XLA's fusion)")
+    import jax
+    import jax.numpy as jnp
+
+    from portable_llm.native.jax import quantized_linear_int8
+
+    x, _ = random_array(0, (1, 256), "float32", backend=backend)
+    w, _ = random_weight(1, (192, 256), "float32", backend=backend)
+    qw = quantize(w, bits=4, group_size=32)
+    program = jax.jit(lambda *a: quantized_linear_int8(jnp, *a, None, bits=4, group_size=32))
+    hlo = program.lower(x, *qw.arrays).compile().as_text()
+    computations = re.split(r"\n(?=\S)", hlo)  # one HLO computation per block
+    with_dot = [c for c in computations if " dot(" in c]
+    assert with_dot
+    assert not [c for c in with_dot if "round-nearest-even" in c]
 
 
 def test_activations_must_be_float_or_int8():

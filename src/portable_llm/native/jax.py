@@ -186,7 +186,8 @@ def _moe_experts(
 
     xs = x[tokens]  # (A, E)
     g, u = proj(xs, gate, b_gate), proj(xs, up, b_up)  # (A, I)
-    h = act(jnp, g) * u if glu is None else glu(jnp, g, u)  # glu: ops.moe_experts.ClampedGlu (gpt-oss)
+    # glu: ops.moe_experts.ClampedGlu (gpt-oss)
+    h = act(jnp, g) * u if glu is None else glu(jnp, g, u)
     y = proj(h, down, b_down)  # (A, E)
     y = y.astype(weights.dtype) * weights.reshape(-1)[order][:, None]
     out = jnp.zeros((n, x.shape[-1]), weights.dtype).at[tokens].add(y)  # (N, E)
@@ -277,7 +278,7 @@ def short_conv(xp: Any, u: Any, weight: Any) -> Any:
 
 
 # -- quantized codes times 8-bit activations (activations="int8") -------------------------------
-# Two kernels of ops.quant_int8's definition, both jitted (the compiled decode step inlines them):
+# Two kernels of ops.quant_int8's definition:
 # - quantized_linear_int8_integer: the integers in integer types: x's Q8_0 blocks and the
 #   centred codes q - c as int8 (8-bit codes' -128 fits), one lax.dot_general batched over the
 #   blocks with preferred_element_type=int32 (exact), then the portable path's float32
@@ -303,29 +304,31 @@ def _q8_blocks(x: Any, a: int) -> tuple[Any, Any]:
     return xq, d
 
 
-@partial(jax.jit, static_argnames=("block",))
 def _q8_values(x: Any, *, block: int) -> Any:
-    """The values ``d * xq`` ``(M, K)`` float32 of x's Q8_0 blocks."""
+    """The values ``d * xq`` ``(M, K)`` float32 of x's Q8_0 blocks, as one buffer of their own.
+
+    XLA's CPU fusion turns a product with one row (a decode step) into a loop fusion that also
+    takes in its vector operand's cheap elementwise producers (here the rounding, the int8
+    casts and ``* d``) and then evaluates them once per output element: at 1536x576 one row
+    cost 1.5-1.9 ms against the exact kernel's 0.12-0.19 (1 thread, load 5-7). It never takes in an
+    expensive producer (a division) whose consumer reuses its elements, so the values end in
+    a true division by one (``exact_divide``: ``v / 1 == v`` exactly, NaN stays NaN): they are
+    computed once into a buffer of K floats and the product reads them like the exact mode's x
+    (1536x576: 0.20 ms against the exact kernel's 0.19). ``lax.optimization_barrier`` does not
+    do this on the CPU (removed before fusion: measured as slow as without it).
+    """
     xq, d = _q8_blocks(x, block)
-    return (xq.astype(jnp.float32) * d).reshape(-1, x.shape[-1])  # (M, K)
+    v = (xq.astype(jnp.float32) * d).reshape(-1, x.shape[-1])  # (M, K)
+    return exact_divide(jnp, v, jnp.ones_like(v))
 
 
-@partial(jax.jit, static_argnames=("bits", "group_size"))
-def _exact_f32(
-    x: Any, packed: Any, s: Any, b: Any, bias: Any, *, bits: int, group_size: int
-) -> Any:
-    return quantized_linear(jnp, x, packed, s, b, bias, bits=bits, group_size=group_size)
-
-
-# Two programs, not one (not ``pure``): compiled together, XLA fused the blocks' values into
-# the product as a loop fusion that formed the dequantized weight per call without its dot
-# emitter (1536x576, one row: 0.8-4 ms against the exact kernel's 0.13-0.27). Traced inside a
-# compiled decode step the two inline into the step's program.
+# One program (``pure``: the backend jits it; a compiled decode step inlines it into its own).
 @native(
     "jax",
     "quantized_linear_int8",
-    kernel="jax.jit(Q8_0 blocks' values) + jax.jit(dequantize + jnp.matmul)",
+    kernel="jax.jit(Q8_0 blocks' values, then dequantize + jnp.matmul)",
     applies=_int8_applies,
+    pure=True,
 )
 def quantized_linear_int8(
     xp: Any, x: Any, packed: Any, scales: Any, biases: Any, bias: Any, *, bits: int,
@@ -335,7 +338,7 @@ def quantized_linear_int8(
     xv = _q8_values(x, block=min(32, group_size))  # ops.quant_int8.activation_block's rule
     f32 = [a.astype(jnp.float32) for a in (scales, biases)]
     b = None if bias is None else bias.astype(jnp.float32)
-    y = _exact_f32(xv, packed, *f32, b, bits=bits, group_size=group_size)
+    y = quantized_linear(jnp, xv, packed, *f32, b, bits=bits, group_size=group_size)
     return y.astype(x.dtype).reshape(*lead, -1)  # (N.., O)
 
 
