@@ -1,7 +1,8 @@
 """The infrastructure of hybrid models (a layer whose token mixer is not attention, issue 31):
 ``Layer.mixer`` run by the one forward, ``HybridCache``, ``run_mixer``'s kept states,
-``make_cache`` per layer kind, speculative decoding's rewinds of recurrent states, batching
-without pages, no compiled step, the partition refusal.
+``make_cache`` per layer kind, speculative decoding's rewinds of recurrent states, paged
+continuous batching with the states in per-request slots, no compiled step, the partition
+refusal.
 
 The model is a tiny LFM2 (short convolution layers beside attention layers) written with NumPy
 alone; its logits against transformers are ``tests/test_oracle_families.py``'s.
@@ -75,9 +76,14 @@ def test_layers_and_caches_by_kind(folder: Path) -> None:
     assert kinds == [(True, ShortConv), (False, type(None)), (True, ShortConv)]
     caches = model.make_cache()
     assert [type(c) for c in caches] == [pl.RecurrentCache, pl.KVCache, pl.RecurrentCache]
-    assert model.recurrent and not model.paged
+    assert model.recurrent and model.paged  # its conv states in slots (make_state_slots)
+    pools = model.make_page_pools(4, 8)
+    assert [(p.num_kv_heads, p.head_dim) for p in pools] == [(1, 1), (2, 8), (1, 1)]
+    slots = model.make_state_slots(2)
+    assert [None if s is None else s.num_slots for s in slots] == [2, None, 2]
 
 
+@pytest.mark.slow_on("jax", "array_api_strict")  # a decode token by token: seconds there
 def test_cached_decode_and_padding_equal_the_full_forward(folder: Path, backend: str) -> None:
     """A prompt of 4, then one token at a time, equals the full forward (the prepared and the
     op-by-op forwards); each row of a left-padded batch equals the row alone (the conv zeroes
@@ -114,24 +120,55 @@ def test_padded_prefill_into_caches_then_decode(folder: Path) -> None:
     assert_close(step, alone)
 
 
-def test_generation_paths_equal_greedy(folder: Path, tmp_path: Path) -> None:
-    """batch_generate (each request over its own caches: no pages for recurrent states) and
-    speculative decoding give the plain greedy tokens. The draft is another random LFM2, so
-    proposals are rejected and both models' recurrent states are rewound from the states kept
-    for it (max_rewind set to the draft length: without it, the first rejection's trim is a
-    ValueError)."""
+def test_speculative_rewinds_recurrent_states(folder: Path, tmp_path: Path) -> None:
+    """Speculative decoding gives the plain greedy tokens. The draft is another random LFM2,
+    so proposals are rejected and both models' recurrent states are rewound from the states
+    kept for it (max_rewind set to the draft length: without it, the first rejection's trim is
+    a ValueError)."""
     model = pl.load(folder, backend="numpy", dtype="float32")
     draft = pl.load(_write(tmp_path, seed=1), backend="numpy", dtype="float32")
-    prompts = [IDS[0, :6], IDS[1, :4]]
-    want = [list(pl.generate(model, p, max_new_tokens=10, stop=())) for p in prompts]
-    assert [list(g) for g in pl.batch_generate(model, prompts, max_new_tokens=10, stop=())] == want
+    want = list(pl.generate(model, IDS[0, :6], max_new_tokens=10, stop=()))
     for k in (1, 3):
-        spec = pl.speculative_generate(model, draft, prompts[0], num_draft_tokens=k,
+        spec = pl.speculative_generate(model, draft, IDS[0, :6], num_draft_tokens=k,
                                        max_new_tokens=10, stop=())  # fmt: skip
-        assert list(spec) == want[0]
+        assert list(spec) == want
         assert spec.stats.accepted_tokens < spec.stats.draft_tokens  # some were rewound
-    with pytest.raises(ValueError, match="recurrent layers keep their state in no page"):
-        model.forward_paged([[3]], caches=[[None] * 3])
+
+
+@pytest.mark.slow_on("jax", "array_api_strict")
+def test_paged_batches_equal_greedy(folder: Path, backend: str) -> None:
+    """Continuous batching over pages: the conv layers' states in per-request slots
+    (RecurrentSlots), rows joining and leaving (max_batch below the requests), prompts
+    prefilled in chunks of 4 across steps; each request's tokens are its greedy ones alone.
+    A request of n = 3 is prefilled once and its siblings start from a copy of its states."""
+    from portable_llm.generation.batch import BatchGenerator, Request
+
+    model = pl.load(folder, backend=backend, dtype="float32")
+    prompts = [IDS[0, :7], IDS[1, :5], IDS[0, 2:9], IDS[1, :3]]
+    want = [list(pl.generate(model, p, max_new_tokens=6, stop=())) for p in prompts]
+    got = pl.batch_generate(model, prompts, max_new_tokens=6, stop=(), max_batch=2,
+                            prefill_chunk=4)  # fmt: skip
+    assert [list(g) for g in got] == want
+    gen = BatchGenerator(model, max_batch=2, page_size=4, prefix_cache=True)
+    assert gen.state_slots is not None and gen.prefix_cache is None  # no states in pages
+    rid = gen.add(Request([int(t) for t in prompts[0]], 6, stop=(), n=3))
+    tokens: dict[int, list[int]] = {}
+    while gen.has_work:
+        for r, token, _ in gen.step():
+            tokens.setdefault(r, []).append(token)
+    assert [tokens[rid + i] for i in range(3)] == [want[0]] * 3
+    assert all(s is None or s.num_free == s.num_slots for s in gen.state_slots)  # released
+
+
+def test_forward_paged_needs_the_rows_slots(folder: Path) -> None:
+    model = pl.load(folder, backend="numpy", dtype="float32")
+    caches = [[pl.PagedKVCache(p) for p in model.make_page_pools(4, 4)]]
+    with pytest.raises(ValueError, match=r"need state_slots .* and slot_ids"):
+        model.forward_paged([[3, 4]], caches=caches)
+    slow = _slow(model)
+    assert not slow.paged  # the op-by-op forward runs rows alone: over make_cache()
+    with pytest.raises(ValueError, match="keep their state in no page"):
+        slow.forward_paged([[3, 4]], caches=caches)
 
 
 def test_trace_lists_the_conv_kernel(folder: Path) -> None:
@@ -216,3 +253,24 @@ def test_layer_needs_a_token_mixer(folder: Path) -> None:
         replace(layer, mixer=object())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="left_padding must be a 1-d array"):
         pl.RecurrentCache(left_padding=np.array([[1]]))
+
+
+def test_slots_grow_copy_and_rows() -> None:
+    """RecurrentSlots.grow keeps the states and adds zeroed free slots; copy gives a slot
+    another's state; rows() reads and writes a batch's rows (one state each: no all_states)."""
+    slots = pl.RecurrentSlots(1, [(2, 3)])
+    a = slots.allocate()
+    state = np.arange(6, dtype=np.float32).reshape(1, 2, 3)
+    slots.scatter([a], state)
+    slots.grow(3)
+    assert (slots.num_slots, slots.num_free) == (3, 2)
+    b = slots.allocate()
+    slots.copy(a, b)
+    rows = slots.rows([b, a])
+    np.testing.assert_array_equal(rows.state[0], np.concatenate([state, state]))
+    rows.update(np.zeros((2, 2, 3), np.float32) + 7)
+    np.testing.assert_array_equal(slots.gather([a])[0], np.full((1, 2, 3), 7, np.float32))
+    with pytest.raises(ValueError, match="not all_states"):
+        rows.update(np.zeros((2, 1, 2, 3), np.float32), all_states=True)
+    with pytest.raises(ValueError, match="num_slots must be >= 3"):
+        slots.grow(2)

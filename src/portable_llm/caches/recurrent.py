@@ -18,7 +18,7 @@ from portable_llm.backends import Backend, get_backend, resolve
 from portable_llm.caches.base import check_padding
 from portable_llm.core.checks import check_bool, check_int
 
-__all__ = ["RecurrentCache", "RecurrentSlots"]
+__all__ = ["RecurrentCache", "RecurrentSlots", "SlotRows"]
 
 
 class RecurrentCache:
@@ -206,6 +206,31 @@ class RecurrentSlots:
             zero = xp.zeros((1, *s), dtype=self._dtype)
             self._bufs[i] = self._bk.set_slice(self._bufs[i], (slot, *(0,) * len(s)), zero)
 
+    def grow(self, num_slots: int, /) -> None:
+        """Hold ``num_slots`` slots (at least as many as now): the new ones free and zeroed,
+        the others' states kept."""
+        op = "RecurrentSlots.grow"
+        n = check_int(op, "num_slots", num_slots, low=self.num_slots)
+        xp = self._bk.xp
+        more = n - self.num_slots
+        if more:
+            self._bufs = [
+                xp.concat([b, xp.zeros((more, *s), dtype=self._dtype)], axis=0)
+                for b, s in zip(self._bufs, self._shapes, strict=True)
+            ]  # fmt: skip
+            self._free += list(range(self.num_slots, n))
+            self.num_slots = n
+
+    def copy(self, source: int, target: int, /) -> None:
+        """Give ``target`` the state of ``source`` (a request forked after its prompt: ``n > 1``
+        sequences from one prefill)."""
+        self.scatter([target], *self.gather([source]))
+
+    def rows(self, slots: Sequence[int], /) -> SlotRows:
+        """The states of ``slots`` as one batch's recurrent cache (:class:`SlotRows`): a batch
+        step's rows, row ``b`` in slot ``slots[b]``."""
+        return SlotRows(self, [self._check("RecurrentSlots.rows", s) for s in slots])
+
     def gather(self, slots: Sequence[int], /) -> tuple[Any, ...]:
         """The states of ``slots``, each ``(len(slots), *shape)``: a batch step's ``state=``."""
         op = "RecurrentSlots.gather"
@@ -230,3 +255,25 @@ class RecurrentSlots:
             for row, slot in enumerate(ids):
                 start = (slot, *(0,) * len(want))
                 self._bufs[i] = self._bk.set_slice(self._bufs[i], start, s[row : row + 1, ...])
+
+
+class SlotRows:
+    """The recurrent cache of one batched step over :class:`RecurrentSlots`: what a model's
+    recurrent layer reads and writes (:attr:`state`, :meth:`update`), row ``b`` in slot
+    ``slots[b]``. It keeps no history (``max_rewind`` 0): a step's state replaces the rows'."""
+
+    max_rewind = 0
+
+    def __init__(self, store: RecurrentSlots, slots: list[int]) -> None:
+        self.store, self.slots = store, slots
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        """The rows' states, each ``(B, *shape)`` (a new request's: zeros)."""
+        return self.store.gather(self.slots)
+
+    def update(self, *states: Any, tokens: int = 1, all_states: bool = False) -> None:
+        """Write the rows' states after a chunk (each ``(B, *shape)``) back to their slots."""
+        if all_states:
+            raise ValueError("SlotRows.update: slots keep one state per row, not all_states")
+        self.store.scatter(self.slots, *states)

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
-from portable_llm.caches.recurrent import RecurrentCache
+from portable_llm.caches.recurrent import RecurrentCache, SlotRows
 from portable_llm.ops.kernels import KernelSet
 
 __all__ = ["RecurrentMixer", "run_mixer", "zero_pads"]
@@ -78,6 +78,13 @@ class RecurrentMixer:
         """
         raise NotImplementedError(f"{type(self).__name__} must implement mix()")
 
+    def state_shapes(self) -> tuple[tuple[int, ...], ...] | None:
+        """One row's shape of each state array (what :meth:`mix` returns without ``B``): the
+        slots of a paged batch (:class:`~portable_llm.RecurrentSlots`) are made of them.
+        ``None`` (the default): the mixer does not say, and its model does not run over pages
+        (``Model.paged`` is false)."""
+        return None
+
     def arrays(self) -> list[Any]:
         """The mixer's arrays and projections of the model's dtype (its fields that are
         neither ``None``, nor a Python number, string, bool or tuple, nor in
@@ -104,11 +111,12 @@ class RecurrentMixer:
 
 
 def run_mixer(
-    mixer: RecurrentMixer, xp: Any, kn: KernelSet, x: Any, cache: RecurrentCache | None,
-    pads: Any,
+    mixer: RecurrentMixer, xp: Any, kn: KernelSet, x: Any,
+    cache: RecurrentCache | SlotRows | None, pads: Any,
 ) -> Any:  # fmt: skip
     """``mixer`` over ``x`` ``(B, L, E)`` from the state ``cache`` holds; the new state recorded
-    in ``cache`` (none: a forward without caches, from zeros). Returns ``(B, L, E)``.
+    in ``cache`` (none: a forward without caches, from zeros; a paged batch's rows:
+    :class:`~portable_llm.caches.recurrent.SlotRows`). Returns ``(B, L, E)``.
 
     Rewinds keep states (:class:`~portable_llm.RecurrentCache`): a cache that may be rewound
     (``max_rewind > 0``: speculative decoding) takes the state after each of the last

@@ -18,7 +18,7 @@ from portable_llm.caches.check import check_caches
 from portable_llm.caches.hybrid import HybridCache
 from portable_llm.caches.kv import KVCache, RotatingKVCache
 from portable_llm.caches.page_pool import PagePool
-from portable_llm.caches.recurrent import RecurrentCache
+from portable_llm.caches.recurrent import RecurrentCache, RecurrentSlots
 from portable_llm.core.arrays import asarray, to_numpy
 from portable_llm.core.checks import check_int
 from portable_llm.decoder.compiled import CompiledDecode, compile_decode
@@ -269,11 +269,16 @@ class Model:
 
     @property
     def paged(self) -> bool:
-        """Whether :meth:`forward_paged` runs this model: ``False`` for a model with recurrent
-        mixers (their states live in no page), which
-        :class:`~portable_llm.BatchGenerator` then runs request by request, each over its own
+        """Whether :meth:`forward_paged` runs this model: a model of attention layers, or a
+        hybrid one whose recurrent mixers state their state's shapes
+        (:meth:`~portable_llm.decoder.mixer.RecurrentMixer.state_shapes`: its rows' states
+        then live in :meth:`make_state_slots`) and that has a prepared forward. ``False``:
+        :class:`~portable_llm.BatchGenerator` runs it request by request, each over its own
         :meth:`make_cache` (:func:`~portable_llm.generation.protocol.check_paged_model`)."""
-        return not self.recurrent
+        mixers = [layer.mixer for layer in self.layers if layer.mixer is not None]
+        if not mixers:
+            return True
+        return self.prepared is not None and all(m.state_shapes() is not None for m in mixers)
 
     @property
     def recurrent(self) -> bool:
@@ -283,11 +288,40 @@ class Model:
 
     def make_page_pools(self, num_pages: int, page_size: int) -> list[PagePool]:
         """One empty :class:`~portable_llm.PagePool` per layer: ``num_pages`` pages of
-        ``page_size`` tokens, ``(H_kv, D)`` heads, the model's dtype, backend and device."""
+        ``page_size`` tokens, ``(H_kv, D)`` heads, the model's dtype, backend and device.
+
+        A layer without attention (a recurrent mixer's alone) gets a pool of one head of one
+        feature, whose pages hold nothing the forward reads: its caches keep the sequence's
+        page ids and offset in step with the other layers' (as the batch generator and the
+        prefix cache expect of every layer), for a few bytes per token. Its state lives in
+        :meth:`make_state_slots`."""
         cfg = self.config
-        shape = (num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
         where = {"backend": self.backend.name, "device": self.device}
-        return [PagePool(*shape, self.dtype, **where) for _ in range(cfg.num_hidden_layers)]
+        return [
+            PagePool(num_pages, page_size, *(
+                (cfg.num_key_value_heads, cfg.head_dim) if layer.attn is not None else (1, 1)
+            ), self.dtype, **where)
+            for layer in self.layers
+        ]  # fmt: skip
+
+    def make_state_slots(self, num_slots: int) -> list[RecurrentSlots | None]:
+        """Per layer, the :class:`~portable_llm.RecurrentSlots` of a paged batch's rows
+        (``num_slots`` to start with; float32, on the model's backend): ``None`` for a layer
+        without a recurrent mixer. :class:`~portable_llm.BatchGenerator` gives each request a
+        slot and :meth:`forward_paged` the rows' slots."""
+        out: list[RecurrentSlots | None] = []
+        for layer in self.layers:
+            shapes = None if layer.mixer is None else layer.mixer.state_shapes()
+            if layer.mixer is not None and shapes is None:
+                raise ValueError(
+                    f"make_state_slots: {type(layer.mixer).__name__} states no state_shapes(): "
+                    f"{self.config.model_type} does not run over pages (model.paged is False)"
+                )
+            out.append(
+                None if shapes is None
+                else RecurrentSlots(num_slots, shapes, backend=self.backend.name)
+            )  # fmt: skip
+        return out
 
     def forward_paged(
         self,
@@ -296,13 +330,19 @@ class Model:
         *,
         caches: Sequence[Sequence[Any]],
         logits: bool = True,
+        state_slots: Sequence[RecurrentSlots | None] | None = None,
+        slot_ids: Sequence[int] | None = None,
     ) -> Any:
         """Logits ``(B, V)`` of the last position of each row after its tokens ``ids[b]`` (one
         length ``L`` for all rows), over paged caches: ``caches[b]`` is row ``b``'s
         :class:`~portable_llm.PagedKVCache` per layer (over :meth:`make_page_pools`' pools).
-        ``logits=False``: only fill the caches; returns ``None``. See
-        :func:`portable_llm.decoder.paged_step.forward`."""
-        return paged_forward(self, caches, [list(row) for row in ids], logits=logits)
+        ``logits=False``: only fill the caches; returns ``None``. A hybrid model also takes its
+        recurrent layers' states: ``state_slots`` (:meth:`make_state_slots`) and the rows'
+        slots ``slot_ids[b]``. See :func:`portable_llm.decoder.paged_step.forward`."""
+        return paged_forward(
+            self, caches, [list(row) for row in ids], logits=logits, state_slots=state_slots,
+            slot_ids=slot_ids,
+        )  # fmt: skip
 
     def make_cache(self, *, left_padding: Any = None, step: int = 256) -> list[Any]:
         """One cache per layer: for attention a :class:`~portable_llm.KVCache`, or for a

@@ -25,6 +25,7 @@ from typing import Any
 from portable_llm.attn.paged import paged_attention
 from portable_llm.caches.check import check_caches, check_pool_pages
 from portable_llm.caches.paged import PagedKVCache, block_tables
+from portable_llm.caches.recurrent import RecurrentSlots, SlotRows
 from portable_llm.core.arrays import asarray
 from portable_llm.decoder.forward import check_learned_positions, head_weight
 from portable_llm.decoder.states import DenseState, ForwardSetup
@@ -46,7 +47,7 @@ class PagedState(DenseState):
 
     def __init__(
         self, s: ForwardSetup, caches: Sequence[Sequence[PagedKVCache]], positions: list[int],
-        L: int,
+        L: int, states: Sequence[SlotRows | None] | None = None,
     ) -> None:  # fmt: skip
         rows = None
         if len(positions) > 1:  # (B,) RoPE offsets, one per row
@@ -54,6 +55,21 @@ class PagedState(DenseState):
         super().__init__(s, None, None, rows, positions[0], L)
         self.paged_seqs = caches
         self.paged_tables: tuple[Any, Any] | None = None  # (B, max_pages), (B,): every layer's
+        #: Per layer, the rows' recurrent states in their slots (a hybrid model's), or None.
+        self.states = states
+        self._attended: set[int] = set()  # the layers whose caches attend() advanced
+
+    def recurrent(self, i: int) -> SlotRows | None:
+        """Layer ``i``'s rows' recurrent states (:class:`~portable_llm.caches.recurrent.
+        SlotRows`). A layer without attention advances its caches here, over its pool of one
+        feature (``Model.make_page_pools``), so that every layer's pages and offsets agree."""
+        if i not in self._attended:
+            layer = [seq[i] for seq in self.paged_seqs]
+            pool = layer[0].pool
+            zero = self.s.xp.zeros((1, 1, self.L, 1), dtype=pool.dtype, device=pool.device)
+            for cache in layer:
+                cache.append(zero, zero)  # (1, 1, L, 1): nothing the forward reads
+        return None if self.states is None else self.states[i]
 
     def attend(
         self, kn: KernelSet, i: int, q: Any, k: Any, v: Any, window: int | None,
@@ -63,6 +79,7 @@ class PagedState(DenseState):
         the paged attention of ``q`` ``(B, H, L, D)`` over them (``sinks`` ``(H,)``: the
         layer's attention sinks)."""
         layer = [seq[i] for seq in self.paged_seqs]
+        self._attended.add(i)
         if len(layer) == 1:
             layer[0].append(k, v)
         else:
@@ -84,6 +101,8 @@ def forward(
     chunks: list[list[int]],
     *,
     logits: bool = True,
+    state_slots: Sequence[RecurrentSlots | None] | None = None,
+    slot_ids: Sequence[int] | None = None,
 ) -> Any:
     """The logits ``(B, V)`` of the last position of each row after its tokens ``chunks[b]``
     (all of one length ``L``), which follow what the row's caches hold; the caches then hold
@@ -93,19 +112,16 @@ def forward(
     batch (:class:`PagedState`); a model without one runs each row alone. ``logits=False``: only
     fill the caches (a prefill chunk before the last), without the LM head; returns ``None``.
     """
-    if not model.paged:
-        raise ValueError(
-            f"forward_paged: {model.config.model_type}'s recurrent layers keep their state in "
-            "no page (model.paged is False): run each sequence over model.make_cache(), as "
-            "BatchGenerator does for such a model"
-        )
+    states = _slot_rows(model, state_slots, slot_ids, len(caches))
     bk, p = model.backend, model.prepared
     start = max((seq[0].offset for seq in caches), default=0)  # the row reaching furthest
     check_learned_positions("forward_paged", model.config, start, len(chunks[0]))
     c, L, op = model.config, len(chunks[0]), "forward_paged"
+    attends = [layer.attn is not None for layer in model.layers]
     for b, seq in enumerate(caches):  # every row's every layer takes the chunk, or none does
         shape = (1, c.num_key_value_heads, L, c.head_dim)
-        check_caches(op, seq, backend=bk, shape=shape, dtype=model.dtype, name=f"caches[{b}]")
+        kv = [x if a else None for x, a in zip(seq, attends, strict=False)]  # pools of keys
+        check_caches(op, kv, backend=bk, shape=shape, dtype=model.dtype, name=f"caches[{b}]")
     check_pool_pages(op, caches, L)
     if p is None:
         xp = bk.xp
@@ -116,9 +132,37 @@ def forward(
         ]  # fmt: skip
         return rows[0] if len(rows) == 1 else xp.concat(rows, axis=0)  # (B, V)
     ids = asarray(chunks, backend=bk.name, device=model.device)  # (B, L)
-    state = PagedState(p.setup, caches, [seq[0].offset for seq in caches], len(chunks[0]))
+    offsets = [seq[0].offset for seq in caches]
+    state = PagedState(p.setup, caches, offsets, len(chunks[0]), states)
     h = p.run_layers(p.embed(ids, state, model.embed), state)  # (B, L, E)
     if not logits:
         return None
     head = head_weight(model.embed, model.lm_head)
     return p.head(h[:, -1:, :], state, model.norm, head)[:, -1, :]  # (B, V)
+
+
+def _slot_rows(
+    model: Any, slots: Sequence[RecurrentSlots | None] | None, ids: Sequence[int] | None, B: int
+) -> list[SlotRows | None] | None:
+    """Per layer, the rows' states of a hybrid model (``None`` for a layer without a
+    recurrent mixer), or ``None`` for a model without one. A hybrid model needs its prepared
+    forward (``model.paged``) and a slot per row."""
+    if not model.recurrent:
+        return None
+    op = "forward_paged"
+    if not model.paged:
+        raise ValueError(
+            f"{op}: {model.config.model_type}'s recurrent layers keep their state in no page "
+            "and this model has no slots for them (model.paged is False): run each sequence "
+            "over model.make_cache(), as BatchGenerator does for such a model"
+        )
+    if slots is None or ids is None or len(ids) != B or len(slots) != len(model.layers):
+        raise ValueError(
+            f"{op}: {model.config.model_type}'s recurrent layers need state_slots (one per "
+            f"layer, model.make_state_slots()) and slot_ids (one per row: {B}), got "
+            f"{None if slots is None else len(slots)} and {None if ids is None else len(ids)}"
+        )
+    return [
+        None if layer.mixer is None or store is None else store.rows(ids)
+        for layer, store in zip(model.layers, slots, strict=True)
+    ]

@@ -53,6 +53,7 @@ import numpy as np
 from portable_llm.backends import backend_of
 from portable_llm.caches.paged import PagedKVCache, PagePool
 from portable_llm.caches.prefix import PrefixCache
+from portable_llm.caches.recurrent import RecurrentSlots
 from portable_llm.core.arrays import to_numpy
 from portable_llm.core.checks import check_int, check_optional_int
 from portable_llm.generation.grammar import Constraint, grammar_engine, grammar_of, mask_logits
@@ -150,6 +151,7 @@ class _Seq:
     siblings: list[_Seq] = field(default_factory=list)  # n > 1: forked when the prefill ends
     constraint: Constraint | None = None  # response_format: the grammar's state
     caches: list[Any] = field(default_factory=list)  # one per layer, once admitted
+    slot: int = -1  # a hybrid model's: its recurrent layers' state slot, once admitted
     prefilled: int = 0  # prompt tokens in the caches
     generated: int = 0
     pending: int = -1  # the last token sampled, fed to the model by the next decode step
@@ -189,13 +191,19 @@ class BatchGenerator:
         length is always bounded.
     prefix_cache : bool
         Keep the pages of prompts and finished sequences for the requests that start with the
-        same tokens (see the module docstring; paged models only). Default ``False``.
+        same tokens (see the module docstring; paged models only, and not a hybrid model's:
+        its recurrent states after a prefix are in no page, so it prefills every prompt).
+        Default ``False``.
 
     Attributes
     ----------
     pools : list of PagePool
         One per layer, ``(pool_pages, H_kv, page_size, D)`` pages of the model's dtype; a
         sequence holds the same page ids in each. Empty for a model without paged caches.
+    state_slots : list of RecurrentSlots or None, or None
+        A paged hybrid model's (``make_state_slots``): per layer, the recurrent states of the
+        requests, one slot each (``None`` for a layer of attention alone); ``None`` for a model
+        without recurrent layers.
     max_seq_len : int
     prefix_cache : PrefixCache or None
     admitted : list of ``(request_id, cached_tokens)``
@@ -253,7 +261,13 @@ class BatchGenerator:
         self._prefilling: list[_Seq] = []
         self._running: list[_Seq] = []
         self._live: dict[int, _Seq] = {}  # every request holding caches, by id
-        self.prefix_cache = PrefixCache(self.pools) if prefix_cache and self.pools else None
+        self.state_slots: list[RecurrentSlots | None] | None = None
+        make_slots = getattr(self._paged, "make_state_slots", None)
+        if make_slots is not None:  # a hybrid model's recurrent states, a slot per request
+            slots = list(make_slots(self.max_batch))
+            self.state_slots = slots if any(x is not None for x in slots) else None
+        paged_prefix = prefix_cache and self.pools and self.state_slots is None
+        self.prefix_cache = PrefixCache(self.pools) if paged_prefix else None
         self.admitted: list[tuple[int, int]] = []
         self._promised = 0  # pages held back for the siblings of requests in prefill (n > 1)
         self._V = vocab_size(self.model)  # None: the first logits tell
@@ -486,6 +500,7 @@ class BatchGenerator:
                     cache.share(pages, cached)  # the cached prefix (copy on write: last page)
                     cache.reserve(tokens - cached)
                 seq.prefilled = cached
+                seq.slot = self._slot()
             else:
                 seq.caches = self.model.make_cache()
             self._prefilling.append(seq)
@@ -523,7 +538,14 @@ class BatchGenerator:
         token each) in one ``decode_batch`` over their own caches; any other model, or a
         prefill chunk, runs each row alone (``__call__``)."""
         if self._paged is not None:
-            out = self._paged.forward_paged(chunks, caches=[s.caches for s in seqs], logits=logits)
+            caches = [s.caches for s in seqs]
+            if self.state_slots is None:
+                out = self._paged.forward_paged(chunks, caches=caches, logits=logits)
+            else:  # a hybrid model: its recurrent layers' states in the rows' slots
+                out = self._paged.forward_paged(  # type: ignore[call-arg]
+                    chunks, caches=caches, logits=logits, state_slots=self.state_slots,
+                    slot_ids=[s.slot for s in seqs],
+                )  # fmt: skip
             if not logits:
                 return None
             return self._checked(out, (len(seqs), self._V), "forward_paged")
@@ -607,6 +629,7 @@ class BatchGenerator:
                 cache.share(parent.block_table, P)  # copy on write: a partly filled last page
                 cache.reserve(sib.max_new_tokens - 1)  # the last token is never stored
             sib.prefilled = P
+            sib.slot = self._slot(copy_of=seq.slot)
         return siblings
 
     def _sample(self, seqs: list[_Seq], logits: Any, penalties: PenaltyRows) -> list[int]:
@@ -686,10 +709,34 @@ class BatchGenerator:
             self.prefix_cache.insert(tokens, [c.block_table for c in seq.caches])
         self._release(seq)
 
+    def _slot(self, copy_of: int = -1) -> int:
+        """A hybrid model's new request's state slot (zeros, or ``copy_of``'s state: a sibling
+        forked after the prompt), the slots growing (doubling) when all are taken; ``-1`` for
+        a model without recurrent layers."""
+        if self.state_slots is None:
+            return -1
+        ids = set()
+        for store in self.state_slots:
+            if store is None:
+                continue
+            if store.num_free == 0:
+                store.grow(2 * store.num_slots)
+            slot = store.allocate()
+            if copy_of >= 0:
+                store.copy(copy_of, slot)
+            ids.add(slot)
+        assert len(ids) == 1, "the layers' slots are allocated in step"
+        return ids.pop()
+
     def _release(self, seq: _Seq) -> None:
         if self._paged is not None:
             for cache in seq.caches:
                 cache.release()
+            if seq.slot >= 0 and self.state_slots is not None:
+                for store in self.state_slots:
+                    if store is not None:
+                        store.release(seq.slot)
+                seq.slot = -1
         elif seq.caches:  # the model's own caches (ReleasingModel)
             release_cache(self.model, seq.caches)
         seq.caches = []

@@ -198,7 +198,15 @@ class PagedLanguageModel(LanguageModel, Protocol):
         ``None``: it states none.
     paged : bool, optional
         ``False``: this model does not run over pages now (a hybrid model's recurrent states
-        live in no page), and is batched as a model without these members.
+        live in no page, and it keeps none in slots), and is batched as a model without these
+        members.
+
+    Notes
+    -----
+    A hybrid model (recurrent layers beside attention) may also have
+    ``make_state_slots(num_slots) -> list[RecurrentSlots | None]`` (one per layer): the
+    generator then gives each request a slot of them and calls ``forward_paged(...,
+    state_slots=..., slot_ids=[each row's slot])``.
     """
 
     @property
@@ -306,7 +314,7 @@ def _check_optional_members(op: str, model: Any) -> None:
         value = getattr(model, member, None)
         if value is not None:
             _check_count(op, f"{name}.{member}", value, low=1)
-    for member in (*_OPTIONAL_METHODS, "make_page_pools", "forward_paged"):
+    for member in (*_OPTIONAL_METHODS, "make_page_pools", "forward_paged", "make_state_slots"):
         value = getattr(model, member, None)
         if value is not None and not callable(value):
             raise TypeError(f"{op}: {name}.{member} must be callable, got {type(value).__name__}")

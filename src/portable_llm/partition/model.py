@@ -197,6 +197,14 @@ class PartitionedModel(Model):
             for layer in self.layers
         ]
 
+    @property
+    def paged(self) -> bool:
+        """Whether :meth:`forward_paged` runs this rank's model: not for a hybrid model (its
+        recurrent layers' states are kept per request, not split by stage here), which
+        :class:`~portable_llm.BatchGenerator` then runs request by request over
+        :meth:`make_cache`."""
+        return not self.recurrent
+
     def forward_paged(
         self,
         ids: Sequence[Sequence[int]],
@@ -204,6 +212,8 @@ class PartitionedModel(Model):
         *,
         caches: Sequence[Sequence[Any]],
         logits: bool = True,
+        state_slots: Sequence[Any] | None = None,
+        slot_ids: Sequence[int] | None = None,
     ) -> Any:
         """Logits ``(B, V)`` on every rank of the last position of each row after its tokens
         ``ids[b]`` (one length ``L``), over this rank's paged caches ``caches[b]`` (one
@@ -213,6 +223,12 @@ class PartitionedModel(Model):
         to stage as in :meth:`__call__`; where one process drives every stage (JAX) each row
         runs alone. ``logits=False``: only fill the caches (every rank alike); returns
         ``None``."""
+        if self.recurrent:
+            raise ValueError(
+                f"forward_paged: a partitioned {self.config.model_type} model's recurrent "
+                "layers do not run over pages (model.paged is False): run each sequence over "
+                "model.make_cache()"
+            )
         e, fwd = self.engine, self.local
         chunks = [list(row) for row in ids]
         if e.single_controller:

@@ -107,6 +107,10 @@ class ShortConv(RecurrentMixer):
 
     projections: ClassVar[tuple[str, ...]] = ("in_proj", "out_proj")
 
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        E, K = self.conv.shape
+        return ((K - 1, E),)  # the convolution's last K - 1 inputs
+
     def mix(
         self, xp: Any, kn: KernelSet, x: Any, state: tuple[Any, ...] | None, *,
         pads: Any, all_states: bool,
