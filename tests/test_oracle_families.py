@@ -122,6 +122,16 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         "conv_L_cache": 4, "conv_bias": True, "block_multiple_of": 16,
         "block_ffn_dim_multiplier": 1.5, "tie_word_embeddings": False,
     }),
+    "gpt_oss": ("GptOss", {
+        "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "max_position_embeddings": 256, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6,
+        "swiglu_limit": 1.0,  # below the gate's and up's reach here: the clamp acts
+        "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "truncate": False, "rope_theta": 10000.0,
+                            "original_max_position_embeddings": 64},
+    }),
 }  # fmt: skip
 IDS = np.random.default_rng(0).integers(3, V, size=(2, 12))
 STEPS = 16

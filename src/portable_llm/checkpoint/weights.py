@@ -33,6 +33,8 @@ from portable_llm.checkpoint.gpt2_layout import (
     llama4_sources,
     phi3_sources,
 )
+from portable_llm.checkpoint.gpt_oss_layout import Mxfp4Source, gpt_oss_sources
+from portable_llm.checkpoint.mxfp4 import mxfp4_from_blocks
 from portable_llm.checkpoint.shards import INDEX, SAFETENSORS_FLOATS, SafetensorsFiles
 from portable_llm.decoder.config import DecoderConfig
 from portable_llm.decoder.families import FAMILIES
@@ -142,6 +144,8 @@ class _Sources:
         #: expected name -> (file name, its shape, transform): a tensor cut from another
         #: (GPT-2's fused, transposed Conv1D weights; gpt2_layout).
         self.derived: dict[str, Derived] = {}
+        #: expected name -> its MXFP4 ``*_blocks``/``*_scales`` pair (gpt-oss's experts).
+        self.mxfp4: dict[str, Mxfp4Source] = {}
         if cfg.model_type == "gpt2":
             table = gpt2_sources(cfg, files)
             self.derived = {k: v for k, v in table.items() if v[0] in files}
@@ -156,6 +160,12 @@ class _Sources:
             table = (phi3_sources if cfg.model_type == "phi3" else llama4_sources)(cfg, files)
             self.derived = {k: v for k, v in table.items() if v[0] in files}
             used = {v[0] for v in table.values()}
+            files = {f: path for f, path in files.items() if f not in used}
+        elif cfg.model_type == "gpt_oss":  # interleaved, transposed experts; or MXFP4 ones
+            table, self.mxfp4 = gpt_oss_sources(cfg, files)
+            self.derived = {k: v for k, v in table.items() if v[0] in files}
+            used = {v[0] for v in table.values()}
+            used |= {f for m in self.mxfp4.values() for f in (m.blocks, m.scales)}
             files = {f: path for f, path in files.items() if f not in used}
         for file_name in files:
             name = _canonical(family_name(cfg.model_type, file_name))
@@ -176,6 +186,9 @@ class _Sources:
         for name in self.expected:
             stem, _, proj = name.rpartition(".")
             if name in self.direct or name in self.derived:
+                continue
+            if name in self.mxfp4:
+                out += [f for f in self.mxfp4[name][:2] if f not in self.files]
                 continue
             got = self.pieces.get(stem) if stem.endswith(".experts") else None
             if got is None:
@@ -221,6 +234,12 @@ def _check(src: _Sources, st: SafetensorsFiles) -> None:
         _, two_i, E = src.expected[stem + ".gate_up_proj"]
         want_piece = {"gate": (two_i // 2, E), "up": (two_i // 2, E), "down": (E, two_i // 2)}
         used += [(st.shapes[f], want_piece[kind], f) for (_, kind), f in sorted(pieces.items())]
+    for m in {m[:3] for m in src.mxfp4.values()}:  # (blocks, scales, blocks' shape)
+        for f, want in ((m[0], m[2]), (m[1], m[2][:-1])):
+            if f in st.shapes and st.shapes[f] != want:
+                bad.append(f"{f} {st.shapes[f]} (config implies {want})")
+            if f in st.dtypes and st.dtypes[f] != "U8":
+                kinds.append(f"{f} ({st.dtypes[f]}, MXFP4's are U8)")
     for got, want, file_name in used:
         if got != want:
             bad.append(f"{file_name} {got} (config implies {want})")
@@ -261,10 +280,16 @@ def read_weights(
     st = path
     src = _Sources(cfg, {n: f for n, f in st.files.items() if n not in st.misplaced})
     _check(src, st)
-    return {
+    out = {
         name: to_backend(name, host, bk, dtype, device)
         for name, host in _host_tensors(src, st.read)
     }
+    for name, m in src.mxfp4.items():  # gpt-oss's experts, kept quantized
+        blocks, scales = st.read(m.blocks)[:, m.rows], st.read(m.scales)[:, m.rows]
+        out[name] = mxfp4_from_blocks(
+            blocks, scales, dtype=bk.dtype_name(dtype), backend=bk, device=device
+        )
+    return out
 
 
 def _host_tensors(
@@ -273,6 +298,8 @@ def _host_tensors(
     """``(name, numpy array)`` for every expected tensor, one at a time."""
     for name in src.expected:
         stem, _, proj = name.rpartition(".")
+        if name in src.mxfp4:  # read_weights reads them as MXFP4Weight
+            continue
         if proj == "gate_up_proj":  # split, so the backend never holds the fused tensor
             if name in src.direct:
                 fused = read(src.direct[name])  # (X, 2I, E)
@@ -334,6 +361,11 @@ class SliceReader:
         self.st = st
         self.src = _Sources(cfg, {n: f for n, f in st.files.items() if n not in st.misplaced})
         _check(self.src, st)
+        if self.src.mxfp4:
+            raise CheckpointError(
+                f"load: checkpoint {str(st.folder)!r}: MXFP4 experts (gpt-oss's *_blocks and "
+                "*_scales) are not read per rank: a partitioned model needs float experts"
+            )
         self.shapes: dict[str, tuple[int, ...]] = {}
         for name, shape in self.src.expected.items():
             stem, _, proj = name.rpartition(".")

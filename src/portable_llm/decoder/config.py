@@ -161,6 +161,8 @@ class DecoderConfig:
     # The options of a hybrid family's recurrent mixers, as its file reads them from
     # config.json (LFM2's conv_L_cache, ...): empty for a model without them.
     mixer: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    swiglu_limit: float | None = None  # gpt-oss: the experts' clamped SwiGLU (None: act)
+    swiglu_alpha: float = 1.702  # gpt-oss: its sigmoid's slope
 
     def window(self, layer: int) -> int | None:
         """The sliding window of layer ``layer`` (``None``: full attention)."""

@@ -148,7 +148,7 @@ def moe_experts(
         return y if b is None else y + b[idx][:, None, :]  # gpt-oss: the expert's bias
 
     g, u = proj(xs, gate, b_gate), proj(xs, up, b_up)  # (A, 1, I)
-    h = act(xp, g) * u if glu is None else glu(xp, g, u)  # glu: ops.moe_experts.ClampedGlu (gpt-oss)
+    h = act(xp, g) * u if glu is None else glu(xp, g, u)  # glu: moe_experts.ClampedGlu
     y = proj(h, down, b_down)[:, 0, :]  # (A, E)
     y = y.astype(weights.dtype) * weights.reshape(-1)[order][:, None]
     y = y[mx.argsort(order)].reshape(n, k, x.shape[-1])  # token-major
