@@ -149,6 +149,9 @@ class RecurrentSlots:
         the activations' dtype).
     backend : str, optional
         Default: NumPy.
+    device : optional
+        The backend's device for the buffers (a model's: ``"cuda:0"``, ...); default the
+        backend's default.
     """
 
     def __init__(
@@ -159,6 +162,7 @@ class RecurrentSlots:
         *,
         dtype: str = "float32",
         backend: str | None = None,
+        device: Any = None,
     ) -> None:
         op = "RecurrentSlots"
         self.num_slots = check_int(op, "num_slots", num_slots, low=1)
@@ -166,12 +170,15 @@ class RecurrentSlots:
         if dtype not in self._bk.float_dtypes():
             raise ValueError(f"{op}: dtype must be one of {self._bk.float_dtypes()}, got {dtype!r}")
         self._dtype = self._bk.dtypes[dtype]
+        self._device = self._bk.device(device)
         self._shapes = [tuple(check_int(op, "shapes[i][j]", d, low=0) for d in s) for s in shapes]
         if not self._shapes:
             raise ValueError(f"{op}: give at least one state shape")
-        xp = self._bk.xp
-        self._bufs = [xp.zeros((self.num_slots, *s), dtype=self._dtype) for s in self._shapes]
+        self._bufs = [self._zeros((self.num_slots, *s)) for s in self._shapes]
         self._free = list(range(self.num_slots))
+
+    def _zeros(self, shape: tuple[int, ...]) -> Any:
+        return self._bk.xp.zeros(shape, dtype=self._dtype, device=self._device)
 
     @property
     def num_free(self) -> int:
@@ -201,9 +208,8 @@ class RecurrentSlots:
 
     def reset(self, slot: int, /) -> None:
         """Zero ``slot``'s state (a new prompt in the same slot)."""
-        xp = self._bk.xp
         for i, s in enumerate(self._shapes):
-            zero = xp.zeros((1, *s), dtype=self._dtype)
+            zero = self._zeros((1, *s))
             self._bufs[i] = self._bk.set_slice(self._bufs[i], (slot, *(0,) * len(s)), zero)
 
     def grow(self, num_slots: int, /) -> None:
@@ -215,7 +221,7 @@ class RecurrentSlots:
         more = n - self.num_slots
         if more:
             self._bufs = [
-                xp.concat([b, xp.zeros((more, *s), dtype=self._dtype)], axis=0)
+                xp.concat([b, self._zeros((more, *s))], axis=0)
                 for b, s in zip(self._bufs, self._shapes, strict=True)
             ]  # fmt: skip
             self._free += list(range(self.num_slots, n))
@@ -236,7 +242,7 @@ class RecurrentSlots:
         op = "RecurrentSlots.gather"
         ids = [self._check(op, s) for s in slots]
         xp = self._bk.xp
-        idx = xp.asarray(ids)
+        idx = xp.asarray(ids, device=self._device)
         return tuple(xp.take(b, idx, axis=0) for b in self._bufs)
 
     def scatter(self, slots: Sequence[int], /, *states: Any) -> None:

@@ -319,7 +319,9 @@ class Model:
                 )
             out.append(
                 None if shapes is None
-                else RecurrentSlots(num_slots, shapes, backend=self.backend.name)
+                else RecurrentSlots(
+                    num_slots, shapes, backend=self.backend.name, device=self.device
+                )
             )  # fmt: skip
         return out
 
