@@ -106,19 +106,19 @@ def test_steps_equal_the_sequence_and_all_states(backend, dims, chunk, seed):
 @pytest.mark.slow_on("jax")  # compiles the scan per length; the reference test runs there
 def test_padding_leaves_the_state_zero(backend):
     """Left padding masked out (``mask``): the padded row's outputs after the pads and its
-    state equal those of the row without them (without an ``in_proj`` bias, as HF: its bias
-    reaches the convolution's window from the pads)."""
+    states equal those of the row without them, ``in_proj``'s bias included (HF lets it into
+    the convolution's window from the pads)."""
     dims = (1, 5, 2, 4, 2, 3, 4, 6)
     w, _ = _weights(0, dims, "float32", backend, norm="none")
-    w = type(w)(**{**w.__dict__, "in_bias": None})
     x, _ = random_array(30, (1, 5, 6), "float32", backend=backend)
     pads = random_array(31, (1, 2, 6), "float32", backend=backend)[0]
     padded = pl.asarray(np.concatenate([pl.to_numpy(pads), pl.to_numpy(x)], axis=1),
                         backend=backend)  # fmt: skip
     mask = pl.asarray(np.array([[0, 0, 1, 1, 1, 1, 1]], np.float32), backend=backend)
-    y, (_, ssm) = pl.mamba2_mixer(x, w)
-    y_pad, (_, ssm_pad) = pl.mamba2_mixer(padded, w, mask=mask)
+    y, (conv, ssm) = pl.mamba2_mixer(x, w)
+    y_pad, (conv_pad, ssm_pad) = pl.mamba2_mixer(padded, w, mask=mask)
     assert_close(y_pad[:, 2:, :], pl.to_numpy(y), backend=backend)
+    assert_close(conv_pad, pl.to_numpy(conv), backend=backend)
     assert_close(ssm_pad, pl.to_numpy(ssm), backend=backend)
 
 
@@ -172,7 +172,11 @@ def _bad(**change):
         (_bad(mask=np.ones((1, 3), np.float32)), ValueError,
          r"mamba2_mixer: mask must have shape \(B, L\) = \(1, 2\)"),
         (_bad(state=(np.zeros((1, 2, 10), np.float32), None)), ValueError,
-         r"short_conv: state must have shape \(B, K - 1, C\) = \(1, 3, 10\)"),
+         r"mamba2_mixer: state\[0\] must have shape \(B, K - 1, C\) = \(1, 3, 10\)"),
+        (_bad(state=(None, np.zeros((1, 2, 2, 4), np.float32))), ValueError,
+         r"mamba2_mixer: state\[1\] must have shape \(B, H, P, N\) = \(1, 2, 2, 3\)"),
+        (_bad(state=np.zeros((1, 3, 10), np.float32)), TypeError,
+         r"mamba2_mixer: state must be a pair \(conv, ssm\)"),
         (_bad(in_proj=np.zeros((16, 6), np.int32)), TypeError, r"mamba2_mixer: in_proj"),
         (lambda: pl.mamba2_mixer(np.zeros((1, 2, 6), np.float32), {}), TypeError,
          r"mamba2_mixer: weights must be a Mamba2Weights"),

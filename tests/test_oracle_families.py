@@ -18,7 +18,11 @@ than the sequences, no-RoPE layers with temperature tuning from position 3 on, t
 interleaved RoPE), and ``qwen3_moe`` (q/k norms, q/k/v/o biases, MoE layers with renormalised
 top-2 of 6 experts beside a dense ``mlp_only_layers`` layer, a window of 6 on every layer), and
 ``lfm2`` (short convolution layers of 4 taps, biased, beside attention layers with q/k norms;
-the MLP width adjusted by ``block_ffn_dim_multiplier`` and ``block_multiple_of``).
+the MLP width adjusted by ``block_ffn_dim_multiplier`` and ``block_multiple_of``), and
+``falcon_h1`` (a Mamba-2 mixer beside the attention in every layer, their outputs added: 6 heads
+in 2 groups, a conv of 4 taps, chunks of 4 tokens, the gated RMSNorm after the gate, biases on
+in_proj, out_proj, q/k/v/o and the MLP; every multiplier other than 1: embedding, LM head, key,
+attention in and out, SSM in and out, the mup vector of ssm_multipliers, the MLP's two).
 """
 
 from __future__ import annotations
@@ -131,6 +135,18 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
                             "beta_slow": 1.0, "truncate": False, "rope_theta": 10000.0,
                             "original_max_position_embeddings": 64},
+    }),
+    "falcon_h1": ("FalconH1", {  # Mamba-2 beside attention in every layer, every multiplier
+        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24,
+        "max_position_embeddings": 256, "mamba_d_ssm": 48, "mamba_n_heads": 6,
+        "mamba_n_groups": 2, "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_chunk_size": 4,
+        "mamba_rms_norm": True, "mamba_norm_before_gate": False, "mamba_proj_bias": True,
+        "projectors_bias": True, "attention_bias": True, "mlp_bias": True,
+        "embedding_multiplier": 2.0, "lm_head_multiplier": 0.5, "mlp_multipliers": [0.8, 1.25],
+        "key_multiplier": 0.7, "attention_in_multiplier": 1.3, "attention_out_multiplier": 0.9,
+        "ssm_multipliers": [0.5, 1.5, 0.8, 1.2, 2.0], "ssm_in_multiplier": 1.1,
+        "ssm_out_multiplier": 0.6,
     }),
 }  # fmt: skip
 IDS = np.random.default_rng(0).integers(3, V, size=(2, 12))
@@ -413,7 +429,9 @@ def test_qwen3_moe_config_reads_as_transformers(given: dict[str, Any]) -> None:
     assert [cfg.window(i) for i in range(n)] == [hf.sliding_window] * n
 
 
-@pytest.mark.parametrize("family", ["smollm3", "olmo2", "granite", "starcoder2", "cohere2"])
+@pytest.mark.parametrize(
+    "family", ["smollm3", "olmo2", "granite", "starcoder2", "cohere2", "falcon_h1"]
+)
 def test_class_defaults_are_transformers(family: str) -> None:
     """A ``config.json`` that leaves out every family-specific key is read as transformers'
     config class reads it: the family file's defaults (SmolLM3's theta 2e6 and NoPE interval,
@@ -425,6 +443,8 @@ def test_class_defaults_are_transformers(family: str) -> None:
     name, _ = FAMILIES[family]
     sizes = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
              "num_attention_heads": 4, "vocab_size": V}  # fmt: skip
+    if family == "falcon_h1":  # its class default of 8 key/value heads needs 8 query heads
+        sizes["num_attention_heads"] = 8
     spelled = getattr(transformers, f"{name}Config")(**sizes, pad_token_id=0).to_dict()
     ours = DecoderConfig.from_dict({**sizes, "model_type": family}).to_dict()
     theirs = DecoderConfig.from_dict(spelled).to_dict()

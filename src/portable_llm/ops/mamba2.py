@@ -31,8 +31,9 @@ from portable_llm.core.types import Array, Namespace
 from portable_llm.ops.affine import times
 from portable_llm.ops.gated_norm import OP as GATED_NORM
 from portable_llm.ops.kernels import Kernels, KernelSet
-from portable_llm.ops.short_conv import short_conv
-from portable_llm.ops.ssd import ssd_scan
+from portable_llm.ops.recurrent import check_dims
+from portable_llm.ops.short_conv import short_conv_body
+from portable_llm.ops.ssd import ssd_scan_body
 
 __all__ = ["Mamba2Weights", "mamba2_body", "mamba2_mixer"]
 
@@ -96,9 +97,11 @@ def mamba2_body(
     layers (see the module docstring for the recipe).
 
     ``x`` ``(B, L, E)``; ``state`` ``(conv, ssm)`` or ``None`` (zeros); ``mask`` ``(B, L)``
-    (1 for a token, 0 for padding, in x's dtype): zeroes padded tokens' inputs and convolved
-    inputs (HF ``apply_mask_to_padding_states``), so that left padding leaves the state zero
-    (unless ``in_proj`` has a bias: then, as in HF, the pads' convolution inputs are that bias).
+    (1 for a token, 0 for padding, in x's dtype): zeroes padded tokens' inputs, convolution
+    inputs and convolved inputs (HF ``apply_mask_to_padding_states`` before the projection and
+    after the convolution), so that left padding leaves the state zero: a padded row equals the
+    row alone. (HF does not zero the convolution's inputs, so with an ``in_proj`` bias its pads
+    leave that bias in the window; here they do not.)
     Returns ``(out (B, L, E), (conv, ssm))``, the states after every token with ``all_states``.
     """
     b, L, _ = x.shape
@@ -112,16 +115,20 @@ def mamba2_body(
         proj = proj * w.mup
     C = Di + 2 * G * N
     z, xBC, dt = proj[:, :, :Di], proj[:, :, Di : Di + C], proj[:, :, Di + C :]
-    xBC, conv_state = short_conv(xBC, w.conv, bias=w.conv_bias, state=conv_state,
-                                 activation="silu", all_states=all_states)  # fmt: skip
+    if mask is not None:  # in_proj's bias at the pads: kept out of the convolution's window
+        xBC = xBC * mask[:, :, None]
+    xBC, conv_state = short_conv_body(
+        xp, kn.choose, xBC, w.conv, bias=w.conv_bias, state=conv_state, silu=True,
+        all_states=all_states,
+    )  # fmt: skip
     if mask is not None:
         xBC = xBC * mask[:, :, None]
     xs = xp.reshape(xBC[:, :, :Di], (b, L, H, P))
     Bm = xp.reshape(xBC[:, :, Di : Di + G * N], (b, L, G, N))
     Cm = xp.reshape(xBC[:, :, Di + G * N :], (b, L, G, N))
     gate_in_scan = w.norm is None  # the plain gate: in the scan's float32, before its rounding
-    y, ssm_state = ssd_scan(
-        xs, dt, w.A, Bm, Cm, D=w.D, dt_bias=w.dt_bias,
+    y, ssm_state = ssd_scan_body(
+        xp, kn.choose, xs, dt, w.A, Bm, Cm, D=w.D, dt_bias=w.dt_bias,
         z=xp.reshape(z, (b, L, H, P)) if gate_in_scan else None, dt_limit=w.dt_limit,
         state=ssm_state, chunk_size=w.chunk_size, all_states=all_states,
     )  # fmt: skip
@@ -168,11 +175,19 @@ def mamba2_mixer(
         ``out`` ``(B, L, E)`` in x's dtype; the convolution's state in x's dtype (its inputs,
         exact), the scan's in float32 (float64 for float64 ``x``).
     """
+    if state is not None and (not isinstance(state, tuple | list) or len(state) != 2):
+        raise TypeError(f"{OP}: state must be a pair (conv, ssm), got {type(state).__name__}")
     conv_state, ssm_state = (None, None) if state is None else state
     arrays = (x, mask, conv_state, ssm_state)
     bk, (x, mask, conv_state, ssm_state) = resolve(OP, backend, *arrays)
     check_bool(OP, "all_states", all_states)
     w = _checked_weights(bk, x, weights)
+    b, (C, K) = int(x.shape[0]), (int(d) for d in w.conv.shape)
+    if conv_state is not None:
+        check_dims(OP, "state[0]", conv_state, "(B, K - 1, C)", (b, K - 1, C), bk)
+    if ssm_state is not None:
+        want = (b, w.num_heads, w.head_dim, w.state_size)
+        check_dims(OP, "state[1]", ssm_state, "(B, H, P, N)", want, bk)
     if mask is not None:
         if tuple(mask.shape) != tuple(x.shape[:2]):
             raise ValueError(f"{OP}: mask must have shape (B, L) = {tuple(x.shape[:2])}, got "

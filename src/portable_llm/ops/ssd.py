@@ -21,6 +21,7 @@ import math
 from typing import Any
 
 from portable_llm.backends import Backend, resolve
+from portable_llm.core.arrays import creation_device
 from portable_llm.core.checks import check_bool, check_int, check_real, check_same_dtype
 from portable_llm.core.dispatch import auto_portable, pick, portable
 from portable_llm.core.types import Array, Namespace
@@ -35,7 +36,7 @@ from portable_llm.ops.recurrent import (
     softplus,
 )
 
-__all__ = ["ssd_scan"]
+__all__ = ["ssd_scan", "ssd_scan_body"]
 
 OP = "ssd_scan"
 _NO_LIMIT = (0.0, math.inf)
@@ -210,6 +211,28 @@ def ssd_scan(
     }
     arrays = (x, dt, A, B, C, state, D, z, dt_bias)
     out: tuple[Array, Array] = pick(bk, OP, impl, *arrays, **opts)(bk.xp, *arrays, **opts)
+    return out
+
+
+def ssd_scan_body(
+    xp: Namespace, choose: Any, x: Array, dt: Array, A: Array, B: Array, C: Array, *,
+    state: Array | None, D: Array | None, z: Array | None, dt_bias: Array | None,
+    dt_limit: tuple[float, float], chunk_size: int, all_states: bool,
+) -> tuple[Array, Array]:  # fmt: skip
+    """The scan of checked arguments (``dt_softplus=True``): the body of a model's layers (a
+    Mamba-2 mixer's), as :func:`ssd_scan` computes it. ``choose(op, *arrays, **options)``: the
+    implementation (a model's ``kn.choose``: recurrent for one token, chunked otherwise);
+    ``state`` ``None``: zeros (another float dtype is cast to the compute dtype)."""
+    c = compute_dtype(xp, x.dtype)
+    if state is None:
+        b, _, H, P = x.shape
+        state = xp.zeros((b, H, P, B.shape[-1]), dtype=c, device=creation_device(x))
+    else:  # any float dtype, as the public op takes it
+        state = xp.astype(state, c)
+    opts = {"dt_softplus": True, "dt_limit": dt_limit, "chunk_size": chunk_size,
+            "all_states": all_states}  # fmt: skip
+    arrays = (x, dt, A, B, C, state, D, z, dt_bias)
+    out: tuple[Array, Array] = choose(OP, *arrays, **opts)(xp, *arrays, **opts)
     return out
 
 
