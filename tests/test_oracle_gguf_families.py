@@ -281,3 +281,131 @@ def test_gguf_missing_family_key(arch: str, key: str, tmp_path: Path) -> None:
     _write(tmp_path / "m.gguf", arch, model.config, tensors, skip=key)
     with pytest.raises(pl.CheckpointError, match=f"GGUF metadata key {key} is missing"):
         pl.load(tmp_path / "m.gguf", backend="numpy")
+
+
+MXFP4 = gguf.GGMLQuantizationType.MXFP4
+_GPT_OSS = {"hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4,
+            "max_position_embeddings": 256,
+            "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
+                                "original_max_position_embeddings": 64}}  # fmt: skip
+
+
+def _mxfp4(value: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(the MXFP4 blocks, their values)`` of ``value`` ``(.., N, K)``."""
+    blocks = gguf.quants.quantize(value, MXFP4)
+    return blocks, gguf.quants.dequantize(blocks, MXFP4)
+
+
+def _gpt_oss_file(path: Path) -> tuple[Any, np.ndarray]:
+    """A gpt-oss GGUF as llama.cpp's converter writes an MXFP4 model (gate and up
+    de-interleaved and transposed to ``(X, I, E)``, down to ``(X, E, I)``, the three in MXFP4;
+    ``attn_sinks``, ``post_attention_norm``, the router ``ffn_gate_inp`` with its bias; YaRN),
+    the other matrices Q8_0; and transformers' logits of ``IDS`` on the file's values."""
+    config = transformers.GptOssConfig(vocab_size=V, bos_token_id=1, eos_token_id=2, **_GPT_OSS)
+    torch.manual_seed(7)
+    hf = transformers.GptOssForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            scale = 0.1 if name.endswith(("bias", "sinks")) else 0.15
+            p.copy_(torch.randn_like(p) * scale if p.ndim > 1 or "norm" not in name else
+                    torch.rand_like(p) * 0.4 + 0.8)  # fmt: skip
+    state = {k: v.numpy() for k, v in hf.state_dict().items()}
+    tensors: dict[str, tuple[np.ndarray, Any]] = {}
+    held: dict[str, np.ndarray] = {}
+    names = {**_NAMES, "post_attention_layernorm": "post_attention_norm",
+             "mlp.router": "ffn_gate_inp"}  # fmt: skip
+    for hf_name, value in state.items():
+        stem, _, suffix = hf_name.rpartition(".")
+        if stem in _TOP:
+            tensors[f"{_TOP[stem]}.{suffix}"] = value, _kind(hf_name, value)
+            held[hf_name] = _held(hf_name, value)
+            continue
+        _, _, i, rest = hf_name.split(".", 3)
+        b = f"blk.{i}."
+        if rest == "mlp.experts.gate_up_proj":  # (X, E, 2I), gate and up interleaved
+            gate, gate_q = _mxfp4(np.ascontiguousarray(value[..., 0::2].swapaxes(1, 2)))
+            up, up_q = _mxfp4(np.ascontiguousarray(value[..., 1::2].swapaxes(1, 2)))
+            tensors[b + "ffn_gate_exps.weight"], tensors[b + "ffn_up_exps.weight"] = (
+                (gate, MXFP4),
+                (up, MXFP4),
+            )
+            both = np.empty_like(value)
+            both[..., 0::2], both[..., 1::2] = gate_q.swapaxes(1, 2), up_q.swapaxes(1, 2)
+            held[hf_name] = both
+        elif rest == "mlp.experts.gate_up_proj_bias":
+            tensors[b + "ffn_gate_exps.bias"] = value[..., 0::2], None
+            tensors[b + "ffn_up_exps.bias"] = value[..., 1::2], None
+            held[hf_name] = value
+        elif rest == "mlp.experts.down_proj":  # (X, I, E)
+            down, down_q = _mxfp4(np.ascontiguousarray(value.swapaxes(1, 2)))
+            tensors[b + "ffn_down_exps.weight"] = down, MXFP4
+            held[hf_name] = down_q.swapaxes(1, 2)
+        elif rest == "mlp.experts.down_proj_bias":
+            tensors[b + "ffn_down_exps.bias"] = value, None
+            held[hf_name] = value
+        elif rest == "self_attn.sinks":
+            tensors[b + "attn_sinks.weight"] = value, None
+            held[hf_name] = value
+        else:
+            stem, _, suffix = rest.rpartition(".")
+            kind = None if "router" in stem else _kind(hf_name, value)
+            tensors[f"{b}{names[stem]}.{suffix}"] = value, kind
+            held[hf_name] = value if kind is None else _held(hf_name, value)
+    hf.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in held.items()})
+    with torch.no_grad():
+        want = hf(torch.tensor(IDS)).logits.float().numpy()
+    w = gguf.GGUFWriter(str(path), "gpt-oss")
+    w.add_block_count(config.num_hidden_layers)
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.num_attention_heads)
+    w.add_head_count_kv(config.num_key_value_heads)
+    w.add_key_length(config.head_dim)
+    w.add_value_length(config.head_dim)
+    w.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_expert_count(config.num_local_experts)
+    w.add_expert_used_count(config.num_experts_per_tok)
+    w.add_sliding_window(config.sliding_window)
+    w.add_expert_feed_forward_length(config.intermediate_size)
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(config.rope_parameters["factor"])
+    w.add_rope_scaling_orig_ctx_len(config.rope_parameters["original_max_position_embeddings"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    for name, (value, kind) in tensors.items():
+        if kind is None:
+            w.add_tensor(name, np.ascontiguousarray(value, dtype=np.float32))
+        elif kind == MXFP4:
+            w.add_tensor(name, value, raw_dtype=kind)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(value, kind), raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return hf, want
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_file(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray]:
+    path = tmp_path_factory.mktemp("gguf_gpt_oss") / "gpt-oss.gguf"
+    return path, _gpt_oss_file(path)[1]
+
+
+def test_gpt_oss_gguf_matches_transformers(gpt_oss_file: tuple, backend: str) -> None:
+    """llama.cpp's ``gpt-oss``: the MXFP4 experts kept as :class:`~portable_llm.MXFP4Weight`,
+    attention sinks, the router's bias, the experts' biases, YaRN, a window on the even layers:
+    transformers' logits on the file's values."""
+    path, want = gpt_oss_file
+    model = pl.load(path, backend=backend, dtype="float32")  # dequantize="auto" keeps MXFP4
+    assert model.config.model_type == "gpt_oss"
+    assert model.config.layer_types == ("sliding_attention", "full_attention")
+    scaling = model.config.rope["scaling"]  # the file's YaRN, not gpt-oss's defaults
+    assert (scaling["factor"], scaling["original_max_position_embeddings"]) == (4.0, 64)
+    assert isinstance(model.layers[0].moe.experts_gate, pl.MXFP4Weight)  # kept quantized
+    assert_close(model(pl.asarray(IDS, backend=backend)), want, backend=backend, dtype="float32")

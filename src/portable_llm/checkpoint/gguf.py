@@ -97,6 +97,16 @@ _EXPERTS = {
     "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
 }
+#: Tensors without HF's ``.weight``: ``blk.{i}.{key}.weight`` -> ``model.layers.{i}.{value}``
+#: (the stacked experts' weights, gpt-oss's attention sinks ``(H,)``); the experts' biases
+#: (gpt-oss) are ``mlp.experts.{gate,up,down}_bias`` ``(X, I)``, ``(X, I)``, ``(X, E)``.
+_UNSUFFIXED = {**_EXPERTS, "attn_sinks": "self_attn.sinks"}
+#: gpt-oss's names: ``post_attention_norm`` is the norm before the MLP (HF's
+#: ``post_attention_layernorm``); there is no ``ffn_norm``.
+_GPT_OSS = {
+    **{g: h for g, h in _LAYER.items() if g != "ffn_norm"},
+    "post_attention_norm": "post_attention_layernorm",
+}
 #: OLMo 2's names (a norm after each sublayer, none before).
 _POST_NORMS = {
     **{g: h for g, h in _LAYER.items() if g not in ("attn_norm", "ffn_norm")},
@@ -124,6 +134,8 @@ _BLK = re.compile(r"^blk\.(\d+)\.([\w.]+)\.(weight|bias)$")
 def layer_names(cfg: DecoderConfig) -> dict[str, str]:
     """A layer's GGUF names -> HF's for ``cfg``: Gemma's sandwich norms (``ffn_norm`` is the
     norm before the MLP there), OLMo 2's norms after each sublayer, else Llama's."""
+    if cfg.model_type == "gpt_oss":
+        return _GPT_OSS
     return _SANDWICH if cfg.sandwich_norms else _POST_NORMS if cfg.post_norms else _LAYER
 
 
@@ -136,8 +148,10 @@ def hf_name(name: str, *, layer: dict[str, str] | None = None) -> str | None:
     if stem in _GLOBAL and suffix in ("weight", "bias"):  # LayerNorm, Phi-2's lm_head: a bias
         return f"{_GLOBAL[stem]}.{suffix}"
     m = _BLK.match(name)
-    if m and m[2] in _EXPERTS and m[3] == "weight":
-        return f"model.layers.{m[1]}.{_EXPERTS[m[2]]}"
+    if m and m[2] in _UNSUFFIXED and m[3] == "weight":
+        return f"model.layers.{m[1]}.{_UNSUFFIXED[m[2]]}"
+    if m and m[2] in _EXPERTS:  # an expert's bias (gpt-oss)
+        return f"model.layers.{m[1]}.{_EXPERTS[m[2]].removesuffix('_proj')}_bias"
     layer = _LAYER if layer is None else layer
     if m and m[2] in layer:
         return f"model.layers.{m[1]}.{layer[m[2]]}.{m[3]}"
@@ -185,6 +199,8 @@ def read_gguf(path: str | Path, options: LoadOptions | None = None, /) -> Checkp
     floats on this backend, device and dtype; otherwise Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K
     matrices stay quantized, exactly, as MLX's affine format with group_size 32, and Q6_K ones
     as 8-bit codes with group_size 16 (:class:`~portable_llm.ops.quant.QuantizedWeight`).
+    ``MXFP4`` tensors (gpt-oss's experts) stay :class:`~portable_llm.MXFP4Weight` unless
+    ``dequantize=True``.
 
     Raises
     ------
@@ -373,11 +389,13 @@ def _gguf_name(h: str, layer: dict[str, str]) -> str:
         for g, stem in layer.items():
             if stem == m[2]:
                 return f"blk.{m[1]}.{g}.{m[3]}"
-    m = re.match(r"^model\.layers\.(\d+)\.(mlp\.experts\.\w+)$", h)
+    m = re.match(r"^model\.layers\.(\d+)\.([\w.]+)$", h)
     if m:
-        for g, stem in _EXPERTS.items():
+        for g, stem in _UNSUFFIXED.items():
             if stem == m[2]:
                 return f"blk.{m[1]}.{g}.weight"
+            if stem.removesuffix("_proj") + "_bias" == m[2]:
+                return f"blk.{m[1]}.{g}.bias"
     return h
 
 
@@ -469,6 +487,10 @@ def _tensor(
         bits, group = AFFINE_FORMATS[kind]
         fmt = {"bits": bits, "group_size": group, "rows": shape[0]}
         dequantize = not keeps_codes(bk, device=where, dtype=bk.dtype_name(dtype), **fmt)
+    if kind == "MXFP4" and dequantize is not True:  # gpt-oss's experts: kept (as a folder's)
+        from portable_llm.checkpoint.mxfp4 import mxfp4_from_ggml
+
+        return mxfp4_from_ggml(blocks, shape, dtype=bk.dtype_name(dtype), backend=bk, device=device)
     if dequantize or kind not in AFFINE_FORMATS or len(shape) != 2 or name.endswith(_SQUEEZED):
         host = _unstored(name, cfg, dequantize_blocks(kind, blocks).reshape(_shape(t)))
         if rows is not None:

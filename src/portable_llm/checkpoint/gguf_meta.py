@@ -50,6 +50,7 @@ GGUF_ARCHITECTURES: tuple[str, ...] = (
     "cohere2",
     "qwen3moe",
     "lfm2",
+    "gpt-oss",
 )
 #: llama.cpp's LlamaModel converter (its Mistral, SmolLM3 and Granite subclasses too) permutes
 #: the rows of q/k (weights and biases) for its rotary layout; Qwen's, OLMo 2's and StarCoder2's
@@ -57,7 +58,12 @@ GGUF_ARCHITECTURES: tuple[str, ...] = (
 PERMUTED: tuple[str, ...] = ("llama", "smollm3", "granite")
 #: HF's ``model_type`` of an architecture whose name differs (a Gemma 3 GGUF holds only the
 #: text model, as transformers reads it).
-MODEL_TYPES: dict[str, str] = {"gemma3": "gemma3_text", "phi2": "phi", "qwen3moe": "qwen3_moe"}
+MODEL_TYPES: dict[str, str] = {
+    "gemma3": "gemma3_text",
+    "phi2": "phi",
+    "qwen3moe": "qwen3_moe",
+    "gpt-oss": "gpt_oss",
+}
 #: The architectures with LayerNorm (``{arch}.attention.layer_norm_epsilon``), not RMSNorm.
 LAYER_NORM: tuple[str, ...] = ("phi2", "gpt2", "starcoder2", "cohere2")
 #: The architectures whose head size is ``embedding_length / head_count`` (no ``key_length``),
@@ -312,7 +318,10 @@ _NUMBERS: dict[str, dict[str, str]] = {
     },
     "cohere2": {"logit_scale": "logit_scale"},
 }
-_COUNTS: dict[str, dict[str, str]] = {"cohere2": {"attention.sliding_window": "sliding_window"}}
+_COUNTS: dict[str, dict[str, str]] = {
+    "cohere2": {"attention.sliding_window": "sliding_window"},
+    "gpt-oss": {"attention.sliding_window": "sliding_window"},  # on the even layers (HF's)
+}
 #: The MoE architectures' counts. llama.cpp's Qwen3-MoE renormalises the top-k weights and has
 #: no dense layers (transformers' GGUF reading sets ``norm_topk_prob`` for it too).
 _EXPERTS: dict[str, dict[str, str]] = {
@@ -321,13 +330,18 @@ _EXPERTS: dict[str, dict[str, str]] = {
         "expert_used_count": "num_experts_per_tok",
         "expert_feed_forward_length": "moe_intermediate_size",
     },
+    "gpt-oss": {  # HF's intermediate_size is the experts' width
+        "expert_count": "num_experts",
+        "expert_used_count": "num_experts_per_tok",
+        "expert_feed_forward_length": "intermediate_size",
+    },
 }
 #: The hybrid architectures: ``{arch}.attention.head_count_kv`` lists each layer's count, 0 on
 #: its recurrent layers (LFM2's short convolutions: ``layer_types`` ``"conv"``).
 _HYBRID = ("lfm2",)
 #: The architectures whose biases no metadata announces: a converter writes a bias where the
 #: HF model has one (``blk.0.attn_q.bias``, ``blk.0.ffn_down.bias``), read where present.
-_BIASED = ("smollm3", "olmo2", "granite", "starcoder2", "cohere2", "qwen3moe")
+_BIASED = ("smollm3", "olmo2", "granite", "starcoder2", "cohere2", "qwen3moe", "gpt-oss")
 
 
 def _arch_fields(meta: GGUFMetadata, arch: str, tensors: dict[str, GGUFTensor]) -> dict[str, Any]:
@@ -370,19 +384,44 @@ def _lfm2_fields(meta: GGUFMetadata) -> dict[str, Any]:
 
 def _rope_scaling(meta: GGUFMetadata, arch: str, tensors: dict[str, GGUFTensor]) -> dict[str, Any]:
     """``rope_scaling`` (and longrope's fields): llama.cpp's ``longrope`` of a ``phi3`` file,
-    ``linear``, or nothing."""
+    ``linear``, a ``gpt-oss`` file's ``yarn`` (:func:`_yarn`), or nothing."""
     scaling = meta.text(f"{arch}.rope.scaling.type", "none")
     if arch == "phi3" and any(t in tensors for t in LONGROPE_TENSORS):  # llama.cpp's longrope:
         return _longrope(meta, tensors)  # the factors as tensors, L0 as metadata
     if scaling == "linear":
         factor = meta.number(f"{arch}.rope.scaling.factor", low=1e-30)
         return {"rope_scaling": {"rope_type": "linear", "factor": factor}}
+    if scaling == "yarn" and arch in _YARN:
+        return _yarn(meta, arch)
     if scaling != "none":
         raise CheckpointError(
             f"load: {str(meta.file)!r}: {arch}.rope.scaling.type {brief(scaling)} is not "
-            "supported (none, linear)"
+            f"supported (none, linear{', yarn' if arch in _YARN else ''})"
         )
     return {}
+
+
+#: The architectures whose YaRN is read, with HF's ``truncate`` of the family (gpt-oss: false,
+#: the correction range's ends not rounded, as transformers' GptOssConfig; llama.cpp rounds
+#: them: where the two disagree this reader follows transformers).
+_YARN: dict[str, bool] = {"gpt-oss": False}
+
+
+def _yarn(meta: GGUFMetadata, arch: str) -> dict[str, Any]:
+    """``rope_scaling`` ``yarn`` from ``{arch}.rope.scaling.factor``,
+    ``.original_context_length`` and (llama.cpp's defaults 32 and 1 when absent)
+    ``.yarn_beta_fast``, ``.yarn_beta_slow``."""
+    key = f"{arch}.rope.scaling."
+    return {
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": meta.number(key + "factor", low=1e-30),
+            "original_max_position_embeddings": meta.count(key + "original_context_length"),
+            "beta_fast": meta.number(key + "yarn_beta_fast", 32.0),
+            "beta_slow": meta.number(key + "yarn_beta_slow", 1.0),
+            "truncate": _YARN[arch],
+        }
+    }
 
 
 #: llama.cpp's ``longrope`` factors of a ``phi3`` file (float32, one per rotated pair): read
