@@ -173,3 +173,16 @@ def test_config_reads_as_transformers(spelling):
     }
     assert ours["swiglu_limit"] == 7.0 and ours["sliding_window"] == 128
     assert ours["layer_types"] == ("sliding_attention", "full_attention") * 2
+
+
+def test_tensor_parallel_split_is_refused_by_name():
+    """Split over ranks, the experts' ``down_proj`` bias would be added once per rank before
+    the all-reduce: refused by name, not run wrong."""
+    from portable_llm.decoder.config import DecoderConfig
+    from portable_llm.partition.plan import plan_partition
+
+    cfg = DecoderConfig.from_dict({**FAMILIES["gpt_oss"][1], "vocab_size": V,
+                                   "model_type": "gpt_oss"})  # fmt: skip
+    with pytest.raises(ValueError, match=r"gpt_oss's experts' down_proj bias .* tensor_parallel=1"):
+        plan_partition(cfg, tp=(2, 0))
+    assert plan_partition(cfg, tp=(1, 0), pp=(2, 1)) is not None  # pipeline stages: planned

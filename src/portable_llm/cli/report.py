@@ -241,17 +241,20 @@ def _unembed(seed: int, dtype: str, backend: str) -> Inputs:
     return _inputs(h, random_weight(seed + 1, (_VOCAB, _X[-1]), dtype, backend=backend))
 
 
-def _router(seed: int, dtype: str, backend: str) -> tuple[Any, Any]:
-    """x and a router whose top-k choice has no near-tie within dtype's rounding (then the
-    experts chosen in dtype and in float64 agree, and the comparison is of numbers)."""
+def _router(seed: int, dtype: str, backend: str, biased: bool = False) -> tuple[Any, ...]:
+    """x and a router (``biased``: and its bias ``(X,)``) whose top-k choice has no near-tie
+    within dtype's rounding (then the experts chosen in dtype and in float64 agree, and the
+    comparison is of numbers)."""
     for s in range(seed, seed + 10_000, 10):
         x = random_array(s, _X, dtype, backend=backend)
         w = random_weight(s + 1, (_EXPERTS, _X[-1]), dtype, backend=backend)
-        logits = -np.sort(-reference.linear(x[1], w[1]), axis=-1)
+        b = random_array(s + 2, (_EXPERTS,), dtype, backend=backend, low=-0.5, high=0.5)
+        logits = reference.linear(x[1], w[1], b[1] if biased else None)
+        logits = -np.sort(-logits, axis=-1)
         gap = logits[..., _TOP_K - 1] - logits[..., _TOP_K]
         if (gap > tolerance(dtype).rtol * np.abs(logits).max()).all():
             break
-    return x, w
+    return (x, w, b) if biased else (x, w)
 
 
 def _route_case(seed: int, dtype: str, backend: str) -> Inputs:
@@ -776,6 +779,44 @@ CASES.extend([
                                                           impl=impl),
          lambda x, p, e, *, dtype: reference.mxfp4_linear(x, p, e), seed=216),
 ])  # fmt: skip
+
+
+# gpt-oss's block over MXFP4 experts kept quantized (moe_experts_mxfp4): the router's bias, the
+# experts' biases, the clamped SwiGLU; the reference multiplies the codes' float64 values.
+def _moe_mxfp4_case(seed: int, dtype: str, backend: str) -> Inputs:
+    rng = np.random.default_rng(seed)
+    e, i = _X[-1], 32
+    experts = []
+    for rows, cols in ((i, e), (i, e), (e, i)):  # gate, up (X, I, E); down (X, E, I)
+        codes = rng.integers(0, 16, (_EXPERTS, rows, cols)).astype(np.uint32)
+        shifts = (4 * np.arange(8)).astype(np.uint32)
+        packed = (codes.reshape(_EXPERTS, rows, -1, 8) << shifts).sum(-1, dtype=np.uint32)
+        scales = rng.integers(120, 123, (_EXPERTS, rows, cols // 32)).astype(np.uint8)
+        experts += [(asarray(a, backend=backend), a) for a in (packed, scales)]
+    biases = [random_array(seed + 5 + j, shape, dtype, backend=backend, low=-0.5, high=0.5)
+              for j, shape in enumerate(((_EXPERTS, i), (_EXPERTS, i), (_EXPERTS, e)))]  # fmt: skip
+    return _inputs(*_router(seed, dtype, backend, biased=True), *experts, *biases,
+                   top_k=_TOP_K, norm_topk_prob=True, dtype=dtype)  # fmt: skip
+
+
+def _moe_mxfp4_call(x: Any, w: Any, b: Any, *arrays: Any, dtype: str, **options: Any) -> Any:
+    q = [_mxfp4_weight(arrays[j], arrays[j + 1], dtype) for j in (0, 2, 4)]
+    return moe(x, w, *q, router_bias=b, experts_gate_bias=arrays[6], experts_up_bias=arrays[7],
+               experts_down_bias=arrays[8], swiglu_limit=_SWIGLU["limit"],
+               swiglu_alpha=_SWIGLU["alpha"], **options)  # fmt: skip
+
+
+def _moe_mxfp4_reference(x: Any, w: Any, b: Any, *arrays: Any, dtype: str,
+                         **options: Any) -> np.ndarray:  # fmt: skip
+    q = [reference.mxfp4_dequantize(arrays[j], arrays[j + 1]) for j in (0, 2, 4)]
+    return reference.moe(x, w, *q, router_bias=b, experts_biases=tuple(arrays[6:]),
+                         swiglu=(_SWIGLU["limit"], _SWIGLU["alpha"]), **options)  # fmt: skip
+
+
+CASES.append(
+    Case("moe(gpt-oss, mxfp4 experts)", "moe_experts_mxfp4", _moe_mxfp4_case, _moe_mxfp4_call,
+         _moe_mxfp4_reference, seed=217)
+)  # fmt: skip
 
 
 # -- the kernels a loaded model binds once (decoder.layer_weights.bind_weight) ------------------

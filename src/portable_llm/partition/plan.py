@@ -210,6 +210,12 @@ def plan_partition(
             f"attention, state-space scans) are not split across ranks: use "
             f"tensor_parallel=1, not {T} (pipeline stages are fine)"
         )
+    if c.model_type == "gpt_oss" and T > 1:
+        raise ValueError(
+            f"partition: gpt_oss's experts' down_proj bias and attention sinks are not split "
+            f"across ranks yet (the bias would be summed once per rank): use tensor_parallel=1, "
+            f"not {T}"
+        )
     if c.qk_norm_whole and T > 1:
         raise ValueError(
             f"partition: {c.model_type}'s q_norm and k_norm each span all heads' features "
