@@ -22,7 +22,12 @@ the MLP width adjusted by ``block_ffn_dim_multiplier`` and ``block_multiple_of``
 ``falcon_h1`` (a Mamba-2 mixer beside the attention in every layer, their outputs added: 6 heads
 in 2 groups, a conv of 4 taps, chunks of 4 tokens, the gated RMSNorm after the gate, biases on
 in_proj, out_proj, q/k/v/o and the MLP; every multiplier other than 1: embedding, LM head, key,
-attention in and out, SSM in and out, the mup vector of ssm_multipliers, the MLP's two).
+attention in and out, SSM in and out, the mup vector of ssm_multipliers, the MLP's two), and
+``deepseek_v3`` (multi-head latent attention with a query LoRA, biases, interleaved yarn RoPE
+with ``mscale`` and ``mscale_all_dim``, a latent cache; a dense first layer, then the grouped
+router: sigmoid scores with a random correction bias, the best 2 of 4 groups, top 3 of 8,
+renormalised, scaled by 2.5; two shared experts); its own tests are in
+``tests/test_oracle_deepseek.py``.
 """
 
 from __future__ import annotations
@@ -148,6 +153,20 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         "ssm_multipliers": [0.5, 1.5, 0.8, 1.2, 2.0], "ssm_in_multiplier": 1.1,
         "ssm_out_multiplier": 0.6,
     }),
+    "deepseek_v3": ("DeepseekV3", {
+        "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "kv_lora_rank": 32, "q_lora_rank": 24, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+        "v_head_dim": 12, "n_routed_experts": 8, "num_experts_per_tok": 3, "n_group": 4,
+        "topk_group": 2, "n_shared_experts": 2, "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.5, "norm_topk_prob": True, "attention_bias": True,
+        "max_position_embeddings": 256, "tie_word_embeddings": False,
+        "rope_parameters": {
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+            "mscale": 0.9, "mscale_all_dim": 1.1, "beta_fast": 32.0, "beta_slow": 1.0,
+            "rope_theta": 10000.0,
+        },
+    }),
 }  # fmt: skip
 IDS = np.random.default_rng(0).integers(3, V, size=(2, 12))
 STEPS = 16
@@ -173,6 +192,9 @@ def _build(family: str, folder: Path, seed: int, **override: Any) -> Any:
                 p.copy_(torch.rand_like(p) * 0.4 + (-0.2 if family.startswith("gemma") else 0.8))
             else:
                 p.copy_(torch.randn_like(p) * 0.15)
+        for name, b in model.named_buffers():  # DeepSeek V3's router bias (HF inits zeros)
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.1)
     model.save_pretrained(folder)
     return model
 
@@ -254,10 +276,13 @@ def test_bfloat16_matches_transformers(
         pytest.skip(f"{backend} has no bfloat16")
     folder, hf = hf_models[family]
     given = FAMILIES[family][1]
-    experts = given.get("num_local_experts", given.get("num_experts"))
+    experts = given.get(
+        "num_local_experts", given.get("num_experts", given.get("n_routed_experts"))
+    )
     if experts:  # every expert routed: no top-k choice that bfloat16's rounding could flip
         folder = tmp_path
-        hf = _build(family, folder, seed=7, num_experts_per_tok=experts)
+        groups = {"topk_group": given["n_group"]} if "n_group" in given else {}  # all groups
+        hf = _build(family, folder, seed=7, num_experts_per_tok=experts, **groups)
     hf16 = type(hf).from_pretrained(folder, dtype=torch.bfloat16).eval()
     model = pl.load(folder, backend=backend, dtype="bfloat16")
     tol = MODEL_TOLERANCES["bfloat16"]

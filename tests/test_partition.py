@@ -131,6 +131,18 @@ def test_whole_projection_qk_norms_refuse_tensor_ranks() -> None:
 
 
 @numpy_only
+@pytest.mark.parametrize("ranks", [{"tp": (2, 0)}, {"pp": (2, 1)}, {}])
+def test_latent_attention_is_not_partitioned(ranks: dict[str, tuple[int, int]]) -> None:
+    """DeepSeek V3's latent attention is refused by name, tensor ranks and stages alike (its
+    heads, latent caches and grouped experts are not split yet)."""
+    d = {"model_type": "deepseek_v3", "hidden_size": 32, "num_attention_heads": 4,
+         "num_key_value_heads": 4, "intermediate_size": 64, "vocab_size": 100,
+         "num_hidden_layers": 2, "kv_lora_rank": 16, "n_routed_experts": 8}  # fmt: skip
+    with pytest.raises(ValueError, match=r"deepseek_v3's latent attention \(kv_lora_rank=16\)"):
+        plan_partition(DecoderConfig.from_dict(d), **ranks)
+
+
+@numpy_only
 def test_group_on_a_backend_without_collectives() -> None:
     import portable_llm as pl
 

@@ -164,6 +164,10 @@ def latent_attention(
 class LatentState(Protocol):
     """What :func:`latent_attention_body` asks of the call or forward it runs in."""
 
+    #: The state attends over pages of ``[c_kv, k_pe]`` as both keys and values (a paged
+    #: forward): the absorbed form only, whose keys and values those are.
+    absorbed_only: bool
+
     def rotate(self, kn: Any, q: Array, k: Array) -> tuple[Array, Array]:
         """RoPE of ``q_pe`` ``(B, H, L, d_r)`` and ``k_pe`` ``(B, 1, L, d_r)``."""
         ...
@@ -174,9 +178,10 @@ class LatentState(Protocol):
         ``(B, 1, S, d_r)``, and the mask for them."""
         ...
 
-    def attend_latent(self, kn: Any, q: Array, k: Array, v: Array, mask: Any) -> Array:
-        """The attention of ``q`` ``(B, H, L, D)`` over ``k`` ``(B, H_kv, S, D)`` and ``v``
-        ``(B, H_kv, S, D_v)`` with ``mask`` (from :meth:`latents`): ``(B, H, L, D_v)``."""
+    def attend_latent(self, kn: Any, i: int, q: Array, k: Array, v: Array, mask: Any) -> Array:
+        """Layer ``i``'s attention of ``q`` ``(B, H, L, D)`` over ``k`` ``(B, H_kv, S, D)``
+        and ``v`` ``(B, H_kv, S, D_v)`` with ``mask`` (from :meth:`latents`): ``(B, H, L,
+        D_v)``."""
         ...
 
 
@@ -199,17 +204,18 @@ def latent_attention_body(
     k_pe = xp.reshape(ckv[..., R:], (B, 1, L, dr))  # (B, 1, L, d_r)
     q_pe, k_pe = state.rotate(kn, q[..., dn:], k_pe)
     c, k_pe, mask = state.latents(kn, i, c, k_pe)  # (B, 1, S, R), (B, 1, S, d_r)
-    if w.form == "absorbed" or (w.form == "auto" and absorbs(L, w)):
-        o = _absorbed(xp, state, kn, q[..., :dn], q_pe, c, k_pe, mask, w)
+    absorbed = w.form == "absorbed" or (w.form == "auto" and absorbs(L, w))
+    if absorbed or state.absorbed_only:
+        o = _absorbed(xp, state, kn, i, q[..., :dn], q_pe, c, k_pe, mask, w)
     else:
-        o = _expanded(xp, state, kn, q[..., :dn], q_pe, c, k_pe, mask, w)
+        o = _expanded(xp, state, kn, i, q[..., :dn], q_pe, c, k_pe, mask, w)
     o = xp.reshape(xp.permute_dims(o, (0, 2, 1, 3)), (B, L, H * w.v_head_dim))  # (B, L, H*d_v)
     o = kn.project(xp, o, w.wo, None)  # (B, L, E_out)
     return o if w.bo is None else o + w.bo
 
 
 def _expanded(
-    xp: Namespace, state: LatentState, kn: Any, q_nope: Array, q_pe: Array, c: Array,
+    xp: Namespace, state: LatentState, kn: Any, i: int, q_nope: Array, q_pe: Array, c: Array,
     k_pe: Array, mask: Any, w: LatentWeights,
 ) -> Array:  # fmt: skip
     """HF's order: every key's heads through ``kv_b_proj``, then plain attention (``D = d_n +
@@ -220,11 +226,11 @@ def _expanded(
     pe = xp.broadcast_to(k_pe, (B, H, S, w.qk_rope_head_dim))  # the shared rotary key
     k = xp.concat([kv[..., :dn], pe], axis=-1)  # (B, H, S, d_n + d_r)
     q = xp.concat([q_nope, q_pe], axis=-1)  # (B, H, L, d_n + d_r)
-    return state.attend_latent(kn, q, k, kv[..., dn:], mask)  # (B, H, L, d_v)
+    return state.attend_latent(kn, i, q, k, kv[..., dn:], mask)  # (B, H, L, d_v)
 
 
 def _absorbed(
-    xp: Namespace, state: LatentState, kn: Any, q_nope: Array, q_pe: Array, c: Array,
+    xp: Namespace, state: LatentState, kn: Any, i: int, q_nope: Array, q_pe: Array, c: Array,
     k_pe: Array, mask: Any, w: LatentWeights,
 ) -> Array:  # fmt: skip
     """``W_UK`` in the query, ``W_UV`` after the attention: one key/value head of ``R + d_r``
@@ -232,13 +238,15 @@ def _absorbed(
     q_lat = affine(xp, q_nope, w.w_uk)  # (B, H, L, d_n) @ (H, R, d_n)^T: (B, H, L, R)
     q = xp.concat([q_lat, q_pe], axis=-1)  # (B, H, L, R + d_r)
     k = xp.concat([c, k_pe], axis=-1)  # (B, 1, S, R + d_r)
-    o = state.attend_latent(kn, q, k, c, mask)  # (B, H, L, R)
+    o = state.attend_latent(kn, i, q, k, c, mask)  # (B, H, L, R)
     return affine(xp, o, w.w_uv)  # (B, H, L, R) @ (H, d_v, R)^T: (B, H, L, d_v)
 
 
 class LatentCallState(CallState):
     """One call of :func:`latent_attention`: the block's RoPE positions (:class:`CallState`),
     the compressed cache, the attention's options."""
+
+    absorbed_only = False
 
     def latents(self, kn: Any, i: int, c_kv: Array, k_pe: Array) -> tuple[Array, Array, Any]:
         if self.cache is None:
@@ -249,7 +257,7 @@ class LatentCallState(CallState):
         )
         return c_kv, k_pe, mask
 
-    def attend_latent(self, kn: Any, q: Array, k: Array, v: Array, mask: Any) -> Array:
+    def attend_latent(self, kn: Any, i: int, q: Array, k: Array, v: Array, mask: Any) -> Array:
         be = self.be
         args, opts = sdpa_args(
             OP, be, q, k, v, mask, scale=self.scale, window=None, softcap=None,

@@ -16,7 +16,15 @@ from portable_llm.core.checks import check_float, check_int, match_weight
 from portable_llm.core.dispatch import IMPLS
 from portable_llm.ops.quant import QuantizedWeight, dequantize
 
-__all__ = ["FORMS", "OP", "LatentWeights", "absorbs", "latent_args", "latent_softmax_scale"]
+__all__ = [
+    "FORMS",
+    "OP",
+    "LatentWeights",
+    "absorbed_weights",
+    "absorbs",
+    "latent_args",
+    "latent_softmax_scale",
+]
 
 OP = "latent_attention"
 
@@ -137,8 +145,10 @@ def _vector(be: Backend, a: dict[str, Any], name: str, n: int, what: str) -> Non
                          f"{tuple(a[name].shape)}")  # fmt: skip
 
 
-def _absorbed_weights(be: Backend, wkv_b: Any, H: int, dn: int, dv: int) -> tuple[Any, Any]:
-    """``(W_UK^T (H, R, d_n), W_UV (H, d_v, R))`` from ``kv_b_proj`` ``(H (d_n + d_v), R)``."""
+def absorbed_weights(be: Backend, wkv_b: Any, H: int, dn: int, dv: int) -> tuple[Any, Any]:
+    """``(W_UK^T (H, R, d_n), W_UV (H, d_v, R))`` from ``kv_b_proj`` ``(H (d_n + d_v), R)``
+    (a quantized one dequantized): the absorbed form's weights, formed once (the op's checks,
+    a model's load)."""
     xp = be.xp
     w = dequantize(wkv_b) if isinstance(wkv_b, QuantizedWeight) else wkv_b
     w = xp.reshape(w, (H, dn + dv, w.shape[-1]))  # (H, d_n + d_v, R)
@@ -183,7 +193,7 @@ def latent_args(x: Any, **kw: Any) -> tuple[Backend, LatentWeights, Any, dict[st
         raise ValueError(f"{OP}: norm_eps must be >= 0, got {norm_eps!r}")
     a = {n: v if v is None or isinstance(v, QuantizedWeight) else match_weight(OP, n, v, x, be)
          for n, v in a.items()}  # fmt: skip
-    w_uk, w_uv = _absorbed_weights(be, a["wkv_b"], H, dn, dv)
+    w_uk, w_uv = absorbed_weights(be, a["wkv_b"], H, dn, dv)
     if isinstance(a["wkv_b"], QuantizedWeight):
         w_uk, w_uv = (be.xp.astype(t, x.dtype) for t in (w_uk, w_uv))
     w = LatentWeights(**a, w_uk=w_uk, w_uv=w_uv, num_heads=H, kv_lora_rank=R,

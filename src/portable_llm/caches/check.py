@@ -25,7 +25,7 @@ def check_caches(
     /,
     *,
     backend: Any,
-    shape: tuple[int, int, int, int],
+    shape: tuple[int, int, int, int] | Sequence[tuple[int, int, int, int]],
     dtype: Any,
     name: str = "cache",
 ) -> None:
@@ -39,7 +39,8 @@ def check_caches(
         ``None`` entries (a layer without a cache) and caches without ``check_update`` (a
         user's own class) are skipped.
     backend, shape, dtype
-        The library, shape ``(B, H_kv, L, D)`` and dtype of the keys each layer will write.
+        The library, shape ``(B, H_kv, L, D)`` and dtype of the keys each layer will write
+        (``shape``: one per layer where they differ, DeepSeek V3's latent layers).
     name : str
         The argument that holds ``caches``, in the errors (``cache[1]: ...``).
 
@@ -58,11 +59,13 @@ def check_caches(
             f"{op}: the caches of one forward must hold one offset (the new tokens' first "
             f"position), got {name} offsets {offsets}"
         )
+    per_layer = [shape] * len(caches) if isinstance(shape[0], int) else list(shape)
     for i, c in enumerate(caches):
         check = getattr(c, "check_update", None)
         if check is not None:
-            check(backend, shape, dtype, op=f"{op}: {name}[{i}]")
-    check_pool_pages(op, [caches], shape[2], name=name)
+            check(backend, per_layer[i], dtype, op=f"{op}: {name}[{i}]")
+    if per_layer:
+        check_pool_pages(op, [caches], per_layer[0][2], name=name)  # type: ignore[index]
 
 
 def check_pool_pages(

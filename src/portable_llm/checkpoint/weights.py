@@ -123,6 +123,15 @@ def family_name(model_type: str, name: str) -> str:
     return name
 
 
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _layer_index(name: str) -> int:
+    """The decoder layer a tensor belongs to (``model.layers.{i}.``), else -1."""
+    m = _LAYER.match(name)
+    return int(m[1]) if m else -1
+
+
 def _canonical(name: str) -> str:
     """A file's name in HF v5 layout (Mixtral's ``block_sparse_moe``/``w1`` names renamed)."""
     if ".block_sparse_moe." not in name:
@@ -167,9 +176,13 @@ class _Sources:
             used = {v[0] for v in table.values()}
             used |= {f for m in self.mxfp4.values() for f in (m.blocks, m.scales)}
             files = {f: path for f, path in files.items() if f not in used}
+        family = FAMILIES.get(cfg.model_type)
+        extra = family is not None and family.extra_layers  # DeepSeek V3's MTP layers
         for file_name in files:
             name = _canonical(family_name(cfg.model_type, file_name))
             m = _LEGACY_EXPERT.match(name)
+            if extra and _layer_index(name) >= cfg.num_hidden_layers:
+                continue  # a layer transformers does not run either
             if name in self.expected:
                 self.direct[name] = file_name
             elif m and m[1] + ".down_proj" in self.expected and m[3] in ("gate", "up", "down"):
@@ -281,7 +294,7 @@ def read_weights(
     src = _Sources(cfg, {n: f for n, f in st.files.items() if n not in st.misplaced})
     _check(src, st)
     out = {
-        name: to_backend(name, host, bk, dtype, device)
+        name: to_backend(name, host, bk, kept_dtype(bk, name, dtype), device)
         for name, host in _host_tensors(src, st.read)
     }
     for name, m in src.mxfp4.items():  # gpt-oss's experts, kept quantized
@@ -290,6 +303,20 @@ def read_weights(
             blocks, scales, dtype=bk.dtype_name(dtype), backend=bk, device=device
         )
     return out
+
+
+#: Tensors a narrower float model keeps in float32, as transformers keeps them
+#: (``_keep_in_fp32_modules_strict``): the grouped router's correction bias, which decides the
+#: experts (DeepSeek V3, GLM-4.5).
+KEEP_FLOAT32 = (".e_score_correction_bias",)
+
+
+def kept_dtype(bk: Backend, name: str, dtype: Any) -> Any:
+    """The dtype tensor ``name`` is read in: ``dtype``, or float32 for the tensors of
+    :data:`KEEP_FLOAT32` when ``dtype`` is narrower (bfloat16, float16)."""
+    if name.endswith(KEEP_FLOAT32) and bk.dtype_name(dtype) in ("bfloat16", "float16"):
+        return bk.xp.float32
+    return dtype
 
 
 def _host_tensors(

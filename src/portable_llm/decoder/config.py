@@ -158,11 +158,29 @@ class DecoderConfig:
     embedding_multiplier: float = 1.0  # Granite: the embeddings times it
     residual_multiplier: float = 1.0  # Granite: each sublayer's output times it
     logit_scale: float = 1.0  # Granite (1 / logits_scaling), Cohere 2: the logits times it
+    # DeepSeek V3's multi-head latent attention (kv_lora_rank 0: none; head_dim is then
+    # qk_rope_head_dim, HF's too) and grouped router (router="grouped")
+    kv_lora_rank: int = 0  # R: the latent a layer caches per token, with d_r rotary features
+    q_lora_rank: int | None = None  # the query's LoRA rank (None: a plain q_proj)
+    qk_nope_head_dim: int = 0  # d_n
+    v_head_dim: int = 0  # d_v
+    n_group: int = 1  # groups of experts
+    topk_group: int = 1  # groups kept per token
+    routed_scaling_factor: float = 1.0  # the routed experts' weights times it
     # The options of a hybrid family's recurrent mixers, as its file reads them from
     # config.json (LFM2's conv_L_cache, ...): empty for a model without them.
     mixer: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     swiglu_limit: float | None = None  # gpt-oss: the experts' clamped SwiGLU (None: act)
     swiglu_alpha: float = 1.702  # gpt-oss: its sigmoid's slope
+
+    def cache_dims(self, layer: int, *, paged: bool = False) -> tuple[int, int]:
+        """``(H_kv, D)`` of the keys layer ``layer``'s cache takes per token: the heads', or
+        a latent layer's one latent ``(1, R)`` (its values: ``(1, d_r)``, the rotary key);
+        in a page pool a latent layer's pages hold ``[c_kv, k_pe]``, ``(1, R + d_r)``, as
+        both keys and values (:func:`~portable_llm.decoder.paged_step.forward`)."""
+        if not self.kv_lora_rank:
+            return self.num_key_value_heads, self.head_dim
+        return 1, self.kv_lora_rank + (self.head_dim if paged else 0)
 
     def window(self, layer: int) -> int | None:
         """The sliding window of layer ``layer`` (``None``: full attention)."""

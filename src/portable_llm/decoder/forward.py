@@ -30,7 +30,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from portable_llm.attn.block import attention_body
+from portable_llm.attn.block import AttnWeights, attention_body
+from portable_llm.attn.latent import LatentWeights, latent_attention_body
 from portable_llm.backends import Backend, backend_of, resolve
 from portable_llm.core.arrays import creation_device
 from portable_llm.core.dispatch import dispatcher
@@ -127,7 +128,7 @@ class Forward:
             and config.residual_multiplier == 1.0
             and all(
                 not layer.parallel
-                and layer.attn is not None
+                and type(layer.attn) is AttnWeights
                 and layer.mixer is None
                 and layer.mlp is not None
                 and layer.attn_norm is None
@@ -240,12 +241,16 @@ class Forward:
 
     def token_mixers(self, kn: KernelSet, r: Any, layer: Layer, state: ForwardState, i: int) -> Any:
         """The token mixers of layer ``i`` over its normed input ``r`` ``(B, L, E)``: the
-        attention, the recurrent mixer (its state in the layer's recurrent cache,
+        attention (DeepSeek V3's: the latent attention over its latent cache), the recurrent
+        mixer (its state in the layer's recurrent cache,
         :func:`~portable_llm.decoder.mixer.run_mixer`), or both added (Falcon-H1)."""
         xp = self.xp
         a = None
-        if layer.attn is not None:
+        if isinstance(layer.attn, LatentWeights):  # DeepSeek V3: over its latent cache
+            a = latent_attention_body(xp, kn, r, layer.attn, state, i)
+        elif layer.attn is not None:
             a = attention_body(xp, kn, r, layer.attn, state, i)
+        if a is not None:
             if self.reduce is not None:  # a tensor-parallel rank: the partial sums added
                 a = self.reduce(a)
             if layer.o_bias is not None:  # o_proj's bias, after the sum (counted once)

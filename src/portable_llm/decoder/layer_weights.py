@@ -18,6 +18,7 @@ from functools import partial
 from typing import Any
 
 from portable_llm.attn.block import AttnWeights
+from portable_llm.attn.latent import LatentWeights
 from portable_llm.backends import Backend, backend_of
 from portable_llm.decoder.mixer import RecurrentMixer
 from portable_llm.ops.kernels import Packed, QLinear
@@ -60,7 +61,7 @@ class Layer:
 
     input_norm: Any  # (E,)
     post_norm: Any  # (E,), or None (parallel)
-    attn: AttnWeights | None
+    attn: AttnWeights | LatentWeights | None  # LatentWeights: DeepSeek V3's latent attention
     mlp: MlpWeights | None
     moe: MoeWeights | None
     input_bias: Any = None  # (E,): LayerNorm's bias
@@ -86,11 +87,19 @@ class Layer:
         return self.input_norm if self.input_norm is not None else self.attn_norm
 
 
+#: The arrays of a latent attention layer other than its projections (:data:`_LATENT_PROJ`).
+_LATENT_ARRAYS = ("bq_a", "q_a_norm", "bkv_a", "kv_a_norm", "w_uk", "w_uv", "bo")
+#: The projections of a latent attention layer the prepared forward binds.
+_LATENT_PROJ = ("wq", "wq_a", "wq_b", "wkv_a", "wkv_b", "wo")
+
+
 def _arrays(layer: Layer) -> list[Any]:
     a, m = layer.attn, layer.mlp
     out = [layer.input_norm, layer.post_norm, layer.o_bias, layer.input_bias, layer.post_bias]
     out += [layer.attn_norm, layer.ff_norm]
-    if a is not None:
+    if isinstance(a, LatentWeights):
+        out += [getattr(a, n) for n in (*_LATENT_PROJ, *_LATENT_ARRAYS)]
+    elif a is not None:
         out += [a.wq, a.wk, a.wv, a.wo, a.wg, a.bq, a.bk, a.bv, a.bg, a.q_norm, a.k_norm]
     if m is not None:
         out += [m.w_gate, m.w_up, m.w_down, m.b_gate, m.b_up, m.b_down]
@@ -138,7 +147,12 @@ def bind_weight(d: Any, w: Any, activations: str = "float") -> Any:
 def bind_layer(layer: Layer, bind: Callable[[Any], Any]) -> Layer:
     """``layer`` with each projection bound by ``bind`` (:func:`bind_weight`)."""
     a, m = layer.attn, layer.mlp
-    if a is not None:
+    if isinstance(a, LatentWeights):
+        bound: dict[str, Any] = {
+            n: None if getattr(a, n) is None else bind(getattr(a, n)) for n in _LATENT_PROJ
+        }
+        a = replace(a, **bound)
+    elif a is not None:
         a = replace(a, wq=bind(a.wq), wk=bind(a.wk), wv=bind(a.wv), wo=bind(a.wo))
         if a.wg is not None:  # Qwen3-Next's output gate
             a = replace(a, wg=bind(a.wg))
@@ -150,10 +164,14 @@ def bind_layer(layer: Layer, bind: Callable[[Any], Any]) -> Layer:
 
 
 def layer_projections(layer: Layer) -> tuple[Any, ...]:
-    """The projections a layer binds: the attention's (its output gate too), then a dense
-    MLP's, then its recurrent mixer's."""
+    """The projections a layer binds: the attention's (its output gate too; a latent one's:
+    :data:`_LATENT_PROJ` that it has), then a dense MLP's, then its recurrent mixer's."""
     a, m = layer.attn, layer.mlp
-    attn = () if a is None else (a.wq, a.wk, a.wv, a.wo, *(() if a.wg is None else (a.wg,)))
+    attn: tuple[Any, ...] = ()
+    if isinstance(a, LatentWeights):  # the latent attention's that it has
+        attn = tuple(w for w in (getattr(a, n) for n in _LATENT_PROJ) if w is not None)
+    elif a is not None:
+        attn = (a.wq, a.wk, a.wv, a.wo, *(() if a.wg is None else (a.wg,)))
     mlp = () if m is None else (w for w in (m.w_gate, m.w_up, m.w_down) if w is not None)
     mixer = () if layer.mixer is None else layer.mixer.projection_weights()
     return (*attn, *mlp, *mixer)

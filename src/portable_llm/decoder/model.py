@@ -231,8 +231,9 @@ class Model:
         """Every layer's cache takes the keys ``(B, H_kv, L, D)`` of ``ids`` before the first
         layer writes to any (:func:`~portable_llm.caches.check.check_caches`): a refused
         update leaves every cache as it was."""
-        c = self.config
-        shape = (ids.shape[0], c.num_key_value_heads, ids.shape[1], c.head_dim)
+        B, L, c = ids.shape[0], ids.shape[1], self.config
+        dims = [c.cache_dims(i) for i in range(len(cache))]
+        shape = [(B, H, L, D) for H, D in dims]  # (B, H_kv, L, D) per layer
         check_caches("model", cache, backend=self.backend, shape=shape, dtype=self.dtype)
 
     # -- what generation needs (portable_llm.generation.protocol) -------------------------------
@@ -288,7 +289,9 @@ class Model:
 
     def make_page_pools(self, num_pages: int, page_size: int) -> list[PagePool]:
         """One empty :class:`~portable_llm.PagePool` per layer: ``num_pages`` pages of
-        ``page_size`` tokens, ``(H_kv, D)`` heads, the model's dtype, backend and device.
+        ``page_size`` tokens, ``(H_kv, D)`` heads (a latent layer's: ``(1, R + d_r)``,
+        :meth:`~portable_llm.decoder.config.DecoderConfig.cache_dims`), the model's dtype,
+        backend and device.
 
         A layer without attention (a recurrent mixer's alone) gets a pool of one head of one
         feature, whose pages hold nothing the forward reads: its caches keep the sequence's
@@ -299,9 +302,9 @@ class Model:
         where = {"backend": self.backend.name, "device": self.device}
         return [
             PagePool(num_pages, page_size, *(
-                (cfg.num_key_value_heads, cfg.head_dim) if layer.attn is not None else (1, 1)
+                cfg.cache_dims(i, paged=True) if layer.attn is not None else (1, 1)
             ), self.dtype, **where)
-            for layer in self.layers
+            for i, layer in enumerate(self.layers)
         ]  # fmt: skip
 
     def make_state_slots(self, num_slots: int) -> list[RecurrentSlots | None]:
@@ -353,6 +356,10 @@ class Model:
         :class:`~portable_llm.RecurrentCache` (``max_rewind=0``:
         :func:`~portable_llm.speculative_generate` sets its draft length); for a layer with
         both a :class:`~portable_llm.caches.hybrid.HybridCache` of the two.
+        A latent attention layer's (DeepSeek V3) is a latent cache: a ``KVCache`` that holds the
+        compressed ``c_kv`` ``(B, 1, S, R)`` as its keys and the rotary key ``k_pe`` ``(B, 1,
+        S, d_r)`` as its values, ``R + d_r`` numbers per token, not the heads
+        (:func:`~portable_llm.latent_attention`).
 
         On a backend that compiles per shape (:attr:`Backend.static_shapes
         <portable_llm.backends.Backend.static_shapes>`, JAX), and wherever the model has a

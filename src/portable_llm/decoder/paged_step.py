@@ -58,6 +58,8 @@ class PagedState(DenseState):
         #: Per layer, the rows' recurrent states in their slots (a hybrid model's), or None.
         self.states = states
         self._attended: set[int] = set()  # the layers whose caches attend() advanced
+        #: Latent layers attend over pages of ``[c_kv, k_pe]``: the absorbed form's keys.
+        self.absorbed_only = True
 
     def recurrent(self, i: int) -> SlotRows | None:
         """Layer ``i``'s rows' recurrent states (:class:`~portable_llm.caches.recurrent.
@@ -71,13 +73,9 @@ class PagedState(DenseState):
                 cache.append(zero, zero)  # (1, 1, L, 1): nothing the forward reads
         return None if self.states is None else self.states[i]
 
-    def attend(
-        self, kn: KernelSet, i: int, q: Any, k: Any, v: Any, window: int | None,
-        chunk: int | None = None, *, sinks: Any = None,
-    ) -> Any:  # fmt: skip
+    def append(self, i: int, k: Any, v: Any) -> Any:
         """Append the rows' keys and values ``(B, H_kv, L, D)`` to their caches of layer ``i``;
-        the paged attention of ``q`` ``(B, H, L, D)`` over them (``sinks`` ``(H,)``: the
-        layer's attention sinks)."""
+        the layer's pool."""
         layer = [seq[i] for seq in self.paged_seqs]
         self._attended.add(i)
         if len(layer) == 1:
@@ -87,12 +85,41 @@ class PagedState(DenseState):
                 cache.append(k[b : b + 1, ...], v[b : b + 1, ...])  # (1, H_kv, L, D)
         if self.paged_tables is None:
             self.paged_tables = block_tables(layer)
+        return layer[0].pool
+
+    def attend(
+        self, kn: KernelSet, i: int, q: Any, k: Any, v: Any, window: int | None,
+        chunk: int | None = None, *, sinks: Any = None,
+    ) -> Any:  # fmt: skip
+        """Append the rows' keys and values ``(B, H_kv, L, D)`` to their caches of layer ``i``;
+        the paged attention of ``q`` ``(B, H, L, D)`` over them (``sinks`` ``(H,)``: the
+        layer's attention sinks)."""
+        pool = self.append(i, k, v)
+        assert self.paged_tables is not None
         tables, lengths = self.paged_tables
-        pool, scale = layer[0].pool, self.s.scale
         return paged_attention(
-            q, pool, tables, lengths, scale=scale, window=window, chunk=chunk,
+            q, pool, tables, lengths, scale=self.s.scale, window=window, chunk=chunk,
             softcap=self.s.softcap, sinks=sinks,
         )  # fmt: skip
+
+    def latents(self, kn: KernelSet, i: int, c_kv: Any, k_pe: Any) -> tuple[Any, Any, Any]:
+        """Latent layer ``i``: the rows' ``[c_kv, k_pe]`` ``(B, 1, L, R + d_r)`` appended to
+        their pages as both keys and values (the absorbed form's keys, and values whose first
+        ``R`` features are ``c_kv``; twice the numbers of a dense latent cache, and the one
+        paged attention kernel); the new latents back (:meth:`attend_latent` reads the
+        pages)."""
+        both = self.s.xp.concat([c_kv, k_pe], axis=-1)  # (B, 1, L, R + d_r)
+        self.append(i, both, both)
+        return c_kv, k_pe, None
+
+    def attend_latent(self, kn: KernelSet, i: int, q: Any, k: Any, v: Any, mask: Any) -> Any:
+        """The absorbed query ``q`` ``(B, H, L, R + d_r)`` over layer ``i``'s pages: the
+        latent output ``(B, H, L, R)`` (``v``'s width: ``c_kv``'s features of the pages)."""
+        assert self.paged_tables is not None
+        tables, lengths = self.paged_tables
+        pool = self.paged_seqs[0][i].pool
+        o = paged_attention(q, pool, tables, lengths, scale=self.s.scale, softcap=self.s.softcap)
+        return o[..., : v.shape[-1]]  # (B, H, L, R)
 
 
 def forward(
@@ -118,11 +145,18 @@ def forward(
     check_learned_positions("forward_paged", model.config, start, len(chunks[0]))
     c, L, op = model.config, len(chunks[0]), "forward_paged"
     attends = [layer.attn is not None for layer in model.layers]
+    # a latent layer's pages hold [c_kv, k_pe] (1, R + d_r) per token
+    dims = [c.cache_dims(i, paged=True) for i in range(c.num_hidden_layers)]
+    shape = [(1, H, L, D) for H, D in dims]
     for b, seq in enumerate(caches):  # every row's every layer takes the chunk, or none does
-        shape = (1, c.num_key_value_heads, L, c.head_dim)
         kv = [x if a else None for x, a in zip(seq, attends, strict=False)]  # pools of keys
         check_caches(op, kv, backend=bk, shape=shape, dtype=model.dtype, name=f"caches[{b}]")
     check_pool_pages(op, caches, L)
+    if p is None and c.kv_lora_rank:
+        raise ValueError(
+            f"{op}: a latent attention model ({c.model_type}) runs paged in its prepared "
+            "forward only (weights of one dtype and backend); this one has none"
+        )
     if p is None:
         xp = bk.xp
         rows = [

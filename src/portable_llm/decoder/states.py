@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from portable_llm.attn.block import AttentionState
+from portable_llm.attn.latent import LatentState
 from portable_llm.attn.padding import nonnegative
 from portable_llm.attn.sdpa import OP as SDPA
 from portable_llm.attn.sdpa_args import SdpaOptions
@@ -60,8 +61,9 @@ class ForwardSetup:
     portable_rope: Fn  # RoPE's portable kernel: its tables are then built once per forward
 
 
-class ForwardState(AttentionState, Protocol):
-    """What the layers of one forward share: the protocol of :class:`DenseState`,
+class ForwardState(AttentionState, LatentState, Protocol):
+    """What the layers of one forward share (the attention's and the latent attention's
+    states): the protocol of :class:`DenseState`,
     :class:`~portable_llm.decoder.paged_step.PagedState` and
     :class:`~portable_llm.decoder.compiled.TracedState`."""
 
@@ -116,6 +118,8 @@ class DenseState:
         #: The options of this state's RoPE (Gemma 3's sliding layers: their own, :meth:`local`).
         self.rope_options: Mapping[str, Any] = s.rope or {}
         self._pads: Any = None  # (B, L, 1) bool: not left padding (pads())
+        #: Latent layers take either form here (a paged state: the absorbed one only).
+        self.absorbed_only = False
 
     def local(self) -> DenseState:
         """This state with the RoPE of the sliding layers (Gemma 3's ``rope_local``): the same
@@ -222,19 +226,40 @@ class DenseState:
         """Layer ``i``'s attention of ``q`` ``(B, H, L, D)`` over its cache and the new keys
         and values ``(B, H_kv, L, D)`` (after RoPE): the output ``(B, H, L, D)``; ``sinks``
         ``(H,)``: the layer's attention sinks (the SDPA's fifth array)."""
-        s = self.s
         k, v, mask, window = self.kv(i, k, v, window, chunk)
+        return self.sdpa_call(kn, q, k, v, mask, window, sinks)  # (B, H, L, D)
+
+    def latents(self, kn: KernelSet, i: int, c_kv: Any, k_pe: Any) -> tuple[Any, Any, Any]:
+        """Layer ``i``'s latent attention (:func:`~portable_llm.attn.latent.
+        latent_attention_body`): its new ``c_kv`` ``(B, 1, L, R)`` and ``k_pe`` ``(B, 1, L,
+        d_r)`` stored in its latent cache (a KV cache holding them as keys and values), every
+        latent to attend and the mask."""
+        c_kv, k_pe, mask, _ = self.kv(i, c_kv, k_pe, None)
+        return c_kv, k_pe, mask
+
+    def attend_latent(self, kn: KernelSet, i: int, q: Any, k: Any, v: Any, mask: Any) -> Any:
+        """Latent layer ``i``'s attention of ``q`` ``(B, H, L, D)`` over ``k`` ``(B, 1, S,
+        D)`` and ``v`` ``(B, 1, S, D_v)`` with the mask :meth:`latents` gave: ``(B, H, L,
+        D_v)``."""
+        return self.sdpa_call(kn, q, k, v, mask, None, None)
+
+    def sdpa_call(
+        self, kn: KernelSet, q: Any, k: Any, v: Any, mask: Any, window: int | None, sinks: Any
+    ) -> Any:
+        """The SDPA of the keys to attend (``mask``: ``"causal"`` or an array), its kernel
+        chosen once per forward and kind of layer (per call inside a trace)."""
+        s = self.s
         causal = isinstance(mask, str) or window is not None
         mask = None if isinstance(mask, str) else mask
         opts = SdpaOptions(scale=s.scale, causal=causal, window=window, softcap=s.softcap)
         arrays = (q, k, v, mask) if sinks is None else (q, k, v, mask, sinks)
         key: tuple[Any, ...] = (
             causal, window, None if mask is None else tuple(mask.shape), tuple(k.shape),
-            sinks is not None,
+            tuple(v.shape), sinks is not None,
         )  # fmt: skip
         fn = self.sdpa.get(key)
         if not kn.bound:  # inside a trace: asked (and recorded) per layer
             fn = kn.choose(SDPA, *arrays, opts=opts)
         elif fn is None:  # auto's choice, as kn.choose makes it, once per forward
             fn = self.sdpa[key] = s.dispatch.pick(SDPA, "auto", *arrays, opts=opts)
-        return fn(s.xp, *arrays, opts=opts)  # (B, H, L, D)
+        return fn(s.xp, *arrays, opts=opts)  # (B, H, L, D_v)

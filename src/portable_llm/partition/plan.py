@@ -195,6 +195,12 @@ def plan_partition(
             raise ValueError(f"partition: {what} rank {rank!r} of a group of {size!r}")
     c = config
     H, H_kv = c.num_attention_heads, c.num_key_value_heads
+    if c.kv_lora_rank:
+        raise ValueError(
+            f"partition: {c.model_type}'s latent attention (kv_lora_rank={c.kv_lora_rank}) is "
+            "not partitioned yet (its heads, latent cache and grouped experts are not split "
+            "across ranks, nor its layers over stages); load it unpartitioned"
+        )
     if H % T:
         raise ValueError(
             f"partition: num_attention_heads={H} is not divisible by tensor_parallel={T}"

@@ -68,6 +68,20 @@ class LayerConfig(Protocol):
     @property
     def router(self) -> str: ...
     @property
+    def n_group(self) -> int: ...
+    @property
+    def topk_group(self) -> int: ...
+    @property
+    def routed_scaling_factor(self) -> float: ...
+    @property
+    def kv_lora_rank(self) -> int: ...
+    @property
+    def q_lora_rank(self) -> int | None: ...
+    @property
+    def qk_nope_head_dim(self) -> int: ...
+    @property
+    def v_head_dim(self) -> int: ...
+    @property
     def sandwich_norms(self) -> bool: ...
     @property
     def parallel_block(self) -> bool: ...
@@ -129,7 +143,10 @@ class Family:
     Llama's)`` pieces of a tensor's name (StarCoder2's ``.mlp.c_fc.``). ``tensors(cfg, i,
     out)``: amends layer ``i``'s entries of the checkpoint's expected tensors ``out`` (HF name
     -> shape; what the config's fields imply, :func:`~portable_llm.checkpoint.weights.
-    expected_shapes`) where the family's differ (Qwen2-MoE's shared expert).
+    expected_shapes`) where the family's differ (Qwen2-MoE's shared expert). ``extra_layers``:
+    its checkpoints may hold layers past ``num_hidden_layers`` that transformers does not run
+    (DeepSeek V3's multi-token-prediction modules, ``num_nextn_predict_layers``): not read, and
+    not reported as unexpected.
     """
 
     model_type: str
@@ -149,6 +166,7 @@ class Family:
     rope_renames: Mapping[str, str] = field(default_factory=dict)
     names: tuple[tuple[str, str], ...] = ()
     tensors: Callable[[Any, int, dict[str, tuple[int, ...]]], None] | None = None
+    extra_layers: bool = False
 
     def read_ropes(self, d: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """``(rope, rope of the sliding layers or None)`` of the ``config.json`` dict ``d``."""
@@ -286,8 +304,15 @@ def read_moe(cfg: LayerConfig, w: Mapping[str, Any], i: int) -> MoeWeights:
         "router": cfg.router,  # Llama 4: "sigmoid", the scores scale the experts' inputs
         "act": cfg.hidden_act,
     }
+    if cfg.router == "grouped":  # DeepSeek V3, GLM-4.5: group-limited, a correction bias
+        options.update(
+            n_group=cfg.n_group, topk_group=cfg.topk_group,
+            routed_scaling_factor=cfg.routed_scaling_factor,
+            e_score_correction_bias=w.get(m + "gate.e_score_correction_bias"),
+        )  # fmt: skip
     s = m + "shared_expert."
-    if s + "gate_proj.weight" in w:  # Qwen2-MoE (gated by shared_expert_gate), Llama 4
+    if s + "gate_proj.weight" in w:  # Qwen2-MoE (gated by shared_expert_gate), Llama 4,
+        # DeepSeek V3 (its shared_experts, read under this name)
         options["shared"] = tuple(w[f"{s}{k}_proj.weight"] for k in ("gate", "up", "down"))
     if m + "shared_expert_gate.weight" in w:  # Qwen2-MoE
         options["shared_gate"] = w[m + "shared_expert_gate.weight"]
