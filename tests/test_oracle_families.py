@@ -33,6 +33,7 @@ renormalised, scaled by 2.5; two shared experts); its own tests are in
 from __future__ import annotations
 
 import copy
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -495,3 +496,38 @@ def test_lfm2_class_defaults_are_transformers() -> None:
         k: v for k, v in theirs.items() if k not in ignored
     }
     assert ours["num_key_value_heads"] == 8 and ours["intermediate_size"] == 512
+
+
+@pytest.mark.slow_on("jax")  # two more models compiled; the family's other tests run there
+def test_falcon_h1_plain_gate_time_step_limit_and_v4_config(
+    hf_models: dict, backend: str, tmp_path: Path
+) -> None:
+    """Falcon-H1's other mixer options: the plain gate ``y * silu(z)`` (no
+    ``mamba_rms_norm``), ``dt`` clamped to ``time_step_limit``, the width from
+    ``mamba_expand`` (``mamba_d_ssm`` null): logits equal transformers' full forward, and the
+    cached decode equals it (transformers' own decode step does not clamp). The family's
+    folder with its config as transformers 4 wrote it (``rope_theta``, ``time_step_limit``
+    with JSON's ``Infinity``) loads the same model."""
+    import json
+    import shutil
+
+    hf = _build("falcon_h1", tmp_path / "plain", seed=11, mamba_rms_norm=False,
+                time_step_limit=(0.0, 0.4), mamba_d_ssm=None, mamba_expand=1,
+                mamba_n_heads=8)  # fmt: skip
+    want = hf_logits(hf, IDS)
+    model = pl.load(tmp_path / "plain", backend=backend, dtype="float32")
+    assert_close(model(pl.asarray(IDS, backend=backend)), want, backend=backend)
+    cache = model.make_cache()
+    parts = [pl.to_numpy(model(pl.asarray(IDS[:, :5], backend=backend), cache=cache))]
+    parts += [pl.to_numpy(model(pl.asarray(IDS[:, j : j + 1], backend=backend), cache=cache))
+              for j in range(5, IDS.shape[1])]  # fmt: skip
+    assert_close(np.concatenate(parts, axis=1), want, backend="numpy")
+    folder, hf = hf_models["falcon_h1"]
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_theta"] = config.pop("rope_parameters")["rope_theta"]
+    config["time_step_limit"] = [0.0, math.inf]  # json writes Infinity
+    (tmp_path / "v4").mkdir()
+    (tmp_path / "v4" / "config.json").write_text(json.dumps(config))
+    shutil.copy(folder / "model.safetensors", tmp_path / "v4" / "model.safetensors")
+    v4 = pl.load(tmp_path / "v4", backend=backend, dtype="float32")
+    assert_close(v4(pl.asarray(IDS, backend=backend)), hf_logits(hf, IDS), backend=backend)
