@@ -119,9 +119,11 @@ def _mxfp4_experts(seed: int, backend: str) -> tuple[list, list]:
     return [w for w, _ in pairs], [r for _, r in pairs]
 
 
-@pytest.mark.parametrize("impl", ["auto", "portable", "dense"])
+@pytest.mark.parametrize("impl", ["auto", "portable", "dense", "native"])
 def test_moe_over_mxfp4_experts_matches_reference(backend, dtype, impl):
     arrays, refs = _inputs(2, dtype, backend)
+    if impl == "native":  # MLX: mx.gather_qmm(mode="mxfp4")
+        _skip_without_native(MOE_MXFP4, backend, arrays[0])
     experts, experts_r = _mxfp4_experts(20, backend)
     out = pl.moe(arrays[0], arrays[1], *experts, top_k=2, norm_topk_prob=True, **SWIGLU,
                  **_kw(arrays), impl=impl)  # fmt: skip

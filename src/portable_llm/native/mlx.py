@@ -136,20 +136,32 @@ def moe_experts(
     b_gate: Any = None, b_up: Any = None, b_down: Any = None, *,
     act: Any, linear: Any, to_host: Any, glu: Any = None,
 ) -> Any:  # fmt: skip
-    # mlx-lm's SwitchGLU: each (token, slot) row multiplies its expert's matrix, gathered.
+    def matmul(a: Any, j: int, idx: Any) -> Any:  # (A, 1, in) x (X, out, in) -> (A, 1, out)
+        w = (gate, up, down)[j]
+        return mx.gather_mm(a, w.swapaxes(-1, -2), rhs_indices=idx, sorted_indices=True)
+
+    return _switch(xp, x, weights, ids, matmul, (b_gate, b_up, b_down), act, glu)
+
+
+def _switch(
+    xp: Any, x: Any, weights: Any, ids: Any, matmul: Any, biases: tuple[Any, Any, Any],
+    act: Any, glu: Any,
+) -> Any:  # fmt: skip
+    """mlx-lm's SwitchGLU: each (token, slot) row multiplies its expert's matrix, gathered
+    (``matmul(a, j, idx)``: projection ``j`` of gate, up, down of the experts ``idx``)."""
     n, k = ids.shape
     flat = ids.reshape(-1)  # (A,)
     order = mx.argsort(flat)  # grouped by expert: contiguous reads of each expert's weights
     xs = x[order // k][:, None, :]  # (A, 1, E)
     idx = flat[order]
 
-    def proj(a: Any, w: Any, b: Any) -> Any:  # (A, 1, in) x (X, out, in) -> (A, 1, out)
-        y = mx.gather_mm(a, w.swapaxes(-1, -2), rhs_indices=idx, sorted_indices=True)
+    def proj(a: Any, j: int) -> Any:  # (A, 1, in) -> (A, 1, out)
+        y, b = matmul(a, j, idx), biases[j]
         return y if b is None else y + b[idx][:, None, :]  # gpt-oss: the expert's bias
 
-    g, u = proj(xs, gate, b_gate), proj(xs, up, b_up)  # (A, 1, I)
+    g, u = proj(xs, 0), proj(xs, 1)  # (A, 1, I)
     h = act(xp, g) * u if glu is None else glu(xp, g, u)  # glu: moe_experts.ClampedGlu
-    y = proj(h, down, b_down)[:, 0, :]  # (A, E)
+    y = proj(h, 2)[:, 0, :]  # (A, E)
     y = y.astype(weights.dtype) * weights.reshape(-1)[order][:, None]
     y = y[mx.argsort(order)].reshape(n, k, x.shape[-1])  # token-major
     return y.sum(axis=1).astype(x.dtype)
@@ -354,6 +366,29 @@ def quantized_linear_mxfp4(xp: Any, x: Any, packed: Any, scales: Any, bias: Any)
                             mode="mxfp4")  # fmt: skip
     y = y if bias is None else y + bias.astype(y.dtype)
     return y.astype(x.dtype)
+
+
+def _gather_qmm_applies(x: Any, *_: Any, **__: Any) -> bool:
+    # as gather_mm: float32 on the CPU (whose kernels keep half sums in the half dtype)
+    return _HAS_MXFP4 and bool(x.dtype == mx.float32 or mx.default_device() == mx.gpu)
+
+
+# gpt-oss's MXFP4 experts kept quantized: each (token, slot) row multiplies its expert's codes
+# (MXFP4Weight's words and exponents are MLX's mode="mxfp4" arrays as they are).
+@native("mlx", "moe_experts_mxfp4", kernel='mx.gather_qmm(mode="mxfp4")',
+        applies=_gather_qmm_applies)  # fmt: skip
+def moe_experts_mxfp4(
+    xp: Any, x: Any, weights: Any, ids: Any, gate_packed: Any, gate_scales: Any, up_packed: Any,
+    up_scales: Any, down_packed: Any, down_scales: Any, b_gate: Any = None, b_up: Any = None,
+    b_down: Any = None, *, act: Any, linear: Any, to_host: Any, glu: Any = None,
+) -> Any:  # fmt: skip
+    q = ((gate_packed, gate_scales), (up_packed, up_scales), (down_packed, down_scales))
+
+    def matmul(a: Any, j: int, idx: Any) -> Any:  # (A, 1, in) x codes (X, out, in) -> (A, 1, out)
+        return mx.gather_qmm(a, *q[j], None, rhs_indices=idx, transpose=True, group_size=32,
+                             bits=4, mode="mxfp4", sorted_indices=True)  # fmt: skip
+
+    return _switch(xp, x, weights, ids, matmul, (b_gate, b_up, b_down), act, glu)
 
 
 # -- paged attention (portable_llm.attn.paged) -------------------------------------------------
