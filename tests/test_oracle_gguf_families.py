@@ -409,3 +409,127 @@ def test_gpt_oss_gguf_matches_transformers(gpt_oss_file: tuple, backend: str) ->
     assert (scaling["factor"], scaling["original_max_position_embeddings"]) == (4.0, 64)
     assert isinstance(model.layers[0].moe.experts_gate, pl.MXFP4Weight)  # kept quantized
     assert_close(model(pl.asarray(IDS, backend=backend)), want, backend=backend, dtype="float32")
+
+
+#: Falcon-H1's multipliers, powers of 2: folded into the weights as llama.cpp's converter does
+#: and divided out again for transformers, exactly.
+_FALCON_H1 = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "mamba_d_ssm": 64, "mamba_n_heads": 8, "mamba_d_head": 8, "mamba_n_groups": 2,
+              "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_chunk_size": 4,
+              "mamba_rms_norm": True, "mamba_norm_before_gate": False,
+              "max_position_embeddings": 256, "embedding_multiplier": 2.0,
+              "lm_head_multiplier": 0.5, "attention_in_multiplier": 2.0,
+              "attention_out_multiplier": 0.5, "key_multiplier": 0.5, "ssm_in_multiplier": 0.5,
+              "ssm_out_multiplier": 2.0, "ssm_multipliers": [0.5, 2.0, 0.25, 1.0, 4.0],
+              "mlp_multipliers": [2.0, 0.5]}  # fmt: skip
+
+
+def _falcon_h1_scale(hf_name: str, cfg: Any) -> Any:
+    """The factor llama.cpp's Falcon-H1 converter folds into HF's tensor ``hf_name`` (a float,
+    ``in_proj``'s a per-row vector, or 1)."""
+    table = {"down_proj": cfg.mlp_multipliers[1], "gate_proj": cfg.mlp_multipliers[0],
+             "k_proj": cfg.key_multiplier * cfg.attention_in_multiplier,
+             "q_proj": cfg.attention_in_multiplier, "v_proj": cfg.attention_in_multiplier,
+             "o_proj": cfg.attention_out_multiplier, "out_proj": cfg.ssm_out_multiplier,
+             "lm_head": cfg.lm_head_multiplier,
+             "embed_tokens": cfg.embedding_multiplier}  # fmt: skip
+    if not hf_name.endswith(".weight"):
+        return 1.0
+    if "in_proj" in hf_name:  # z, x, B, C, dt rows
+        I, GN, H = cfg.mamba_d_ssm, cfg.mamba_n_groups * cfg.mamba_d_state, cfg.mamba_n_heads  # noqa: E741
+        widths = (I, I, GN, GN, H)
+        rows = np.repeat(np.float32(cfg.ssm_multipliers), widths)
+        return (cfg.ssm_in_multiplier * rows)[:, None]
+    return next((v for k, v in table.items() if k in hf_name), 1.0)
+
+
+def _falcon_h1_file(path: Path) -> np.ndarray:
+    """A Falcon-H1 GGUF as llama.cpp's converter writes it (the multipliers folded in, the
+    convolution squeezed, ``A = -exp(A_log)`` and ``D`` as ``(H, 1)``, the gated norm
+    ``(G, I / G)``, ``dt_bias`` as ``ssm_dt.bias``, its names from gguf-py's own map), the
+    matrices Q8_0; transformers' logits of ``IDS`` on the file's values."""
+    config = transformers.FalconH1Config(vocab_size=V, bos_token_id=1, eos_token_id=2,
+                                         **_FALCON_H1)  # fmt: skip
+    torch.manual_seed(11)
+    hf = transformers.FalconH1ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.ndim > 1:
+                p.copy_(torch.randn_like(p) * 0.15)
+            elif "norm" in name or name.endswith(".D"):
+                p.copy_(torch.rand_like(p) * 0.4 + 0.8)
+            else:  # biases, A_log, dt_bias
+                p.copy_(torch.randn_like(p) * 0.3)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.FALCON_H1, config.num_hidden_layers)
+    G, I = config.mamba_n_groups, config.mamba_d_ssm  # noqa: E741
+    held, w = {}, gguf.GGUFWriter(str(path), "falcon-h1")
+    tensors = []
+    for hf_name, t in hf.state_dict().items():
+        value = t.numpy()
+        scale = _falcon_h1_scale(hf_name, config)
+        folded = (value * scale).astype(np.float32)
+        kind = _kind(hf_name, folded)
+        stored = folded if kind is None else _held(hf_name, folded)
+        held[hf_name] = stored / scale  # exact: powers of 2
+        g = names.get_name(hf_name.replace(".dt_bias", ".dt_proj.bias"),
+                           try_suffixes=(".weight", ".bias"))  # fmt: skip
+        if not g.endswith((".weight", ".bias", "ssm_a", "ssm_d")):  # a map entry with its suffix
+            g += ".weight"
+        if hf_name.endswith("A_log"):
+            folded, held[hf_name] = -np.exp(value)[:, None], value
+        elif hf_name.endswith(".D"):
+            folded = value[:, None]
+        elif hf_name.endswith("mamba.norm.weight"):
+            folded = value.reshape(G, I // G)
+        elif hf_name.endswith("conv1d.weight"):
+            folded = value[:, 0, :]
+        tensors.append((g, folded, kind))
+    hf.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in held.items()})
+    with torch.no_grad():
+        want = hf(torch.tensor(IDS)).logits.float().numpy()
+    for key, value in (("block_count", config.num_hidden_layers),
+                       ("context_length", config.max_position_embeddings),
+                       ("embedding_length", config.hidden_size),
+                       ("feed_forward_length", config.intermediate_size),
+                       ("attention.head_count", config.num_attention_heads),
+                       ("attention.head_count_kv", config.num_key_value_heads),
+                       ("attention.key_length", config.head_dim),
+                       ("attention.value_length", config.head_dim),
+                       ("ssm.conv_kernel", config.mamba_d_conv), ("ssm.inner_size", I),
+                       ("ssm.state_size", config.mamba_d_state),
+                       ("ssm.time_step_rank", config.mamba_n_heads),
+                       ("ssm.group_count", G), ("vocab_size", V)):  # fmt: skip
+        w.add_uint32(f"falcon-h1.{key}", value)
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    for g, value, kind in tensors:
+        if kind is None:
+            w.add_tensor(g, np.ascontiguousarray(value, dtype=np.float32))
+        else:
+            w.add_tensor(g, gguf.quants.quantize(value, kind), raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return want
+
+
+@pytest.fixture(scope="module")
+def falcon_h1_file(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray]:
+    path = tmp_path_factory.mktemp("gguf_falcon_h1") / "falcon-h1.gguf"
+    return path, _falcon_h1_file(path)
+
+
+def test_falcon_h1_gguf_matches_transformers(falcon_h1_file: tuple, backend: str) -> None:
+    """llama.cpp's ``falcon-h1``: the multipliers folded into the weights (read as 1), the
+    Mamba-2 mixer's tensors in llama.cpp's shapes and forms, the gated norm after the gate:
+    transformers' logits on the file's values (Q8_0 matrices kept quantized)."""
+    path, want = falcon_h1_file
+    model = pl.load(path, backend=backend, dtype="float32", dequantize=False)
+    assert model.config.model_type == "falcon_h1"
+    assert model.config.embedding_multiplier == 1.0  # folded into token_embd
+    assert isinstance(model.layers[0].attn.wq, QuantizedWeight)
+    assert_close(model(pl.asarray(IDS, backend=backend)), want, backend=backend, dtype="float32")

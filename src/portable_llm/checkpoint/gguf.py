@@ -86,10 +86,24 @@ _LAYER = {
     "shortconv.conv": "conv.conv",  # LFM2's short convolution (E, K): HF's (E, 1, K)
     "shortconv.in_proj": "conv.in_proj",
     "shortconv.out_proj": "conv.out_proj",
+    "ssm_in": "mamba.in_proj",  # Falcon-H1's Mamba-2 mixer
+    "ssm_out": "mamba.out_proj",
+    "ssm_conv1d": "mamba.conv1d",  # (C, K): HF's (C, 1, K)
+    "ssm_norm": "mamba.norm",  # (G, I / G): HF's (I,)
 }
+#: Mamba-2's tensors without a ``.weight``/``.bias`` of their own on one side: llama.cpp's
+#: ``blk.{i}.ssm_a`` (``A = -exp(A_log)``, ``(H, 1)``), ``ssm_d`` (``(H, 1)``) and the
+#: ``dt_bias`` it names ``ssm_dt.bias``.
+_BARE = {"ssm_a": "mamba.A_log", "ssm_d": "mamba.D", "ssm_dt.bias": "mamba.dt_bias"}
+_BARE_NAME = re.compile(r"^blk\.(\d+)\.(ssm_a|ssm_d|ssm_dt\.bias)$")
 #: Tensors llama.cpp stores with a dimension of 1 squeezed out (LFM2's convolution ``(E, K)``,
-#: HF's ``(E, 1, K)``): read back in HF's shape.
-_SQUEEZED = (".conv.conv.weight",)
+#: Falcon-H1's ``(C, K)``; HF's ``(.., 1, K)``): read back in HF's shape.
+_SQUEEZED = (".conv.conv.weight", ".mamba.conv1d.weight")
+#: Matrices read as floats whatever ``dequantize``: Falcon-H1's mixer takes its projections as
+#: arrays (``decoder/families/falcon_h1.py`` ``read_mixer``), not quantized weights.
+_FLOAT_ONLY = (".mamba.in_proj.weight", ".mamba.out_proj.weight")
+#: Tensors llama.cpp stores in another shape (and form) than HF's (:func:`_stored_shape`).
+_RESHAPED = (*_SQUEEZED, ".mamba.A_log", ".mamba.D", ".mamba.norm.weight")
 #: A MoE layer's experts, stacked ``(X, N, K)``: HF v5's ``mlp.experts.{gate_up,down}_proj``
 #: (no ``.weight``), the gate and up halves apart as the model takes them.
 _EXPERTS = {
@@ -147,6 +161,9 @@ def hf_name(name: str, *, layer: dict[str, str] | None = None) -> str | None:
     stem, _, suffix = name.rpartition(".")
     if stem in _GLOBAL and suffix in ("weight", "bias"):  # LayerNorm, Phi-2's lm_head: a bias
         return f"{_GLOBAL[stem]}.{suffix}"
+    bare = _BARE_NAME.match(name)
+    if bare:
+        return f"model.layers.{bare[1]}.{_BARE[bare[2]]}"
     m = _BLK.match(name)
     if m and m[2] in _UNSUFFIXED and m[3] == "weight":
         return f"model.layers.{m[1]}.{_UNSUFFIXED[m[2]]}"
@@ -283,7 +300,12 @@ class GGUFSlices:
         """``(bits, group_size)`` of tensor ``name`` where it is read kept quantized."""
         t = self.tensors[self.names[name]]
         kind = t.kind
-        if self.keep and kind in AFFINE_FORMATS and len(_shape(t)) == 2:
+        if (
+            self.keep
+            and kind in AFFINE_FORMATS
+            and len(_shape(t)) == 2
+            and not name.endswith(_FLOAT_ONLY)
+        ):
             return AFFINE_FORMATS[kind]
         return None
 
@@ -293,7 +315,7 @@ class GGUFSlices:
         kind, blocks = _blocks(self.file, t)  # a view of the memory-mapped file
         shape, part = _shape(t), self.parts.get(name, slice(None))
         index = tuple(index) + (slice(None),) * (len(shape) - len(index))
-        if len(shape) != 2 or name.endswith(_SQUEEZED):
+        if len(shape) != 2 or name.endswith(_RESHAPED):
             self.touched += blocks.nbytes
             if self.float16:
                 _check_float16(self.file, t, kind, blocks)
@@ -360,7 +382,7 @@ def _check(
         problems.append(f"missing tensors ({len(missing)}): {listed(missing)}")
     if unexpected:
         problems.append(f"unexpected tensors ({len(unexpected)}): {listed(unexpected)}")
-    implied = {g: fused.get(g, _stored_shape(h, expected[h])) for h, g in names.items()}
+    implied = {g: fused.get(g, _stored_shape(h, expected[h], cfg)) for h, g in names.items()}
     bad = [
         f"{g} {_shape(tensors[g])} (metadata implies {want})"
         for g, want in implied.items()
@@ -373,9 +395,16 @@ def _check(
     return {h: names[h] for h in expected}, parts
 
 
-def _stored_shape(h: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The shape a GGUF file stores of HF's tensor ``h`` of ``shape`` (:data:`_SQUEEZED`)."""
-    return (shape[0], shape[2]) if h.endswith(_SQUEEZED) else shape
+def _stored_shape(h: str, shape: tuple[int, ...], cfg: DecoderConfig) -> tuple[int, ...]:
+    """The shape a GGUF file stores of HF's tensor ``h`` of ``shape`` (:data:`_RESHAPED`)."""
+    if h.endswith(_SQUEEZED):
+        return (shape[0], shape[2])
+    if h.endswith((".mamba.A_log", ".mamba.D")):
+        return (shape[0], 1)
+    if h.endswith(".mamba.norm.weight"):
+        G = cfg.mixer["n_groups"]
+        return (G, shape[0] // G)
+    return shape
 
 
 def _gguf_name(h: str, layer: dict[str, str]) -> str:
@@ -390,6 +419,9 @@ def _gguf_name(h: str, layer: dict[str, str]) -> str:
             if stem == m[2]:
                 return f"blk.{m[1]}.{g}.{m[3]}"
     m = re.match(r"^model\.layers\.(\d+)\.([\w.]+)$", h)
+    for g, stem in _BARE.items():
+        if m and stem == m[2]:
+            return f"blk.{m[1]}.{g}"
     if m:
         for g, stem in _UNSUFFIXED.items():
             if stem == m[2]:
@@ -446,6 +478,10 @@ def _unstored(name: str, cfg: DecoderConfig, host: np.ndarray) -> np.ndarray:
         return host - np.float32(1.0)
     if name.endswith(_SQUEEZED):  # (E, K) -> (E, 1, K)
         return host[:, None, :]
+    if name.endswith(".mamba.A_log"):  # llama.cpp stores A = -exp(A_log), (H, 1)
+        return np.log(-host).reshape(-1)
+    if name.endswith(_RESHAPED):  # D (H, 1); the gated norm (G, I / G)
+        return host.reshape(-1)
     return host
 
 
@@ -487,11 +523,13 @@ def _tensor(
         bits, group = AFFINE_FORMATS[kind]
         fmt = {"bits": bits, "group_size": group, "rows": shape[0]}
         dequantize = not keeps_codes(bk, device=where, dtype=bk.dtype_name(dtype), **fmt)
+    if name.endswith(_FLOAT_ONLY):
+        dequantize = True
     if kind == "MXFP4" and dequantize is not True:  # gpt-oss's experts: kept (as a folder's)
         from portable_llm.checkpoint.mxfp4 import mxfp4_from_ggml
 
         return mxfp4_from_ggml(blocks, shape, dtype=bk.dtype_name(dtype), backend=bk, device=device)
-    if dequantize or kind not in AFFINE_FORMATS or len(shape) != 2 or name.endswith(_SQUEEZED):
+    if dequantize or kind not in AFFINE_FORMATS or len(shape) != 2 or name.endswith(_RESHAPED):
         host = _unstored(name, cfg, dequantize_blocks(kind, blocks).reshape(_shape(t)))
         if rows is not None:
             host = host[rows]

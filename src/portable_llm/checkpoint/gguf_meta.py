@@ -51,6 +51,7 @@ GGUF_ARCHITECTURES: tuple[str, ...] = (
     "qwen3moe",
     "lfm2",
     "gpt-oss",
+    "falcon-h1",
 )
 #: llama.cpp's LlamaModel converter (its Mistral, SmolLM3 and Granite subclasses too) permutes
 #: the rows of q/k (weights and biases) for its rotary layout; Qwen's, OLMo 2's and StarCoder2's
@@ -63,6 +64,7 @@ MODEL_TYPES: dict[str, str] = {
     "phi2": "phi",
     "qwen3moe": "qwen3_moe",
     "gpt-oss": "gpt_oss",
+    "falcon-h1": "falcon_h1",
 }
 #: The architectures with LayerNorm (``{arch}.attention.layer_norm_epsilon``), not RMSNorm.
 LAYER_NORM: tuple[str, ...] = ("phi2", "gpt2", "starcoder2", "cohere2")
@@ -321,6 +323,13 @@ _NUMBERS: dict[str, dict[str, str]] = {
 _COUNTS: dict[str, dict[str, str]] = {
     "cohere2": {"attention.sliding_window": "sliding_window"},
     "gpt-oss": {"attention.sliding_window": "sliding_window"},  # on the even layers (HF's)
+    "falcon-h1": {  # the Mamba-2 mixer's sizes (its head size: inner_size / time_step_rank)
+        "ssm.conv_kernel": "mamba_d_conv",
+        "ssm.inner_size": "mamba_d_ssm",
+        "ssm.state_size": "mamba_d_state",
+        "ssm.time_step_rank": "mamba_n_heads",
+        "ssm.group_count": "mamba_n_groups",
+    },
 }
 #: The MoE architectures' counts. llama.cpp's Qwen3-MoE renormalises the top-k weights and has
 #: no dense layers (transformers' GGUF reading sets ``norm_topk_prob`` for it too).
@@ -341,7 +350,16 @@ _EXPERTS: dict[str, dict[str, str]] = {
 _HYBRID = ("lfm2",)
 #: The architectures whose biases no metadata announces: a converter writes a bias where the
 #: HF model has one (``blk.0.attn_q.bias``, ``blk.0.ffn_down.bias``), read where present.
-_BIASED = ("smollm3", "olmo2", "granite", "starcoder2", "cohere2", "qwen3moe", "gpt-oss")
+_BIASED = (
+    "smollm3",
+    "olmo2",
+    "granite",
+    "starcoder2",
+    "cohere2",
+    "qwen3moe",
+    "gpt-oss",
+    "falcon-h1",
+)
 
 
 def _arch_fields(meta: GGUFMetadata, arch: str, tensors: dict[str, GGUFTensor]) -> dict[str, Any]:
@@ -356,6 +374,8 @@ def _arch_fields(meta: GGUFMetadata, arch: str, tensors: dict[str, GGUFTensor]) 
         out["norm_topk_prob"] = True
     if arch == "lfm2":
         out.update(_lfm2_fields(meta))
+    if arch == "falcon-h1":
+        out.update(_falcon_h1_fields(tensors))
     if arch in _BIASED:
         attn, mlp = "blk.0.attn_q.bias" in tensors, "blk.0.ffn_down.bias" in tensors
         out.update(attention_bias=attn, mlp_bias=mlp)
@@ -379,6 +399,28 @@ def _lfm2_fields(meta: GGUFMetadata) -> dict[str, Any]:
         "layer_types": ["conv" if k == 0 else "full_attention" for k in kinds],
         "conv_L_cache": meta.count("lfm2.shortconv.l_cache"),
         "block_auto_adjust_ff_dim": False,
+    }
+
+
+def _falcon_h1_fields(tensors: dict[str, GGUFTensor]) -> dict[str, Any]:
+    """Falcon-H1 as llama.cpp's converter leaves it: every multiplier folded into the weights
+    (so 1 here), the mixer's biases and gated norm where their tensors are, the norm after
+    the gate (llama.cpp's Mamba-2: ``norm(y * silu(z))``)."""
+    ones = dict.fromkeys(
+        ("embedding_multiplier", "lm_head_multiplier", "attention_in_multiplier",
+         "attention_out_multiplier", "key_multiplier", "ssm_in_multiplier",
+         "ssm_out_multiplier"), 1.0,
+    )  # fmt: skip
+    return {
+        **ones,
+        "ssm_multipliers": [1.0] * 5,
+        "mlp_multipliers": [1.0, 1.0],
+        "mamba_d_head": "auto",
+        "mamba_rms_norm": "blk.0.ssm_norm.weight" in tensors,
+        "mamba_norm_before_gate": False,
+        "mamba_conv_bias": "blk.0.ssm_conv1d.bias" in tensors,
+        "mamba_proj_bias": "blk.0.ssm_in.bias" in tensors,
+        "projectors_bias": "blk.0.ssm_out.bias" in tensors,
     }
 
 
