@@ -26,14 +26,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from portable_llm.backends import Backend, resolve
-from portable_llm.core.checks import check_bool, check_float, float_compute_dtype
+from portable_llm.core.checks import (
+    check_bool,
+    check_float,
+    check_int,
+    check_real,
+    float_compute_dtype,
+)
 from portable_llm.core.types import Array, Namespace
 from portable_llm.ops.affine import times
 from portable_llm.ops.gated_norm import OP as GATED_NORM
 from portable_llm.ops.kernels import Kernels, KernelSet
 from portable_llm.ops.recurrent import check_dims
 from portable_llm.ops.short_conv import short_conv_body
-from portable_llm.ops.ssd import ssd_scan_body
+from portable_llm.ops.ssd import check_dt_limit, ssd_scan_body
 
 __all__ = ["Mamba2Weights", "mamba2_body", "mamba2_mixer"]
 
@@ -207,6 +213,8 @@ def _checked_weights(bk: Backend, x: Array, w: Any) -> Mamba2Weights:
     if x.ndim != 3 or x.shape[1] < 1:
         raise ValueError(f"{OP}: x must have shape (B, L, E) with L >= 1, got {tuple(x.shape)}")
     E = int(x.shape[2])
+    for name in ("n_groups", "head_dim"):
+        check_int(OP, name, getattr(w, name), low=1)
     _, (A, conv) = resolve(OP, bk, w.A, w.conv)
     check_float(OP, "A", A, bk)
     check_float(OP, "conv", conv, bk)
@@ -241,4 +249,17 @@ def _checked_weights(bk: Backend, x: Array, w: Any) -> Mamba2Weights:
     cast["conv"] = conv if conv.dtype == x.dtype else bk.astype(conv, x.dtype)
     if w.norm is not None and Di % G:
         raise ValueError(f"{OP}: n_groups={G} must divide the inner width {Di}")
-    return Mamba2Weights(**{**w.__dict__, **cast})
+    return Mamba2Weights(**{**w.__dict__, **cast, **_checked_options(w)})
+
+
+def _checked_options(w: Mamba2Weights) -> dict[str, Any]:
+    """The weights' options, checked (a TypeError/ValueError naming the field)."""
+    return {
+        "n_groups": check_int(OP, "n_groups", w.n_groups, low=1),
+        "head_dim": check_int(OP, "head_dim", w.head_dim, low=1),
+        "norm_before_gate": check_bool(OP, "norm_before_gate", w.norm_before_gate),
+        "eps": check_real(OP, "eps", w.eps, low=0.0),
+        "in_multiplier": check_real(OP, "in_multiplier", w.in_multiplier),
+        "dt_limit": check_dt_limit(OP, w.dt_limit),
+        "chunk_size": check_int(OP, "chunk_size", w.chunk_size, low=1),
+    }

@@ -36,7 +36,7 @@ from portable_llm.ops.recurrent import (
     softplus,
 )
 
-__all__ = ["ssd_scan", "ssd_scan_body"]
+__all__ = ["check_dt_limit", "ssd_scan", "ssd_scan_body"]
 
 OP = "ssd_scan"
 _NO_LIMIT = (0.0, math.inf)
@@ -205,7 +205,7 @@ def ssd_scan(
     state = check_state(OP, bk, state, (b, H, P, N), "(B, H, P, N)", x)
     opts = {
         "dt_softplus": check_bool(OP, "dt_softplus", dt_softplus),
-        "dt_limit": _limit(dt_limit),
+        "dt_limit": check_dt_limit(OP, dt_limit),
         "chunk_size": check_int(OP, "chunk_size", chunk_size, low=1),
         "all_states": check_bool(OP, "all_states", all_states),
     }
@@ -262,9 +262,11 @@ def _check_arrays(
     return b, H, P, N
 
 
-def _limit(value: Any) -> tuple[float, float]:
+def check_dt_limit(op: str, value: Any) -> tuple[float, float]:
+    """``dt_limit`` as a pair of floats ``0 <= lo <= hi`` (``hi`` may be infinite); else a
+    TypeError/ValueError naming ``op``."""
     if not isinstance(value, (tuple, list)) or len(value) != 2:
-        raise TypeError(f"{OP}: dt_limit must be a pair (lo, hi), got {value!r}")
-    lo = check_real(OP, "dt_limit[0]", value[0], low=0.0)
-    hi = check_real(OP, "dt_limit[1]", value[1], low=lo, finite=False)
+        raise TypeError(f"{op}: dt_limit must be a pair (lo, hi), got {value!r}")
+    lo = check_real(op, "dt_limit[0]", value[0], low=0.0)
+    hi = check_real(op, "dt_limit[1]", value[1], low=lo, finite=False)
     return lo, hi
