@@ -27,7 +27,9 @@ attention in and out, SSM in and out, the mup vector of ssm_multipliers, the MLP
 with ``mscale`` and ``mscale_all_dim``, a latent cache; a dense first layer, then the grouped
 router: sigmoid scores with a random correction bias, the best 2 of 4 groups, top 3 of 8,
 renormalised, scaled by 2.5; two shared experts); its own tests are in
-``tests/test_oracle_deepseek.py``.
+``tests/test_oracle_deepseek.py``, and ``glm4_moe`` (GLM-4.5: RoPE on half of each head, q/k
+norms per head, q/k/v biases; a dense first layer, then the grouped router as DeepSeek V3's,
+scaled by 1.5, and a shared expert).
 """
 
 from __future__ import annotations
@@ -167,6 +169,15 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "mscale": 0.9, "mscale_all_dim": 1.1, "beta_fast": 32.0, "beta_slow": 1.0,
             "rope_theta": 10000.0,
         },
+    }),
+    "glm4_moe": ("Glm4Moe", {
+        "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "partial_rotary_factor": 0.5, "use_qk_norm": True,
+        "attention_bias": True, "n_routed_experts": 8, "num_experts_per_tok": 3, "n_group": 4,
+        "topk_group": 2, "n_shared_experts": 1, "first_k_dense_replace": 1,
+        "routed_scaling_factor": 1.5, "norm_topk_prob": True, "max_position_embeddings": 256,
+        "tie_word_embeddings": False,
     }),
 }  # fmt: skip
 IDS = np.random.default_rng(0).integers(3, V, size=(2, 12))

@@ -131,6 +131,19 @@ def test_whole_projection_qk_norms_refuse_tensor_ranks() -> None:
 
 
 @numpy_only
+def test_the_grouped_router_refuses_tensor_ranks() -> None:
+    """GLM-4.5's grouped router and shared experts are refused over tensor ranks by name;
+    pipeline stages are planned."""
+    d = {"model_type": "glm4_moe", "hidden_size": 32, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 100,
+         "num_hidden_layers": 2, "n_routed_experts": 8, "moe_intermediate_size": 16}  # fmt: skip
+    cfg = DecoderConfig.from_dict(d)
+    with pytest.raises(ValueError, match="glm4_moe's grouped router and shared experts"):
+        plan_partition(cfg, tp=(2, 0))
+    assert plan_partition(cfg, pp=(2, 1)).layers == range(1, 2)
+
+
+@numpy_only
 @pytest.mark.parametrize("ranks", [{"tp": (2, 0)}, {"pp": (2, 1)}, {}])
 def test_latent_attention_is_not_partitioned(ranks: dict[str, tuple[int, int]]) -> None:
     """DeepSeek V3's latent attention is refused by name, tensor ranks and stages alike (its

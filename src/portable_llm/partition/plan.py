@@ -201,6 +201,11 @@ def plan_partition(
             "not partitioned yet (its heads, latent cache and grouped experts are not split "
             "across ranks, nor its layers over stages); load it unpartitioned"
         )
+    if c.router == "grouped" and T > 1:
+        raise ValueError(
+            f"partition: {c.model_type}'s grouped router and shared experts are not split across "
+            f"tensor_parallel={T} ranks yet; use tensor_parallel=1 (pipeline stages are planned)"
+        )
     if H % T:
         raise ValueError(
             f"partition: num_attention_heads={H} is not divisible by tensor_parallel={T}"

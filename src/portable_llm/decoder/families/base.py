@@ -34,6 +34,7 @@ __all__ = [
     "Family",
     "LayerConfig",
     "drop_attention",
+    "grouped_moe_tensors",
     "layer_rope",
     "mlp_tensors",
     "no_windows",
@@ -191,6 +192,19 @@ def mlp_tensors(
         out[f"{p}{name}_proj.weight"] = shape
         if bias:
             out[f"{p}{name}_proj.bias"] = shape[:1]
+
+
+def grouped_moe_tensors(cfg: Any, i: int, out: dict[str, tuple[int, ...]]) -> None:
+    """A sparse layer's tensors beside its experts under the grouped router (DeepSeek V3,
+    GLM-4.5): the router's ``gate.e_score_correction_bias`` ``(X,)`` and the shared experts
+    (HF ``mlp.shared_experts``, read as ``mlp.shared_expert``) of
+    ``shared_expert_intermediate_size`` (``moe_intermediate_size * n_shared_experts``)."""
+    if cfg.moe_layers[i]:
+        m = f"model.layers.{i}.mlp."
+        out[m + "gate.e_score_correction_bias"] = (cfg.num_experts,)
+        if cfg.shared_expert_intermediate_size:
+            I_s = cfg.shared_expert_intermediate_size
+            mlp_tensors(out, m + "shared_expert.", cfg.hidden_size, I_s, False)
 
 
 def drop_attention(out: dict[str, tuple[int, ...]], i: int) -> None:

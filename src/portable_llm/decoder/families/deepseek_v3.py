@@ -41,7 +41,7 @@ from portable_llm.decoder.config_values import read_bool, read_int, read_real, r
 from portable_llm.decoder.families.base import (
     Family,
     LayerConfig,
-    mlp_tensors,
+    grouped_moe_tensors,
     read_mlp,
     read_moe,
 )
@@ -147,11 +147,7 @@ def tensors(cfg: Any, i: int, out: dict[str, tuple[int, ...]]) -> None:
         if Rq is not None:
             out[a + "q_a_proj.bias"] = (Rq,)
         out[a + "kv_a_proj_with_mqa.bias"] = (R + dr,)
-    if cfg.moe_layers[i]:
-        m = f"model.layers.{i}.mlp."
-        out[m + "gate.e_score_correction_bias"] = (cfg.num_experts,)
-        if cfg.shared_expert_intermediate_size:
-            mlp_tensors(out, m + "shared_expert.", E, cfg.shared_expert_intermediate_size, False)
+    grouped_moe_tensors(cfg, i, out)
 
 
 def read_layer(cfg: LayerConfig, w: Mapping[str, Any], i: int) -> Layer:
