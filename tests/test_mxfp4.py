@@ -48,8 +48,9 @@ def test_dequantize_is_the_format_exactly(backend, dtype, shape, seed):
                  dtype=dtype)  # fmt: skip
 
 
-@given(shape=mxfp4_shapes(max_dims=2), seed=seeds(), impl=st.sampled_from(["auto", "portable"]),
-       bias=st.booleans(), rows=st.sampled_from([(1,), (3,), (2, 5)]))  # fmt: skip
+@given(shape=mxfp4_shapes(max_dims=2), seed=seeds(),
+       impl=st.sampled_from(["auto", "portable", "lut"]), bias=st.booleans(),
+       rows=st.sampled_from([(1,), (3,), (2, 5)]))  # fmt: skip
 def test_quantized_linear_matches_reference(backend, dtype, shape, seed, impl, bias, rows):
     packed, e = _codes(seed, shape)
     x, xr = random_array(seed, (*rows, shape[-1]), dtype, backend=backend, scale=1 / 32)
@@ -70,11 +71,29 @@ def test_the_native_kernel_equals_the_portable_path(backend, dtype):
         return
     with pl.trace() as t:
         auto = pl.quantized_linear(x, qw)
-    assert [e.impl for e in t] == ["portable" if dtype == "float64" else "native"]
+    assert [e.impl for e in t] == ["lut" if dtype == "float64" else "native"]  # 4 rows
     native = pl.quantized_linear(x, qw, impl="native")
     portable = pl.quantized_linear(x, qw, impl="portable")
     assert_close(native, pl.to_numpy(portable), backend=backend, dtype=dtype)
     assert_close(auto, pl.to_numpy(portable), backend=backend, dtype=dtype)
+
+
+@pytest.mark.parametrize(("rows", "dtype", "want"), [
+    ((1,), "float32", "lut"), ((2, 2), "float64", "lut"), ((5,), "float32", "portable"),
+    ((1,), "bfloat16", "portable"),
+])  # fmt: skip
+def test_auto_takes_the_pair_table_for_a_few_wide_rows(rows, dtype, want):
+    """A decode step's few float32/float64 rows multiply through the pair table (no weight
+    formed); more rows, or a half dtype (whose product of the weight rounded to x's dtype MLX
+    keeps), dequantize. The same numbers either way, within the tolerance table."""
+    packed, e = _codes(6, (8, 64))
+    x = random_array(6, (*rows, 64), dtype, backend="numpy", scale=1 / 32)[0]
+    qw = _weight(packed, e, dtype, "numpy")
+    with pl.trace() as t:
+        auto = pl.quantized_linear(x, qw)
+    assert [entry.impl for entry in t] == [want]
+    other = pl.quantized_linear(x, qw, impl="portable" if want == "lut" else "lut")
+    assert_close(auto, other, dtype=dtype)
 
 
 def test_each_block_has_its_own_scale(backend):

@@ -22,7 +22,7 @@ import numpy as np
 from portable_llm.backends import Backend, backend_of, get_backend, resolve
 from portable_llm.core.arrays import creation_device
 from portable_llm.core.checks import check_ndim
-from portable_llm.core.dispatch import portable
+from portable_llm.core.dispatch import auto_portable, portable
 from portable_llm.ops.affine import affine
 from portable_llm.ops.quant.codes import unpack_codes
 
@@ -170,3 +170,55 @@ def _linear(xp: Any, x: Any, packed: Any, scales: Any, bias: Any) -> Any:
     """``x @ W.T + bias`` by dequantizing (to x's dtype) and multiplying as ``linear`` does
     (float16/bfloat16 accumulated in float32); JAX compiles the two into one program."""
     return affine(xp, x, mxfp4_dequantize(xp, packed, scales, dtype=x.dtype), bias)
+
+
+#: ``auto`` multiplies through the pair table (:func:`_linear_lut`) while the rows of x are at
+#: most this many (a decode step's): its ``(M, K/2, 256)`` table then stays small beside the
+#: ``(N, K)`` weight it never forms.
+LUT_ROWS = 4
+
+
+def _pair_values(host: Any) -> tuple[np.ndarray, np.ndarray]:
+    """E2M1's value of the low and of the high nibble of each byte ``0 .. 255``."""
+    b = np.arange(256)
+    values = np.asarray(FP4_E2M1, host)
+    return values[b & 15], values[b >> 4]
+
+
+@portable(LINEAR, "lut", pure=True)
+def _linear_lut(xp: Any, x: Any, packed: Any, scales: Any, bias: Any) -> Any:
+    """``x @ W.T + bias`` without forming ``W``: per row of x, a table of the 256 values each
+    byte of codes (two weights) contributes at each pair of inputs, ``T[p, b] = x[2p] E2M1[b &
+    15] + x[2p+1] E2M1[b >> 4]``, then each output sums its bytes' entries per block of 32,
+    times the block's scale. Accumulated in float32 (float64 for float64 x): the order of the
+    sums differs from the dequantize-then-multiply path's (within the tolerance table)."""
+    wide = x.dtype == xp.float64
+    ct, host = (xp.float64, np.float64) if wide else (xp.float32, np.float32)
+    lead, k = tuple(x.shape[:-1]), x.shape[-1]
+    n, dev = packed.shape[0], creation_device(packed)
+    xr = xp.reshape(xp.astype(x, ct), (-1, k // 2, 2))  # (M, K/2, 2): the pairs of inputs
+    lo, hi = (xp.asarray(t, dtype=ct, device=dev) for t in _pair_values(host))  # (256,) each
+    table = xr[..., 0:1] * lo + xr[..., 1:2] * hi  # (M, K/2, 256)
+    m = table.shape[0]
+    codes = unpack_codes(xp, packed, bits=8)  # (N, K/2) int32: the bytes
+    place = xp.arange(k // 2, dtype=xp.int32, device=dev) * 256  # (K/2,)
+    rows = xp.arange(m, dtype=xp.int32, device=dev) * ((k // 2) * 256)  # (M,)
+    index = rows[:, None, None] + (codes + place)[None, ...]  # (M, N, K/2)
+    picked = xp.take(xp.reshape(table, (-1,)), xp.reshape(index, (-1,)), axis=0)
+    blocks = xp.sum(xp.reshape(picked, (m, n, k // BLOCK, BLOCK // 2)), axis=-1)  # (M, N, K/32)
+    scale = _table(xp, e8m0(host), scales, ct, packed)  # (N, K / 32)
+    y = xp.sum(blocks * scale, axis=-1)  # (M, N)
+    if bias is not None:
+        y = y + xp.astype(bias, ct)
+    return xp.reshape(xp.astype(y, x.dtype), (*lead, n))  # (N.., N)
+
+
+@auto_portable(LINEAR)
+def _auto(x: Any, packed: Any, scales: Any, bias: Any) -> str:
+    """The pair table for a few rows of float32 or float64 x (not traced: XLA fuses the
+    dequantize into the product there); the dequantizing path otherwise (half dtypes keep it:
+    their product of the weight rounded to x's dtype, as the kernels of MLX)."""
+    bk = backend_of(x)
+    if bk is None or bk.is_traced(x) or bk.dtype_name(x.dtype) not in ("float32", "float64"):
+        return "portable"
+    return "lut" if math.prod(x.shape[:-1]) <= LUT_ROWS else "portable"
