@@ -1,8 +1,8 @@
 """The infrastructure of hybrid models (a layer whose token mixer is not attention, issue 31):
 ``Layer.mixer`` run by the one forward, ``HybridCache``, ``run_mixer``'s kept states,
 ``make_cache`` per layer kind, speculative decoding's rewinds of recurrent states, paged
-continuous batching with the states in per-request slots, no compiled step, the partition
-refusal.
+continuous batching with the states in per-request slots, the compiled step (JAX, MLX) with
+the states as its arguments, the partition refusal.
 
 The model is a tiny LFM2 (short convolution layers beside attention layers) written with NumPy
 alone; its logits against transformers are ``tests/test_oracle_families.py``'s.
@@ -85,11 +85,13 @@ def test_layers_and_caches_by_kind(folder: Path) -> None:
 
 @pytest.mark.slow_on("jax", "array_api_strict")  # a decode token by token: seconds there
 def test_cached_decode_and_padding_equal_the_full_forward(folder: Path, backend: str) -> None:
-    """A prompt of 4, then one token at a time, equals the full forward (the prepared and the
-    op-by-op forwards); each row of a left-padded batch equals the row alone (the conv zeroes
-    the pad tokens' inputs: without it, the pads' projections would enter its state)."""
+    """A prompt of 4, then one token at a time, equals the full forward (the prepared forward,
+    its decode steps compiled on JAX and MLX, and the op-by-op forward); each row of a
+    left-padded batch equals the row alone (the conv zeroes the pad tokens' inputs: without it,
+    the pads' projections would enter its state)."""
     model = pl.load(folder, backend=backend, dtype="float32")
-    assert model.compiled is None  # recurrent mixers: the eager prepared forward everywhere
+    compiles = backend in ("jax", "mlx")  # the conv states: arguments and results of the step
+    assert (model.compiled is not None) == compiles
     want = pl.to_numpy(model(pl.asarray(IDS, backend=backend)))
     for m in (model, _slow(model)):
         cache = m.make_cache()
@@ -98,12 +100,36 @@ def test_cached_decode_and_padding_equal_the_full_forward(folder: Path, backend:
             parts.append(pl.to_numpy(m(pl.asarray(IDS[:, j : j + 1], backend=backend),
                                        cache=cache)))  # fmt: skip
         assert_close(np.concatenate(parts, axis=1), want, backend="numpy")
+        if compiles and m is model:
+            assert model.compiled is not None and model.compiled.traces >= 1
         short = IDS[1, :6]
         batch = np.stack([IDS[0, :9], np.concatenate([[0, 0, 0], short])])
         pad = pl.asarray(np.array([0, 3]), backend=backend)
         got = pl.to_numpy(m(pl.asarray(batch, backend=backend), left_padding=pad))
         alone = pl.to_numpy(m(pl.asarray(short[None], backend=backend)))
         assert_close(got[1:, 3:], alone, backend="numpy")
+
+
+def test_compiled_step_takes_the_recurrent_states(folder: Path, backend: str) -> None:
+    """JAX and MLX compile a hybrid model's decode step: one program for every token (the conv
+    states are its arguments, of fixed shapes), equal to the eager prepared forward, the
+    states it leaves in the caches equal to the eager step's."""
+    if backend not in ("jax", "mlx"):
+        pytest.skip(f"{backend}: the decode step runs eagerly (no compiled step)")
+    model = pl.load(folder, backend=backend, dtype="float32")
+    assert model.compiled is not None
+    eager = copy.copy(model)
+    eager.compiled = None
+    caches = [model.make_cache(), eager.make_cache()]
+    for m, c in zip((model, eager), caches, strict=True):
+        m(pl.asarray(IDS[:, :4], backend=backend), cache=c)
+    for j in range(4, 7):
+        step = [pl.to_numpy(m(pl.asarray(IDS[:, j : j + 1], backend=backend), cache=c))
+                for m, c in zip((model, eager), caches, strict=True)]  # fmt: skip
+        assert_close(step[0], step[1], backend="numpy")
+    assert model.compiled.traces == 1
+    assert_close(caches[0][0].state[0], caches[1][0].state[0], backend=backend)
+    assert caches[0][0].offset == caches[1][0].offset == 7
 
 
 def test_padded_prefill_into_caches_then_decode(folder: Path) -> None:

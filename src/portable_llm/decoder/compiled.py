@@ -19,11 +19,12 @@ experts by ``jax.lax.ragged_dot``) without ``"dynamic"`` RoPE (whose table depen
 position; ``"longrope"`` compiles one program per side of its original length, where its table
 switches); anything else runs the eager prepared forward. A model with recurrent token
 mixers (:attr:`Layer.mixer <portable_llm.decoder.layer_weights.Layer>`: LFM2, Qwen3-Next,
-Falcon-H1) has no compiled step: its per-layer states (:class:`~portable_llm.RecurrentCache`,
-tuples of arrays whose per-token history a rewind keeps) are not the key and value buffers the
-step updates functionally, so it runs the eager prepared forward on every backend (JAX still
-compiles the ops' own kernels). The caches keep their meaning: after
-a compiled step they hold what an eager step would have left in them.
+Falcon-H1) compiles its step too: each recurrent layer's state (its
+:class:`~portable_llm.RecurrentCache`'s, a tuple of fixed-shape arrays) is an argument of the
+program and the mixer's new state a result (not donated: the cache keeps the states a
+speculative rewind needs), recorded in the cache after the call as an eager step records it.
+The caches keep their meaning: after a compiled step they hold what an eager step would have
+left in them.
 Token ids go in unchecked: an id outside ``[0, V)`` gives a row of NaN (the embedding's
 ``"masked"`` implementation), so its logits have no distribution and the decode loop stops with
 its error.
@@ -44,6 +45,7 @@ from typing import Any
 
 from portable_llm.attn.visibility import visible
 from portable_llm.backends import Backend, backend_of
+from portable_llm.caches.hybrid import attention_cache, recurrent_cache
 from portable_llm.caches.kv import KVCache
 from portable_llm.core.dispatch import TraceEntry, capture, replay, tracing
 from portable_llm.decoder.forward import Forward
@@ -141,13 +143,21 @@ _TAKES_QUANTIZED = frozenset({"jax"})
 _TRACES_MOE = frozenset({"jax"})
 
 
+#: The backends whose compiled step also runs recurrent token mixers (a hybrid model's): each
+#: recurrent layer's state goes in as an argument of the program and its new state comes back
+#: (not donated: the cache keeps the states a rewind needs).
+_TRACES_MIXERS = frozenset({"jax", "mlx"})
+
+
 def compile_decode(prepared: Forward) -> CompiledDecode | None:
     """The compiled decode step of ``prepared`` where its backend compiles one, else ``None``."""
     compilers = _COMPILERS.get(prepared.bk.name)
     if compilers is None:
         return None
-    if any(layer.mixer is not None for layer in prepared.layers):
-        return None  # recurrent mixers: their states are no buffers of the step (eager)
+    if any(layer.mixer is not None for layer in prepared.layers) and (
+        prepared.bk.name not in _TRACES_MIXERS
+    ):
+        return None  # recurrent mixers: eager where their states are not traced
     if any(layer.mlp is None for layer in prepared.layers) and prepared.bk.name not in _TRACES_MOE:
         return None  # MoE: eager (the portable experts read their token counts on the host)
     if prepared.quantized and prepared.bk.name not in _TAKES_QUANTIZED:
@@ -220,14 +230,19 @@ class TracedState(DenseState):
     functionally (:mod:`portable_llm.decoder.states`)."""
 
     def __init__(
-        self, s: ForwardSetup, update: Any, ks: list[Any], vs: list[Any], pad: Any, offset: Any
-    ) -> None:
+        self, s: ForwardSetup, update: Any, ks: list[Any], vs: list[Any], pad: Any, offset: Any,
+        rs: list[tuple[Any, ...]] | None = None, at: Sequence[int] | None = None,
+    ) -> None:  # fmt: skip
         rows = None if pad is None else offset - pad  # (B,)
         super().__init__(s, None, pad, rows, offset, 1)
         self.update, self.ks, self.vs = update, ks, vs
         #: The position RoPE's table is chosen for (``longrope``: ``L0`` past the switch, else 0).
         self.table_position = 0
-        self.S = int(ks[0].shape[2]) - 1  # the fixed-size view: capacity - 1 keys
+        self.S = int(ks[0].shape[2]) - 1 if ks else 0  # the fixed-size view: capacity - 1 keys
+        #: A hybrid model's: per layer, its index in ``ks``/``vs`` (attention) and in ``rs``
+        #: (the recurrent states, replaced functionally by the traced mixers), -1 for none.
+        self.at = list(at) if at is not None else list(range(len(ks)))
+        self.rs = rs or []  # per layer: its recurrent state, or None
 
     def rope_args(self, q: Any) -> tuple[Any, Any, Any, dict[str, Any]]:
         """RoPE at the traced offset: the options parsed as for position
@@ -246,6 +261,7 @@ class TracedState(DenseState):
     def kv(
         self, i: int, k: Any, v: Any, window: int | None, chunk: int | None = None
     ) -> tuple[Any, Any, Any, Any]:
+        i = self.at[i]  # the layer's buffers among the attention layers'
         self.ks[i] = self.update(self.ks[i], k, self.offset)  # (B, H_kv, capacity, D)
         self.vs[i] = self.update(self.vs[i], v, self.offset)
         S = self.S
@@ -261,6 +277,37 @@ class TracedState(DenseState):
             self.masks[key] = mask
         return self.ks[i][:, :, :S, :], self.vs[i][:, :, :S, :], mask, None
 
+    def recurrent(self, i: int) -> _TracedRecurrent:
+        """Layer ``i``'s recurrent state as an argument of the program, replaced by the
+        mixer's new one (a result of the program)."""
+        return _TracedRecurrent(self.rs, i)
+
+
+class _TracedRecurrent:
+    """The recurrent cache a traced mixer reads and writes (``state``, ``update``): entry ``i``
+    of the program's recurrent states, replaced functionally; no history (one token)."""
+
+    max_rewind = 0
+
+    def __init__(self, rs: list[Any], i: int) -> None:
+        self.rs, self.i = rs, i
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        return tuple(self.rs[self.i])
+
+    def update(self, *states: Any, tokens: int = 1, all_states: bool = False) -> None:
+        self.rs[self.i] = tuple(states)
+
+
+def _positions(flags: Sequence[bool]) -> list[int]:
+    """For each flag, its index among the true ones (-1 for a false one)."""
+    out, n = [], 0
+    for f in flags:
+        out.append(n if f else -1)
+        n += bool(f)
+    return out
+
 
 class CompiledDecode:
     """A prepared model's decode step compiled whole (see the module docstring)."""
@@ -271,6 +318,12 @@ class CompiledDecode:
         #: How many times the step was traced (compiled): once per cache capacity.
         self.traces = 0
         leaves, self._rebuild = _flatten(prepared.layers, prepared.bk)
+        layers = prepared.layers
+        #: The layers with attention (their key and value buffers, in order) and with a
+        #: recurrent mixer (their states, in order); each layer's index among the first.
+        self._kv_layers = [i for i, layer in enumerate(layers) if layer.attn is not None]
+        self._rec_layers = [i for i, layer in enumerate(layers) if layer.mixer is not None]
+        self._at = _positions([layer.attn is not None for layer in layers])
         self._leaves = tuple(leaves)
         self._jit = jit
         #: The compiled programs, one per layout of the top weights (see :func:`_split_top`)
@@ -286,19 +339,26 @@ class CompiledDecode:
         if cache is None or ids.shape[1] != 1:
             return False
         first = cache[0]
+        kv = [attention_cache(cache[i]) for i in self._kv_layers]
+        rec = [recurrent_cache(cache[i]) for i in self._rec_layers]
         return (
-            all(type(c) is KVCache and c.static_shapes and c.offset == first.offset for c in cache)
+            all(type(c) is KVCache and c.static_shapes and c.offset == first.offset for c in kv)
+            and all(r is not None and r.state is not None and r.offset == first.offset
+                    for r in rec)
             and first.offset > 0
-        )
+        )  # fmt: skip
 
     def __call__(self, ids: Any, cache: Sequence[Any], top: tuple[Any, Any, Any]) -> Any:
         """Logits ``(B, 1, V)`` of one token per row after what ``cache`` holds; the caches are
         updated as an eager step updates them."""
         xp = self.p.xp
         off = cache[0].offset
-        state = [c.reserve(1, op="model") for c in cache]  # as update_and_fetch: a slot stays free
+        kv = [attention_cache(cache[i]) for i in self._kv_layers]
+        rec = [recurrent_cache(cache[i]) for i in self._rec_layers]
+        state = [c.reserve(1, op="model") for c in kv]  # as update_and_fetch: a slot stays free
         ks = tuple(k for k, _ in state)
         vs = tuple(v for _, v in state)
+        rs = tuple(r.state for r in rec if r is not None)  # the recurrent layers' states
         offset = xp.asarray(off, dtype=xp.int32)
         pad = cache[0].left_padding
         arrays, layout = _split_top(top, self.p.head_weight)
@@ -306,33 +366,43 @@ class CompiledDecode:
         fn = self._fns.get(layout)
         if fn is None:
             fn = self._fns[layout] = self._jit(partial(self._step, layout=layout))
-        logits, ks, vs = fn(ids, ks, vs, offset, pad, self._leaves, arrays)
-        for c, k, v in zip(cache, ks, vs, strict=True):
+        logits, ks, vs, rs = fn(ids, ks, vs, offset, pad, self._leaves, arrays, rs)
+        for c, k, v in zip(kv, ks, vs, strict=True):
             c.adopt(k, v, off + 1)  # the step attended with the cache's mask
+        for r, new in zip(rec, rs, strict=True):
+            assert r is not None
+            r.update(*new, tokens=1)
         if tracing():  # the kernels the program runs, recorded when it was traced
             replay(self.kernels[layout])
         return logits
 
     def _step(
         self, ids: Any, ks: tuple[Any, ...], vs: tuple[Any, ...], offset: Any, pad: Any,
-        leaves: tuple[Any, ...], top: tuple[Any, Any, Any], *, layout: tuple[Any, ...],
-    ) -> tuple[Any, tuple[Any, ...], tuple[Any, ...]]:  # fmt: skip
+        leaves: tuple[Any, ...], top: tuple[Any, Any, Any], rs: tuple[Any, ...], *,
+        layout: tuple[Any, ...],
+    ) -> tuple[Any, tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]]:  # fmt: skip
         self.traces += 1
         with capture() as kernels:  # every kernel of the program, asked of the dispatcher
-            out = self._forward(ids, ks, vs, offset, pad, leaves, top, layout)
+            out = self._forward(ids, ks, vs, offset, pad, leaves, top, layout, rs)
         self.kernels[layout] = list(kernels)
         return out
 
     def _forward(
         self, ids: Any, ks: tuple[Any, ...], vs: tuple[Any, ...], offset: Any, pad: Any,
         leaves: tuple[Any, ...], top: tuple[Any, Any, Any], layout: tuple[Any, ...],
-    ) -> tuple[Any, tuple[Any, ...], tuple[Any, ...]]:  # fmt: skip
+        rs: tuple[Any, ...] = (),
+    ) -> tuple[Any, tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]]:  # fmt: skip
         p = self.p
         embed, norm, head = (
             a if f is None else QuantizedWeight(*a, bits=f[0], group_size=f[1])
             for a, f in zip(top, layout[:3], strict=True)
         )
-        state = TracedState(p.setup, self.update, list(ks), list(vs), pad, offset)
+        per_layer: list[Any] = [None] * len(p.layers)  # each recurrent layer's state
+        for i, r in zip(self._rec_layers, rs, strict=True):
+            per_layer[i] = r
+        state = TracedState(
+            p.setup, self.update, list(ks), list(vs), pad, offset, per_layer, self._at
+        )  # fmt: skip
         if layout[4]:  # longrope past L0: the table of a position beyond it
             assert self._switch is not None
             state.table_position = self._switch
@@ -344,7 +414,8 @@ class CompiledDecode:
             packed, scales, biases = top[2]
             bound = p.bound_head
             head = dataclasses.replace(bound, packed=packed, scales=scales, biases=biases, fns={})
-        return traced.head(h, state, norm, head), tuple(state.ks), tuple(state.vs)
+        new = tuple(state.rs[i] for i in self._rec_layers)
+        return traced.head(h, state, norm, head), tuple(state.ks), tuple(state.vs), new
 
 
 def _split_top(top: tuple[Any, Any, Any], bound: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:

@@ -21,12 +21,31 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Protocol, Self
 
-from portable_llm.caches.recurrent import RecurrentCache, SlotRows
 from portable_llm.ops.kernels import KernelSet
 
-__all__ = ["RecurrentMixer", "run_mixer", "zero_pads"]
+__all__ = ["RecurrentMixer", "RecurrentState", "run_mixer", "zero_pads"]
+
+
+class RecurrentState(Protocol):
+    """What :func:`run_mixer` reads and writes of a layer's recurrent cache: a
+    :class:`~portable_llm.RecurrentCache`, a paged batch's rows
+    (:class:`~portable_llm.caches.recurrent.SlotRows`), a compiled step's traced state."""
+
+    @property
+    def max_rewind(self) -> int:
+        """Tokens a rewind may take back (their states are kept)."""
+        ...
+
+    @property
+    def state(self) -> tuple[Any, ...] | None:
+        """The state after the tokens so far (``None``: none yet, zeros)."""
+        ...
+
+    def update(self, *states: Any, tokens: int = 1, all_states: bool = False) -> None:
+        """Record the state after a chunk of ``tokens`` (``all_states``: after each token)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -112,11 +131,11 @@ class RecurrentMixer:
 
 def run_mixer(
     mixer: RecurrentMixer, xp: Any, kn: KernelSet, x: Any,
-    cache: RecurrentCache | SlotRows | None, pads: Any,
+    cache: RecurrentState | None, pads: Any,
 ) -> Any:  # fmt: skip
     """``mixer`` over ``x`` ``(B, L, E)`` from the state ``cache`` holds; the new state recorded
-    in ``cache`` (none: a forward without caches, from zeros; a paged batch's rows:
-    :class:`~portable_llm.caches.recurrent.SlotRows`). Returns ``(B, L, E)``.
+    in ``cache`` (a :class:`RecurrentState`; none: a forward without caches, from zeros).
+    Returns ``(B, L, E)``.
 
     Rewinds keep states (:class:`~portable_llm.RecurrentCache`): a cache that may be rewound
     (``max_rewind > 0``: speculative decoding) takes the state after each of the last

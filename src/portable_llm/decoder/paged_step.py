@@ -28,6 +28,7 @@ from portable_llm.caches.paged import PagedKVCache, block_tables
 from portable_llm.caches.recurrent import RecurrentSlots, SlotRows
 from portable_llm.core.arrays import asarray
 from portable_llm.decoder.forward import check_learned_positions, head_weight
+from portable_llm.decoder.mixer import RecurrentState
 from portable_llm.decoder.states import DenseState, ForwardSetup
 from portable_llm.ops.kernels import KernelSet
 
@@ -61,7 +62,7 @@ class PagedState(DenseState):
         #: Latent layers attend over pages of ``[c_kv, k_pe]``: the absorbed form's keys.
         self.absorbed_only = True
 
-    def recurrent(self, i: int) -> SlotRows | None:
+    def recurrent(self, i: int) -> RecurrentState | None:
         """Layer ``i``'s rows' recurrent states (:class:`~portable_llm.caches.recurrent.
         SlotRows`). A layer without attention advances its caches here, over its pool of one
         feature (``Model.make_page_pools``), so that every layer's pages and offsets agree."""

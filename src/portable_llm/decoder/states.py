@@ -32,8 +32,8 @@ from portable_llm.attn.sdpa_args import SdpaOptions
 from portable_llm.attn.visibility import visible
 from portable_llm.backends import Backend
 from portable_llm.caches.hybrid import attention_cache, recurrent_cache
-from portable_llm.caches.recurrent import RecurrentCache, SlotRows
 from portable_llm.core.dispatch import Dispatcher, tracing
+from portable_llm.decoder.mixer import RecurrentState
 from portable_llm.ops.kernels import KernelSet
 from portable_llm.rotary.args import dispatch_args as rope_dispatch_args
 from portable_llm.rotary.rope import rope_tables, rotate
@@ -77,7 +77,7 @@ class ForwardState(AttentionState, LatentState, Protocol):
         """This state with the RoPE of the sliding layers (Gemma 3's ``rope_local``)."""
         ...
 
-    def recurrent(self, i: int) -> RecurrentCache | SlotRows | None:
+    def recurrent(self, i: int) -> RecurrentState | None:
         """Layer ``i``'s recurrent state (a recurrent mixer's), or ``None`` (no caches: the
         mixer starts from zeros and its state is dropped)."""
         ...
@@ -168,7 +168,7 @@ class DenseState:
             rotate(xp, k, cos, sin, cos, sin, dims, traditional),
         )
 
-    def recurrent(self, i: int) -> RecurrentCache | SlotRows | None:
+    def recurrent(self, i: int) -> RecurrentState | None:
         """Layer ``i``'s :class:`~portable_llm.RecurrentCache` (a
         :class:`~portable_llm.caches.hybrid.HybridCache`'s), or ``None`` without caches."""
         return None if self.cache is None else recurrent_cache(self.cache[i])
