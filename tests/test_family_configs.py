@@ -1,5 +1,5 @@
 """The config.json of the families beyond Llama (GPT-2, Phi-2, Phi-3, Gemma 2/3, Llama 4,
-SmolLM3, OLMo 2, Granite, StarCoder2, Cohere 2), as transformers 5 writes it and in
+SmolLM3, OLMo 2, Granite, StarCoder2, Cohere 2, LFM2, Falcon-H1), as transformers 5 writes it and in
 transformers 4's spellings, read into DecoderConfig's fields; a folder of an unsupported family
 is refused by its model type before anything else.
 """
@@ -7,6 +7,7 @@ is refused by its model type before anything else.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,20 @@ V5: dict[str, dict[str, Any]] = {
              "layer_types": ["conv", "full_attention", "conv", "full_attention"],
              "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
              "max_position_embeddings": 128000},
+    "falcon_h1": {**SIZES, "model_type": "falcon_h1", "num_hidden_layers": 2,
+                  "num_key_value_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-05,
+                  "tie_word_embeddings": False, "mamba_d_ssm": 32, "mamba_n_heads": 4,
+                  "mamba_d_head": 8, "mamba_n_groups": 2, "mamba_d_state": 16,
+                  "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 256,
+                  "mamba_conv_bias": True, "mamba_proj_bias": False,
+                  "mamba_norm_before_gate": False, "mamba_rms_norm": False,
+                  "time_step_limit": [0.0, {"__float__": "Infinity"}], "projectors_bias": False,
+                  "embedding_multiplier": 5.66, "lm_head_multiplier": 0.039,
+                  "mlp_multipliers": [0.88, 0.59], "key_multiplier": 0.39,
+                  "attention_out_multiplier": 0.94, "attention_in_multiplier": 1.0,
+                  "ssm_multipliers": [0.35, 0.25, 0.5, 0.35, 0.35], "ssm_in_multiplier": 1.25,
+                  "ssm_out_multiplier": 0.24,
+                  "rope_parameters": {"rope_theta": 1e11, "rope_type": "default"}},
 }  # fmt: skip
 
 # The same models in transformers 4's spellings (rope_theta, rope_scaling, per-family patterns).
@@ -137,6 +152,10 @@ V4: dict[str, dict[str, Any]] = {
                 if k not in ("rope_parameters", "layer_types", "intermediate_size",
                              "tie_word_embeddings")},
              "rope_theta": 1000000.0, "block_ff_dim": 64, "tie_embedding": True},
+    # Falcon-H1: rope_theta, and time_step_limit's infinity as JSON's Infinity
+    "falcon_h1": {**{k: v for k, v in V5["falcon_h1"].items()
+                     if k not in ("rope_parameters", "time_step_limit")},
+                  "rope_theta": 1e11, "time_step_limit": [0.0, math.inf]},
 }  # fmt: skip
 
 
@@ -188,6 +207,18 @@ def test_family_fields(family: str, version: str) -> None:
                      tie_word_embeddings=True, sliding_window=None,
                      layer_types=("conv", "full_attention", "conv", "full_attention"),
                      mixer={"conv_L_cache": 3, "conv_bias": False}),
+        "falcon_h1": dict(embedding_multiplier=5.66, logit_scale=0.039, head_dim=8,
+                          num_key_value_heads=2, tie_word_embeddings=False, sliding_window=None,
+                          layer_types=("full_attention",) * n, mixer={
+                              "n_groups": 2, "head_dim": 8, "norm_before_gate": False,
+                              "eps": 1e-5, "in_multiplier": 1.25, "dt_limit": (0.0, math.inf),
+                              "chunk_size": 256,
+                              "ssm_multipliers": (0.35, 0.25, 0.5, 0.35, 0.35), "d_ssm": 32,
+                              "n_heads": 4, "d_state": 16, "rms_norm": False, "d_conv": 4,
+                              "conv_bias": True, "proj_bias": False, "projectors_bias": False,
+                              "mlp_multipliers": (0.88, 0.59), "attention_in_multiplier": 1.0,
+                              "attention_out_multiplier": 0.94, "key_multiplier": 0.39,
+                              "ssm_out_multiplier": 0.24}),
     }[family]  # fmt: skip
     assert {k: getattr(cfg, k) for k in want} == want
     if family == "phi":
@@ -196,6 +227,8 @@ def test_family_fields(family: str, version: str) -> None:
         assert cfg.rope["base"] == 2e6
     if family == "cohere2":  # interleaved RoPE pairs
         assert cfg.rope["traditional"] is True
+    if family == "falcon_h1":  # Falcon-H1's released theta
+        assert cfg.rope["base"] == 1e11
     if family == "gemma3_text":  # each layer type its own RoPE
         assert cfg.rope["base"] == 1e6 and cfg.rope["scaling"]["factor"] == 8.0
         assert cfg.rope_local is not None and cfg.rope_local["base"] == 1e4
@@ -274,6 +307,13 @@ def test_unsupported_family_is_named_before_the_folder_is_read(tmp_path: Path, c
          "lfm2's layer_types must list"),
         ("lfm2", {"conv_L_cache": 0}, "conv_L_cache must be"),
         ("lfm2", {"conv_bias": "no"}, "conv_bias must be true or false"),
+        ("falcon_h1", {"mamba_n_heads": 5}, r"mamba_n_heads \* mamba_d_head must equal"),
+        ("falcon_h1", {"mamba_n_groups": 3}, "mamba_n_groups=3 must divide mamba_n_heads=4"),
+        ("falcon_h1", {"ssm_multipliers": [1.0, 2.0]}, "ssm_multipliers must list 5 reals"),
+        ("falcon_h1", {"key_multiplier": 0}, "key_multiplier must be finite and > 0.0"),
+        ("falcon_h1", {"mlp_multipliers": 2.0}, "mlp_multipliers must list 2 reals"),
+        ("falcon_h1", {"time_step_limit": [0.5, 0.1]}, r"time_step_limit\[1\] must be"),
+        ("falcon_h1", {"mamba_rms_norm": "yes"}, "mamba_rms_norm must be true or false"),
     ],
 )  # fmt: skip
 def test_bad_family_configs(family: str, change: dict[str, Any], message: str) -> None:

@@ -155,8 +155,8 @@ def test_mamba2_mixer_matches_falcon_h1_mixer(backend, rms_norm, before):
     d = config.to_dict()
     w = {f"model.layers.0.mamba.{k}": _on(v.detach(), backend)
          for k, v in mixer.state_dict().items()}  # fmt: skip
-    weights = falcon_h1.read_mixer(w, 0, falcon_h1.mixer_options(d), falcon_h1.mup_vector(d),
-                                   rms_norm=rms_norm)  # fmt: skip
+    mup = falcon_h1.mup_vector(falcon_h1.ssm_multipliers(d), falcon_h1.mixer_sizes(d))
+    weights = falcon_h1.read_mixer(w, 0, falcon_h1.mixer_options(d), mup, rms_norm=rms_norm)
     x = _t(30, 2, 7, 32)
     with torch.no_grad():
         want = mixer(x).numpy()

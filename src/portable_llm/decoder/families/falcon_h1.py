@@ -50,7 +50,15 @@ from portable_llm.ops.kernels import KernelSet
 from portable_llm.ops.mamba2 import Mamba2Weights, mamba2_body
 from portable_llm.ops.quant import QuantizedWeight
 
-__all__ = ["FAMILY", "Mamba2", "mixer_options", "mup_vector", "read_mixer"]
+__all__ = [
+    "FAMILY",
+    "Mamba2",
+    "mixer_options",
+    "mixer_sizes",
+    "mup_vector",
+    "read_mixer",
+    "ssm_multipliers",
+]
 
 
 def mixer_sizes(d: Mapping[str, Any]) -> tuple[int, int, int, int, int]:
@@ -106,19 +114,26 @@ def _json_float(value: Any) -> Any:
     return value
 
 
-def mup_vector(d: Mapping[str, Any]) -> list[float] | None:
-    """HF's ``compute_mup_vector``: ``in_proj``'s ``I + (I + 2 G N) + H`` outputs each times
-    its part's multiplier of ``ssm_multipliers`` (z, x, B, C, dt); ``None`` when all are 1."""
-    inner, H, _, G, N = mixer_sizes(d)
+def ssm_multipliers(d: Mapping[str, Any]) -> tuple[float, ...]:
+    """``ssm_multipliers`` of the ``config.json`` ``d``: five reals > 0 (z, x, B, C, dt; all 1
+    when absent)."""
     given = d.get("ssm_multipliers") or [1.0] * 5
     if not isinstance(given, list | tuple) or len(given) != 5:
         raise ValueError(f"config.json: ssm_multipliers must list 5 reals, got {given!r}")
-    m = [read_real({"ssm_multipliers": v}, "ssm_multipliers", 1.0, low=0.0, low_open=True)
-         for v in given]  # fmt: skip
-    if m == [1.0] * 5:
+    return tuple(_multiplier({"ssm_multipliers": v}, "ssm_multipliers") for v in given)
+
+
+def mup_vector(
+    multipliers: tuple[float, ...], sizes: tuple[int, int, int, int, int]
+) -> list[float] | None:
+    """HF's ``compute_mup_vector``: ``in_proj``'s ``I + (I + 2 G N) + H`` outputs each times
+    its part's multiplier (z, x, B, C, dt) of ``ssm_multipliers``, for the mixer's ``sizes``
+    ``(I, H, P, G, N)`` (:func:`mixer_sizes`); ``None`` when all are 1."""
+    if all(v == 1.0 for v in multipliers):
         return None
+    inner, H, _, G, N = sizes
     widths = (inner, inner, G * N, G * N, H)
-    return [v for v, width in zip(m, widths, strict=True) for _ in range(width)]
+    return [v for v, width in zip(multipliers, widths, strict=True) for _ in range(width)]
 
 
 def read_mixer(
@@ -159,13 +174,14 @@ def read_mixer(
 def fields(d: Mapping[str, Any], n: int) -> dict[str, Any]:
     """The :class:`~portable_llm.decoder.config.DecoderConfig` fields Falcon-H1 changes: its
     mixer's options and the multipliers the layer recipe folds into the weights (``mixer``)."""
-    _, H, _, _, N = mixer_sizes(d)
+    inner, H, _, _, N = mixer_sizes(d)
     mlp = d.get("mlp_multipliers") or [1.0, 1.0]
     if not isinstance(mlp, list | tuple) or len(mlp) != 2:
         raise ValueError(f"config.json: mlp_multipliers must list 2 reals, got {mlp!r}")
     mixer = {
         **mixer_options(d),
-        "mup": mup_vector(d),
+        "ssm_multipliers": ssm_multipliers(d),
+        "d_ssm": inner,
         "n_heads": H,
         "d_state": N,
         "rms_norm": read_bool(d, "mamba_rms_norm"),
@@ -240,7 +256,9 @@ def read_layer(cfg: LayerConfig, w: Mapping[str, Any], i: int) -> Layer:
         f, w_gate=_scaled(f.w_gate, gate), b_gate=_scaled(f.b_gate, gate),
         w_down=_scaled(f.w_down, down), b_down=_scaled(f.b_down, down),
     )  # fmt: skip
-    mixer = read_mixer(w, i, {k: m[k] for k in OPTIONS}, m["mup"], rms_norm=m["rms_norm"])
+    sizes = (m["d_ssm"], m["n_heads"], m["head_dim"], m["n_groups"], m["d_state"])
+    mup = mup_vector(m["ssm_multipliers"], sizes)
+    mixer = read_mixer(w, i, {k: m[k] for k in OPTIONS}, mup, rms_norm=m["rms_norm"])
     ssm_out = m["ssm_out_multiplier"]
     mixer = replace(mixer, out_proj=_scaled(mixer.out_proj, ssm_out),
                     out_bias=_scaled(mixer.out_bias, ssm_out))  # fmt: skip
