@@ -533,3 +533,125 @@ def test_falcon_h1_gguf_matches_transformers(falcon_h1_file: tuple, backend: str
     assert model.config.embedding_multiplier == 1.0  # folded into token_embd
     assert isinstance(model.layers[0].attn.wq, QuantizedWeight)
     assert_close(model(pl.asarray(IDS, backend=backend)), want, backend=backend, dtype="float32")
+
+
+_DEEPSEEK = {"hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+             "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+             "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4,
+             "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+             "first_k_dense_replace": 1, "n_shared_experts": 1, "routed_scaling_factor": 2.0,
+             "norm_topk_prob": True, "max_position_embeddings": 256}  # fmt: skip
+
+
+def _deepseek_file(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """A DeepSeek V3 GGUF as llama.cpp's ``deepseek2`` converter writes it (``kv_b_proj``
+    split into ``attn_k_b`` ``(H, R, d_n)`` and ``attn_v_b`` ``(H, d_v, R)``, the experts
+    stacked, ``exp_probs_b``, llama.cpp's MQA head counts and lengths beside the MLA ones,
+    names from gguf-py's own map), Q8_0/Q4_0 matrices; transformers' logits on its values, and
+    layer 0's ``kv_b_proj``."""
+    config = transformers.DeepseekV3Config(vocab_size=V, bos_token_id=1, eos_token_id=2,
+                                           **_DEEPSEEK)  # fmt: skip
+    torch.manual_seed(5)
+    hf = transformers.DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.ndim > 1:
+                p.copy_(torch.randn_like(p) * 0.15)
+            elif "norm" in name:
+                p.copy_(torch.rand_like(p) * 0.4 + 0.8)
+            else:
+                p.copy_(torch.randn_like(p) * 0.1)
+    state = {k: v.numpy() for k, v in hf.state_dict().items()}
+    for k in [k for k in state if k.endswith("e_score_correction_bias")]:  # a buffer
+        state[k] = np.random.default_rng(5).normal(0, 0.1, state[k].shape).astype(np.float32)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, config.num_hidden_layers)
+    H, R, dn, dv = 4, 32, 16, 16
+    tensors, held = {}, {}
+    for hf_name, value in state.items():
+        kind = _kind(hf_name, value)
+        held[hf_name] = _held(hf_name, value)
+        b = "blk." + hf_name.split(".")[2] + "." if ".layers." in hf_name else ""
+        if hf_name.endswith("kv_b_proj.weight"):  # llama.cpp's split, kept float32
+            heads = value.reshape(H, dn + dv, R)
+            tensors[b + "attn_k_b.weight"] = heads[:, :dn].swapaxes(1, 2), None
+            tensors[b + "attn_v_b.weight"] = heads[:, dn:], None
+            held[hf_name] = value
+        elif hf_name.endswith("experts.gate_up_proj"):
+            half = value.shape[1] // 2
+            tensors[b + "ffn_gate_exps.weight"] = value[:, :half], kind
+            tensors[b + "ffn_up_exps.weight"] = value[:, half:], kind
+        elif hf_name.endswith("experts.down_proj"):
+            tensors[b + "ffn_down_exps.weight"] = value, kind
+        elif hf_name.endswith("e_score_correction_bias"):
+            tensors[b + "exp_probs_b.bias"] = value, None
+        else:
+            g = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+            g = g if g.endswith((".weight", ".bias")) else g + ".weight"
+            tensors[g] = value, kind
+    hf.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in held.items()})
+    with torch.no_grad():
+        want = hf(torch.tensor(IDS)).logits.float().numpy()
+    kv_b = state["model.layers.0.self_attn.kv_b_proj.weight"]
+    w = gguf.GGUFWriter(str(path), "deepseek2")
+    for key, v in (("block_count", 2), ("context_length", 256), ("embedding_length", 64),
+                   ("feed_forward_length", 96), ("attention.head_count", H),
+                   ("attention.head_count_kv", 1), ("attention.key_length", R + 8),
+                   ("attention.value_length", R), ("attention.key_length_mla", dn + 8),
+                   ("attention.value_length_mla", dv), ("attention.q_lora_rank", 32),
+                   ("attention.kv_lora_rank", R), ("rope.dimension_count", 8),
+                   ("leading_dense_block_count", 1), ("expert_feed_forward_length", 32),
+                   ("expert_count", 4), ("expert_used_count", 2), ("expert_shared_count", 1),
+                   ("expert_group_count", 2), ("expert_group_used_count", 1),
+                   ("expert_gating_func", 2), ("vocab_size", V)):  # fmt: skip
+        w.add_uint32(f"deepseek2.{key}", v)
+    w.add_float32("deepseek2.expert_weights_scale", 2.0)
+    w.add_bool("deepseek2.expert_weights_norm", True)
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    for g, (value, kind) in tensors.items():
+        if kind is None:
+            w.add_tensor(g, np.ascontiguousarray(value, dtype=np.float32))
+        else:
+            w.add_tensor(g, gguf.quants.quantize(np.ascontiguousarray(value), kind), raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return want, kv_b
+
+
+@pytest.fixture(scope="module")
+def deepseek_file(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray, Any]:
+    path = tmp_path_factory.mktemp("gguf_deepseek") / "deepseek2.gguf"
+    return path, *_deepseek_file(path)
+
+
+def test_deepseek2_gguf_matches_transformers(deepseek_file: tuple, backend: str) -> None:
+    """llama.cpp's ``deepseek2`` read as DeepSeek V3: the latent attention (``kv_b_proj``
+    joined from ``attn_k_b``/``attn_v_b``, ``q_a``/``q_b``), a dense then a MoE layer with the
+    grouped sigmoid router, its correction bias, scale and shared expert: transformers' logits
+    on the file's values."""
+    path, want, _ = deepseek_file
+    model = pl.load(path, backend=backend, dtype="float32", dequantize=False)
+    cfg = model.config
+    assert (cfg.model_type, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.head_dim) == (
+        "deepseek_v3", 32, 16, 8)  # fmt: skip
+    assert (cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor) == (2, 1, 2.0)
+    assert_close(model(pl.asarray(IDS, backend=backend)), want, backend=backend, dtype="float32")
+
+
+@numpy_only
+def test_deepseek2_gguf_slices_join_kv_b(deepseek_file: tuple) -> None:
+    """A partitioned load's reader joins ``attn_k_b``/``attn_v_b`` into HF's ``kv_b_proj``
+    (its rows too)."""
+    from portable_llm.checkpoint.gguf import GGUFSlices
+
+    path, _, kv_b = deepseek_file
+    slices = GGUFSlices(path)
+    name = "model.layers.0.self_attn.kv_b_proj.weight"
+    assert slices.shapes[name] == kv_b.shape
+    np.testing.assert_array_equal(slices.read(name), kv_b)
+    np.testing.assert_array_equal(slices.read(name, (slice(8, 40),)), kv_b[8:40])

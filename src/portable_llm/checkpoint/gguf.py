@@ -90,12 +90,30 @@ _LAYER = {
     "ssm_out": "mamba.out_proj",
     "ssm_conv1d": "mamba.conv1d",  # (C, K): HF's (C, 1, K)
     "ssm_norm": "mamba.norm",  # (G, I / G): HF's (I,)
+    "attn_q_a": "self_attn.q_a_proj",  # DeepSeek's latent attention
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",  # older files; newer ones split it (_KV_B)
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+#: llama.cpp's split of DeepSeek's ``kv_b_proj`` ``(H (d_n + d_v), R)``: ``attn_k_b``
+#: ``(H, R, d_n)`` (each head's key rows, transposed) and ``attn_v_b`` ``(H, d_v, R)``; read
+#: back into the one HF tensor (:func:`_joined_kv_b`).
+_KV_B = ("attn_k_b", "attn_v_b")
 #: Mamba-2's tensors without a ``.weight``/``.bias`` of their own on one side: llama.cpp's
 #: ``blk.{i}.ssm_a`` (``A = -exp(A_log)``, ``(H, 1)``), ``ssm_d`` (``(H, 1)``) and the
 #: ``dt_bias`` it names ``ssm_dt.bias``.
-_BARE = {"ssm_a": "mamba.A_log", "ssm_d": "mamba.D", "ssm_dt.bias": "mamba.dt_bias"}
-_BARE_NAME = re.compile(r"^blk\.(\d+)\.(ssm_a|ssm_d|ssm_dt\.bias)$")
+_BARE = {
+    "ssm_a": "mamba.A_log",
+    "ssm_d": "mamba.D",
+    "ssm_dt.bias": "mamba.dt_bias",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",  # DeepSeek V3's router
+}
+_BARE_NAME = re.compile(r"^blk\.(\d+)\.(ssm_a|ssm_d|ssm_dt\.bias|exp_probs_b\.bias)$")
 #: Tensors llama.cpp stores with a dimension of 1 squeezed out (LFM2's convolution ``(E, K)``,
 #: Falcon-H1's ``(C, K)``; HF's ``(.., 1, K)``): read back in HF's shape.
 _SQUEEZED = (".conv.conv.weight", ".mamba.conv1d.weight")
@@ -165,6 +183,8 @@ def hf_name(name: str, *, layer: dict[str, str] | None = None) -> str | None:
     if bare:
         return f"model.layers.{bare[1]}.{_BARE[bare[2]]}"
     m = _BLK.match(name)
+    if m and m[2] in _KV_B and m[3] == "weight":
+        return f"model.layers.{m[1]}.self_attn.kv_b_proj.weight"
     if m and m[2] in _UNSUFFIXED and m[3] == "weight":
         return f"model.layers.{m[1]}.{_UNSUFFIXED[m[2]]}"
     if m and m[2] in _EXPERTS:  # an expert's bias (gpt-oss)
@@ -234,7 +254,9 @@ def read_gguf(path: str | Path, options: LoadOptions | None = None, /) -> Checkp
     names, parts = _check(file, cfg, tensors)
     with np.errstate(all="ignore"):  # non-finite scales decode to inf/NaN, as in llama.cpp
         weights = {
-            name: _tensor(
+            name: _floats(_joined_kv_b(file, tensors, g), bk, target, dev)
+            if g.endswith(f"{_KV_B[0]}.weight")
+            else _tensor(
                 file, tensors[g], name, cfg, bk, target, dev, options.dequantize, parts.get(name)
             )
             for name, g in names.items()
@@ -312,6 +334,9 @@ class GGUFSlices:
     def read(self, name: str, index: tuple[slice, ...] = ()) -> np.ndarray | QuantizedSlice:
         """Tensor ``name`` (HF name), or its slice ``index``, as float32 (or kept quantized)."""
         t = self.tensors[self.names[name]]
+        if t.name.endswith(f"{_KV_B[0]}.weight"):  # DeepSeek's kv_b_proj, split in the file
+            self.touched += 2 * t.data.nbytes  # (about: its two halves)
+            return _joined_kv_b(self.file, self.tensors, t.name)[tuple(index)]
         kind, blocks = _blocks(self.file, t)  # a view of the memory-mapped file
         shape, part = _shape(t), self.parts.get(name, slice(None))
         index = tuple(index) + (slice(None),) * (len(shape) - len(index))
@@ -376,23 +401,61 @@ def _check(
                 parts[h] = slice(start, start + expected[h][0])
                 start += expected[h][0]
             fused[g] = (start, *expected[hs[0]][1:])
+    split = _split_kv_b(cfg, tensors, names, fused)
     problems = []
     missing = [_gguf_name(h, layer_names(cfg)) for h in expected if h not in names]
+    missing += split
     if missing:
         problems.append(f"missing tensors ({len(missing)}): {listed(missing)}")
     if unexpected:
         problems.append(f"unexpected tensors ({len(unexpected)}): {listed(unexpected)}")
     implied = {g: fused.get(g, _stored_shape(h, expected[h], cfg)) for h, g in names.items()}
+    implied.update({g: shape for g, shape in fused.items() if g in tensors})
     bad = [
         f"{g} {_shape(tensors[g])} (metadata implies {want})"
         for g, want in implied.items()
-        if _shape(tensors[g]) != want
+        if g in tensors and _shape(tensors[g]) != want
     ]
     if bad:
         problems.append(f"tensors whose shape disagrees with the metadata: {listed(bad)}")
     if problems:
         raise CheckpointError(f"load: {str(file)!r}: " + "; ".join(problems))
     return {h: names[h] for h in expected}, parts
+
+
+def _split_kv_b(
+    cfg: DecoderConfig,
+    tensors: dict[str, GGUFTensor],
+    names: dict[str, str],
+    implied: dict[str, tuple[int, ...]],
+) -> list[str]:
+    """DeepSeek's ``kv_b_proj`` as llama.cpp splits it (:data:`_KV_B`): each such HF name
+    maps to its ``attn_k_b`` (``names``), both halves' shapes go to ``implied``; the halves
+    missing their partner are returned."""
+    missing = []
+    for h, g in names.items():
+        m = _BLK.match(g)
+        if not (m and m[2] in _KV_B):
+            continue
+        k_b, v_b = (f"blk.{m[1]}.{half}.weight" for half in _KV_B)
+        H, R, dn, dv = (cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
+                        cfg.v_head_dim)  # fmt: skip
+        implied.update({k_b: (H, R, dn), v_b: (H, dv, R)})
+        missing += [half for half in (k_b, v_b) if half not in tensors]
+        names[h] = k_b
+    return missing
+
+
+def _joined_kv_b(file: Path, tensors: dict[str, GGUFTensor], k_b: str) -> np.ndarray:
+    """HF's ``kv_b_proj`` ``(H (d_n + d_v), R)`` from llama.cpp's ``attn_k_b`` ``(H, R, d_n)``
+    and ``attn_v_b`` ``(H, d_v, R)`` (dequantized): each head's key rows, then its value rows."""
+    halves = []
+    for g in (k_b, k_b.replace(_KV_B[0], _KV_B[1])):
+        kind, blocks = _blocks(file, tensors[g])
+        halves.append(dequantize_blocks(kind, blocks).reshape(_shape(tensors[g])))
+    k, v = halves
+    joined = np.concatenate([k.swapaxes(1, 2), v], axis=1)  # (H, d_n + d_v, R)
+    return joined.reshape(-1, joined.shape[-1])
 
 
 def _stored_shape(h: str, shape: tuple[int, ...], cfg: DecoderConfig) -> tuple[int, ...]:

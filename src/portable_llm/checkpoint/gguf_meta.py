@@ -52,6 +52,7 @@ GGUF_ARCHITECTURES: tuple[str, ...] = (
     "lfm2",
     "gpt-oss",
     "falcon-h1",
+    "deepseek2",
 )
 #: llama.cpp's LlamaModel converter (its Mistral, SmolLM3 and Granite subclasses too) permutes
 #: the rows of q/k (weights and biases) for its rotary layout; Qwen's, OLMo 2's and StarCoder2's
@@ -65,6 +66,7 @@ MODEL_TYPES: dict[str, str] = {
     "qwen3moe": "qwen3_moe",
     "gpt-oss": "gpt_oss",
     "falcon-h1": "falcon_h1",
+    "deepseek2": "deepseek_v3",
 }
 #: The architectures with LayerNorm (``{arch}.attention.layer_norm_epsilon``), not RMSNorm.
 LAYER_NORM: tuple[str, ...] = ("phi2", "gpt2", "starcoder2", "cohere2")
@@ -376,6 +378,8 @@ def _arch_fields(meta: GGUFMetadata, arch: str, tensors: dict[str, GGUFTensor]) 
         out.update(_lfm2_fields(meta))
     if arch == "falcon-h1":
         out.update(_falcon_h1_fields(tensors))
+    if arch == "deepseek2":
+        out.update(_deepseek2_fields(meta))
     if arch in _BIASED:
         attn, mlp = "blk.0.attn_q.bias" in tensors, "blk.0.ffn_down.bias" in tensors
         out.update(attention_bias=attn, mlp_bias=mlp)
@@ -399,6 +403,47 @@ def _lfm2_fields(meta: GGUFMetadata) -> dict[str, Any]:
         "layer_types": ["conv" if k == 0 else "full_attention" for k in kinds],
         "conv_L_cache": meta.count("lfm2.shortconv.l_cache"),
         "block_auto_adjust_ff_dim": False,
+    }
+
+
+def _deepseek2_fields(meta: GGUFMetadata) -> dict[str, Any]:
+    """DeepSeek V3 as llama.cpp's ``deepseek2`` holds it: the latent attention's ranks and
+    head sizes (``key_length_mla`` = ``d_n + d_r``, ``rope.dimension_count`` = ``d_r``; the
+    file's ``head_count_kv`` 1 and ``key_length`` ``R + d_r`` describe llama.cpp's MQA form,
+    not HF's), the leading dense layers, the grouped sigmoid router (``expert_gating_func``
+    2; a softmax router is DeepSeek V2's, not read), its scale, renormalisation and groups
+    (llama.cpp's defaults when absent: no scale, no renormalisation, one group)."""
+    a = "deepseek2."
+    gating = meta.get(a + "expert_gating_func", 2)
+    if gating != 2:
+        raise meta.fail(
+            a + "expert_gating_func",
+            f"{brief(gating)}: only 2 (sigmoid, DeepSeek V3) is read; DeepSeek V2's softmax "
+            "router is not supported",
+        )
+    dr = meta.count(a + "rope.dimension_count")
+    k_mla = meta.count_or_none(a + "attention.key_length_mla")
+    dn = (k_mla or meta.count(a + "attention.key_length")) - dr
+    v = meta.count_or_none(a + "attention.value_length_mla")
+    if dn < 1:
+        raise meta.fail(a + "attention.key_length_mla", f"must exceed rope.dimension_count {dr}")
+    return {
+        "num_key_value_heads": meta.count(a + "attention.head_count"),  # HF's: H
+        "q_lora_rank": meta.count_or_none(a + "attention.q_lora_rank"),
+        "kv_lora_rank": meta.count(a + "attention.kv_lora_rank"),
+        "qk_rope_head_dim": dr,
+        "qk_nope_head_dim": dn,
+        "v_head_dim": v or meta.count(a + "attention.value_length"),
+        "first_k_dense_replace": meta.get(a + "leading_dense_block_count", 0),
+        "n_routed_experts": meta.count(a + "expert_count"),
+        "num_experts_per_tok": meta.count(a + "expert_used_count"),
+        "moe_intermediate_size": meta.count(a + "expert_feed_forward_length"),
+        "n_shared_experts": meta.get(a + "expert_shared_count", 0),
+        "routed_scaling_factor": meta.number(a + "expert_weights_scale", 1.0),
+        "norm_topk_prob": bool(meta.get(a + "expert_weights_norm", False)),
+        "n_group": meta.count_or_none(a + "expert_group_count") or 1,
+        "topk_group": meta.count_or_none(a + "expert_group_used_count") or 1,
+        "rope_interleave": True,  # llama.cpp's rotation of adjacent pairs
     }
 
 
