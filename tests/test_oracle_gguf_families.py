@@ -532,6 +532,10 @@ def test_falcon_h1_gguf_matches_transformers(falcon_h1_file: tuple, backend: str
     assert model.config.model_type == "falcon_h1"
     assert model.config.embedding_multiplier == 1.0  # folded into token_embd
     assert isinstance(model.layers[0].attn.wq, QuantizedWeight)
+    mixer = model.layers[0].mixer  # its projections kept quantized too
+    assert isinstance(mixer.in_proj, QuantizedWeight) and isinstance(
+        mixer.out_proj, QuantizedWeight
+    )
     assert_close(model(pl.asarray(IDS, backend=backend)), want, backend=backend, dtype="float32")
 
 

@@ -117,9 +117,6 @@ _BARE_NAME = re.compile(r"^blk\.(\d+)\.(ssm_a|ssm_d|ssm_dt\.bias|exp_probs_b\.bi
 #: Tensors llama.cpp stores with a dimension of 1 squeezed out (LFM2's convolution ``(E, K)``,
 #: Falcon-H1's ``(C, K)``; HF's ``(.., 1, K)``): read back in HF's shape.
 _SQUEEZED = (".conv.conv.weight", ".mamba.conv1d.weight")
-#: Matrices read as floats whatever ``dequantize``: Falcon-H1's mixer takes its projections as
-#: arrays (``decoder/families/falcon_h1.py`` ``read_mixer``), not quantized weights.
-_FLOAT_ONLY = (".mamba.in_proj.weight", ".mamba.out_proj.weight")
 #: Tensors llama.cpp stores in another shape (and form) than HF's (:func:`_stored_shape`).
 _RESHAPED = (*_SQUEEZED, ".mamba.A_log", ".mamba.D", ".mamba.norm.weight")
 #: A MoE layer's experts, stacked ``(X, N, K)``: HF v5's ``mlp.experts.{gate_up,down}_proj``
@@ -322,12 +319,7 @@ class GGUFSlices:
         """``(bits, group_size)`` of tensor ``name`` where it is read kept quantized."""
         t = self.tensors[self.names[name]]
         kind = t.kind
-        if (
-            self.keep
-            and kind in AFFINE_FORMATS
-            and len(_shape(t)) == 2
-            and not name.endswith(_FLOAT_ONLY)
-        ):
+        if self.keep and kind in AFFINE_FORMATS and len(_shape(t)) == 2:
             return AFFINE_FORMATS[kind]
         return None
 
@@ -586,8 +578,6 @@ def _tensor(
         bits, group = AFFINE_FORMATS[kind]
         fmt = {"bits": bits, "group_size": group, "rows": shape[0]}
         dequantize = not keeps_codes(bk, device=where, dtype=bk.dtype_name(dtype), **fmt)
-    if name.endswith(_FLOAT_ONLY):
-        dequantize = True
     if kind == "MXFP4" and dequantize is not True:  # gpt-oss's experts: kept (as a folder's)
         from portable_llm.checkpoint.mxfp4 import mxfp4_from_ggml
 

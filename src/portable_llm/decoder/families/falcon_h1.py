@@ -141,25 +141,26 @@ def read_mixer(
     rms_norm: bool,
 ) -> Mamba2Weights:  # fmt: skip
     """Layer ``i``'s mixer, ``model.layers.{i}.mamba.*`` of the weights ``w`` (the model's
-    backend and dtype): ``A = -exp(A_log)`` in float32 (float64 for float64 weights), the mup
-    vector in the weights' dtype (HF's buffer), the gated norm only with ``rms_norm``
-    (``mamba_rms_norm``; else HF's ``nn.Identity`` and ``y * silu(z)``)."""
+    backend and dtype; ``in_proj`` and ``out_proj`` may be quantized, a GGUF's): ``A =
+    -exp(A_log)`` in float32 (float64 for float64 weights), the mup vector in the weights'
+    dtype (HF's buffer), the gated norm only with ``rms_norm`` (``mamba_rms_norm``; else HF's
+    ``nn.Identity`` and ``y * silu(z)``)."""
     p = f"model.layers.{i}.mamba."
-    in_proj = w[p + "in_proj.weight"]
-    bk = backend_of(in_proj)
-    assert bk is not None
+    D = w[p + "D"]  # an array of the model's dtype (the projections may be quantized)
+    bk = backend_of(D)
+    assert bk is not None, "a checkpoint's vectors are arrays of the model's backend"
     xp = bk.xp
     A_log = w[p + "A_log"]
     A = -xp.exp(xp.astype(A_log, xp.float64 if A_log.dtype == xp.float64 else xp.float32))
     conv = w[p + "conv1d.weight"]  # (C, 1, K)
     vec = None
     if mup is not None:
-        vec = xp.asarray(mup, dtype=in_proj.dtype, device=bk.device_of(in_proj))
+        vec = xp.asarray(mup, dtype=D.dtype, device=bk.device_of(D))
     return Mamba2Weights(
-        in_proj=in_proj,
+        in_proj=w[p + "in_proj.weight"],
         conv=xp.reshape(conv, (conv.shape[0], conv.shape[2])),  # (C, K)
         A=A,
-        D=w[p + "D"],
+        D=D,
         dt_bias=w[p + "dt_bias"],
         out_proj=w[p + "out_proj.weight"],
         in_bias=w.get(p + "in_proj.bias"),
