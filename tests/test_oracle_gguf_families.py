@@ -659,3 +659,98 @@ def test_deepseek2_gguf_slices_join_kv_b(deepseek_file: tuple) -> None:
     assert slices.shapes[name] == kv_b.shape
     np.testing.assert_array_equal(slices.read(name), kv_b)
     np.testing.assert_array_equal(slices.read(name, (slice(8, 40),)), kv_b[8:40])
+
+
+_GLM = {"hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "partial_rotary_factor": 0.5, "use_qk_norm": True,
+        "attention_bias": True, "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1, "n_shared_experts": 1, "routed_scaling_factor": 2.0,
+        "norm_topk_prob": True, "max_position_embeddings": 256}  # fmt: skip
+
+
+def _glm4moe_file(path: Path) -> np.ndarray:
+    """A GLM-4.5 GGUF as llama.cpp's ``glm4moe`` converter writes it (``block_count`` counting
+    a multi-token-prediction layer, whose tensors follow: not run), names from gguf-py's own
+    map, Q8_0/Q4_0 matrices; transformers' logits on its values."""
+    config = transformers.Glm4MoeConfig(vocab_size=V, bos_token_id=1, eos_token_id=2, **_GLM)
+    torch.manual_seed(9)
+    hf = transformers.Glm4MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.ndim > 1:
+                p.copy_(torch.randn_like(p) * 0.15)
+            elif "norm" in name:
+                p.copy_(torch.rand_like(p) * 0.4 + 0.8)
+            else:
+                p.copy_(torch.randn_like(p) * 0.1)
+    state = {k: v.numpy() for k, v in hf.state_dict().items()}
+    for k in [k for k in state if k.endswith("e_score_correction_bias")]:  # a buffer
+        state[k] = np.random.default_rng(9).normal(0, 0.1, state[k].shape).astype(np.float32)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GLM4_MOE, 3)
+    tensors, held = {}, {}
+    for hf_name, value in state.items():
+        kind = _kind(hf_name, value)
+        held[hf_name] = _held(hf_name, value)
+        b = "blk." + hf_name.split(".")[2] + "." if ".layers." in hf_name else ""
+        if hf_name.endswith("experts.gate_up_proj"):
+            half = value.shape[1] // 2
+            tensors[b + "ffn_gate_exps.weight"] = value[:, :half], kind
+            tensors[b + "ffn_up_exps.weight"] = value[:, half:], kind
+        elif hf_name.endswith("experts.down_proj"):
+            tensors[b + "ffn_down_exps.weight"] = value, kind
+        elif hf_name.endswith("e_score_correction_bias"):
+            tensors[b + "exp_probs_b.bias"] = value, None
+        else:
+            g = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+            g = g if g.endswith((".weight", ".bias")) else g + ".weight"
+            tensors[g] = value, kind
+    mtp = np.random.default_rng(1).normal(0, 0.1, (64, 128)).astype(np.float32)
+    tensors["blk.2.nextn.eh_proj.weight"] = mtp, None  # the MTP layer (not run)
+    tensors["blk.2.attn_norm.weight"] = np.ones(64, np.float32), None
+    hf.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in held.items()})
+    with torch.no_grad():
+        want = hf(torch.tensor(IDS)).logits.float().numpy()
+    w = gguf.GGUFWriter(str(path), "glm4moe")
+    for key, v in (("block_count", 3), ("nextn_predict_layers", 1), ("context_length", 256),
+                   ("embedding_length", 64), ("feed_forward_length", 96),
+                   ("attention.head_count", 4), ("attention.head_count_kv", 2),
+                   ("attention.key_length", 16), ("attention.value_length", 16),
+                   ("rope.dimension_count", 8), ("leading_dense_block_count", 1),
+                   ("expert_feed_forward_length", 32), ("expert_count", 4),
+                   ("expert_used_count", 2), ("expert_shared_count", 1),
+                   ("expert_gating_func", 2), ("vocab_size", V)):  # fmt: skip
+        w.add_uint32(f"glm4moe.{key}", v)
+    w.add_float32("glm4moe.expert_weights_scale", 2.0)
+    w.add_bool("glm4moe.expert_weights_norm", True)
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    for g, (value, kind) in tensors.items():
+        if kind is None:
+            w.add_tensor(g, np.ascontiguousarray(value, dtype=np.float32))
+        else:
+            w.add_tensor(g, gguf.quants.quantize(np.ascontiguousarray(value), kind), raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return want
+
+
+@pytest.fixture(scope="module")
+def glm4moe_file(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray]:
+    path = tmp_path_factory.mktemp("gguf_glm4moe") / "glm4moe.gguf"
+    return path, _glm4moe_file(path)
+
+
+def test_glm4moe_gguf_matches_transformers(glm4moe_file: tuple, backend: str) -> None:
+    """llama.cpp's ``glm4moe`` read as GLM-4.5: partial RoPE (``rope.dimension_count`` of
+    ``key_length``), q/k norms, q/k/v biases, a dense then a MoE layer with the sigmoid router,
+    its correction bias, scale and shared expert; the MTP layer counted in ``block_count``
+    skipped: transformers' logits on the file's values."""
+    path, want = glm4moe_file
+    model = pl.load(path, backend=backend, dtype="float32", dequantize=False)
+    assert (model.config.model_type, model.config.num_hidden_layers) == ("glm4_moe", 2)
+    assert_close(model(pl.asarray(IDS, backend=backend)), want, backend=backend, dtype="float32")

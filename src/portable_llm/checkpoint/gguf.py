@@ -54,6 +54,7 @@ from portable_llm.checkpoint.gguf_meta import (
 from portable_llm.checkpoint.gguf_tokenizer import gguf_tokenizer
 from portable_llm.checkpoint.weights import expected_shapes
 from portable_llm.decoder.config import DecoderConfig
+from portable_llm.decoder.families import FAMILIES
 from portable_llm.partition.engine import QuantizedSlice
 
 __all__ = [
@@ -130,9 +131,9 @@ _EXPERTS = {
 #: (the stacked experts' weights, gpt-oss's attention sinks ``(H,)``); the experts' biases
 #: (gpt-oss) are ``mlp.experts.{gate,up,down}_bias`` ``(X, I)``, ``(X, I)``, ``(X, E)``.
 _UNSUFFIXED = {**_EXPERTS, "attn_sinks": "self_attn.sinks"}
-#: gpt-oss's names: ``post_attention_norm`` is the norm before the MLP (HF's
+#: gpt-oss's and GLM-4.5's names: ``post_attention_norm`` is the norm before the MLP (HF's
 #: ``post_attention_layernorm``); there is no ``ffn_norm``.
-_GPT_OSS = {
+_POST_ATTENTION_NORM = {
     **{g: h for g, h in _LAYER.items() if g != "ffn_norm"},
     "post_attention_norm": "post_attention_layernorm",
 }
@@ -157,14 +158,15 @@ _FUSED = {
 }
 _PLUS_ONE_TYPES = tuple(MODEL_TYPES.get(a, a) for a in NORM_PLUS_ONE)
 _PERMUTED_TYPES = tuple(MODEL_TYPES.get(a, a) for a in PERMUTED)
+_LAYER_INDEX = re.compile(r"^blk\.(\d+)\.")
 _BLK = re.compile(r"^blk\.(\d+)\.([\w.]+)\.(weight|bias)$")
 
 
 def layer_names(cfg: DecoderConfig) -> dict[str, str]:
     """A layer's GGUF names -> HF's for ``cfg``: Gemma's sandwich norms (``ffn_norm`` is the
     norm before the MLP there), OLMo 2's norms after each sublayer, else Llama's."""
-    if cfg.model_type == "gpt_oss":
-        return _GPT_OSS
+    if cfg.model_type in ("gpt_oss", "glm4_moe"):
+        return _POST_ATTENTION_NORM
     return _SANDWICH if cfg.sandwich_norms else _POST_NORMS if cfg.post_norms else _LAYER
 
 
@@ -379,9 +381,13 @@ def _check(
     parts: dict[str, slice] = {}
     fused: dict[str, tuple[int, ...]] = {}  # GGUF name -> the shape its parts imply
     unexpected = []
+    family = FAMILIES.get(cfg.model_type)
     for g in tensors:
         if g in LONGROPE_TENSORS and cfg.model_type == "phi3":  # read into the config
             continue
+        m = _LAYER_INDEX.match(g)
+        if m and int(m[1]) >= cfg.num_hidden_layers and family and family.extra_layers:
+            continue  # GLM-4.5's multi-token-prediction layer: not run (gguf_meta.mtp_layers)
         hs = hf_parts(g, cfg)
         if not hs or any(h not in expected for h in hs):
             unexpected.append(g)

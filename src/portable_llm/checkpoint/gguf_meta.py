@@ -53,6 +53,7 @@ GGUF_ARCHITECTURES: tuple[str, ...] = (
     "gpt-oss",
     "falcon-h1",
     "deepseek2",
+    "glm4moe",
 )
 #: llama.cpp's LlamaModel converter (its Mistral, SmolLM3 and Granite subclasses too) permutes
 #: the rows of q/k (weights and biases) for its rotary layout; Qwen's, OLMo 2's and StarCoder2's
@@ -67,6 +68,7 @@ MODEL_TYPES: dict[str, str] = {
     "gpt-oss": "gpt_oss",
     "falcon-h1": "falcon_h1",
     "deepseek2": "deepseek_v3",
+    "glm4moe": "glm4_moe",
 }
 #: The architectures with LayerNorm (``{arch}.attention.layer_norm_epsilon``), not RMSNorm.
 LAYER_NORM: tuple[str, ...] = ("phi2", "gpt2", "starcoder2", "cohere2")
@@ -199,7 +201,7 @@ def gguf_config(meta: GGUFMetadata, tensors: dict[str, GGUFTensor]) -> DecoderCo
     every value checked, and the layer count checked against the tensors before anything is
     built from it."""
     arch = _architecture(meta)
-    layers = meta.count(f"{arch}.block_count")
+    layers = meta.count(f"{arch}.block_count") - mtp_layers(meta, arch)
     check_held(meta.file, f"{arch}.block_count", layers, held_layers(tensors), "layers")
     vocab = _vocab_size(meta, arch, tensors)
     if vocab is not None:
@@ -361,6 +363,7 @@ _BIASED = (
     "qwen3moe",
     "gpt-oss",
     "falcon-h1",
+    "glm4moe",
 )
 
 
@@ -380,6 +383,8 @@ def _arch_fields(meta: GGUFMetadata, arch: str, tensors: dict[str, GGUFTensor]) 
         out.update(_falcon_h1_fields(tensors))
     if arch == "deepseek2":
         out.update(_deepseek2_fields(meta))
+    if arch == "glm4moe":
+        out.update(_glm4moe_fields(meta, tensors))
     if arch in _BIASED:
         attn, mlp = "blk.0.attn_q.bias" in tensors, "blk.0.ffn_down.bias" in tensors
         out.update(attention_bias=attn, mlp_bias=mlp)
@@ -414,13 +419,6 @@ def _deepseek2_fields(meta: GGUFMetadata) -> dict[str, Any]:
     2; a softmax router is DeepSeek V2's, not read), its scale, renormalisation and groups
     (llama.cpp's defaults when absent: no scale, no renormalisation, one group)."""
     a = "deepseek2."
-    gating = meta.get(a + "expert_gating_func", 2)
-    if gating != 2:
-        raise meta.fail(
-            a + "expert_gating_func",
-            f"{brief(gating)}: only 2 (sigmoid, DeepSeek V3) is read; DeepSeek V2's softmax "
-            "router is not supported",
-        )
     dr = meta.count(a + "rope.dimension_count")
     k_mla = meta.count_or_none(a + "attention.key_length_mla")
     dn = (k_mla or meta.count(a + "attention.key_length")) - dr
@@ -434,6 +432,24 @@ def _deepseek2_fields(meta: GGUFMetadata) -> dict[str, Any]:
         "qk_rope_head_dim": dr,
         "qk_nope_head_dim": dn,
         "v_head_dim": v or meta.count(a + "attention.value_length"),
+        **_grouped_moe_fields(meta, a),
+        "rope_interleave": True,  # llama.cpp's rotation of adjacent pairs
+    }
+
+
+def _grouped_moe_fields(meta: GGUFMetadata, a: str) -> dict[str, Any]:
+    """The DeepSeek V3 router's fields (DeepSeek V3, GLM-4.5), from the keys ``a`` + ...: the
+    leading dense layers, the experts, the shared ones, the scale, the renormalisation and the
+    groups (llama.cpp's defaults when absent: no scale, no renormalisation, one group); the
+    gating must be 2 (sigmoid)."""
+    gating = meta.get(a + "expert_gating_func", 2)
+    if gating != 2:
+        raise meta.fail(
+            a + "expert_gating_func",
+            f"{brief(gating)}: only 2 (sigmoid, DeepSeek V3's router) is read; a softmax "
+            "router (DeepSeek V2's) is not supported",
+        )
+    return {
         "first_k_dense_replace": meta.get(a + "leading_dense_block_count", 0),
         "n_routed_experts": meta.count(a + "expert_count"),
         "num_experts_per_tok": meta.count(a + "expert_used_count"),
@@ -443,8 +459,34 @@ def _deepseek2_fields(meta: GGUFMetadata) -> dict[str, Any]:
         "norm_topk_prob": bool(meta.get(a + "expert_weights_norm", False)),
         "n_group": meta.count_or_none(a + "expert_group_count") or 1,
         "topk_group": meta.count_or_none(a + "expert_group_used_count") or 1,
-        "rope_interleave": True,  # llama.cpp's rotation of adjacent pairs
     }
+
+
+def _glm4moe_fields(meta: GGUFMetadata, tensors: dict[str, GGUFTensor]) -> dict[str, Any]:
+    """GLM-4.5 as llama.cpp's ``glm4moe`` holds it: RoPE on ``rope.dimension_count`` of each
+    head's features (``partial_rotary_factor``), q/k norms where ``attn_q_norm`` is, the
+    DeepSeek V3 router (:func:`_grouped_moe_fields`)."""
+    a = "glm4moe."
+    D = meta.count_or_none(a + "attention.key_length") or (
+        meta.count(a + "embedding_length") // meta.count(a + "attention.head_count")
+    )
+    rope = meta.count_or_none(a + "rope.dimension_count") or D // 2
+    return {
+        **_grouped_moe_fields(meta, a),
+        "head_dim": D,
+        "partial_rotary_factor": rope / D,
+        "use_qk_norm": "blk.0.attn_q_norm.weight" in tensors,
+    }
+
+
+def mtp_layers(meta: GGUFMetadata, arch: str) -> int:
+    """The multi-token-prediction layers a file holds past the model's (GLM-4.5's
+    ``{arch}.nextn_predict_layers``, counted in ``block_count``): not run, as transformers does
+    not run them."""
+    n = meta.get(f"{arch}.nextn_predict_layers", 0)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise meta.fail(f"{arch}.nextn_predict_layers", f"must be an integer >= 0, got {brief(n)}")
+    return n
 
 
 def _falcon_h1_fields(tensors: dict[str, GGUFTensor]) -> dict[str, Any]:
