@@ -122,6 +122,22 @@ def test_padding_leaves_the_state_zero(backend):
     assert_close(ssm_pad, pl.to_numpy(ssm), backend=backend)
 
 
+@pytest.mark.slow_on("jax")  # compiles the scan again; the GGUF family test runs there
+def test_quantized_projections_equal_their_dequantized_weights(backend):
+    """``in_proj`` and ``out_proj`` as QuantizedWeight: the mixer equals the one over their
+    dequantized float weights (quantized_linear's product)."""
+    dims = (2, 5, 2, 4, 16, 8, 4, 64)  # E and I = 64: whole groups of 32
+    w, _ = _weights(0, dims, "float32", backend, norm="after")
+    q = {n: pl.quantize(getattr(w, n), bits=8, group_size=32) for n in ("in_proj", "out_proj")}
+    plain = type(w)(**{**w.__dict__, **{n: pl.dequantize(v) for n, v in q.items()}})
+    x, _ = random_array(30, (2, 5, 64), "float32", backend=backend)
+    y, (conv, ssm) = pl.mamba2_mixer(x, type(w)(**{**w.__dict__, **q}))
+    want, (want_conv, want_ssm) = pl.mamba2_mixer(x, plain)
+    assert_close(y, pl.to_numpy(want), backend=backend)
+    assert_close(conv, pl.to_numpy(want_conv), backend=backend)
+    assert_close(ssm, pl.to_numpy(want_ssm), backend=backend)
+
+
 @given(shape=st.sampled_from([(3, 8), (2, 3, 12), (5, 6)]), groups=st.sampled_from([1, 2]),
        before=st.booleans(), seed=seeds())  # fmt: skip
 def test_gated_rms_norm_matches_reference(backend, dtype, shape, groups, before, seed):
@@ -178,6 +194,8 @@ def _bad(**change):
         (_bad(state=np.zeros((1, 3, 10), np.float32)), TypeError,
          r"mamba2_mixer: state must be a pair \(conv, ssm\)"),
         (_bad(in_proj=np.zeros((16, 6), np.int32)), TypeError, r"mamba2_mixer: in_proj"),
+        (_bad(out_proj=pl.quantize(np.ones((6, 32), np.float32), bits=8, group_size=32)),
+         ValueError, r"mamba2_mixer: out_proj must have shape \(6, 4\), got a QuantizedWeight"),
         (_bad(chunk_size=0), ValueError, r"mamba2_mixer: chunk_size must be >= 1"),
         (_bad(head_dim=2.0), TypeError, r"mamba2_mixer: head_dim must be an int"),
         (_bad(dt_limit=(0.5, 0.1)), ValueError, r"mamba2_mixer: dt_limit\[1\] must be"),

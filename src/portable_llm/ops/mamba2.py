@@ -37,6 +37,7 @@ from portable_llm.core.types import Array, Namespace
 from portable_llm.ops.affine import times
 from portable_llm.ops.gated_norm import OP as GATED_NORM
 from portable_llm.ops.kernels import Kernels, KernelSet
+from portable_llm.ops.quant import QuantizedWeight
 from portable_llm.ops.recurrent import check_dims
 from portable_llm.ops.short_conv import short_conv_body
 from portable_llm.ops.ssd import check_dt_limit, ssd_scan_body
@@ -164,7 +165,8 @@ def mamba2_mixer(
         The layer's normed input.
     weights : Mamba2Weights
         Its arrays in any float dtype (cast to ``x``'s, the mixed-precision rule; ``A`` stays
-        float32); shapes checked against ``x``.
+        float32); ``in_proj`` and ``out_proj`` may be a :class:`~portable_llm.QuantizedWeight`
+        (:func:`~portable_llm.quantized_linear`'s product); shapes checked against ``x``.
     state : (conv, ssm), optional
         ``(B, K - 1, C)`` and ``(B, H, P, N)``: the state after the tokens before ``x``
         (zeros when ``None``: the start of a sequence).
@@ -239,6 +241,9 @@ def _checked_weights(bk: Backend, x: Array, w: Any) -> Mamba2Weights:
         t = getattr(w, name)
         if t is None:
             continue
+        if name in ("in_proj", "out_proj") and isinstance(t, QuantizedWeight):
+            _check_quantized(bk, name, t, shape)  # computes in x's dtype itself
+            continue
         _, (t,) = resolve(OP, bk, t)
         check_float(OP, name, t, bk)
         if tuple(t.shape) != shape:
@@ -250,6 +255,15 @@ def _checked_weights(bk: Backend, x: Array, w: Any) -> Mamba2Weights:
     if w.norm is not None and Di % G:
         raise ValueError(f"{OP}: n_groups={G} must divide the inner width {Di}")
     return Mamba2Weights(**{**w.__dict__, **cast, **_checked_options(w)})
+
+
+def _check_quantized(bk: Backend, name: str, t: QuantizedWeight, shape: tuple[int, ...]) -> None:
+    """A quantized projection of ``bk`` of ``shape`` (its dequantized one); else an error."""
+    if t.backend is not bk:
+        raise TypeError(f"{OP}: {name} is a QuantizedWeight of {t.backend.name}, x of {bk.name}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{OP}: {name} must have shape {shape}, got a QuantizedWeight of "
+                         f"{tuple(t.shape)}")  # fmt: skip
 
 
 def _checked_options(w: Mamba2Weights) -> dict[str, Any]:
