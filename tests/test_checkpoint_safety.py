@@ -295,7 +295,7 @@ BAD_VALUES = [
     ({"layer_types": "full_attention"}, "layer_types must be a list"),
     ({"hidden_act": ["silu"]}, "unknown hidden_act ['silu']"),
     ({"rope_scaling": {"rope_type": "linear", "factor": -2.0}}, "factor must be > 0"),
-    ({"model_type": "bert"}, "unsupported model_type 'bert'; supported: qwen2, "),
+    ({"model_type": "bert"}, "unsupported model_type 'bert'; supported: cohere2, "),
 ]
 
 
