@@ -1,6 +1,6 @@
 """mlx-lm quantized folders of the families beyond Llama (``phi``, ``phi3``, ``gemma2``,
 ``gemma3_text``, ``gpt2``, ``qwen3_moe``, ``smollm3``, ``olmo2``, ``granite``, ``starcoder2``,
-``cohere2``, ``lfm2``): a random-initialised transformers model saved
+``cohere2``, ``lfm2``, ``glm4_moe``): a random-initialised transformers model saved
 offline with ``save_pretrained``, converted by ``mlx_lm.convert(quantize=True)`` (4 bits,
 groups of 64), loaded by ``pl.load`` kept quantized on every backend, against mlx-lm's own
 model on the same folder (float32 logits within the float32 tolerance: the same dequantized
@@ -104,6 +104,12 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
     "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", {
         **_DENSE, "block_multiple_of": 64, "layer_types": ["conv", "full_attention"],
     }, {"block_dim": 128}),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", {
+        **_DENSE, "moe_intermediate_size": 64, "head_dim": 32, "partial_rotary_factor": 0.5,
+        "use_qk_norm": True, "attention_bias": True, "n_routed_experts": 8,
+        "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2, "n_shared_experts": 1,
+        "first_k_dense_replace": 1, "routed_scaling_factor": 1.5, "tie_word_embeddings": False,
+    }, {"partial_rotary_factor": 0.5, "rope_scaling": None}),
 }  # fmt: skip
 
 
@@ -118,6 +124,9 @@ def _hf_folder(family: str, folder: Path) -> Path:
         for p in model.parameters():
             low = -0.2 if family.startswith("gemma") else 0.8
             p.copy_(torch.rand_like(p) * 0.4 + low if p.ndim == 1 else torch.randn_like(p) * 0.15)
+        for name, b in model.named_buffers():  # GLM-4.5's router bias (HF inits zeros)
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.1)
     model.save_pretrained(folder)
     save_hf_tokenizer(folder, vocab_size=V)
     config_json = json.loads((folder / "config.json").read_text())
