@@ -189,26 +189,34 @@ def test_jax_integer_dot_equals_portable(backend, bits, group, seed):
     assert_close(got, qlinear(x, qw, bias, activations="int8", impl="portable"))
 
 
-def test_jax_int8_row_reads_its_blocks_as_a_buffer(backend):
-    """Regression (issue 30): with one row of x (a decode step) XLA's CPU fusion took the Q8_0
-    blocks' rounding and scaling into the product's loop fusion and redid them for every output
-    element (1536x576: 10x the exact mode's time; the compiled decode step 0.24x the float
-    mode's). The computation that holds the dot must read the blocks' values, not round them."""
+@pytest.mark.parametrize("kernel", ["quantized_linear", "quantized_linear_int8"])
+def test_jax_row_product_reads_x_from_a_buffer(backend, kernel):
+    """Regression (issue 30): with one row of x (a decode step) XLA's CPU fusion took x's cheap
+    elementwise producers (here a norm's multiply; in the int8 mode also the Q8_0 blocks'
+    rounding and scaling) into the product's loop fusion and redid them for every output
+    element (1536x576 int8: 10x the exact mode's time; SmolLM2's compiled decode step 0.26x
+    the float mode's, whose own norms cost it too). The computation that holds the dot must
+    read x's values as they are: no op of x's shapes but parameters and bitcasts."""
     if backend != "jax":
-        pytest.skip("JAX's int8 kernel (XLA's fusion)")
+        pytest.skip("JAX's kernels (XLA's fusion)")
     import jax
     import jax.numpy as jnp
 
-    from portable_llm.native.jax import quantized_linear_int8
+    from portable_llm.native import jax as native_jax
 
-    x, _ = random_array(0, (1, 256), "float32", backend=backend)
-    w, _ = random_weight(1, (192, 256), "float32", backend=backend)
+    fn = getattr(native_jax, kernel)
+    h, _ = random_array(0, (1, 256), "float32", backend=backend)
+    g, _ = random_array(1, (256,), "float32", backend=backend)
+    w, _ = random_weight(2, (192, 256), "float32", backend=backend)
     qw = quantize(w, bits=4, group_size=32)
-    program = jax.jit(lambda *a: quantized_linear_int8(jnp, *a, None, bits=4, group_size=32))
-    hlo = program.lower(x, *qw.arrays).compile().as_text()
+    program = jax.jit(lambda h, g, *a: fn(jnp, h * g, *a, None, bits=4, group_size=32))
+    hlo = program.lower(h, g, *qw.arrays).compile().as_text()
     computations = re.split(r"\n(?=\S)", hlo)  # one HLO computation per block
     with_dot = [c for c in computations if " dot(" in c]
     assert with_dot
+    x_shapes = r"f32\[(?:1,)?256\]|f32\[(?:1,)?8,32\]|f32\[(?:1,)?8(?:,1)?\]"
+    ops = [m for c in with_dot for m in re.findall(rf"= (?:{x_shapes})\{{[\d,]*\}} (\S+)\(", c)]
+    assert ops and set(ops) <= {"parameter", "bitcast"}, ops
     assert not [c for c in with_dot if "round-nearest-even" in c]
 
 

@@ -251,10 +251,25 @@ def quantized_linear(
     w = (t + biases.astype(acc)[..., None]).reshape(n, k)  # (O, I)
     if scales.dtype != acc or x.dtype != acc:
         w = w.astype(scales.dtype).astype(x.dtype).astype(acc)
-    y = jnp.matmul(x.astype(acc), w.T, preferred_element_type=acc)
+    y = jnp.matmul(_own_buffer(x.astype(acc)), w.T, preferred_element_type=acc)
     if bias is not None:
         y = y + bias.astype(acc)
     return y.astype(x.dtype)
+
+
+def _own_buffer(x: Any) -> Any:
+    """``x`` unchanged, computed into a buffer of its own before a product reads it.
+
+    XLA's CPU fusion turns a product with one row (a decode step) into a loop fusion that also
+    takes in the cheap elementwise producers of its vector operand (a norm's multiplies, the
+    int8 mode's rounding and ``* d``) and evaluates them once per output element (the int8
+    mode's rounding: 1536x576 one row 1.5-1.9 ms against 0.12-0.19 for x read from memory,
+    1 thread, load 5-7). It never takes in an expensive producer (a division) whose consumer
+    reuses its elements, so ``x`` ends in a true division by one (``exact_divide``: ``x / 1 ==
+    x`` exactly, NaN stays NaN). ``lax.optimization_barrier`` does not do this on the CPU
+    (removed before fusion: measured as slow as without it).
+    """
+    return exact_divide(jnp, x, jnp.ones_like(x))
 
 
 def _conv_prefer(u: Any, weight: Any) -> bool:
@@ -305,21 +320,10 @@ def _q8_blocks(x: Any, a: int) -> tuple[Any, Any]:
 
 
 def _q8_values(x: Any, *, block: int) -> Any:
-    """The values ``d * xq`` ``(M, K)`` float32 of x's Q8_0 blocks, as one buffer of their own.
-
-    XLA's CPU fusion turns a product with one row (a decode step) into a loop fusion that also
-    takes in its vector operand's cheap elementwise producers (here the rounding, the int8
-    casts and ``* d``) and then evaluates them once per output element: at 1536x576 one row
-    cost 1.5-1.9 ms against the exact kernel's 0.12-0.19 (1 thread, load 5-7). It never takes in an
-    expensive producer (a division) whose consumer reuses its elements, so the values end in
-    a true division by one (``exact_divide``: ``v / 1 == v`` exactly, NaN stays NaN): they are
-    computed once into a buffer of K floats and the product reads them like the exact mode's x
-    (1536x576: 0.20 ms against the exact kernel's 0.19). ``lax.optimization_barrier`` does not
-    do this on the CPU (removed before fusion: measured as slow as without it).
-    """
+    """The values ``d * xq`` ``(M, K)`` float32 of x's Q8_0 blocks (the product that reads them
+    takes them as a buffer: ``_own_buffer``)."""
     xq, d = _q8_blocks(x, block)
-    v = (xq.astype(jnp.float32) * d).reshape(-1, x.shape[-1])  # (M, K)
-    return exact_divide(jnp, v, jnp.ones_like(v))
+    return (xq.astype(jnp.float32) * d).reshape(-1, x.shape[-1])  # (M, K)
 
 
 # One program (``pure``: the backend jits it; a compiled decode step inlines it into its own).
