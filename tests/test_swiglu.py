@@ -51,6 +51,18 @@ def test_clamping_caps_the_output(backend):
     assert_close(pl.clamped_swiglu(g, u), want, backend=backend)
 
 
+@given(seed=seeds(), limit=LIMITS)
+def test_the_native_kernel_equals_the_portable_path(backend, dtype, seed, limit):
+    """torch's five-op kernel against the portable path, values on both sides of the limit."""
+    if dispatcher(pl.get_backend(backend)).native.get("clamped_swiglu") is None:
+        pytest.skip(f"{backend} has no native clamped_swiglu")
+    g, _ = random_array(seed, (3, 40), dtype, backend=backend, low=-20.0, high=20.0)
+    u, _ = random_array(seed + 1, (3, 40), dtype, backend=backend, low=-20.0, high=20.0)
+    native = pl.clamped_swiglu(g, u, limit=limit, impl="native")
+    assert_close(native, pl.clamped_swiglu(g, u, limit=limit, impl="portable"), backend=backend,
+                 dtype=dtype)  # fmt: skip
+
+
 def _mlp_inputs(seed: int, dtype: str, backend: str) -> tuple[list, list]:
     shapes_ = [(2, 3, E), (INTER, E), (INTER, E), (E, INTER)]
     pairs = [

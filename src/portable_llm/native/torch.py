@@ -68,6 +68,16 @@ def gelu_tanh(xp: Any, x: Any) -> Any:
     return F.gelu(x, approximate="tanh")
 
 
+# gpt-oss's clamped SwiGLU in five torch ops (the portable path's twelve: full-size limits,
+# where-based logistic), in float32 (float64 for float64) and rounded once, as the portable path.
+@native("torch", "clamped_swiglu", kernel="torch.clamp + torch.sigmoid")
+def clamped_swiglu(xp: Any, gate: Any, up: Any, *, limit: float, alpha: float) -> Any:
+    ct = torch.float64 if gate.dtype == torch.float64 else torch.float32
+    g = gate.to(ct).clamp(max=limit)  # the gate: clamped above only
+    u = up.to(ct).clamp(min=-limit, max=limit)
+    return ((u + 1.0) * (g * torch.sigmoid(g * alpha))).to(gate.dtype)
+
+
 @native("torch", "relu", kernel="torch.relu")
 def relu(xp: Any, x: Any) -> Any:
     return torch.relu(x)
