@@ -16,6 +16,7 @@ batched and speculative tokens, left padding) do not check.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -180,3 +181,14 @@ def test_class_defaults_are_transformers() -> None:
         k: v for k, v in theirs.items() if k not in ignored
     }
     assert ours["kv_lora_rank"] == 512 and ours["moe_layers"] == (False, False, False, True)
+
+
+def test_paged_latent_layers_need_the_prepared_forward(deepseek: tuple[Path, Any]) -> None:
+    """Paged latent layers run in the prepared forward (the paged state's absorbed attention
+    over ``[c_kv, k_pe]`` pages); a model without one (weights of mixed dtypes, here the
+    op-by-op forward) is refused by name, before any page is written."""
+    folder, _ = deepseek
+    model = copy.copy(pl.load(folder, backend="numpy", dtype="float32"))
+    model.prepared, model.compiled = None, None
+    with pytest.raises(ValueError, match=r"deepseek_v3\) runs paged in its prepared forward"):
+        pl.batch_generate(model, [IDS[0, :4]], max_new_tokens=2, stop=())
