@@ -33,7 +33,7 @@ from portable_llm.core.checks import (
 from portable_llm.core.dispatch import IMPLS, pick
 from portable_llm.core.types import Array, Namespace
 from portable_llm.ops.activations import sigmoid
-from portable_llm.ops.kernels import Kernels, KernelSet
+from portable_llm.ops.kernels import Kernels, KernelSet, offset_rms_norm
 from portable_llm.ops.linear import check_linear
 from portable_llm.ops.quant import QuantizedWeight
 from portable_llm.rotary.args import dispatch_args as rope_dispatch_args
@@ -401,6 +401,7 @@ class AttnWeights:
     qk_norm_whole: bool = False  # OLMo 2: q_norm (H * D,), k_norm (H_kv * D,), before the split
     wg: Any = None  # (H * D, E) or None: Qwen3-Next's output gate, sigmoid(x wg^T) * heads
     bg: Any = None  # (H * D,) or None: the gate's bias
+    norm_offset: float = 0.0  # Qwen3-Next: q/k norms scale by offset + w, in float32 per call
 
 
 class AttentionState(Protocol):
@@ -455,9 +456,9 @@ def attention_body(
     v = xp.reshape(kn.project(xp, x, w.wv, w.bv), (B, L, H_kv, D))  # (B, L, H_kv, D)
     v = xp.permute_dims(v, (0, 2, 1, 3))  # (B, H_kv, L, D)
     if not whole and w.q_norm is not None:  # Qwen3: RMSNorm of each head, before RoPE
-        q = kn.rms_norm(xp, q, w.q_norm, eps=w.norm_eps)
+        q = _head_norm(xp, kn, q, w.q_norm, w)
     if not whole and w.k_norm is not None:
-        k = kn.rms_norm(xp, k, w.k_norm, eps=w.norm_eps)
+        k = _head_norm(xp, kn, k, w.k_norm, w)
     if w.rope:
         q, k = state.rotate(kn, q, k)
     if w.qk_l2_norm:  # Llama 4 (Llama4TextL2Norm): weightless, after RoPE
@@ -474,6 +475,14 @@ def attention_body(
         o = o * sigmoid(xp, kn.project(xp, x, w.wg, w.bg))
     o = kn.project(xp, o, w.wo, None)  # (B, L, E_out)
     return o if w.bo is None else o + w.bo
+
+
+def _head_norm(xp: Namespace, kn: KernelSet, x: Array, norm: Array, w: AttnWeights) -> Array:
+    """Qwen3's RMSNorm of each head of ``x`` ``(B, H, L, D)``; Qwen3-Next's scales by
+    ``norm_offset + norm`` in float32 (:func:`~portable_llm.ops.kernels.offset_rms_norm`)."""
+    if w.norm_offset:
+        return offset_rms_norm(xp, kn, x, norm, eps=w.norm_eps, offset=w.norm_offset)
+    return kn.rms_norm(xp, x, norm, eps=w.norm_eps)
 
 
 class CallState:

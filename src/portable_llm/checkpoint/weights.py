@@ -52,8 +52,9 @@ __all__ = [
 ]
 
 
-# Tensors some checkpoints carry that the model recomputes: never reported as unexpected.
-_IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
+# Tensors some checkpoints carry that the model recomputes, or that transformers does not read
+# either (Qwen3-Next's multi-token-prediction head ``mtp.*``): never reported as unexpected.
+_IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$|^mtp\.")
 _MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _LEGACY_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)_proj\.weight$")
 

@@ -135,6 +135,9 @@ class DecoderConfig:
     # -- the families beyond Llama (defaults: Llama's behaviour) --------------------------------
     norm: str = "rms"  # "rms" (RMSNorm) or "layer" (LayerNorm with weight and bias)
     norm_offset: float = 0.0  # Gemma: the norm's scale is 1 + weight
+    # Qwen3-Next: the scale offset + weight formed and applied in float32 per call (HF's order,
+    # one rounding: pl.rms_norm(offset=)), not formed once at load in the model's dtype
+    norm_offset_per_call: bool = False
     position_embedding: str = "rope"  # "rope" or "learned" (GPT-2's wpe)
     parallel_block: bool = False  # Phi-2: h + attention(norm(h)) + mlp(norm(h)), one norm
     gated_mlp: bool = True  # False: down(act(up(x))) (GPT-2 c_fc/c_proj, Phi-2 fc1/fc2)

@@ -41,7 +41,7 @@ from portable_llm.decoder.mixer import run_mixer
 from portable_llm.decoder.states import DenseState, ForwardSetup, ForwardState
 from portable_llm.ops.affine import times
 from portable_llm.ops.embedding import embedding
-from portable_llm.ops.kernels import BOUND_PROJECTIONS, KernelSet
+from portable_llm.ops.kernels import BOUND_PROJECTIONS, KernelSet, offset_rms_norm
 from portable_llm.ops.linear import mlp_body
 from portable_llm.ops.quant import QuantizedWeight
 
@@ -122,9 +122,13 @@ class Forward:
         )  # fmt: skip
         #: Every layer is RMSNorm, attention, RMSNorm, a dense MLP (Llama, Qwen, Mistral):
         #: :meth:`run_layers` then writes the two-line layer out, with no helper calls.
+        #: The norms' scale ``offset + w`` formed per call in float32 (Qwen3-Next; 0: none, or
+        #: formed at load).
+        self.norm_offset = config.norm_offset if config.norm_offset_per_call else 0.0
         self.plain = (
             reduce is None
             and not self.layer_norm
+            and not self.norm_offset
             and config.residual_multiplier == 1.0
             and all(
                 not layer.parallel
@@ -267,6 +271,8 @@ class Forward:
             return h
         if self.layer_norm:
             return kn.layer_norm(self.xp, h, w, b, eps=self.eps)
+        if self.norm_offset:  # Qwen3-Next: HF's order, (offset + w) applied in float32
+            return offset_rms_norm(self.xp, kn, h, w, eps=self.eps, offset=self.norm_offset)
         return kn.rms_norm(self.xp, h, w, eps=self.eps)
 
     def feed_forward(self, kn: KernelSet, r: Any, layer: Layer) -> Any:

@@ -70,7 +70,8 @@ class Model:
         projection_op(activations, "model")  # the name checked before any weight is bound
         self.config = config
         self.backend = backend
-        if config.norm_offset:  # Gemma's norms scale by 1 + w: the scale formed once, here
+        if config.norm_offset and not config.norm_offset_per_call:  # Gemma's norms scale by
+            # 1 + w: the scale formed once, here (Qwen3-Next's: per call, in float32)
             off = config.norm_offset
             weights = {k: _offset_norm(backend, k, w, off) for k, w in weights.items()}
         self.embed = weights["model.embed_tokens.weight"]  # (V, E)

@@ -38,6 +38,7 @@ __all__ = [
     "Kernels",
     "Packed",
     "QLinear",
+    "offset_rms_norm",
     "projector",
     "unpacked",
 ]
@@ -321,6 +322,15 @@ class BoundKernels:
         """``auto``'s implementation of ``op`` for these arguments (not recorded)."""
         assert self.bk is not None
         return dispatcher(self.bk).pick(op, "auto", *args, **options)
+
+
+def offset_rms_norm(xp: Any, kn: KernelSet, x: Any, w: Any, *, eps: float, offset: float) -> Any:
+    """``rms_norm(x, w, eps=eps, offset=offset)`` through the kernel set ``kn``: the scale
+    ``offset + w`` formed and applied in float32, one rounding (HF's zero-centred norms,
+    ``rms_norm_offset``), where a model keeps ``w`` itself (Qwen3-Next)."""
+    return kn.choose("rms_norm_offset", x, w, eps=eps, offset=offset)(
+        xp, x, w, eps=eps, offset=offset
+    )
 
 
 def projector(linear: Fn) -> Fn:
