@@ -203,6 +203,11 @@ class GatedDeltaNet(RecurrentMixer):
 
     projections: ClassVar[tuple[str, ...]] = ("w_qkv", "w_z", "w_b", "w_a", "w_out")
 
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        C, K = self.conv.shape
+        H, d_k, d_v = self.num_v_heads, self.head_k_dim, self.head_v_dim
+        return ((K - 1, C), (H, d_k, d_v))  # the convolution's window, the delta rule's S
+
     def mix(
         self, xp: Namespace, kn: KernelSet, x: Array, state: tuple[Any, ...] | None, *,
         pads: Any = None, all_states: bool = False,
