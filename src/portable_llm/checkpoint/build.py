@@ -25,7 +25,8 @@ __all__ = ["CheckpointContents", "LoadOptions", "build_model"]
 class LoadOptions:
     """How a checkpoint is read: the keyword arguments of :func:`portable_llm.load`.
 
-    ``backend``, ``dtype``, ``device``, ``dequantize`` and ``activations`` are described there;
+    ``backend``, ``dtype``, ``device``, ``dequantize``, ``activations`` and ``compile`` are
+    described there;
     every reader takes this one record. ``revision`` and ``gguf_file`` choose what a Hub name
     resolves to (:mod:`portable_llm.checkpoint.hub`).
     """
@@ -37,8 +38,11 @@ class LoadOptions:
     revision: str | None = None
     gguf_file: str | None = None
     activations: str = "auto"
+    compile: bool | str = "auto"
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.compile, bool) or self.compile == "auto"):
+            raise ValueError(f"load: compile must be True, False or 'auto', got {self.compile!r}")
         if self.activations not in ("auto", *ACTIVATIONS):
             raise ValueError(
                 f"load: activations must be 'auto', 'float' or 'int8', got {self.activations!r}"
@@ -140,6 +144,7 @@ def build_model(contents: CheckpointContents, /, options: LoadOptions | None = N
         tokenizer=contents.tokenizer,
         generation_config=contents.generation_config,
         activations="int8" if int8 else "float",
+        compile="auto" if options is None else options.compile,
     )
 
 

@@ -37,6 +37,7 @@ def load(
     tensor_parallel: Any = None,
     pipeline_parallel: Any = None,
     activations: str = "auto",
+    compile: bool | str = "auto",
 ) -> Model:
     """Load a checkpoint folder (``config.json``, ``model.safetensors``, ``tokenizer.json``) or a
     ``.gguf`` file.
@@ -94,6 +95,12 @@ def load(
         llama.cpp's (:data:`~portable_llm.ops.quant.policy.INT8_BY_DEFAULT`), else ``"float"``.
         The model's :attr:`~portable_llm.models.Model.activations` says which ran; float
         weights are multiplied as they are in either mode.
+    compile : {"auto", True, False}
+        The compiled decode step (:attr:`~portable_llm.models.Model.compiled`, docs/models.md,
+        "Speed"): ``"auto"`` (default) where it is on by default (JAX, MLX); ``True`` also on
+        torch's CPU (``make_fx`` and inductor: a C++ compiler at run time, and a compilation
+        per cache capacity; without a compiler the prepared forward runs and
+        :attr:`~portable_llm.models.Model.compile_note` says why); ``False``: none.
 
     Returns
     -------
@@ -124,6 +131,7 @@ def load(
         revision=revision,
         gguf_file=gguf_file,
         activations=activations,
+        compile=compile,
     )
     if tensor_parallel is not None or pipeline_parallel is not None:
         engine = engine_for(options.backend, tensor_parallel, pipeline_parallel)

@@ -122,20 +122,42 @@ def _mlx_update(bk: Backend) -> Callable[..., Any]:
     return lambda buf, value, offset: mx.slice_update(buf, value, offset[None], axes=(2,))
 
 
+def _torch_jit(bk: Backend) -> Callable[..., Any]:
+    from portable_llm.native.torch_compile import TorchProgram
+
+    return TorchProgram
+
+
+def _torch_update(bk: Backend) -> Callable[..., Any]:
+    from portable_llm.native.torch_compile import update
+
+    return update
+
+
 #: backend name -> (compile, with the cache buffers donated where the library asks for it;
 #: ``update(buf (B, H_kv, capacity, D), value (B, H_kv, 1, D), offset ()) -> buf`` written at
 #: column ``offset``, functionally), per library.
 _COMPILERS: dict[str, tuple[Callable[[Backend], Any], Callable[[Backend], Any]]] = {
     "jax": (_jax_jit, _jax_update),
     "mlx": (_mlx_jit, _mlx_update),
+    "torch": (_torch_jit, _torch_update),
 }
+
+#: The backends whose compiled step runs only when asked (``Model(..., compile=True)``), not by
+#: default (``compile="auto"``): torch's (make_fx and inductor, ``native/torch_compile.py``).
+OPT_IN = frozenset({"torch"})
+
+#: The backends whose compiled program holds the layers' weights as its constants (the
+#: prepared layers themselves, their kernels bound: torch's int8 projections prepacked once)
+#: rather than as arguments.
+_WEIGHTS_INSIDE = frozenset({"torch"})
 
 #: The backends whose compiled step also takes quantized weights: their arrays (packed codes,
 #: scales, biases) are arguments like the float weights, and ``quantized_linear``'s kernel is
 #: traced with the rest of the step (XLA fuses the dequantization into the products). MLX's
 #: quantized embedding reads the ids back (MLX does not mark traced arrays), so a quantized
 #: model runs its eager prepared forward there.
-_TAKES_QUANTIZED = frozenset({"jax"})
+_TAKES_QUANTIZED = frozenset({"jax", "torch"})
 
 #: The backends whose compiled step also runs MoE layers: ``moe``'s experts traced with static
 #: shapes (``jax.lax.ragged_dot``, which ``impl="auto"`` takes under ``jax.jit``). MLX's
@@ -149,10 +171,13 @@ _TRACES_MOE = frozenset({"jax"})
 _TRACES_MIXERS = frozenset({"jax", "mlx"})
 
 
-def compile_decode(prepared: Forward) -> CompiledDecode | None:
-    """The compiled decode step of ``prepared`` where its backend compiles one, else ``None``."""
+def compile_decode(prepared: Forward, *, opt_in: bool = False) -> CompiledDecode | None:
+    """The compiled decode step of ``prepared`` where its backend compiles one, else ``None``;
+    ``opt_in``: also on the backends of :data:`OPT_IN`."""
     compilers = _COMPILERS.get(prepared.bk.name)
-    if compilers is None:
+    if compilers is None or (prepared.bk.name in OPT_IN and not opt_in):
+        return None
+    if unavailable(prepared) is not None:
         return None
     if any(layer.mixer is not None for layer in prepared.layers) and (
         prepared.bk.name not in _TRACES_MIXERS
@@ -170,6 +195,16 @@ def compile_decode(prepared: Forward) -> CompiledDecode | None:
         return None
     jit, update = compilers
     return CompiledDecode(prepared, jit(prepared.bk), update(prepared.bk))
+
+
+def unavailable(prepared: Forward) -> str | None:
+    """Why ``prepared``'s backend cannot compile its step on this machine (torch: no C++
+    compiler for inductor, or not the CPU), or ``None``."""
+    if prepared.bk.name != "torch":
+        return None
+    from portable_llm.native.torch_compile import unavailable as torch_unavailable
+
+    return torch_unavailable(prepared.setup.device)
 
 
 def _switch(prepared: Forward) -> int | None:
@@ -324,7 +359,9 @@ class CompiledDecode:
         self._kv_layers = [i for i, layer in enumerate(layers) if layer.attn is not None]
         self._rec_layers = [i for i, layer in enumerate(layers) if layer.mixer is not None]
         self._at = _positions([layer.attn is not None for layer in layers])
-        self._leaves = tuple(leaves)
+        #: The weights inside the program (torch): no layer arrays as arguments.
+        self._inside = prepared.bk.name in _WEIGHTS_INSIDE
+        self._leaves = () if self._inside else tuple(leaves)
         self._jit = jit
         #: The compiled programs, one per layout of the top weights (see :func:`_split_top`)
         #: and, for ``longrope``, per side of its original length ``L0``.
@@ -406,11 +443,14 @@ class CompiledDecode:
         if layout[4]:  # longrope past L0: the table of a position beyond it
             assert self._switch is not None
             state.table_position = self._switch
-        traced = p.with_layers(self._rebuild(leaves))  # the layers' arrays: the program's
+        # the layers' arrays: the program's arguments, or (torch) its constants
+        traced = p if self._inside else p.with_layers(self._rebuild(leaves))
         # traced ids: an id out of range gives NaN (a quantized table: its rows dequantized)
         h = traced.embed(ids, state, embed, check=False)  # (B, 1, E)
         h = traced.run_layers(h, state)
-        if layout[3] and type(p.bound_head) is QLinear:  # the head bound at load: its kernels
+        if layout[3] and self._inside:  # the head bound at load, as the layers
+            head = p.bound_head
+        elif layout[3] and type(p.bound_head) is QLinear:  # the head bound at load: its kernels
             packed, scales, biases = top[2]
             bound = p.bound_head
             head = dataclasses.replace(bound, packed=packed, scales=scales, biases=biases, fns={})

@@ -21,7 +21,7 @@ from portable_llm.caches.page_pool import PagePool
 from portable_llm.caches.recurrent import RecurrentCache, RecurrentSlots
 from portable_llm.core.arrays import asarray, to_numpy
 from portable_llm.core.checks import check_int
-from portable_llm.decoder.compiled import CompiledDecode, compile_decode
+from portable_llm.decoder.compiled import CompiledDecode, compile_decode, unavailable
 from portable_llm.decoder.config import DecoderConfig
 from portable_llm.decoder.families import layer_reader
 from portable_llm.decoder.forward import Forward, check_learned_positions, head_weight
@@ -53,6 +53,11 @@ class Model:
     codes by its input rounded to 8-bit blocks (``quantized_linear_int8``: llama.cpp's way,
     judged by KL divergence, :doc:`gguf`); it needs the prepared forward and at least one
     quantized projection (else a ValueError). Float weights are multiplied as they are.
+
+    ``compile`` (default ``"auto"``): the compiled decode step (:attr:`compiled`) where the
+    backend's is on by default (JAX, MLX); ``True`` also where it is asked for (torch on the
+    CPU: ``make_fx`` and inductor, which needs a C++ compiler; without one the prepared forward
+    runs and :attr:`compile_note` says why); ``False``: none.
     """
 
     def __init__(
@@ -64,7 +69,7 @@ class Model:
         tokenizer: Any = None,
         generation_config: dict[str, Any] | None = None,
         prepared: bool = True,
-        compile: bool = True,
+        compile: bool | str = "auto",
         activations: str = "float",
     ) -> None:
         projection_op(activations, "model")  # the name checked before any weight is bound
@@ -114,8 +119,15 @@ class Model:
         #: float weights), run by a call with one token per row and caches that hold the
         #: prompt; ``None`` elsewhere.
         self.compiled: CompiledDecode | None = None
-        if compile and self.prepared is not None:
-            self.compiled = compile_decode(self.prepared)
+        #: Why a compiled step that was asked for does not run (``None`` when it runs or was
+        #: not asked for): printed beside the decode speed.
+        self.compile_note: str | None = None
+        if not (isinstance(compile, bool) or compile == "auto"):
+            raise ValueError(f"model: compile must be True, False or 'auto', got {compile!r}")
+        if compile is not False and self.prepared is not None:
+            self.compiled = compile_decode(self.prepared, opt_in=compile is True)
+            if compile is True and self.compiled is None:
+                self.compile_note = unavailable(self.prepared) or "no compiled step for this model"
 
     @property
     def quantized_projections(self) -> int:

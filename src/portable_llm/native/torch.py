@@ -7,8 +7,10 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from portable_llm.core.dispatch import native
 from portable_llm.native import numba_cpu
@@ -116,10 +118,17 @@ def numpy_gemv_applies(x: Any, weight: Any, bias: Any) -> bool:
             torch.is_grad_enabled()
             and (x.requires_grad or weight.requires_grad or getattr(bias, "requires_grad", False))
         )
-        and not torch.compiler.is_compiling()
+        and not traced()
         and not _functorch_wrapped(x)
         and not _functorch_wrapped(weight)
     )
+
+
+def traced() -> bool:
+    """Whether a compiler records torch's ops now: dynamo (``torch.compile``), or ``make_fx``'s
+    proxy mode (the compiled decode step, :mod:`portable_llm.native.torch_compile`). NumPy is
+    outside their graphs: a kernel that computes through NumPy would be baked in as a constant."""
+    return torch.compiler.is_compiling() or get_proxy_mode() is not None
 
 
 _functorch_wrapped = getattr(
@@ -719,8 +728,10 @@ def paged_attention(
 
 # -- quantized codes times 8-bit activations (activations="int8"): numba's kernel --------------
 # CPU tensors through their buffers (x, scales and biases read as float32 NumPy arrays, the
-# packed codes as they are); not where autograd, torch.compile or a torch.func transform sees
-# the tensors (NumPy is outside their graphs).
+# packed codes as they are); not where autograd, dynamo or a torch.func transform sees the
+# tensors (NumPy is outside their graphs). Inside the compiled decode step's trace (make_fx over
+# real tensors, native/torch_compile.py) the kernel is the custom op below, which the graph
+# records as one node: the weight prepacked at the trace, its arrays the program's constants.
 
 
 def _numba_int8_applies(
@@ -750,7 +761,50 @@ def _numba_int8_prepack(
     return numba_cpu.prepack(p, _host(scales), _host(biases), bits=bits, group_size=group_size)
 
 
+# Registered with torch.library's low-level Library (a schema and a CPU kernel) rather than
+# torch.library.custom_op, whose Python layers (autograd, the op object's own dispatch) cost
+# ~100 us a call here against ~40 us (load 10, a 64x32 weight): a decode step calls it 211 times.
+_LIB = torch.library.Library("portable_llm", "DEF")
+_LIB.define(
+    "quantized_linear_int8(Tensor x, Tensor w, Tensor s, Tensor b, int block, int n) -> Tensor"
+)
+
+
+def _int8_op_cpu(x: Any, w: Any, s: Any, b: Any, block: int, n: int) -> Any:
+    """numba's kernel as a torch op (``numba_cpu.run``): float32 ``x`` ``(M, K)`` times a
+    prepacked weight (``w``, ``s``, ``b``: :class:`~portable_llm.native.numba_cpu.Prepacked`'s
+    arrays as tensors; uint8 ``w``: nibbles) -> ``(M, n)`` float32, contiguous."""
+    pre = numba_cpu.Prepacked(w.numpy(), s.numpy(), b.numpy(), n, block, w.dtype == torch.uint8)
+    y = numba_cpu.run(pre, np.ascontiguousarray(x.numpy()))  # (M, n)
+    return torch.from_numpy(y if y.flags.c_contiguous else np.ascontiguousarray(y))
+
+
+_LIB.impl("quantized_linear_int8", _int8_op_cpu, "CPU")
+
+
+@torch.library.register_fake("portable_llm::quantized_linear_int8", lib=_LIB)
+def _int8_op_fake(x: Any, w: Any, s: Any, b: Any, block: int, n: int) -> Any:
+    return x.new_empty((x.shape[0], n), dtype=torch.float32)
+
+
+#: The op (``torch.ops.portable_llm.quantized_linear_int8``), as a graph records it.
+int8_op = torch.ops.portable_llm.quantized_linear_int8.default
+
+
+def _int8_op_run(pre: numba_cpu.Prepacked, x: Any, bias: Any) -> Any:
+    """:func:`_numba_int8_run` as a graph records it: the custom op, then torch ops."""
+    lead, k = tuple(x.shape[:-1]), x.shape[-1]
+    arrays = (torch.from_numpy(pre.w), torch.from_numpy(pre.s), torch.from_numpy(pre.b))
+    xf = x.reshape(-1, k).to(torch.float32).contiguous()  # (M, K)
+    y = int8_op(xf, *arrays, pre.block, pre.n)  # (M, O)
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(x.dtype).reshape(*lead, pre.n)  # (N.., O)
+
+
 def _numba_int8_run(pre: numba_cpu.Prepacked, x: Any, bias: Any) -> Any:
+    if traced():  # the compiled step's trace: one node of its graph
+        return _int8_op_run(pre, x, bias)
     lead, k = tuple(x.shape[:-1]), x.shape[-1]
     if x.dtype == torch.float32 and x.is_contiguous() and not x.requires_grad:
         # a decode step's case: NumPy views both ways, no torch op (each costs 2-6 us of
@@ -768,10 +822,13 @@ def _numba_int8_run(pre: numba_cpu.Prepacked, x: Any, bias: Any) -> Any:
 def _numba_int8_specialize(
     x: Any, packed: Any, scales: Any, biases: Any, bias: Any, *, bits: int, group_size: int
 ) -> Any:
-    """The kernel for a weight bound once: repacked now, then one compiled call a product."""
+    """The kernel for a weight bound once: repacked now (once per weight: the compiled step's
+    trace finds the same), then one compiled call a product."""
     if _numba_int8_dense(x):
         return None  # the call's dense route: no repack to keep
-    pre = _numba_int8_prepack(packed, scales, biases, bits=bits, group_size=group_size)
+    fmt = {"bits": bits, "group_size": group_size}
+    build = functools.partial(_numba_int8_prepack, packed, scales, biases, **fmt)
+    pre = numba_cpu.prepacked(packed, scales, biases, build)
 
     def run(xp: Any, x: Any, b: Any) -> Any:
         return _numba_int8_run(pre, x, b)
@@ -803,8 +860,9 @@ def quantized_linear_int8(
 
 
 def _numba_int8_dense(x: Any) -> bool:
-    """Whether a product of these rows takes the dense route (``numba_cpu.q8_values``)."""
-    return x.numel() // x.shape[-1] >= numba_cpu.PREFILL_ROWS
+    """Whether a product of these rows takes the dense route (``numba_cpu.q8_values``): not
+    inside a compiled step's trace, which records the kernel's custom op for any rows."""
+    return x.numel() // x.shape[-1] >= numba_cpu.PREFILL_ROWS and not traced()
 
 
 def _conv_prefer(u: Any, weight: Any) -> bool:
