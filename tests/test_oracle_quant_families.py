@@ -1,6 +1,6 @@
 """mlx-lm quantized folders of the families beyond Llama (``phi``, ``phi3``, ``gemma2``,
 ``gemma3_text``, ``gpt2``, ``qwen3_moe``, ``smollm3``, ``olmo2``, ``granite``, ``starcoder2``,
-``cohere2``, ``lfm2``, ``glm4_moe``): a random-initialised transformers model saved
+``cohere2``, ``lfm2``, ``glm4_moe``, ``deepseek_v3``): a random-initialised transformers model saved
 offline with ``save_pretrained``, converted by ``mlx_lm.convert(quantize=True)`` (4 bits,
 groups of 64), loaded by ``pl.load`` kept quantized on every backend, against mlx-lm's own
 model on the same folder (float32 logits within the float32 tolerance: the same dequantized
@@ -42,6 +42,7 @@ import numpy as np
 import pytest
 
 import portable_llm as pl
+from conftest import numpy_only
 from portable_llm.ops.quant import QuantizedWeight
 from portable_llm.testing import assert_close
 from portable_llm.testing.checkpoints import save_hf_tokenizer
@@ -110,6 +111,13 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
         "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2, "n_shared_experts": 1,
         "first_k_dense_replace": 1, "routed_scaling_factor": 1.5, "tie_word_embeddings": False,
     }, {"partial_rotary_factor": 0.5, "rope_scaling": None}),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {
+        **_DENSE, "num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": 64,
+        "kv_lora_rank": 64, "qk_nope_head_dim": 64, "qk_rope_head_dim": 16, "v_head_dim": 64,
+        "moe_intermediate_size": 64, "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1, "n_shared_experts": 1,
+        "routed_scaling_factor": 2.0, "norm_topk_prob": True, "tie_word_embeddings": False,
+    }, {"rope_scaling": None}),
 }  # fmt: skip
 
 
@@ -163,10 +171,32 @@ def test_family_folder_logits_match_mlx_lm(mlx_folders: dict, family: str, backe
     model = pl.load(folder, backend=backend, dequantize=False)
     assert model.config.model_type == family
     attn = next(layer.attn for layer in model.layers if layer.attn is not None)  # LFM2: layer 1
-    q = attn.wq  # kept quantized, a fused module's rows for phi3 and gpt2
+    q = attn.wq if attn.wq is not None else attn.wq_a  # DeepSeek V3: q_a_proj
+    # kept quantized, a fused module's rows for phi3 and gpt2
     assert isinstance(q, QuantizedWeight) and (q.bits, q.group_size) == (4, 64)
     assert isinstance(model.embed, QuantizedWeight)
     if family == "lfm2":  # the short convolution's projections kept quantized too
         assert isinstance(model.layers[0].mixer.in_proj, QuantizedWeight)
     got = model(pl.asarray(IDS, backend=backend))
     assert_close(got, want, backend=backend, dtype="float32")
+
+
+@numpy_only
+def test_deepseek_folder_kv_b_joined(mlx_folders: dict) -> None:
+    """mlx-lm's ``embed_q``/``unembed_out`` (each quantized alone) are joined into HF's
+    ``kv_b_proj``, alike on load and by a partitioned load's reader."""
+    from portable_llm.checkpoint.config import read_config
+    from portable_llm.checkpoint.quantized import read_quantization
+    from portable_llm.checkpoint.quantized_slices import QuantizedSlices
+    from portable_llm.checkpoint.shards import SafetensorsFiles
+
+    folder = mlx_folders["deepseek_v3"]
+    model = pl.load(folder, backend="numpy", dequantize=False)
+    want = np.asarray(model.layers[1].attn.wkv_b)  # (H (d_n + d_v), R)
+    quant = read_quantization(folder)
+    assert quant is not None
+    with SafetensorsFiles(folder) as st:
+        slices = QuantizedSlices(st, read_config(folder), quant)
+        name = "model.layers.1.self_attn.kv_b_proj.weight"
+        assert slices.shapes[name] == want.shape == (2 * (64 + 64), 64)
+        np.testing.assert_array_equal(slices.read(name), want)

@@ -52,6 +52,7 @@ from portable_llm.checkpoint.gguf_meta import (
     gguf_config,
 )
 from portable_llm.checkpoint.gguf_tokenizer import gguf_tokenizer
+from portable_llm.checkpoint.mlx_layout import join_kv_b
 from portable_llm.checkpoint.weights import expected_shapes
 from portable_llm.decoder.config import DecoderConfig
 from portable_llm.decoder.families import FAMILIES
@@ -451,9 +452,7 @@ def _joined_kv_b(file: Path, tensors: dict[str, GGUFTensor], k_b: str) -> np.nda
     for g in (k_b, k_b.replace(_KV_B[0], _KV_B[1])):
         kind, blocks = _blocks(file, tensors[g])
         halves.append(dequantize_blocks(kind, blocks).reshape(_shape(tensors[g])))
-    k, v = halves
-    joined = np.concatenate([k.swapaxes(1, 2), v], axis=1)  # (H, d_n + d_v, R)
-    return joined.reshape(-1, joined.shape[-1])
+    return join_kv_b(*halves)
 
 
 def _stored_shape(h: str, shape: tuple[int, ...], cfg: DecoderConfig) -> tuple[int, ...]:

@@ -7,6 +7,10 @@ do not:
 - ``phi`` (Phi-2): ``self_attn.dense``, ``mlp.fc1``/``fc2``, ``model.final_layernorm``, and
   ``starcoder2``: ``mlp.c_fc``/``c_proj`` (HF's names, renamed by
   :func:`~portable_llm.checkpoint.weights.family_name` as for a float folder);
+- ``deepseek_v3``: ``kv_b_proj`` ``(H (d_n + d_v), R)`` split by mlx-lm's ``sanitize`` into
+  ``self_attn.embed_q`` ``(H, R, d_n)`` (each head's key rows, transposed) and
+  ``self_attn.unembed_out`` ``(H, d_v, R)``, each quantized alone: joined back at load
+  (:func:`join_kv_b`; llama.cpp's ``attn_k_b``/``attn_v_b`` are the same split);
 - ``lfm2``: the convolution ``conv.conv.weight`` in MLX's ``Conv1d`` layout ``(E, K, 1)``, HF's
   ``(E, 1, K)`` transposed;
 - ``phi3``: the fused ``self_attn.qkv_proj`` and ``mlp.gate_up_proj``, quantized whole: q, k and
@@ -25,10 +29,24 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import NamedTuple
 
+import numpy as np
+
 from portable_llm.checkpoint.weights import family_name
 from portable_llm.decoder.config import DecoderConfig
 
-__all__ = ["Stored", "stored_tensors"]
+__all__ = ["JOINED", "Stored", "join_kv_b", "stored_tensors"]
+
+#: The suffixes of the two stored halves of a joined tensor (:func:`join_kv_b`), appended to
+#: the model's name in :func:`stored_tensors`' table.
+JOINED = ("#k_b", "#v_b")
+
+
+def join_kv_b(k_b: np.ndarray, v_b: np.ndarray) -> np.ndarray:
+    """DeepSeek's ``kv_b_proj`` ``(H (d_n + d_v), R)`` from its halves as mlx-lm and llama.cpp
+    store them: ``k_b`` ``(H, R, d_n)`` (each head's key rows, transposed) and ``v_b``
+    ``(H, d_v, R)``; each head's key rows, then its value rows."""
+    joined = np.concatenate([k_b.swapaxes(1, 2), v_b], axis=1)  # (H, d_n + d_v, R)
+    return joined.reshape(-1, joined.shape[-1])
 
 
 class Stored(NamedTuple):
@@ -57,6 +75,14 @@ def stored_tensors(
             if name.endswith(".conv.conv.weight"):
                 E, _, K = shape
                 out[name] = Stored(name, (E, K, 1), axes=(0, 2, 1))
+    if cfg.model_type == "deepseek_v3":  # kv_b_proj: two stored halves, joined at load
+        H, R = cfg.num_attention_heads, cfg.kv_lora_rank
+        dn, dv = cfg.qk_nope_head_dim, cfg.v_head_dim
+        for name in [n for n in out if n.endswith("self_attn.kv_b_proj.weight")]:
+            a = name.removesuffix("kv_b_proj.weight")
+            del out[name]
+            out[name + JOINED[0]] = Stored(a + "embed_q.weight", (H, R, dn))
+            out[name + JOINED[1]] = Stored(a + "unembed_out.weight", (H, dv, R))
     if cfg.model_type == "phi3":
         E, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim  # noqa: E741
         q, kv = cfg.num_attention_heads * D, cfg.num_key_value_heads * D

@@ -20,7 +20,7 @@ import numpy as np
 from portable_llm.backends import Backend
 from portable_llm.checkpoint.config import config_path
 from portable_llm.checkpoint.files import CheckpointError, listed, read_json
-from portable_llm.checkpoint.mlx_layout import Stored, stored_tensors
+from portable_llm.checkpoint.mlx_layout import JOINED, Stored, join_kv_b, stored_tensors
 from portable_llm.checkpoint.shards import SAFETENSORS_FLOATS, SafetensorsFiles
 from portable_llm.checkpoint.weights import expected_shapes, to_backend
 from portable_llm.decoder.config import DecoderConfig
@@ -32,6 +32,7 @@ __all__ = [
     "Entry",
     "Quantization",
     "check_quantized",
+    "host_values",
     "read_quantization",
     "read_quantized_weights",
     "stored_dtype",
@@ -56,6 +57,7 @@ class Entry(NamedTuple):
     fmt: tuple[int, int] | None
     rows: tuple[int, int] | None = None
     axes: tuple[int, ...] | None = None
+    parts: tuple[Entry, Entry] | None = None  # a tensor joined from two (mlx_layout.JOINED)
 
 
 class Quantization:
@@ -145,7 +147,11 @@ def read_quantized_weights(
             last = (name, st.read(name))
         return last[1] if rows is None else np.ascontiguousarray(last[1][rows[0] : rows[1]])
 
-    for out_name, (name, _, fmt, rows, axes) in check_quantized(st, cfg, quant).items():
+    for out_name, (name, _, fmt, rows, axes, parts) in check_quantized(st, cfg, quant).items():
+        if parts is not None:  # DeepSeek's kv_b_proj: its two halves, dequantized, joined
+            host = join_kv_b(*(host_values(st.read, e) for e in parts))
+            out[out_name] = to_backend(out_name, host, bk, dtype, device)
+            continue
         if fmt is None:
             host = read(name, rows)
             if axes is not None:  # (LFM2's convolution in MLX's layout)
@@ -217,6 +223,11 @@ def check_quantized(
             entries[out_name] = Entry(name, tuple(shape[a] for a in axes), None, None, axes)
             continue
         entries[out_name] = Entry(name, _cut(shape, rows), fmt, rows)
+    for out_name in [n for n in entries if n.endswith(JOINED[0])]:
+        whole = out_name.removesuffix(JOINED[0])
+        parts = (entries.pop(out_name), entries.pop(whole + JOINED[1]))
+        H, R, dn = parts[0].shape
+        entries[whole] = Entry(whole, (H * (dn + parts[1].shape[1]), R), None, parts=parts)
     unexpected = [
         n for n in st.files if n not in used and not n.endswith(".rotary_emb.inv_freq")
         and not (n.startswith("lm_head.") and cfg.tie_word_embeddings)
@@ -228,6 +239,21 @@ def check_quantized(
             f"load: quantized checkpoint {str(st.folder)!r}: {listed(problems, sep='; ')}"
         )
     return entries
+
+
+def host_values(read: Any, entry: Entry) -> np.ndarray:
+    """A whole stored tensor's values as float32 NumPy: a quantized module's codes times its
+    scales plus its biases (MLX's affine format), or a float tensor as it is."""
+    if entry.fmt is None:
+        return np.asarray(read(entry.stored), dtype=np.float32)
+    from portable_llm.ops.quant.codes import unpack_codes
+
+    bits, group = entry.fmt
+    stem = entry.stored.removesuffix(".weight")
+    codes = unpack_codes(np, np.asarray(read(entry.stored)), bits=bits).astype(np.float32)
+    scales, biases = (np.asarray(read(stem + k), dtype=np.float32) for k in (".scales", ".biases"))
+    grouped = codes.reshape(*codes.shape[:-1], -1, group)  # (.., K / group, group)
+    return (grouped * scales[..., None] + biases[..., None]).reshape(codes.shape)
 
 
 def _cut(shape: tuple[int, ...], rows: tuple[int, int] | None) -> tuple[int, ...]:

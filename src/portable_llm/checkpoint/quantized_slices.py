@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from portable_llm.checkpoint.quantized import Quantization, check_quantized
+from portable_llm.checkpoint.mlx_layout import join_kv_b
+from portable_llm.checkpoint.quantized import Quantization, check_quantized, host_values
 from portable_llm.checkpoint.shards import SafetensorsFiles
 from portable_llm.checkpoint.weights import read_span
 from portable_llm.decoder.config import DecoderConfig
@@ -48,8 +49,11 @@ class QuantizedSlices:
     def read(self, name: str, index: tuple[slice, ...] = ()) -> np.ndarray | QuantizedSlice:
         """Tensor ``name`` (a key of :attr:`shapes`), or its slice ``index`` in the coordinates
         of its dequantized shape: a float array, or a quantized module's whole groups."""
-        stored, shape, fmt, rows, axes = self.entries[name]
+        stored, shape, fmt, rows, axes, parts = self.entries[name]
         index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+        if parts is not None:  # DeepSeek's kv_b_proj, joined from its halves (read whole)
+            halves = (host_values(self._whole, e) for e in parts)
+            return np.ascontiguousarray(join_kv_b(*halves)[index])
         if axes is not None:  # read whole, in the model's axis order
             whole = self._read(stored, (slice(None),) * len(shape))
             return np.ascontiguousarray(whole.transpose(axes)[index])
@@ -69,6 +73,9 @@ class QuantizedSlices:
     def quantized(self, name: str) -> tuple[int, int] | None:
         """``(bits, group_size)`` of tensor ``name`` (``None``: read as floats)."""
         return self.entries[name].fmt
+
+    def _whole(self, name: str) -> np.ndarray:
+        return self._read(name, (slice(None),) * len(self.st.shapes[name]))
 
     def _read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         out, self.touched = read_span(self.st, name, index, self.touched)
