@@ -187,6 +187,9 @@ def test_paged_batches_equal_greedy(folder: Path, backend: str) -> None:
 
 
 def test_forward_paged_needs_the_rows_slots(folder: Path) -> None:
+    """forward_paged refuses a hybrid model's rows without their slots, and a model that does
+    not page (Model.paged false: here the op-by-op forward) by name; BatchGenerator runs such
+    a model request by request over make_cache(), with the greedy tokens."""
     model = pl.load(folder, backend="numpy", dtype="float32")
     caches = [[pl.PagedKVCache(p) for p in model.make_page_pools(4, 4)]]
     with pytest.raises(ValueError, match=r"need state_slots .* and slot_ids"):
@@ -195,6 +198,12 @@ def test_forward_paged_needs_the_rows_slots(folder: Path) -> None:
     assert not slow.paged  # the op-by-op forward runs rows alone: over make_cache()
     with pytest.raises(ValueError, match="keep their state in no page"):
         slow.forward_paged([[3, 4]], caches=caches)
+    from portable_llm.generation.batch import BatchGenerator
+
+    assert BatchGenerator(slow).pools == []  # no pages: request by request, same tokens
+    prompts = [IDS[0, :5], IDS[1, :3]]
+    want = [list(pl.generate(model, p, max_new_tokens=4, stop=())) for p in prompts]
+    assert [list(g) for g in pl.batch_generate(slow, prompts, max_new_tokens=4, stop=())] == want
 
 
 def test_trace_lists_the_conv_kernel(folder: Path) -> None:
