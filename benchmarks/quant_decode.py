@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import os
 import statistics
@@ -39,6 +40,7 @@ import tempfile
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -68,6 +70,11 @@ def main() -> None:
     ap.add_argument("--choice", action="append", default=None, help="False, True or auto")
     ap.add_argument("--activations", action="append", default=None, help="float or int8")
     ap.add_argument("--mlx-lm", action="store_true", help="also mlx-lm on each file's codes")
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="also each model with compile=True (torch's compiled step; compiled in the warm-up)",
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--new", type=int, default=24)
     ap.add_argument(
@@ -86,14 +93,19 @@ def main() -> None:
     ids = np.random.default_rng(0).integers(0, 1000, size=128)
     variants: dict[tuple[str, str, str, str], tuple[Callable[[], tuple[float, float]], float]] = {}
     compiled: dict[tuple[str, str, str, str], str] = {}
+    compile_seconds: dict[tuple[str, str, str, str], Callable[[], list[float]]] = {}
     for path in paths:
         for backend in args.backend or ["torch"]:
             for dtype in args.dtype or ["float32"]:
                 for c in args.choice or ["False", "True", "auto"]:
-                    for mode in args.activations or [None]:
+                    for mode, comp in itertools.product(
+                        args.activations or [None], ("auto", True) if args.compile else ("auto",)
+                    ):
                         if c == "True" and mode == "int8":
                             continue  # the int8 mode multiplies the codes: dequantized, none
-                        opts = {} if mode is None else {"activations": mode}
+                        opts: dict[str, Any] = {"compile": comp}
+                        if mode is not None:
+                            opts["activations"] = mode
                         model = pl.load(
                             path, backend=backend, dtype=dtype, dequantize=choices[c], **opts
                         )
@@ -101,11 +113,17 @@ def main() -> None:
                             weight_bytes(p) for p in (model.embed, model.lm_head, model.layers)
                         )
                         label = c if mode is None else f"{c}, {mode}"
+                        label += ", compile=True" if comp is True else ""
                         variants[path.name, backend, dtype, label] = (
                             partial(_once, model, ids, args.new),
                             mem,
                         )
                         compiled[path.name, backend, dtype, label] = str(model.compiled is not None)
+                        if model.compiled is not None:
+                            step = model.compiled
+                            compile_seconds[path.name, backend, dtype, label] = lambda step=step: (
+                                step.compile_seconds
+                            )
         if args.mlx_lm:
             runner, size = _mlx_lm_gguf(path, Path(tempfile.mkdtemp()))
             variants[path.name, "mlx-lm", "float32", "-"] = (
@@ -120,8 +138,11 @@ def main() -> None:
                 size,
             )
 
-    for once, _ in variants.values():  # warm-up
+    for key, (once, _) in variants.items():  # warm-up (torch's compiled step compiles here)
         once()
+        seconds = compile_seconds.get(key)
+        if seconds is not None and seconds():
+            print(f"{key}: compiled in {sum(seconds()):.1f} s")
     rates: dict[tuple[str, str, str, str], list[tuple[float, float]]] = {k: [] for k in variants}
     loads = []
     for _ in range(args.rounds):

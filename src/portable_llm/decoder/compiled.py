@@ -371,6 +371,12 @@ class CompiledDecode:
         #: the program was traced; a trace open around a call of the program gets them.
         self.kernels: dict[tuple[Any, ...], list[TraceEntry]] = {}
 
+    @property
+    def compile_seconds(self) -> list[float]:
+        """The seconds each compilation took, where the backend's program counts them (torch's
+        :class:`~portable_llm.native.torch_compile.TorchProgram`; elsewhere ``[]``)."""
+        return [t for fn in self._fns.values() for t in getattr(fn, "compile_seconds", ())]
+
     def applies(self, ids: Any, cache: Sequence[Any] | None) -> bool:
         """Whether this call is a decode step the compiled program runs."""
         if cache is None or ids.shape[1] != 1:

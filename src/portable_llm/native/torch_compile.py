@@ -68,13 +68,17 @@ def compile_graph(graph: Any, inputs: list[Any]) -> Callable[..., Any]:
     of 4,500 nodes took longer than the compilation and checks guards on every call)."""
     with warnings.catch_warnings():  # inductor's own imports (torch 2.13) use torch.jit
         warnings.filterwarnings("ignore", "`torch.jit.script", DeprecationWarning)
-        compiled: Callable[..., Any] = torch._inductor.compile(graph, inputs)
+        # no size and stride asserts per input (a thousand a SmolLM2 step): the program is keyed
+        # on its inputs' shapes, strides and dtypes (TorchProgram)
+        options = {"size_asserts": False, "alignment_asserts": False}
+        compiled: Callable[..., Any] = torch._inductor.compile(graph, inputs, options=options)
     return compiled
 
 
 class TorchProgram:
     """``fn`` traced with ``make_fx`` and compiled by inductor (:func:`compile_graph`) once per
-    signature of its arguments (the tensors' shapes and dtypes, the other arguments' values).
+    signature of its arguments (the tensors' shapes, strides and dtypes, the other arguments'
+    values).
 
     ``fn``'s arguments are pytrees of tensors and constants (``None``, ints); the tensors are
     the program's inputs, the rest is part of its signature. :attr:`compile_seconds` holds
@@ -94,7 +98,7 @@ class TorchProgram:
         where = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         tensors = [leaves[i] for i in where]
         statics = tuple(None if isinstance(x, torch.Tensor) else x for x in leaves)
-        key = (spec, statics, *((t.shape, t.dtype) for t in tensors))
+        key = (spec, statics, *((t.shape, t.stride(), t.dtype) for t in tensors))
         program = self._programs.get(key)
         if program is None:
             start = time.perf_counter()
