@@ -97,6 +97,20 @@ def test_a_dominant_router_bias_routes_every_token_to_its_expert(backend, seed, 
     assert (pl.to_numpy(ids)[..., 0] == expert).all()
 
 
+@given(seed=seeds())
+def test_one_biased_expert_is_the_biased_clamped_mlp(backend, seed):
+    """One expert, top-1: its weight is 1 whatever the router (and its bias) says, so the block
+    is ``pl.mlp`` with the expert's biases and the clamped SwiGLU."""
+    arrays, _ = _inputs(seed, "float64", backend)
+    x, w, g, u, d, rb, bg, bu, bd = arrays
+    one = [a[0:1, ...] for a in (w, g, u, d, rb, bg, bu, bd)]
+    out = pl.moe(x, *one[:4], top_k=1, router_bias=one[4], experts_gate_bias=one[5],
+                 experts_up_bias=one[6], experts_down_bias=one[7], **SWIGLU)  # fmt: skip
+    g0, u0, d0, bg0, bu0, bd0 = (a[0, ...] for a in (g, u, d, bg, bu, bd))
+    dense = pl.mlp(x, g0, u0, d0, b_gate=bg0, b_up=bu0, b_down=bd0, **SWIGLU)
+    assert_close(out, dense, backend=backend, dtype="float64")
+
+
 # -- MXFP4 experts --------------------------------------------------------------------------
 
 
