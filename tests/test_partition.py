@@ -416,7 +416,8 @@ def test_cli_generate_under_torchrun(tmp_path: Path) -> None:
     ("family", "mode"),
     [("gemma2", "tp"), ("gpt2", "pp"), pytest.param("phi3", "tp", marks=pytest.mark.slow),
      ("llama4_text", "pp"), pytest.param("llama4_text", "tp", marks=pytest.mark.slow),
-     ("olmo2", "pp"), pytest.param("granite", "tp", marks=pytest.mark.slow), ("lfm2", "pp")],
+     ("olmo2", "pp"), pytest.param("granite", "tp", marks=pytest.mark.slow), ("lfm2", "pp"),
+     ("qwen3_next", "pp")],
 )  # fmt: skip
 def test_families_over_mlx_ranks(tmp_path: Path, family: str, mode: str) -> None:
     """Families beyond Llama (Gemma 2's sandwich norms, scaled embedding and soft-capping;
@@ -424,7 +425,8 @@ def test_families_over_mlx_ranks(tmp_path: Path, family: str, mode: str) -> None
     per-layer RoPE, chunks and temperature over pipeline stages, its sigmoid-routed experts
     split over tensor ranks; OLMo 2's norms of the outputs only over stages; Granite's
     multipliers over tensor ranks; LFM2's short convolutions beside attention over stages, each
-    stage's recurrent caches its own), saved by transformers, over 2 MLX ranks."""
+    stage's recurrent caches its own; Qwen3-Next's Gated DeltaNet and gated attention layers on
+    one stage each), saved by transformers, over 2 MLX ranks."""
     transformers = pytest.importorskip("transformers")
     import torch
 

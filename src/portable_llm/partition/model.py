@@ -198,6 +198,13 @@ class PartitionedModel(Model):
         ]
 
     @property
+    def recurrent(self) -> bool:
+        """Whether the model has a recurrent token mixer on any stage, not only in this rank's
+        layers: every rank then takes the same batching path (a Qwen3-Next stage of attention
+        layers alone would otherwise run pages while the DeltaNet's stage does not)."""
+        return bool(self.full_config.mixer) or super().recurrent
+
+    @property
     def paged(self) -> bool:
         """Whether :meth:`forward_paged` runs this rank's model: not for a hybrid model (its
         recurrent layers' states are kept per request, not split by stage here), which
