@@ -455,10 +455,13 @@ def attention_body(
     k = xp.permute_dims(xp.reshape(k, (B, L, H_kv, D)), (0, 2, 1, 3))  # (B, H_kv, L, D)
     v = xp.reshape(kn.project(xp, x, w.wv, w.bv), (B, L, H_kv, D))  # (B, L, H_kv, D)
     v = xp.permute_dims(v, (0, 2, 1, 3))  # (B, H_kv, L, D)
-    if not whole and w.q_norm is not None:  # Qwen3: RMSNorm of each head, before RoPE
-        q = _head_norm(xp, kn, q, w.q_norm, w)
-    if not whole and w.k_norm is not None:
-        k = _head_norm(xp, kn, k, w.k_norm, w)
+    if w.norm_offset:  # Qwen3-Next: the scale norm_offset + w, in float32 (one rounding)
+        q, k = _offset_head_norms(xp, kn, q, k, w)
+    elif not whole:  # Qwen3: RMSNorm of each head, before RoPE
+        if w.q_norm is not None:
+            q = kn.rms_norm(xp, q, w.q_norm, eps=w.norm_eps)
+        if w.k_norm is not None:
+            k = kn.rms_norm(xp, k, w.k_norm, eps=w.norm_eps)
     if w.rope:
         q, k = state.rotate(kn, q, k)
     if w.qk_l2_norm:  # Llama 4 (Llama4TextL2Norm): weightless, after RoPE
@@ -477,12 +480,17 @@ def attention_body(
     return o if w.bo is None else o + w.bo
 
 
-def _head_norm(xp: Namespace, kn: KernelSet, x: Array, norm: Array, w: AttnWeights) -> Array:
-    """Qwen3's RMSNorm of each head of ``x`` ``(B, H, L, D)``; Qwen3-Next's scales by
-    ``norm_offset + norm`` in float32 (:func:`~portable_llm.ops.kernels.offset_rms_norm`)."""
-    if w.norm_offset:
-        return offset_rms_norm(xp, kn, x, norm, eps=w.norm_eps, offset=w.norm_offset)
-    return kn.rms_norm(xp, x, norm, eps=w.norm_eps)
+def _offset_head_norms(
+    xp: Namespace, kn: KernelSet, q: Array, k: Array, w: AttnWeights
+) -> tuple[Array, Array]:
+    """Qwen3-Next's zero-centred RMSNorm of each head of q ``(B, H, L, D)`` and k, the scale
+    ``norm_offset + w`` in float32 (:func:`~portable_llm.ops.kernels.offset_rms_norm`)."""
+    opts = {"eps": w.norm_eps, "offset": w.norm_offset}
+    if w.q_norm is not None:
+        q = offset_rms_norm(xp, kn, q, w.q_norm, **opts)
+    if w.k_norm is not None:
+        k = offset_rms_norm(xp, kn, k, w.k_norm, **opts)
+    return q, k
 
 
 class CallState:
