@@ -11,6 +11,8 @@ do not:
   ``self_attn.embed_q`` ``(H, R, d_n)`` (each head's key rows, transposed) and
   ``self_attn.unembed_out`` ``(H, d_v, R)``, each quantized alone: joined back at load
   (:func:`join_kv_b`; llama.cpp's ``attn_k_b``/``attn_v_b`` are the same split);
+- ``qwen3_next``: the convolution likewise; the norms' scales ``1 + w`` (mlx-lm's ``sanitize``
+  adds the 1; its model is the plain RMSNorm), read back as ``w``;
 - ``lfm2``: the convolution ``conv.conv.weight`` in MLX's ``Conv1d`` layout ``(E, K, 1)``, HF's
   ``(E, 1, K)`` transposed;
 - ``phi3``: the fused ``self_attn.qkv_proj`` and ``mlp.gate_up_proj``, quantized whole: q, k and
@@ -36,6 +38,17 @@ from portable_llm.decoder.config import DecoderConfig
 
 __all__ = ["JOINED", "Stored", "join_kv_b", "stored_tensors"]
 
+#: The families' short convolutions, stored by mlx-lm in MLX's ``Conv1d`` layout.
+_MLX_CONV = {"lfm2": ".conv.conv.weight", "qwen3_next": ".linear_attn.conv1d.weight"}
+#: The norms whose ``1 + w`` scale mlx-lm's ``qwen3_next`` stores (not the gated DeltaNet's).
+_PLUS_ONE_NORMS = (
+    ".input_layernorm.weight",
+    ".post_attention_layernorm.weight",
+    "model.norm.weight",
+    ".q_norm.weight",
+    ".k_norm.weight",
+)
+
 #: The suffixes of the two stored halves of a joined tensor (:func:`join_kv_b`), appended to
 #: the model's name in :func:`stored_tensors`' table.
 JOINED = ("#k_b", "#v_b")
@@ -59,6 +72,7 @@ class Stored(NamedTuple):
     shape: tuple[int, ...]
     rows: tuple[int, int] | None = None
     axes: tuple[int, ...] | None = None
+    offset: float = 0.0  # stored = the decoder's + offset (a float tensor's only)
 
 
 def stored_tensors(
@@ -70,11 +84,16 @@ def stored_tensors(
         return _gpt2(cfg, expected, files)
     renamed = {family_name(cfg.model_type, f): f for f in files}  # Phi-2's, StarCoder2's names
     out = {name: Stored(renamed.get(name, name), shape) for name, shape in expected.items()}
-    if cfg.model_type == "lfm2":  # MLX's Conv1d weight (out, K, in): HF's (E, 1, K) transposed
+    conv = _MLX_CONV.get(cfg.model_type)
+    if conv is not None:  # MLX's Conv1d weight (out, K, in): HF's (C, 1, K) transposed
         for name, shape in expected.items():
-            if name.endswith(".conv.conv.weight"):
-                E, _, K = shape
-                out[name] = Stored(name, (E, K, 1), axes=(0, 2, 1))
+            if name.endswith(conv):
+                C, _, K = shape
+                out[name] = Stored(name, (C, K, 1), axes=(0, 2, 1))
+    if cfg.model_type == "qwen3_next":  # mlx-lm stores its (1 + w) norms' scales
+        for name, (stored, shape, _, _, _) in list(out.items()):
+            if name.endswith(_PLUS_ONE_NORMS) and len(shape) == 1:
+                out[name] = Stored(stored, shape, offset=1.0)
     if cfg.model_type == "deepseek_v3":  # kv_b_proj: two stored halves, joined at load
         H, R = cfg.num_attention_heads, cfg.kv_lora_rank
         dn, dv = cfg.qk_nope_head_dim, cfg.v_head_dim

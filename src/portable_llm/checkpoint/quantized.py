@@ -28,10 +28,12 @@ from portable_llm.ops.quant import BITS, GROUP_SIZES, QuantizedWeight, fastest_f
 from portable_llm.ops.quant import dequantize as dequantize_weight
 
 __all__ = [
+    "FAMILY_FLOAT_ONLY",
     "FLOAT_ONLY",
     "Entry",
     "Quantization",
     "check_quantized",
+    "float_only",
     "host_values",
     "read_quantization",
     "read_quantized_weights",
@@ -42,6 +44,19 @@ __all__ = [
 #: Tensors mlx-lm may quantize that the model takes as floats, dequantized at load: GPT-2's
 #: position table (``model.wpe``, ``(P, E)``: small, added to every row of a forward).
 FLOAT_ONLY: frozenset[str] = frozenset({"model.embed_positions.weight"})
+#: The matrices a family's layer reader takes as arrays, not quantized weights (it cuts them
+#: with array operations): read as floats whatever ``dequantize``. Qwen3-Next's
+#: ``in_proj_qkvz``/``in_proj_ba`` (``split_qkvz``, ``split_ba``) and its gated ``q_proj``
+#: (``split_gated_q_proj``).
+FAMILY_FLOAT_ONLY: dict[str, tuple[str, ...]] = {
+    "qwen3_next": (".in_proj_qkvz.weight", ".in_proj_ba.weight", ".self_attn.q_proj.weight"),
+}
+
+
+def float_only(model_type: str, name: str) -> bool:
+    """Whether the model's tensor ``name`` is read as floats whatever ``dequantize``
+    (:data:`FLOAT_ONLY`, :data:`FAMILY_FLOAT_ONLY`)."""
+    return name in FLOAT_ONLY or name.endswith(FAMILY_FLOAT_ONLY.get(model_type, ("\0",)))
 
 
 class Entry(NamedTuple):
@@ -58,6 +73,7 @@ class Entry(NamedTuple):
     rows: tuple[int, int] | None = None
     axes: tuple[int, ...] | None = None
     parts: tuple[Entry, Entry] | None = None  # a tensor joined from two (mlx_layout.JOINED)
+    offset: float = 0.0  # a float tensor stored as the model's + offset (mlx_layout.Stored)
 
 
 class Quantization:
@@ -133,7 +149,8 @@ def read_quantized_weights(
     listing every missing, unexpected or misshapen tensor. MoE layers are read from mlx-lm's
     stacked experts (``switch_mlp.{gate,up,down}_proj``, ``(X, N, K * bits / 32)``) as the
     stacked ``mlp.experts.{gate,up,down}_proj`` that the float loader gives.
-    The names of :data:`FLOAT_ONLY` are dequantized whatever ``dequantize``.
+    The names of :data:`FLOAT_ONLY` and :data:`FAMILY_FLOAT_ONLY` are dequantized whatever
+    ``dequantize``.
     ``dequantize="auto"``: a quantized module is kept only where
     :func:`~portable_llm.ops.quant.keeps_codes` says its codes decode at least as fast as its
     floats (:func:`~portable_llm.ops.quant.fastest_form`), else given as ``dequantize``'s floats.
@@ -147,7 +164,9 @@ def read_quantized_weights(
             last = (name, st.read(name))
         return last[1] if rows is None else np.ascontiguousarray(last[1][rows[0] : rows[1]])
 
-    for out_name, (name, _, fmt, rows, axes, parts) in check_quantized(st, cfg, quant).items():
+    for out_name, (name, _, fmt, rows, axes, parts, offset) in check_quantized(
+        st, cfg, quant
+    ).items():
         if parts is not None:  # DeepSeek's kv_b_proj: its two halves, dequantized, joined
             host = join_kv_b(*(host_values(st.read, e) for e in parts))
             out[out_name] = to_backend(out_name, host, bk, dtype, device)
@@ -156,6 +175,8 @@ def read_quantized_weights(
             host = read(name, rows)
             if axes is not None:  # (LFM2's convolution in MLX's layout)
                 host = np.ascontiguousarray(host.transpose(axes))
+            if offset:  # (Qwen3-Next's norms: mlx-lm stores 1 + w)
+                host = host - np.asarray(offset, dtype=host.dtype)
             out[out_name] = to_backend(name, host, bk, dtype, device)
             continue
         stem = name.removesuffix(".weight")
@@ -165,7 +186,7 @@ def read_quantized_weights(
         qw = QuantizedWeight(
             bk.from_numpy(codes, device), scales, biases, bits=fmt[0], group_size=fmt[1]
         )
-        if out_name in FLOAT_ONLY:
+        if float_only(cfg.model_type, out_name):
             out[out_name] = dequantize_weight(qw)
         else:
             out[out_name] = fastest_form(qw) if dequantize == "auto" else qw
@@ -184,7 +205,7 @@ def check_quantized(
     entries: dict[str, Entry] = {}
     checked: dict[str, tuple[int, int] | None] = {}  # stored name -> its format, checked once
     used: set[str] = set()
-    for out_name, (name, shape, rows, axes) in _stored_names(st, cfg).items():
+    for out_name, (name, shape, rows, axes, offset) in _stored_names(st, cfg).items():
         stem = name.removesuffix(".weight")
         if name in checked:
             entries[out_name] = Entry(name, _cut(shape, rows), checked[name], rows)
@@ -221,6 +242,9 @@ def check_quantized(
         checked[name] = fmt
         if axes is not None:  # a float tensor stored in another axis order
             entries[out_name] = Entry(name, tuple(shape[a] for a in axes), None, None, axes)
+            continue
+        if offset and fmt is None:  # a float tensor stored with an offset
+            entries[out_name] = Entry(name, shape, None, offset=offset)
             continue
         entries[out_name] = Entry(name, _cut(shape, rows), fmt, rows)
     for out_name in [n for n in entries if n.endswith(JOINED[0])]:

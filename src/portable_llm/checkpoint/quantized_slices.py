@@ -49,7 +49,7 @@ class QuantizedSlices:
     def read(self, name: str, index: tuple[slice, ...] = ()) -> np.ndarray | QuantizedSlice:
         """Tensor ``name`` (a key of :attr:`shapes`), or its slice ``index`` in the coordinates
         of its dequantized shape: a float array, or a quantized module's whole groups."""
-        stored, shape, fmt, rows, axes, parts = self.entries[name]
+        stored, shape, fmt, rows, axes, parts, offset = self.entries[name]
         index = tuple(index) + (slice(None),) * (len(shape) - len(index))
         if parts is not None:  # DeepSeek's kv_b_proj, joined from its halves (read whole)
             halves = (host_values(self._whole, e) for e in parts)
@@ -58,7 +58,8 @@ class QuantizedSlices:
             whole = self._read(stored, (slice(None),) * len(shape))
             return np.ascontiguousarray(whole.transpose(axes)[index])
         if fmt is None:
-            return self._read(stored, _rows(index, shape, rows))
+            host = self._read(stored, _rows(index, shape, rows))
+            return host - np.asarray(offset, dtype=host.dtype) if offset else host
         bits, group = fmt
         codes, groups = quantized_index(name, shape, index, bits, group)
         stem = stored.removesuffix(".weight")
