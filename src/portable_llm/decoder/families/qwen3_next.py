@@ -236,15 +236,18 @@ class GatedDeltaNet(RecurrentMixer):
             all_states=all_states,
         )  # fmt: skip
         z = xp.reshape(kn.project(xp, x, self.w_z, None), (B, L, H, d_v))
-        o = gated_rms_norm(xp, kn, o, z, self.norm, eps=self.eps)
+        o = _gated_norm(xp, kn, o, z, self.norm, eps=self.eps)
         return kn.project(xp, xp.reshape(o, (B, L, H * d_v)), self.w_out, None), (conv, S)
 
 
-def gated_rms_norm(
-    xp: Namespace, kn: KernelSet, x: Array, z: Array, w: Array, *, eps: float
-) -> Array:
+def _gated_norm(xp: Namespace, kn: KernelSet, x: Array, z: Array, w: Array, *, eps: float) -> Array:
     """HF ``Qwen3NextRMSNormGated``: ``rms_norm(x) * w`` (rounded as :func:`~portable_llm.rms_norm`
-    rounds) times ``silu(z)``, the product in float32, rounded once to x's dtype."""
+    rounds) times ``silu(z)``, the product in float32, rounded once to x's dtype.
+
+    Not the public :func:`~portable_llm.gated_rms_norm` (Mamba-2's and Falcon-H1's), which
+    rounds once after the weight and the gate: Qwen3-Next's rounds ``rms_norm(x) * w`` to x's
+    dtype first, and in bfloat16 the two orders differ by a rounding step. Its norm runs through
+    the kernel set's ``rms_norm`` (bound once, traced)."""
     c = float_compute_dtype(xp, x.dtype)
     zc = xp.astype(z, c)
     normed = xp.astype(kn.rms_norm(xp, x, w, eps=eps), c)
