@@ -25,7 +25,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from portable_llm.attn.block import AttnWeights
-from portable_llm.decoder.config_values import read_bool, read_int, read_layer_types, read_rope
+from portable_llm.decoder.config_values import (
+    read_bool,
+    read_int,
+    read_layer_types,
+    read_real,
+    read_rope,
+)
 from portable_llm.decoder.layer_weights import Layer
 from portable_llm.ops.linear import MlpWeights
 from portable_llm.ops.moe import MoeWeights
@@ -34,12 +40,14 @@ __all__ = [
     "Family",
     "LayerConfig",
     "drop_attention",
+    "grouped_moe_fields",
     "grouped_moe_tensors",
     "layer_rope",
     "mlp_tensors",
     "no_windows",
     "qwen2_layer_types",
     "read_attention",
+    "read_count",
     "read_layer",
     "read_mlp",
     "read_moe",
@@ -192,6 +200,45 @@ def mlp_tensors(
         out[f"{p}{name}_proj.weight"] = shape
         if bias:
             out[f"{p}{name}_proj.bias"] = shape[:1]
+
+
+def read_count(d: Mapping[str, Any], key: str, default: int, low: int = 1) -> int:
+    """The count ``key`` of ``config.json`` (an int ``>= low``), ``default`` when absent."""
+    value = read_int(d, key, low=low)
+    return default if value is None else int(value)
+
+
+def grouped_moe_fields(
+    d: Mapping[str, Any],
+    n: int,
+    *,
+    experts: int,
+    dense: int,
+    size: int,
+    groups: tuple[int, int],
+    scale: float,
+) -> dict[str, Any]:
+    """The :class:`~portable_llm.decoder.config.DecoderConfig` fields of the grouped router's
+    experts (DeepSeek V3, GLM-4.5), with each family's defaults: ``n_routed_experts``
+    (``experts``) after the first ``first_k_dense_replace`` (``dense``) dense layers, of
+    ``moe_intermediate_size`` (``size``), ``num_experts_per_tok`` (8), ``norm_topk_prob``
+    (true), ``n_shared_experts`` (1) shared experts as one MLP, ``(n_group, topk_group)``
+    (``groups``) and ``routed_scaling_factor`` (``scale``)."""
+    x = read_count(d, "n_routed_experts", experts, low=0)
+    first_moe = read_count(d, "first_k_dense_replace", dense, low=0)
+    width = read_count(d, "moe_intermediate_size", size)
+    return {
+        "num_experts": x,
+        "num_experts_per_tok": read_count(d, "num_experts_per_tok", 8),
+        "norm_topk_prob": read_bool(d, "norm_topk_prob", True),
+        "moe_intermediate_size": width,
+        "shared_expert_intermediate_size": width * read_count(d, "n_shared_experts", 1, low=0),
+        "moe_layers": tuple(x > 0 and i >= first_moe for i in range(n)),
+        "router": "grouped",
+        "n_group": read_count(d, "n_group", groups[0]),
+        "topk_group": read_count(d, "topk_group", groups[1]),
+        "routed_scaling_factor": read_real(d, "routed_scaling_factor", scale, low=0.0),
+    }
 
 
 def grouped_moe_tensors(cfg: Any, i: int, out: dict[str, tuple[int, ...]]) -> None:

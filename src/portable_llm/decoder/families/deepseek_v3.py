@@ -37,11 +37,13 @@ from typing import Any
 
 from portable_llm.attn.latent_args import LatentWeights, absorbed_weights, latent_softmax_scale
 from portable_llm.backends import backend_of
-from portable_llm.decoder.config_values import read_bool, read_int, read_real, read_rope
+from portable_llm.decoder.config_values import read_bool, read_rope
 from portable_llm.decoder.families.base import (
     Family,
     LayerConfig,
+    grouped_moe_fields,
     grouped_moe_tensors,
+    read_count,
     read_mlp,
     read_moe,
 )
@@ -54,34 +56,18 @@ __all__ = ["FAMILY", "read_latent_attention"]
 LATENT_NORM_EPS = 1e-6
 
 
-def _count(d: Mapping[str, Any], key: str, default: int, low: int = 1) -> int:
-    value = read_int(d, key, low=low)
-    return default if value is None else int(value)
-
-
 def fields(d: Mapping[str, Any], n: int) -> dict[str, Any]:
     """The :class:`~portable_llm.decoder.config.DecoderConfig` fields DeepSeek V3 changes."""
-    dn, dr = _count(d, "qk_nope_head_dim", 128), _count(d, "qk_rope_head_dim", 64)
-    x, dense = _count(d, "n_routed_experts", 256, low=0), _count(d, "first_k_dense_replace", 3, 0)
-    size = _count(d, "moe_intermediate_size", 2048)
+    dn, dr = read_count(d, "qk_nope_head_dim", 128), read_count(d, "qk_rope_head_dim", 64)
     rope = d.get("rope_parameters") or d.get("rope_scaling")  # v5, v4
     return {
         "head_dim": dr,  # HF's head_dim: the rotary width
-        "kv_lora_rank": _count(d, "kv_lora_rank", 512),
-        "q_lora_rank": _count(d, "q_lora_rank", 1536) if d.get("q_lora_rank", 1) else None,
+        "kv_lora_rank": read_count(d, "kv_lora_rank", 512),
+        "q_lora_rank": read_count(d, "q_lora_rank", 1536) if d.get("q_lora_rank", 1) else None,
         "qk_nope_head_dim": dn,
-        "v_head_dim": _count(d, "v_head_dim", 128),
+        "v_head_dim": read_count(d, "v_head_dim", 128),
         "attn_scale": latent_softmax_scale(dn + dr, rope if isinstance(rope, Mapping) else None),
-        "num_experts": x,
-        "num_experts_per_tok": _count(d, "num_experts_per_tok", 8),
-        "norm_topk_prob": read_bool(d, "norm_topk_prob", True),
-        "moe_intermediate_size": size,
-        "shared_expert_intermediate_size": size * _count(d, "n_shared_experts", 1, low=0),
-        "moe_layers": tuple(x > 0 and i >= dense for i in range(n)),
-        "router": "grouped",
-        "n_group": _count(d, "n_group", 8),
-        "topk_group": _count(d, "topk_group", 4),
-        "routed_scaling_factor": read_real(d, "routed_scaling_factor", 2.5, low=0.0),
+        **grouped_moe_fields(d, n, experts=256, dense=3, size=2048, groups=(8, 4), scale=2.5),
     }
 
 

@@ -30,33 +30,22 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from portable_llm.decoder.config_values import read_bool, read_int, read_real
-from portable_llm.decoder.families.base import Family, grouped_moe_tensors, no_windows
+from portable_llm.decoder.config_values import read_bool
+from portable_llm.decoder.families.base import (
+    Family,
+    grouped_moe_fields,
+    grouped_moe_tensors,
+    no_windows,
+)
 
 __all__ = ["FAMILY"]
 
 
-def _count(d: Mapping[str, Any], key: str, default: int, low: int = 1) -> int:
-    value = read_int(d, key, low=low)
-    return default if value is None else int(value)
-
-
 def fields(d: Mapping[str, Any], n: int) -> dict[str, Any]:
     """The :class:`~portable_llm.decoder.config.DecoderConfig` fields GLM-4.5 changes."""
-    x, dense = _count(d, "n_routed_experts", 128, low=0), _count(d, "first_k_dense_replace", 1, 0)
-    size = _count(d, "moe_intermediate_size", 1408)
     return {
         "qk_norm": read_bool(d, "use_qk_norm"),
-        "num_experts": x,
-        "num_experts_per_tok": _count(d, "num_experts_per_tok", 8),
-        "norm_topk_prob": read_bool(d, "norm_topk_prob", True),
-        "moe_intermediate_size": size,
-        "shared_expert_intermediate_size": size * _count(d, "n_shared_experts", 1, low=0),
-        "moe_layers": tuple(x > 0 and i >= dense for i in range(n)),
-        "router": "grouped",
-        "n_group": _count(d, "n_group", 1),
-        "topk_group": _count(d, "topk_group", 1),
-        "routed_scaling_factor": read_real(d, "routed_scaling_factor", 1.0, low=0.0),
+        **grouped_moe_fields(d, n, experts=128, dense=1, size=1408, groups=(1, 1), scale=1.0),
     }
 
 
