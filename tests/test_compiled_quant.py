@@ -1,11 +1,12 @@
-"""The compiled decode step with quantized weights (``models/compiled.py`` on JAX): the packed
-codes, scales and biases of every projection, the embedding and the LM head are arguments of the
-one ``jax.jit`` and ``quantized_linear`` runs traced inside it. It equals the eager prepared
-step: logits within the dtype's whole-model tolerance, identical greedy tokens, one trace per
-cache capacity; float32 and bfloat16, 4 and 8 bits, tied and untied heads.
+"""The compiled decode step with quantized weights (``models/compiled.py`` on JAX and MLX): the
+packed codes, scales and biases of every projection, the embedding and the LM head are arguments
+of the one ``jax.jit`` / ``mx.compile`` and ``quantized_linear`` runs traced inside it. It
+equals the eager prepared step: logits within the dtype's whole-model tolerance, identical
+greedy tokens, one trace per cache capacity; float32 and bfloat16, 4 and 8 bits, tied and
+untied heads.
 
 The eager model is the same model with ``compiled = None``. Backends without a compiled step
-for quantized weights (NumPy, torch, array-api-strict, MLX) skip.
+for quantized weights (NumPy, array-api-strict; torch's is opt-in) skip.
 """
 
 from __future__ import annotations

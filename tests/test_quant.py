@@ -269,6 +269,23 @@ def test_embedding_dequantizes_rows(backend, dtype, bits, group):
     assert_close(pl.unembed(h, qw), hr @ full.astype(np.float64).T, backend=backend, dtype=dtype)
 
 
+def test_embedding_of_a_quantized_table_unchecked(backend):
+    """``check=False`` reads no id back for a quantized table either (MLX's compiled decode
+    step passes it: MLX refuses a read-back under ``mx.compile``): an id outside ``[0, V)``
+    gives a row of NaN, as the float table's masked path; the others their dequantized rows."""
+    bk = get_backend(backend)
+    table, _ = random_array(3, (10, 64), "float32", backend=backend)
+    qw = quantize(table, bits=4, group_size=32)
+    ids = np.array([[3, 10], [-1, 9]], dtype=np.int32)
+    out = bk.to_numpy(pl.embedding(bk.from_numpy(ids), qw, check=False))
+    full = bk.to_numpy(dequantize(qw))
+    np.testing.assert_array_equal(out[0, 0], full[3])
+    np.testing.assert_array_equal(out[1, 1], full[9])
+    assert np.isnan(out[0, 1]).all() and np.isnan(out[1, 0]).all()
+    with pytest.raises(ValueError, match=r"ids must lie in \[0, 10\)"):
+        pl.embedding(bk.from_numpy(ids), qw)  # checked by default
+
+
 def test_qw_conversion_and_mixed_dtype(backend):
     w = np.random.default_rng(0).normal(size=(4, 64)).astype(np.float32)
     qw = quantize(w, bits=4, group_size=32)  # numpy

@@ -154,10 +154,10 @@ _WEIGHTS_INSIDE = frozenset({"torch"})
 
 #: The backends whose compiled step also takes quantized weights: their arrays (packed codes,
 #: scales, biases) are arguments like the float weights, and ``quantized_linear``'s kernel is
-#: traced with the rest of the step (XLA fuses the dequantization into the products). MLX's
-#: quantized embedding reads the ids back (MLX does not mark traced arrays), so a quantized
-#: model runs its eager prepared forward there.
-_TAKES_QUANTIZED = frozenset({"jax", "torch"})
+#: traced with the rest of the step (XLA fuses the dequantization into the products; MLX runs
+#: ``mx.quantized_matmul`` inside ``mx.compile``). The step embeds with ``check=False``, so a
+#: quantized embedding reads no id back either (MLX refuses a read-back under ``mx.compile``).
+_TAKES_QUANTIZED = frozenset({"jax", "torch", "mlx"})
 
 #: The backends whose compiled step also runs MoE layers: ``moe``'s experts traced with static
 #: shapes (``jax.lax.ragged_dot``, which ``impl="auto"`` takes under ``jax.jit``). MLX's

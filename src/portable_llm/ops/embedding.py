@@ -104,7 +104,7 @@ def embedding(
         call ``embedding`` outside the compiled function.
     """
     if isinstance(table, QuantizedWeight):  # only the gathered rows are dequantized
-        return _quantized_rows(ids, table, backend=backend)
+        return _quantized_rows(ids, table, check=check, backend=backend)
     bk, (ids, table) = resolve("embedding", backend, ids, table)
     if backend_of(ids) is not bk:
         raise TypeError(f"embedding: ids must be an array, got {type(ids).__name__}")
@@ -126,9 +126,11 @@ def embedding(
     return pick(bk, "embedding", "portable")(bk.xp, index, table)
 
 
-def _quantized_rows(ids: Array, table: QuantizedWeight, /, *, backend: str | None) -> Array:
-    """:func:`embedding` of a quantized table: the ids checked as there, then only the gathered
-    rows dequantized (equal to ``dequantize(table)[ids]``, tested)."""
+def _quantized_rows(
+    ids: Array, table: QuantizedWeight, /, *, check: bool, backend: str | None
+) -> Array:
+    """:func:`embedding` of a quantized table: the ids checked as there (``check``), then only
+    the gathered rows dequantized (equal to ``dequantize(table)[ids]``, tested)."""
     op = "embedding"
     bk, (ids,) = resolve(op, backend if backend is not None else table.backend, ids)
     if table.backend is not bk:
@@ -145,11 +147,12 @@ def _quantized_rows(ids: Array, table: QuantizedWeight, /, *, backend: str | Non
         raise ValueError(f"{op}: table must have shape (V, E), got {table.shape}")
     vocab = table.shape[0]
     index = _as_index(bk, ids, name, vocab)
-    if not bk.is_traced(ids):
+    if check and not bk.is_traced(ids):
         _check_ids(bk, ids, index, vocab)
         return quantized_embedding(index, table, bk)
-    # Under tracing the ids cannot be read back: an out-of-range id gives a row of NaN (as the
-    # float table's masked path), never another token's row.
+    # Unchecked, or under tracing (the ids cannot be read back; MLX does not mark its traced
+    # arrays, so mx.compile's step passes check=False): an out-of-range id gives a row of NaN
+    # (as the float table's masked path), never another token's row.
     xp = bk.xp
     valid = (index >= 0) & (index < vocab)  # (B.., L)
     rows = quantized_embedding(xp.where(valid, index, xp.zeros_like(index)), table, bk)
