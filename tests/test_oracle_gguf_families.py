@@ -16,6 +16,7 @@ experts on every layer (llama.cpp has no dense ``mlp_only_layers`` and no window
 from __future__ import annotations
 
 import os
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -754,3 +755,148 @@ def test_glm4moe_gguf_matches_transformers(glm4moe_file: tuple, backend: str) ->
     model = pl.load(path, backend=backend, dtype="float32", dequantize=False)
     assert (model.config.model_type, model.config.num_hidden_layers) == ("glm4_moe", 2)
     assert_close(model(pl.asarray(IDS, backend=backend)), want, backend=backend, dtype="float32")
+
+
+_QWEN3_NEXT = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+               "partial_rotary_factor": 0.25, "moe_intermediate_size": 32,
+               "shared_expert_intermediate_size": 32, "num_experts": 4,
+               "num_experts_per_tok": 2, "norm_topk_prob": True, "decoder_sparse_step": 1,
+               "mlp_only_layers": [], "linear_num_key_heads": 2, "linear_key_head_dim": 32,
+               "linear_num_value_heads": 4, "linear_value_head_dim": 32,
+               "linear_conv_kernel_dim": 4, "layer_types": ["linear_attention", "full_attention"],
+               "full_attention_interval": 2, "max_position_embeddings": 256,
+               "tie_word_embeddings": False}  # fmt: skip
+
+
+def _cut_qkvz(value: np.ndarray, cfg: Any) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's ``Qwen3NextModel`` cut of HF's ``in_proj_qkvz`` (rows per key-head group:
+    q, k, v, z) into ``attn_qkv`` (every group's q, then k, then v) and ``attn_gate`` (z)."""
+    h_k, d_k = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    vz = cfg.linear_num_value_heads // h_k * cfg.linear_value_head_dim
+    groups = value.reshape(h_k, 2 * d_k + 2 * vz, -1)
+    cuts = np.cumsum([0, d_k, d_k, vz, vz])
+    q, k, v, z = (groups[:, a:b].reshape(-1, value.shape[-1]) for a, b in pairwise(cuts))
+    return np.concatenate([q, k, v]), z
+
+
+def _qwen3_next_file(path: Path) -> np.ndarray:
+    """A Qwen3-Next GGUF as llama.cpp's ``qwen3next`` converter writes it (``in_proj_qkvz`` cut
+    into ``attn_qkv`` and ``attn_gate``, ``A = -exp(A_log)``, ``dt_bias`` as ``ssm_dt.bias``,
+    the convolution squeezed, every norm but the DeltaNet's gated one stored as ``1 + w``, the
+    ``ssm.*`` keys, names from gguf-py's own map), Q8_0 matrices and Q4_0 experts;
+    transformers' logits of ``IDS`` on the file's values."""
+    config = transformers.Qwen3NextConfig(vocab_size=V, bos_token_id=1, eos_token_id=2,
+                                          **_QWEN3_NEXT)  # fmt: skip
+    torch.manual_seed(13)
+    hf = transformers.Qwen3NextForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.ndim > 1:
+                p.copy_(torch.randn_like(p) * 0.15)
+            elif "norm" in name:  # the zero-centred norms' w (scale 1 + w), the gated one's
+                p.copy_(torch.rand_like(p) * 0.4 - 0.2 if "linear_attn" not in name else
+                        torch.rand_like(p) * 0.4 + 0.8)  # fmt: skip
+            else:  # A_log, dt_bias
+                p.copy_(torch.randn_like(p) * 0.3)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3NEXT, config.num_hidden_layers)
+    tensors, held = {}, {}
+    for hf_name, t in hf.state_dict().items():
+        value = t.numpy()
+        kind = _kind(hf_name, value)
+        held[hf_name] = _held(hf_name, value)  # row-wise blocks: the cut rows quantize alike
+        b = "blk." + hf_name.split(".")[2] + "." if ".layers." in hf_name else ""
+        if hf_name.endswith("in_proj_qkvz.weight"):
+            qkv, z = _cut_qkvz(value, config)
+            tensors[b + "attn_qkv.weight"], tensors[b + "attn_gate.weight"] = (qkv, kind), (z, kind)
+        elif hf_name.endswith("experts.gate_up_proj"):
+            half = value.shape[1] // 2
+            tensors[b + "ffn_gate_exps.weight"] = value[:, :half], kind
+            tensors[b + "ffn_up_exps.weight"] = value[:, half:], kind
+        elif hf_name.endswith("experts.down_proj"):
+            tensors[b + "ffn_down_exps.weight"] = value, kind
+        elif hf_name.endswith(".A_log"):
+            a = -np.exp(value)  # float32, as the reader's log(-a) reads it back
+            tensors[b + "ssm_a"], held[hf_name] = (a, None), np.log(-a)
+        elif hf_name.endswith(".dt_bias"):
+            tensors[b + "ssm_dt.bias"] = value, None
+        else:
+            g = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+            g = g if g.endswith((".weight", ".bias")) else g + ".weight"
+            if hf_name.endswith("conv1d.weight"):
+                value = value[:, 0, :]
+            elif hf_name.endswith("norm.weight") and "linear_attn" not in hf_name:
+                value = value + np.float32(1.0)  # llama.cpp's 1 + w, read back as (1 + w) - 1
+                held[hf_name] = value - np.float32(1.0)
+            tensors[g] = value, kind
+    hf.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in held.items()})
+    with torch.no_grad():
+        want = hf(torch.tensor(IDS)).logits.float().numpy()
+    w = gguf.GGUFWriter(str(path), "qwen3next")
+    for key, v in (("block_count", 2), ("context_length", 256), ("embedding_length", 64),
+                   ("feed_forward_length", 96), ("attention.head_count", 4),
+                   ("attention.head_count_kv", 2), ("attention.key_length", 32),
+                   ("attention.value_length", 32), ("expert_count", 4), ("expert_used_count", 2),
+                   ("expert_feed_forward_length", 32),
+                   ("expert_shared_feed_forward_length", 32), ("ssm.conv_kernel", 4),
+                   ("ssm.state_size", 32), ("ssm.group_count", 2), ("ssm.time_step_rank", 4),
+                   ("ssm.inner_size", 128), ("full_attention_interval", 2),
+                   ("rope.dimension_count", 8), ("vocab_size", V)):  # fmt: skip
+        w.add_uint32(f"qwen3next.{key}", v)
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    for g, (value, kind) in tensors.items():
+        if kind is None:
+            w.add_tensor(g, np.ascontiguousarray(value, dtype=np.float32))
+        else:
+            w.add_tensor(g, gguf.quants.quantize(np.ascontiguousarray(value), kind), raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return want
+
+
+@pytest.fixture(scope="module")
+def qwen3_next_file(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray]:
+    path = tmp_path_factory.mktemp("gguf_qwen3_next") / "qwen3next.gguf"
+    return path, _qwen3_next_file(path)
+
+
+def test_qwen3next_gguf_matches_transformers(qwen3_next_file: tuple, backend: str) -> None:
+    """llama.cpp's ``qwen3next`` read as Qwen3-Next: a Gated DeltaNet layer (``attn_qkv`` and
+    ``attn_gate`` kept quantized, ``ssm_ba``, ``ssm_a`` = ``-exp(A_log)``, the squeezed
+    convolution), then a gated full attention with partial RoPE (``attn_q`` with the gate's
+    rows, read as floats), a MoE with a gated shared expert on both, the norms' ``1 + w``:
+    transformers' logits on the file's values."""
+    path, want = qwen3_next_file
+    model = pl.load(path, backend=backend, dtype="float32", dequantize=False)
+    cfg = model.config
+    assert (cfg.model_type, cfg.layer_types) == (
+        "qwen3_next",
+        ("linear_attention", "full_attention"),
+    )
+    mixer = model.layers[0].mixer
+    assert isinstance(mixer.w_qkv, QuantizedWeight) and isinstance(mixer.w_z, QuantizedWeight)
+    assert isinstance(mixer.w_out, QuantizedWeight)
+    assert_close(model(pl.asarray(IDS, backend=backend)), want, backend=backend, dtype="float32")
+
+
+@numpy_only
+def test_qwen3next_gguf_slices_read_the_weights(qwen3_next_file: tuple) -> None:
+    """A partitioned load's reader gives the DeltaNet's tensors in the family's form: HF's
+    ``in_proj_qkvz`` as ``split_qkvz`` cuts it, ``A_log``, the norms less llama.cpp's 1."""
+    from portable_llm.checkpoint.gguf import GGUFSlices
+
+    path, _ = qwen3_next_file
+    model = pl.load(path, backend="numpy", dtype="float32", dequantize=True)
+    slices = GGUFSlices(path)
+    mixer = model.layers[0].mixer
+    for name, want in (("in_proj_qkv.weight", mixer.w_qkv), ("in_proj_z.weight", mixer.w_z),
+                       ("A_log", mixer.A_log)):  # fmt: skip
+        got = slices.read("model.layers.0.linear_attn." + name)
+        np.testing.assert_array_equal(got, np.asarray(want), err_msg=name)
+    norm = slices.read("model.layers.1.self_attn.q_norm.weight")
+    np.testing.assert_array_equal(norm, np.asarray(model.layers[1].attn.q_norm))

@@ -53,6 +53,7 @@ from portable_llm.checkpoint.gguf_meta import (
 )
 from portable_llm.checkpoint.gguf_tokenizer import gguf_tokenizer
 from portable_llm.checkpoint.mlx_layout import join_kv_b
+from portable_llm.checkpoint.quantized import float_only
 from portable_llm.checkpoint.weights import expected_shapes
 from portable_llm.decoder.config import DecoderConfig
 from portable_llm.decoder.families import FAMILIES
@@ -118,7 +119,7 @@ _BARE = {
 _BARE_NAME = re.compile(r"^blk\.(\d+)\.(ssm_a|ssm_d|ssm_dt\.bias|exp_probs_b\.bias)$")
 #: Tensors llama.cpp stores with a dimension of 1 squeezed out (LFM2's convolution ``(E, K)``,
 #: Falcon-H1's ``(C, K)``; HF's ``(.., 1, K)``): read back in HF's shape.
-_SQUEEZED = (".conv.conv.weight", ".mamba.conv1d.weight")
+_SQUEEZED = (".conv.conv.weight", ".mamba.conv1d.weight", ".linear_attn.conv1d.weight")
 #: Tensors llama.cpp stores in another shape (and form) than HF's (:func:`_stored_shape`).
 _RESHAPED = (*_SQUEEZED, ".mamba.A_log", ".mamba.D", ".mamba.norm.weight")
 #: A MoE layer's experts, stacked ``(X, N, K)``: HF v5's ``mlp.experts.{gate_up,down}_proj``
@@ -137,6 +138,24 @@ _UNSUFFIXED = {**_EXPERTS, "attn_sinks": "self_attn.sinks"}
 _POST_ATTENTION_NORM = {
     **{g: h for g, h in _LAYER.items() if g != "ffn_norm"},
     "post_attention_norm": "post_attention_layernorm",
+}
+#: Qwen3-Next's names (llama.cpp's ``qwen3next``): ``post_attention_norm`` before the MoE, the
+#: shared expert's gate ``ffn_gate_inp_shexp``, and the Gated DeltaNet's: llama.cpp's converter
+#: cuts HF's ``in_proj_qkvz`` into ``attn_qkv`` (q, k, v: the convolution's channels, in the
+#: order :func:`~portable_llm.decoder.families.qwen3_next.split_qkvz` gives) and ``attn_gate``
+#: (z), read as ``linear_attn.in_proj_qkv``/``in_proj_z`` (kept quantized); ``ssm_ba`` is HF's
+#: ``in_proj_ba``; ``ssm_a`` holds ``-exp(A_log)`` ``(H,)``; the convolution is ``(C, K)``.
+_QWEN3_NEXT = {
+    **_POST_ATTENTION_NORM,
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_ba": "linear_attn.in_proj_ba",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+    "ssm_a": "linear_attn.A_log",
+    "ssm_dt.bias": "linear_attn.dt_bias",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 #: OLMo 2's names (a norm after each sublayer, none before).
 _POST_NORMS = {
@@ -157,7 +176,10 @@ _FUSED = {
     "attn_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "ffn_up": ("mlp.gate_proj", "mlp.up_proj"),  # Phi-3's gate_up_proj (its only ffn_up)
 }
-_PLUS_ONE_TYPES = tuple(MODEL_TYPES.get(a, a) for a in NORM_PLUS_ONE)
+#: The model types whose norm weights llama.cpp stores as ``1 + w`` (Gemma's; Qwen3-Next's
+#: zero-centred norms, but the Gated DeltaNet's gated norm, :data:`_PLAIN_NORM`).
+_PLUS_ONE_TYPES = (*(MODEL_TYPES.get(a, a) for a in NORM_PLUS_ONE), "qwen3_next")
+_PLAIN_NORM = ".linear_attn.norm.weight"
 _PERMUTED_TYPES = tuple(MODEL_TYPES.get(a, a) for a in PERMUTED)
 _LAYER_INDEX = re.compile(r"^blk\.(\d+)\.")
 _BLK = re.compile(r"^blk\.(\d+)\.([\w.]+)\.(weight|bias)$")
@@ -168,6 +190,8 @@ def layer_names(cfg: DecoderConfig) -> dict[str, str]:
     norm before the MLP there), OLMo 2's norms after each sublayer, else Llama's."""
     if cfg.model_type in ("gpt_oss", "glm4_moe"):
         return _POST_ATTENTION_NORM
+    if cfg.model_type == "qwen3_next":
+        return _QWEN3_NEXT
     return _SANDWICH if cfg.sandwich_norms else _POST_NORMS if cfg.post_norms else _LAYER
 
 
@@ -179,9 +203,10 @@ def hf_name(name: str, *, layer: dict[str, str] | None = None) -> str | None:
     stem, _, suffix = name.rpartition(".")
     if stem in _GLOBAL and suffix in ("weight", "bias"):  # LayerNorm, Phi-2's lm_head: a bias
         return f"{_GLOBAL[stem]}.{suffix}"
+    layer = _LAYER if layer is None else layer
     bare = _BARE_NAME.match(name)
     if bare:
-        return f"model.layers.{bare[1]}.{_BARE[bare[2]]}"
+        return f"model.layers.{bare[1]}.{layer.get(bare[2], _BARE[bare[2]])}"
     m = _BLK.match(name)
     if m and m[2] in _KV_B and m[3] == "weight":
         return f"model.layers.{m[1]}.self_attn.kv_b_proj.weight"
@@ -189,7 +214,6 @@ def hf_name(name: str, *, layer: dict[str, str] | None = None) -> str | None:
         return f"model.layers.{m[1]}.{_UNSUFFIXED[m[2]]}"
     if m and m[2] in _EXPERTS:  # an expert's bias (gpt-oss)
         return f"model.layers.{m[1]}.{_EXPERTS[m[2]].removesuffix('_proj')}_bias"
-    layer = _LAYER if layer is None else layer
     if m and m[2] in layer:
         return f"model.layers.{m[1]}.{layer[m[2]]}.{m[3]}"
     return None
@@ -201,7 +225,12 @@ def hf_parts(name: str, cfg: DecoderConfig) -> tuple[str, ...]:
     vocabulary."""
     m = _BLK.match(name)
     fused = _FUSED.get(m[2]) if m else None
-    if m and fused and (m[2] == "attn_qkv" or cfg.model_type == "phi3"):
+    if (
+        m
+        and fused
+        and cfg.model_type != "qwen3_next"
+        and (m[2] == "attn_qkv" or cfg.model_type == "phi3")
+    ):
         return tuple(f"model.layers.{m[1]}.{stem}.{m[3]}" for stem in fused)
     if name == "token_embd_norm.weight" and cfg.model_type == "lfm2":
         return ("model.norm.weight",)  # LFM2's final norm (HF's model.embedding_norm)
@@ -220,6 +249,24 @@ def gguf_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
             X, two_i, E = shape
             for half in ("gate_proj", "up_proj"):
                 out[name.removesuffix("gate_up_proj") + half] = (X, two_i // 2, E)
+        else:
+            out[name] = shape
+    return _split_qkvz(cfg, out)
+
+
+def _split_qkvz(cfg: DecoderConfig, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """``shapes`` with each Gated DeltaNet's ``in_proj_qkvz`` ``(2 H_k D_k + 2 H D_v, E)`` as
+    the two tensors llama.cpp's converter writes (:data:`_QWEN3_NEXT`): ``in_proj_qkv``
+    ``(2 H_k D_k + H D_v, E)`` and ``in_proj_z`` ``(H D_v, E)``."""
+    if cfg.model_type != "qwen3_next":
+        return shapes
+    out: dict[str, Any] = {}
+    vd = cfg.mixer["linear_num_value_heads"] * cfg.mixer["linear_value_head_dim"]
+    for name, shape in shapes.items():
+        if name.endswith(".in_proj_qkvz.weight"):
+            stem = name.removesuffix("qkvz.weight")
+            out[stem + "qkv.weight"] = (shape[0] - vd, shape[1])
+            out[stem + "z.weight"] = (vd, shape[1])
         else:
             out[name] = shape
     return out
@@ -322,7 +369,12 @@ class GGUFSlices:
         """``(bits, group_size)`` of tensor ``name`` where it is read kept quantized."""
         t = self.tensors[self.names[name]]
         kind = t.kind
-        if self.keep and kind in AFFINE_FORMATS and len(_shape(t)) == 2:
+        if (
+            self.keep
+            and kind in AFFINE_FORMATS
+            and len(_shape(t)) == 2
+            and not float_only(self.config.model_type, name)
+        ):
             return AFFINE_FORMATS[kind]
         return None
 
@@ -535,10 +587,10 @@ def _unstored(name: str, cfg: DecoderConfig, host: np.ndarray) -> np.ndarray:
     """A float tensor as HF holds it: llama.cpp stores Gemma's norm weights as ``1 + w``
     (transformers' ``Gemma2TensorProcessor`` subtracts the 1; the decoder adds it back)."""
     if cfg.model_type in _PLUS_ONE_TYPES and name.endswith("norm.weight"):
-        return host - np.float32(1.0)
+        return host if name.endswith(_PLAIN_NORM) else host - np.float32(1.0)
     if name.endswith(_SQUEEZED):  # (E, K) -> (E, 1, K)
         return host[:, None, :]
-    if name.endswith(".mamba.A_log"):  # llama.cpp stores A = -exp(A_log), (H, 1)
+    if name.endswith((".mamba.A_log", ".linear_attn.A_log")):  # A = -exp(A_log): (H, 1), (H,)
         return np.log(-host).reshape(-1)
     if name.endswith(_RESHAPED):  # D (H, 1); the gated norm (G, I / G)
         return host.reshape(-1)
@@ -587,7 +639,13 @@ def _tensor(
         from portable_llm.checkpoint.mxfp4 import mxfp4_from_ggml
 
         return mxfp4_from_ggml(blocks, shape, dtype=bk.dtype_name(dtype), backend=bk, device=device)
-    if dequantize or kind not in AFFINE_FORMATS or len(shape) != 2 or name.endswith(_RESHAPED):
+    if (
+        dequantize
+        or kind not in AFFINE_FORMATS
+        or len(shape) != 2
+        or name.endswith(_RESHAPED)
+        or float_only(cfg.model_type, name)  # cut by the family's reader with array operations
+    ):
         host = _unstored(name, cfg, dequantize_blocks(kind, blocks).reshape(_shape(t)))
         if rows is not None:
             host = host[rows]

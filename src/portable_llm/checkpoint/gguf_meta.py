@@ -54,6 +54,7 @@ GGUF_ARCHITECTURES: tuple[str, ...] = (
     "falcon-h1",
     "deepseek2",
     "glm4moe",
+    "qwen3next",
 )
 #: llama.cpp's LlamaModel converter (its Mistral, SmolLM3 and Granite subclasses too) permutes
 #: the rows of q/k (weights and biases) for its rotary layout; Qwen's, OLMo 2's and StarCoder2's
@@ -69,6 +70,7 @@ MODEL_TYPES: dict[str, str] = {
     "falcon-h1": "falcon_h1",
     "deepseek2": "deepseek_v3",
     "glm4moe": "glm4_moe",
+    "qwen3next": "qwen3_next",
 }
 #: The architectures with LayerNorm (``{arch}.attention.layer_norm_epsilon``), not RMSNorm.
 LAYER_NORM: tuple[str, ...] = ("phi2", "gpt2", "starcoder2", "cohere2")
@@ -343,6 +345,12 @@ _EXPERTS: dict[str, dict[str, str]] = {
         "expert_used_count": "num_experts_per_tok",
         "expert_feed_forward_length": "moe_intermediate_size",
     },
+    "qwen3next": {
+        "expert_count": "num_experts",
+        "expert_used_count": "num_experts_per_tok",
+        "expert_feed_forward_length": "moe_intermediate_size",
+        "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+    },
     "gpt-oss": {  # HF's intermediate_size is the experts' width
         "expert_count": "num_experts",
         "expert_used_count": "num_experts_per_tok",
@@ -385,6 +393,8 @@ def _arch_fields(meta: GGUFMetadata, arch: str, tensors: dict[str, GGUFTensor]) 
         out.update(_deepseek2_fields(meta))
     if arch == "glm4moe":
         out.update(_glm4moe_fields(meta, tensors))
+    if arch == "qwen3next":
+        out.update(_qwen3next_fields(meta, tensors))
     if arch in _BIASED:
         attn, mlp = "blk.0.attn_q.bias" in tensors, "blk.0.ffn_down.bias" in tensors
         out.update(attention_bias=attn, mlp_bias=mlp)
@@ -476,6 +486,36 @@ def _glm4moe_fields(meta: GGUFMetadata, tensors: dict[str, GGUFTensor]) -> dict[
         "head_dim": D,
         "partial_rotary_factor": rope / D,
         "use_qk_norm": "blk.0.attn_q_norm.weight" in tensors,
+    }
+
+
+def _qwen3next_fields(meta: GGUFMetadata, tensors: dict[str, GGUFTensor]) -> dict[str, Any]:
+    """Qwen3-Next as llama.cpp's ``qwen3next`` holds it: the Gated DeltaNet's sizes from the
+    ``ssm.*`` keys (``group_count`` ``H_k``, ``state_size`` ``D_k``, ``time_step_rank`` ``H``,
+    ``inner_size`` ``H D_v``, ``conv_kernel`` ``K``), every ``full_attention_interval``-th layer
+    full attention (llama.cpp's rule), RoPE on ``rope.dimension_count`` of each head's
+    ``key_length`` features, a MoE on every layer (llama.cpp's: no dense layers), the biases of
+    ``q/k/v/o`` where ``attn_q.bias`` is."""
+    a = "qwen3next."
+    H, inner = meta.count(a + "ssm.time_step_rank"), meta.count(a + "ssm.inner_size")
+    if inner % H:
+        raise meta.fail(a + "ssm.inner_size", f"{inner} is not a multiple of time_step_rank {H}")
+    D = meta.count_or_none(a + "attention.key_length") or (
+        meta.count(a + "embedding_length") // meta.count(a + "attention.head_count")
+    )
+    rope = meta.count_or_none(a + "rope.dimension_count") or D // 4
+    return {
+        "linear_num_key_heads": meta.count(a + "ssm.group_count"),
+        "linear_key_head_dim": meta.count(a + "ssm.state_size"),
+        "linear_num_value_heads": H,
+        "linear_value_head_dim": inner // H,
+        "linear_conv_kernel_dim": meta.count(a + "ssm.conv_kernel"),
+        "full_attention_interval": meta.count_or_none(a + "full_attention_interval") or 4,
+        "head_dim": D,
+        "partial_rotary_factor": rope / D,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "attention_bias": any(name.endswith(".attn_q.bias") for name in tensors),
     }
 
 

@@ -255,13 +255,18 @@ def _gated_norm(xp: Namespace, kn: KernelSet, x: Array, z: Array, w: Array, *, e
 
 
 def _read_deltanet(cfg: LayerConfig, w: Mapping[str, Any], c: str) -> GatedDeltaNet:
-    """The Gated DeltaNet of the tensors under ``c`` (``model.layers.{i}.linear_attn.``)."""
+    """The Gated DeltaNet of the tensors under ``c`` (``model.layers.{i}.linear_attn.``):
+    HF's ``in_proj_qkvz`` cut by :func:`split_qkvz`, or its two parts ``in_proj_qkv`` and
+    ``in_proj_z`` as a GGUF file holds them (each may be a quantized weight)."""
     m = cfg.mixer
     h_k, d_k = m["linear_num_key_heads"], m["linear_key_head_dim"]
     H, d_v = m["linear_num_value_heads"], m["linear_value_head_dim"]
-    qkvz, conv = w[c + "in_proj_qkvz.weight"], w[c + "conv1d.weight"]  # conv: (C, 1, K)
-    xp = _xp(qkvz)
-    w_qkv, w_z = split_qkvz(xp, qkvz, h_k, d_k, H, d_v)
+    conv = w[c + "conv1d.weight"]  # (C, 1, K)
+    xp = _xp(conv)
+    if c + "in_proj_qkv.weight" in w:  # already cut (a GGUF's attn_qkv, attn_gate): as given
+        w_qkv, w_z = w[c + "in_proj_qkv.weight"], w[c + "in_proj_z.weight"]
+    else:
+        w_qkv, w_z = split_qkvz(xp, w[c + "in_proj_qkvz.weight"], h_k, d_k, H, d_v)
     w_b, w_a = split_ba(xp, w[c + "in_proj_ba.weight"], h_k, H)
     return GatedDeltaNet(
         w_qkv=w_qkv, w_z=w_z, w_b=w_b, w_a=w_a,
