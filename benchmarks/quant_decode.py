@@ -36,6 +36,7 @@ import itertools
 import json
 import os
 import statistics
+import sys
 import tempfile
 from collections.abc import Callable
 from functools import partial
@@ -65,6 +66,11 @@ def main() -> None:
         help="a .gguf file (default SmolLM2); repeat for several",
     )
     ap.add_argument("--peer", action="store_true", help="also llama.cpp on each file")
+    ap.add_argument(
+        "--llama-site",
+        default=None,
+        help="a site-packages folder holding llama_cpp (another venv's), appended to sys.path",
+    )
     ap.add_argument("--backend", action="append", default=None)
     ap.add_argument("--dtype", action="append", default=None)
     ap.add_argument("--choice", action="append", default=None, help="False, True or auto")
@@ -84,6 +90,8 @@ def main() -> None:
         help="torch's threads, and llama.cpp's (set OMP_NUM_THREADS to match for NumPy's BLAS)",
     )
     args = ap.parse_args()
+    if args.llama_site:
+        sys.path.append(args.llama_site)
     paths = args.model or [smollm2_gguf()]
     if "torch" in (args.backend or []) or args.peer:
         import torch
