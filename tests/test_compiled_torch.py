@@ -150,3 +150,21 @@ def test_no_compiler_runs_the_prepared_forward(
     assert default.compiled is None and default.compile_note is None  # opt-in: not asked
     with pytest.raises(ValueError, match="compile must be True, False or 'auto'"):
         pl.Model(config, weights, pl.get_backend("torch"), compile="yes")
+
+
+def test_generate_says_why_the_step_is_off(
+    folder: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``portable-llm generate --compile`` on a machine without a C++ compiler decodes with the
+    prepared forward and ends its decode line with the reason."""
+    from portable_llm.cli.cli import main
+
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    args = ["generate", str(folder), "--backend", "torch", "--ids", "5,17,3"]
+    assert main([*args, "--max-new-tokens", "3", "--compile"]) == 0
+    out = capsys.readouterr()
+    text = " ".join((out.out + out.err).split())  # the lines wrapped to the terminal's width
+    assert "tokens/s; compiled step off: " + _NO_CXX in text, text
+
+
+_NO_CXX = "no C++ compiler for inductor (set CXX, or install g++ or clang++)"

@@ -26,6 +26,7 @@ from portable_llm.cli.output import (
     Progress,
     activations_note,
     check_usage,
+    compile_note,
     error,
     path_errors,
     plural,
@@ -43,6 +44,13 @@ def add_generate_parser(sub: Any) -> argparse.ArgumentParser:
         "prefill and decode tokens/s at the end",
     )
     add_model_arguments(p)
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="also where the compiled decode step is opt-in (torch's CPU: make_fx and inductor, "
+        "which needs a C++ compiler and 1.5-3.5 minutes in the first decoded token; "
+        "docs/models.md); the decode line says why when it cannot run",
+    )
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="the prompt text (needs the checkpoint's tokenizer)")
     prompt.add_argument(
@@ -156,7 +164,8 @@ def _summary(
         f"{s.prefill_tokens_per_second:.1f} tokens/s",
         f"decode: {plural(s.decode_steps, 'token')} in {s.decode_seconds:.3f} s, "
         f"{s.decode_tokens_per_second:.1f} tokens/s{activations_note(model)}"
-        + (" (1 torch thread)" if one else ""),
+        + (" (1 torch thread)" if one else "")
+        + compile_note(model),
     ]
     if isinstance(s, SpeculativeStats):
         lines += [
@@ -181,7 +190,8 @@ def _load(args: argparse.Namespace, draft_path: str | None) -> tuple[dict, bool,
     model = load(
         args.path, backend=args.backend, dtype=args.dtype, device=args.device,
         dequantize=getattr(args, "dequantize", "auto"),
-        activations=getattr(args, "activations", "auto"), **groups,
+        activations=getattr(args, "activations", "auto"),
+        compile=True if getattr(args, "compile", False) else "auto", **groups,
     )  # fmt: skip
     draft = None
     if draft_path is not None:

@@ -18,6 +18,7 @@ from portable_llm.checkpoint.hub import is_repo_id
 __all__ = [
     "HEARTBEAT",
     "activations_note",
+    "compile_note",
     "WIDTH",
     "Phases",
     "Progress",
@@ -179,6 +180,14 @@ class Table:
     def header(self) -> str:
         """The header line and the rule of dashes under it."""
         return self.row(self.headers) + "\n" + self.row(["-" * w for w in self.widths])
+
+
+def compile_note(model: object) -> str:
+    """``"; compiled step off: <why>"`` for a model whose compiled decode step was asked for
+    and does not run (:attr:`portable_llm.models.Model.compile_note`, e.g. no C++ compiler for
+    torch's inductor), to end a decode speed line; ``""`` otherwise."""
+    note = getattr(model, "compile_note", None)
+    return "" if note is None else f"; compiled step off: {note}"
 
 
 def activations_note(model: object) -> str:
