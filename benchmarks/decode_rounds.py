@@ -83,6 +83,27 @@ def engines(folder: Path, backend: str, dtype: str, ids: np.ndarray, n: int) -> 
     return out
 
 
+def interleaved(
+    folder: Path, backends: list[str], dtype: str, rounds: int, new: int
+) -> tuple[dict[str, list[float]], list[float]]:
+    """Every engine's decode tokens/s per round (each round runs every engine once, in turn,
+    after one warm-up run each) and the load average after each round."""
+    # Ids below 1000, as the bench's: the tiny model's vocabulary is 1024.
+    ids = np.random.default_rng(0).integers(0, 1000, size=(1, mb.PREFILL))
+    runs: dict[str, Run] = {}
+    for backend in backends:
+        runs.update(engines(folder, backend, dtype, ids, new))
+    for run in runs.values():  # warm-up: compilation, allocators
+        run()
+    rates: dict[str, list[float]] = {name: [] for name in runs}
+    loads = []
+    for _ in range(rounds):
+        for name, run in runs.items():
+            rates[name].append(run())
+        loads.append(os.getloadavg()[0])
+    return rates, loads
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, help="checkpoint folder (default: the tiny one)")
@@ -92,19 +113,8 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=mb.DECODE, help="new tokens per run")
     args = parser.parse_args()
     folder = args.model or mb.write_bench_checkpoint(config=mb.TINY)
-    # Ids below 1000, as the bench's: the tiny model's vocabulary is 1024.
-    ids = np.random.default_rng(0).integers(0, 1000, size=(1, mb.PREFILL))
-    runs: dict[str, Run] = {}
-    for backend in args.backend or ["torch", "mlx"]:
-        runs.update(engines(folder, backend, args.dtype, ids, args.new))
-    for run in runs.values():  # warm-up: compilation, allocators
-        run()
-    rates: dict[str, list[float]] = {name: [] for name in runs}
-    loads = []
-    for _ in range(args.rounds):
-        for name, run in runs.items():
-            rates[name].append(run())
-        loads.append(os.getloadavg()[0])
+    backends = args.backend or ["torch", "mlx"]
+    rates, loads = interleaved(folder, backends, args.dtype, args.rounds, args.new)
     print(
         f"{folder.name}, {args.dtype}, {args.new} new tokens after {mb.PREFILL}, "
         f"{args.rounds} interleaved rounds, load average {min(loads):.1f}-{max(loads):.1f}"
