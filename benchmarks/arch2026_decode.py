@@ -8,9 +8,10 @@ transformers 4's spellings beside 5's, which mlx-lm's model arguments require). 
 interleaved rounds are ``decode_rounds.py``'s (beside this file): float32, a 128-token prompt,
 ``--new`` tokens, each round runs every engine once in turn, medians over ``--rounds``.
 One thread: ``torch.set_num_threads(1)`` and ``OMP_NUM_THREADS``/``OPENBLAS_NUM_THREADS`` 1
-before any import (MLX's CPU matmuls go to its BLAS; MLX has no thread setting of its own).
+before any import (MLX has no thread setting of its own: its CPU stream runs on a worker
+thread beside Python's, so an MLX engine keeps up to 2 threads busy).
 
-    python benchmarks/arch2026_decode.py lfm2 FOLDER [--rounds 5 --new 24]
+    python benchmarks/arch2026_decode.py lfm2 FOLDER [--rounds 7 --new 24]
     python benchmarks/arch2026_decode.py qwen3_moe FOLDER
 
 - ``lfm2``: 42.9 M parameters, E=512, 8 layers (5 short convolutions of 3 taps, 3 attention
@@ -51,6 +52,14 @@ CONFIGS = {
         "tie_word_embeddings": False,
     },
 }  # fmt: skip
+
+
+#: (portable_llm's engine, its peer) whose per-round ratio is printed.
+PAIRS = (
+    ("portable_llm torch", "transformers"),
+    ("portable_llm mlx", "mlx-lm generate_step"),
+    ("portable_llm mlx", "mlx-lm plain loop"),
+)
 
 
 def write(family: str, folder: Path) -> Path:
@@ -99,7 +108,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("family", choices=sorted(CONFIGS))
     parser.add_argument("folder", type=Path)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--new", type=int, default=24, help="new tokens per run")
     parser.add_argument("--backend", action="append", default=None)
     args = parser.parse_args()
@@ -117,6 +126,10 @@ def main() -> None:
             f"{name:32s} median {np.median(values):6.2f} tok/s   "
             f"(rounds: {', '.join(f'{v:.2f}' for v in values)})"
         )
+    for ours, peer in PAIRS:  # the same round's ratio: the load moves less within a round
+        if ours in rates and peer in rates:
+            ratio = np.median(np.divide(rates[ours], rates[peer]))
+            print(f"{ours} / {peer}: median of the rounds' ratios {ratio:.2f}")
 
 
 if __name__ == "__main__":
