@@ -246,3 +246,66 @@ def test_deepseek_folder_kv_b_joined(mlx_folders: dict) -> None:
         name = "model.layers.1.self_attn.kv_b_proj.weight"
         assert slices.shapes[name] == want.shape == (2 * (64 + 64), 64)
         np.testing.assert_array_equal(slices.read(name), want)
+
+
+#: gpt-oss as mlx-lm 0.32 reads it: a top-level ``rope_theta`` and no YaRN (mlx-lm rounds
+#: YaRN's correction range, gpt-oss's ``truncate=False`` does not), ``swiglu_limit`` 7 (mlx-lm's
+#: fixed clamp; gpt-oss's default), a window shorter than the prompt on the even layers.
+_GPT_OSS = {"hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4,
+            "swiglu_limit": 7.0, "max_position_embeddings": 256,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_mlx_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """mlx-lm's folder of a tiny gpt-oss: OpenAI's MXFP4 layout (the experts' ``*_blocks`` and
+    ``*_scales``, ``quantization_config`` ``mxfp4``: the only gpt-oss checkpoint mlx-lm 0.32
+    converts) through ``mlx_lm.convert``, which keeps the experts' codes in MLX's ``mxfp4``
+    mode (gate and up de-interleaved) and the rest in floats."""
+    from safetensors.numpy import load_file, save_file
+
+    from test_oracle_gpt_oss import quantize_mxfp4
+
+    root = tmp_path_factory.mktemp("gpt_oss_mlx")
+    hf_dir, out = root / "hf", root / "mlx"
+    config = transformers.GptOssConfig(vocab_size=V, bos_token_id=1, eos_token_id=2, **_GPT_OSS)
+    torch.manual_seed(3)
+    model = transformers.GptOssForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim > 1:
+                p.copy_(torch.randn_like(p) * 0.15)
+            else:  # norms near 1; biases and sinks near 0
+                p.copy_(
+                    torch.rand_like(p) * 0.4 + 0.8 if "norm" in name else torch.randn_like(p) * 0.1
+                )
+    model.save_pretrained(hf_dir)
+    file = str(hf_dir / "model.safetensors")
+    tensors = load_file(file)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        rows = np.ascontiguousarray(tensors.pop(name).swapaxes(1, 2))  # (X, out, in)
+        tensors[name + "_blocks"], tensors[name + "_scales"] = quantize_mxfp4(rows)
+    save_file(tensors, file, metadata={"format": "pt"})
+    config_json = json.loads((hf_dir / "config.json").read_text())
+    mxfp4 = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    config_json |= {"rope_theta": 10000.0, "quantization_config": mxfp4}
+    (hf_dir / "config.json").write_text(json.dumps(config_json))
+    save_hf_tokenizer(hf_dir, vocab_size=V)
+    mlx_lm.convert(hf_path=str(hf_dir), mlx_path=str(out))
+    return out
+
+
+def test_gpt_oss_folder_logits_match_mlx_lm(gpt_oss_mlx_folder: Path, backend: str) -> None:
+    """mlx-lm's gpt-oss folder (``quantization`` ``mode: "mxfp4"``): the experts' ``uint32``
+    words and ``uint8`` exponents read as :class:`~portable_llm.MXFP4Weight` (``router``,
+    ``experts.*_proj.bias`` by mlx-lm's names), the logits mlx-lm's own model gives."""
+    ref, _ = mlx_lm_utils.load_model(gpt_oss_mlx_folder)
+    want = np.array(ref(mx.array(IDS)).astype(mx.float32))
+    model = pl.load(gpt_oss_mlx_folder, backend=backend, dtype="float32")
+    moe = model.layers[0].moe
+    experts = (moe.experts_gate, moe.experts_up, moe.experts_down)
+    assert all(isinstance(w, pl.MXFP4Weight) for w in experts)
+    assert [w.shape for w in experts] == [(4, 32, 64), (4, 32, 64), (4, 64, 32)]
+    assert_close(model(pl.asarray(IDS, backend=backend)), want, backend=backend, dtype="float32")

@@ -4,7 +4,9 @@ float64 product, native kernels against the portable path, and bad input."""
 
 from __future__ import annotations
 
+import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -634,3 +636,24 @@ def test_torch_bound_weight_runs_the_specialized_kernel_with_the_same_bits(bits,
     x32 = x.float()
     chosen = d.pick("quantized_linear", "auto", x32, *qw.arrays, None, **opts)
     assert d.specialized("quantized_linear", chosen, x32, *qw.arrays, None, **opts) is None
+
+
+@only_on("numpy")
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [({"mode": "nvfp4", "bits": 4, "group_size": 16}, "mode 'nvfp4' is not supported"),
+     ({"mode": "mxfp4", "bits": 8, "group_size": 32}, "mode 'mxfp4' needs bits=4, group_size=32")],
+)  # fmt: skip
+def test_quantization_mode_is_checked(tmp_path, entry, message):
+    """A folder's ``quantization`` mode: ``affine``, or ``mxfp4`` (gpt-oss's experts as mlx-lm
+    converts them) at 4 bits per group of 32; anything else an error naming it."""
+    from portable_llm.checkpoint.quantized import read_quantization
+
+    (tmp_path / "config.json").write_text(json.dumps({"quantization": entry}))
+    with pytest.raises(pl.CheckpointError, match=re.escape(message)):
+        read_quantization(tmp_path)
+    ok = {"bits": 4, "group_size": 32, "mode": "mxfp4", "m.router": {"bits": 8, "group_size": 64,
+          "mode": "affine"}}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps({"quantization": ok}))
+    q = read_quantization(tmp_path)
+    assert q is not None and q.is_mxfp4("m.experts.gate_proj") and not q.is_mxfp4("m.router")

@@ -75,6 +75,27 @@ class Stored(NamedTuple):
     offset: float = 0.0  # stored = the decoder's + offset (a float tensor's only)
 
 
+#: mlx-lm's ``gpt_oss`` names of a MoE layer's tensors (after ``.mlp.``; its ``sanitize`` cuts
+#: HF's interleaved ``gate_up_proj`` and its bias into gate and up, as the model takes them).
+_GPT_OSS = {
+    "gate.weight": "router.weight",
+    "gate.bias": "router.bias",
+    **{f"experts.{p}_proj": f"experts.{p}_proj.weight" for p in ("gate", "up", "down")},
+    **{f"experts.{p}_bias": f"experts.{p}_proj.bias" for p in ("gate", "up", "down")},
+}
+
+
+def _gpt_oss(expected: dict[str, tuple[int, ...]]) -> dict[str, Stored]:
+    """Where mlx-lm's ``gpt_oss`` folder holds a MoE layer's tensors (:data:`_GPT_OSS`): its
+    experts ``(X, N, K)`` as the model takes them (MXFP4, ``Quantization.is_mxfp4``)."""
+    out = {}
+    for name, shape in expected.items():
+        base, _, leaf = name.rpartition(".mlp.")
+        if leaf in _GPT_OSS:
+            out[name] = Stored(f"{base}.mlp.{_GPT_OSS[leaf]}", shape)
+    return out
+
+
 def stored_tensors(
     cfg: DecoderConfig, expected: dict[str, tuple[int, ...]], files: Collection[str]
 ) -> dict[str, Stored]:
@@ -94,6 +115,8 @@ def stored_tensors(
         for name, (stored, shape, _, _, _) in list(out.items()):
             if name.endswith(_PLUS_ONE_NORMS) and len(shape) == 1:
                 out[name] = Stored(stored, shape, offset=1.0)
+    if cfg.model_type == "gpt_oss":
+        out.update(_gpt_oss(expected))
     if cfg.model_type == "deepseek_v3":  # kv_b_proj: two stored halves, joined at load
         H, R = cfg.num_attention_heads, cfg.kv_lora_rank
         dn, dv = cfg.qk_nope_head_dim, cfg.v_head_dim

@@ -7,7 +7,10 @@ Such a folder is an HF folder whose ``config.json`` has ``"quantization": {"grou
 in floats). Each quantized module ``p`` stores ``p.weight`` (uint32 codes, ``(N, K * bits / 32)``),
 ``p.scales`` and ``p.biases`` (``(N, K / group_size)``): MLX's affine format, which
 :class:`~portable_llm.ops.quant.QuantizedWeight` holds as is, on any backend. Biases of a layer
-(``q_proj.bias``) and norms stay float tensors.
+(``q_proj.bias``) and norms stay float tensors. A module in ``"mode": "mxfp4"`` (gpt-oss's
+experts as mlx-lm converts OpenAI's checkpoint; 4 bits, groups of 32) stores ``p.weight``
+(uint32 words of eight E2M1 codes) and ``p.scales`` (uint8 E8M0 exponents), no biases: read as
+:class:`~portable_llm.MXFP4Weight`.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from portable_llm.checkpoint.weights import expected_shapes, to_backend
 from portable_llm.decoder.config import DecoderConfig
 from portable_llm.ops.quant import BITS, GROUP_SIZES, QuantizedWeight, fastest_form
 from portable_llm.ops.quant import dequantize as dequantize_weight
+from portable_llm.ops.quant.mxfp4 import MXFP4Weight
 
 __all__ = [
     "FAMILY_FLOAT_ONLY",
@@ -78,10 +82,20 @@ class Entry(NamedTuple):
 
 class Quantization:
     """A folder's ``"quantization"``: the default ``(bits, group_size)`` and per-module ones
-    (``None`` for a module left in floats)."""
+    (``None`` for a module left in floats), and the modules in MLX's ``mode="mxfp4"``
+    (gpt-oss's experts as mlx-lm converts OpenAI's checkpoint: :meth:`is_mxfp4`)."""
 
-    def __init__(self, bits: int, group_size: int, layers: dict[str, tuple[int, int] | None]):
+    def __init__(
+        self, bits: int, group_size: int, layers: dict[str, tuple[int, int] | None],
+        mode: str = "affine", modes: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
         self.bits, self.group_size, self.layers = bits, group_size, layers
+        self.mode, self.modes = mode, modes or {}
+
+    def is_mxfp4(self, module: str) -> bool:
+        """Whether module ``module`` is stored in MLX's MXFP4 layout (``uint32`` words of eight
+        E2M1 codes, one ``uint8`` E8M0 exponent per 32 values, no biases)."""
+        return self.modes.get(module, self.mode) == "mxfp4"
 
     def of(self, module: str) -> tuple[int, int] | None:
         """``(bits, group_size)`` of module ``module`` (``"model.layers.0.mlp.down_proj"``)."""
@@ -92,9 +106,11 @@ def _format(where: str, entry: Any) -> tuple[int, int]:
     if not isinstance(entry, dict):
         raise CheckpointError(f"{where} must be an object with bits and group_size, got {entry!r}")
     mode = entry.get("mode", "affine")
-    if mode != "affine":
-        raise CheckpointError(f"{where}: mode {mode!r} is not supported (only 'affine')")
     bits, group = entry.get("bits"), entry.get("group_size")
+    if mode == "mxfp4" and (bits, group) != (4, 32):
+        raise CheckpointError(f"{where}: mode 'mxfp4' needs bits=4, group_size=32")
+    if mode not in ("affine", "mxfp4"):
+        raise CheckpointError(f"{where}: mode {mode!r} is not supported ('affine', 'mxfp4')")
     if type(bits) is not int or bits not in BITS:  # 4.0 == 4, but a float is not a bit count
         raise CheckpointError(f"{where}: bits must be one of {BITS}, got {bits!r}")
     if type(group) is not int or group not in GROUP_SIZES:
@@ -115,14 +131,17 @@ def read_quantization(path: str | Path, /) -> Quantization | None:
     where = f"load: {str(file)!r}: quantization"
     bits, group = _format(where, q)
     layers: dict[str, tuple[int, int] | None] = {}
+    modes: dict[str, str] = {}
     for key, entry in q.items():
         if key in ("bits", "group_size", "mode"):
             continue
         if entry is False:
             layers[key] = None
         elif isinstance(entry, dict):
-            layers[key] = _format(f"{where}[{key!r}]", {"mode": q.get("mode", "affine"), **entry})
-    return Quantization(bits, group, layers)
+            entry = {"mode": q.get("mode", "affine"), **entry}
+            layers[key] = _format(f"{where}[{key!r}]", entry)
+            modes[key] = entry["mode"]
+    return Quantization(bits, group, layers, q.get("mode", "affine"), modes)
 
 
 def stored_dtype(st: SafetensorsFiles, name: str) -> str | None:
@@ -181,6 +200,11 @@ def read_quantized_weights(
             continue
         stem = name.removesuffix(".weight")
         codes = read(name, rows)
+        if quant.is_mxfp4(stem):  # gpt-oss's experts: kept as MXFP4 unless dequantize=True
+            words, exps = (bk.from_numpy(a, device) for a in (codes, read(stem + ".scales", rows)))
+            mx = MXFP4Weight(words, exps, dtype=bk.dtype_name(dtype))
+            out[out_name] = dequantize_weight(mx) if dequantize is True else mx
+            continue
         scales = to_backend(stem + ".scales", read(stem + ".scales", rows), bk, dtype, device)
         biases = to_backend(stem + ".biases", read(stem + ".biases", rows), bk, dtype, device)
         qw = QuantizedWeight(
@@ -219,6 +243,8 @@ def check_quantized(
                 stem + ".scales": ((*lead, k // group), tuple(SAFETENSORS_FLOATS)),
                 stem + ".biases": ((*lead, k // group), tuple(SAFETENSORS_FLOATS)),
             }
+            if quant.is_mxfp4(stem):  # E8M0 exponents, no biases
+                want = {name: want[name], stem + ".scales": ((*lead, k // group), ("U8",))}
             for part, (pshape, kinds) in want.items():
                 if part not in st.shapes:
                     problems.append(f"missing {part}")
@@ -300,7 +326,11 @@ def _stored_names(st: SafetensorsFiles, cfg: DecoderConfig) -> dict[str, Stored]
         shape = where.shape
         base, _, leaf = name.rpartition(".mlp.")
         module = base + ".mlp."
-        if leaf in ("experts.gate_up_proj", "experts.down_proj", "gate.weight"):
+        if where.name == name and leaf in (
+            "experts.gate_up_proj",
+            "experts.down_proj",
+            "gate.weight",
+        ):
             moe = base + ".block_sparse_moe."
             stored = moe if moe + "gate.weight" in st.files else module  # Mixtral's module name
             if leaf == "gate.weight":
