@@ -99,7 +99,8 @@ def test_traced_graph_equals_the_eager_step(
     folder: Path, graph_only: None, activations: str, quantized: bool
 ) -> None:
     """What inductor is given: make_fx's graph of the step, run as it is. In the int8 mode
-    every projection is one custom-op node (the weight prepacked at the trace)."""
+    every projection is one custom-op node (the weight prepacked at the trace), and the
+    attention of one query row is the portable path's ops (inductor compiles them)."""
     model, eager = _models(folder, activations, quantized)
     _greedy(model, eager)
     programs = list(model.compiled._fns.values())  # type: ignore[union-attr]
@@ -109,6 +110,8 @@ def test_traced_graph_equals_the_eager_step(
         ops = [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
         # the 2 layers' 7 projections and the (untied, quantized) LM head
         assert ops.count("portable_llm.quantized_linear_int8.default") == 2 * 7 + 1
+        # one query row's attention: the portable matmuls and softmax, no fused SDPA kernel
+        assert not [op for op in ops if "scaled_dot_product" in op]
 
 
 @pytest.mark.slow
