@@ -258,12 +258,14 @@ _GPT_OSS = {"hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 2,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def gpt_oss_mlx_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="module", params=[False, True], ids=["mxfp4", "mxfp4+q4"])
+def gpt_oss_mlx_folder(tmp_path_factory: pytest.TempPathFactory, request: Any) -> Path:
     """mlx-lm's folder of a tiny gpt-oss: OpenAI's MXFP4 layout (the experts' ``*_blocks`` and
     ``*_scales``, ``quantization_config`` ``mxfp4``: the only gpt-oss checkpoint mlx-lm 0.32
     converts) through ``mlx_lm.convert``, which keeps the experts' codes in MLX's ``mxfp4``
-    mode (gate and up de-interleaved) and the rest in floats."""
+    mode (gate and up de-interleaved) and the rest in floats, or with ``quantize=True`` the
+    other matrices in 4-bit affine groups of 64 and the routers in 8 bits (per-layer entries
+    without a mode: affine, as MLX's ``to_quantized`` reads them)."""
     from safetensors.numpy import load_file, save_file
 
     from test_oracle_gpt_oss import quantize_mxfp4
@@ -293,7 +295,8 @@ def gpt_oss_mlx_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config_json |= {"rope_theta": 10000.0, "quantization_config": mxfp4}
     (hf_dir / "config.json").write_text(json.dumps(config_json))
     save_hf_tokenizer(hf_dir, vocab_size=V)
-    mlx_lm.convert(hf_path=str(hf_dir), mlx_path=str(out))
+    mlx_lm.convert(hf_path=str(hf_dir), mlx_path=str(out), quantize=request.param, q_bits=4,
+                   q_group_size=64)  # fmt: skip
     return out
 
 
@@ -303,9 +306,12 @@ def test_gpt_oss_folder_logits_match_mlx_lm(gpt_oss_mlx_folder: Path, backend: s
     ``experts.*_proj.bias`` by mlx-lm's names), the logits mlx-lm's own model gives."""
     ref, _ = mlx_lm_utils.load_model(gpt_oss_mlx_folder)
     want = np.array(ref(mx.array(IDS)).astype(mx.float32))
-    model = pl.load(gpt_oss_mlx_folder, backend=backend, dtype="float32")
+    model = pl.load(gpt_oss_mlx_folder, backend=backend, dtype="float32", dequantize=False)
     moe = model.layers[0].moe
     experts = (moe.experts_gate, moe.experts_up, moe.experts_down)
     assert all(isinstance(w, pl.MXFP4Weight) for w in experts)
     assert [w.shape for w in experts] == [(4, 32, 64), (4, 32, 64), (4, 64, 32)]
+    quant = json.loads((gpt_oss_mlx_folder / "config.json").read_text())["quantization"]
+    q4 = "model.layers.0.self_attn.q_proj" in quant  # the other matrices quantized too
+    assert isinstance(model.layers[0].attn.wq, QuantizedWeight) == q4
     assert_close(model(pl.asarray(IDS, backend=backend)), want, backend=backend, dtype="float32")

@@ -646,14 +646,14 @@ def test_torch_bound_weight_runs_the_specialized_kernel_with_the_same_bits(bits,
 )  # fmt: skip
 def test_quantization_mode_is_checked(tmp_path, entry, message):
     """A folder's ``quantization`` mode: ``affine``, or ``mxfp4`` (gpt-oss's experts as mlx-lm
-    converts them) at 4 bits per group of 32; anything else an error naming it."""
+    converts them) at 4 bits per group of 32; anything else an error naming it. A per-layer
+    entry without a mode is affine (MLX's ``to_quantized`` default), not the folder's mode."""
     from portable_llm.checkpoint.quantized import read_quantization
 
     (tmp_path / "config.json").write_text(json.dumps({"quantization": entry}))
     with pytest.raises(pl.CheckpointError, match=re.escape(message)):
         read_quantization(tmp_path)
-    ok = {"bits": 4, "group_size": 32, "mode": "mxfp4", "m.router": {"bits": 8, "group_size": 64,
-          "mode": "affine"}}  # fmt: skip
+    ok = {"bits": 4, "group_size": 32, "mode": "mxfp4", "m.router": {"bits": 8, "group_size": 64}}
     (tmp_path / "config.json").write_text(json.dumps({"quantization": ok}))
     q = read_quantization(tmp_path)
     assert q is not None and q.is_mxfp4("m.experts.gate_proj") and not q.is_mxfp4("m.router")

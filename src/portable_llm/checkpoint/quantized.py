@@ -138,7 +138,7 @@ def read_quantization(path: str | Path, /) -> Quantization | None:
         if entry is False:
             layers[key] = None
         elif isinstance(entry, dict):
-            entry = {"mode": q.get("mode", "affine"), **entry}
+            entry = {"mode": "affine", **entry}  # MLX's to_quantized's default, not q's mode
             layers[key] = _format(f"{where}[{key!r}]", entry)
             modes[key] = entry["mode"]
     return Quantization(bits, group, layers, q.get("mode", "affine"), modes)
