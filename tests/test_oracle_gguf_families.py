@@ -865,6 +865,7 @@ def qwen3_next_file(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.
     return path, _qwen3_next_file(path)
 
 
+@pytest.mark.slow_on("jax")  # the prefill's chunked delta rule runs eagerly there: 26 s (load 3.5)
 def test_qwen3next_gguf_matches_transformers(qwen3_next_file: tuple, backend: str) -> None:
     """llama.cpp's ``qwen3next`` read as Qwen3-Next: a Gated DeltaNet layer (``attn_qkv`` and
     ``attn_gate`` kept quantized, ``ssm_ba``, ``ssm_a`` = ``-exp(A_log)``, the squeezed
