@@ -137,6 +137,24 @@ def _gguf_tensors(arch: str, state: dict[str, np.ndarray]) -> dict[str, tuple[np
     return out
 
 
+def _write_tensors(w: Any, items: Any) -> None:
+    """The tensors ``(gguf name, value, kind)`` into the writer ``w``, then the file: ``kind``
+    ``None`` as float32, ``MXFP4`` as its raw bytes, else quantized by gguf-py."""
+    for name, value, kind in items:
+        if kind is None:
+            w.add_tensor(name, np.ascontiguousarray(value, dtype=np.float32))
+        elif kind == MXFP4:
+            w.add_tensor(name, value, raw_dtype=kind)
+        else:
+            w.add_tensor(
+                name, gguf.quants.quantize(np.ascontiguousarray(value), kind), raw_dtype=kind
+            )
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's ``LlamaModel.permute`` of q/k rows (weights and biases): each head's two
     halves interleaved, for its rotary layout."""
@@ -199,19 +217,14 @@ def _write(
         w.add_sliding_window(cfg.sliding_window)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+    items = []
     for name, (value, kind) in tensors.items():
         if arch in ("smollm3", "granite") and ".attn_q." in name:
             value = _permute(value, cfg.num_attention_heads)
         elif arch in ("smollm3", "granite") and ".attn_k." in name:
             value = _permute(value, cfg.num_key_value_heads)
-        if kind is None:
-            w.add_tensor(name, value.astype(np.float32))
-        else:
-            w.add_tensor(name, gguf.quants.quantize(value, kind), raw_dtype=kind)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        items.append((name, value, kind))
+    _write_tensors(w, items)
 
 
 @pytest.fixture(scope="module")
@@ -378,17 +391,7 @@ def _gpt_oss_file(path: Path) -> tuple[Any, np.ndarray]:
     w.add_rope_scaling_orig_ctx_len(config.rope_parameters["original_max_position_embeddings"])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    for name, (value, kind) in tensors.items():
-        if kind is None:
-            w.add_tensor(name, np.ascontiguousarray(value, dtype=np.float32))
-        elif kind == MXFP4:
-            w.add_tensor(name, value, raw_dtype=kind)
-        else:
-            w.add_tensor(name, gguf.quants.quantize(value, kind), raw_dtype=kind)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _write_tensors(w, ((name, value, kind) for name, (value, kind) in tensors.items()))
     return hf, want
 
 
@@ -506,15 +509,7 @@ def _falcon_h1_file(path: Path) -> np.ndarray:
     w.add_rope_freq_base(config.rope_parameters["rope_theta"])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    for g, value, kind in tensors:
-        if kind is None:
-            w.add_tensor(g, np.ascontiguousarray(value, dtype=np.float32))
-        else:
-            w.add_tensor(g, gguf.quants.quantize(value, kind), raw_dtype=kind)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _write_tensors(w, tensors)
     return want
 
 
@@ -616,15 +611,7 @@ def _deepseek_file(path: Path) -> tuple[np.ndarray, np.ndarray]:
     w.add_rope_freq_base(config.rope_parameters["rope_theta"])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    for g, (value, kind) in tensors.items():
-        if kind is None:
-            w.add_tensor(g, np.ascontiguousarray(value, dtype=np.float32))
-        else:
-            w.add_tensor(g, gguf.quants.quantize(np.ascontiguousarray(value), kind), raw_dtype=kind)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _write_tensors(w, ((g, value, kind) for g, (value, kind) in tensors.items()))
     return want, kv_b
 
 
@@ -728,15 +715,7 @@ def _glm4moe_file(path: Path) -> np.ndarray:
     w.add_rope_freq_base(config.rope_parameters["rope_theta"])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    for g, (value, kind) in tensors.items():
-        if kind is None:
-            w.add_tensor(g, np.ascontiguousarray(value, dtype=np.float32))
-        else:
-            w.add_tensor(g, gguf.quants.quantize(np.ascontiguousarray(value), kind), raw_dtype=kind)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _write_tensors(w, ((g, value, kind) for g, (value, kind) in tensors.items()))
     return want
 
 
@@ -847,15 +826,7 @@ def _qwen3_next_file(path: Path) -> np.ndarray:
     w.add_rope_freq_base(config.rope_parameters["rope_theta"])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    for g, (value, kind) in tensors.items():
-        if kind is None:
-            w.add_tensor(g, np.ascontiguousarray(value, dtype=np.float32))
-        else:
-            w.add_tensor(g, gguf.quants.quantize(np.ascontiguousarray(value), kind), raw_dtype=kind)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _write_tensors(w, ((g, value, kind) for g, (value, kind) in tensors.items()))
     return want
 
 
