@@ -170,6 +170,41 @@ class PartitionPlan:
         return tuple(out)
 
 
+def _refuse_unsplit(c: DecoderConfig, T: int) -> None:
+    """Refuse, by name, what a split does not cover yet: latent attention (any split), and
+    over ``T > 1`` tensor ranks the grouped router's shared experts, recurrent layers,
+    gpt-oss's biased experts and sinks, and q/k norms over all heads."""
+    if c.kv_lora_rank:
+        raise ValueError(
+            f"partition: {c.model_type}'s latent attention (kv_lora_rank={c.kv_lora_rank}) is "
+            "not partitioned yet (its heads, latent cache and grouped experts are not split "
+            "across ranks, nor its layers over stages); load it unpartitioned"
+        )
+    if c.router == "grouped" and T > 1:
+        raise ValueError(
+            f"partition: {c.model_type}'s grouped router and shared experts are not split across "
+            f"tensor_parallel={T} ranks yet; use tensor_parallel=1 (pipeline stages are planned)"
+        )
+    if c.mixer and T > 1:
+        raise ValueError(
+            f"partition: {c.model_type}'s recurrent layers (short convolutions, linear "
+            f"attention, state-space scans) are not split across ranks: use "
+            f"tensor_parallel=1, not {T} (pipeline stages are fine)"
+        )
+    if c.model_type == "gpt_oss" and T > 1:
+        raise ValueError(
+            f"partition: gpt_oss's experts' down_proj bias and attention sinks are not split "
+            f"across ranks yet (the bias would be summed once per rank): use tensor_parallel=1, "
+            f"not {T}"
+        )
+    if c.qk_norm_whole and T > 1:
+        raise ValueError(
+            f"partition: {c.model_type}'s q_norm and k_norm each span all heads' features "
+            f"(one RMSNorm over the whole projection), which tensor_parallel={T} would split "
+            "across ranks; use tensor_parallel=1 (pipeline stages are fine)"
+        )
+
+
 def plan_partition(
     config: DecoderConfig,
     /,
@@ -195,17 +230,7 @@ def plan_partition(
             raise ValueError(f"partition: {what} rank {rank!r} of a group of {size!r}")
     c = config
     H, H_kv = c.num_attention_heads, c.num_key_value_heads
-    if c.kv_lora_rank:
-        raise ValueError(
-            f"partition: {c.model_type}'s latent attention (kv_lora_rank={c.kv_lora_rank}) is "
-            "not partitioned yet (its heads, latent cache and grouped experts are not split "
-            "across ranks, nor its layers over stages); load it unpartitioned"
-        )
-    if c.router == "grouped" and T > 1:
-        raise ValueError(
-            f"partition: {c.model_type}'s grouped router and shared experts are not split across "
-            f"tensor_parallel={T} ranks yet; use tensor_parallel=1 (pipeline stages are planned)"
-        )
+    _refuse_unsplit(c, T)
     if H % T:
         raise ValueError(
             f"partition: num_attention_heads={H} is not divisible by tensor_parallel={T}"
@@ -214,24 +239,6 @@ def plan_partition(
         raise ValueError(
             f"partition: num_key_value_heads={H_kv} and tensor_parallel={T}: one must divide "
             "the other (KV heads are split, or replicated when there are fewer than ranks)"
-        )
-    if c.mixer and T > 1:
-        raise ValueError(
-            f"partition: {c.model_type}'s recurrent layers (short convolutions, linear "
-            f"attention, state-space scans) are not split across ranks: use "
-            f"tensor_parallel=1, not {T} (pipeline stages are fine)"
-        )
-    if c.model_type == "gpt_oss" and T > 1:
-        raise ValueError(
-            f"partition: gpt_oss's experts' down_proj bias and attention sinks are not split "
-            f"across ranks yet (the bias would be summed once per rank): use tensor_parallel=1, "
-            f"not {T}"
-        )
-    if c.qk_norm_whole and T > 1:
-        raise ValueError(
-            f"partition: {c.model_type}'s q_norm and k_norm each span all heads' features "
-            f"(one RMSNorm over the whole projection), which tensor_parallel={T} would split "
-            "across ranks; use tensor_parallel=1 (pipeline stages are fine)"
         )
     sizes = {}
     if not all(c.moe_layers):  # dense layers
