@@ -180,6 +180,8 @@ def _check_route(op: str, bk: Backend, x: Array, w_router: Array, top_k: Any) ->
     return match_weight(op, "w_router", w_router, x, bk), top_k
 
 
+# Over 80 lines for its docstring (the three routers and their options: 57 lines); the code is
+# its checks and one dispatch.
 def route(
     x: Array,
     w_router: Array,
