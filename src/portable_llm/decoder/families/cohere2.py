@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from portable_llm.decoder.config_values import read_int, read_real
+from portable_llm.decoder.config_values import read_int, read_layer_types, read_real
 from portable_llm.decoder.families.base import Family
 
 __all__ = ["FAMILY"]
@@ -43,11 +43,9 @@ def layer_types(d: Mapping[str, Any], n: int) -> tuple[int | None, list[str]]:
     """``(sliding_window, layer_types)``: as given, or (v4) every
     ``sliding_window_pattern``-th layer is global."""
     window = read_int(d, "sliding_window", low=0) if "sliding_window" in d else 4096
-    given = d.get("layer_types")
+    given = read_layer_types(d)
     if given is not None:
-        if not isinstance(given, list | tuple):
-            raise ValueError(f"config.json: layer_types must be a list, got {given!r}")
-        return window, list(given)
+        return window, given
     pattern = read_int(d, "sliding_window_pattern") or 4
     return window, [
         "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)

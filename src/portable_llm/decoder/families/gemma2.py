@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from portable_llm.decoder.config_values import read_cap, read_int, read_real
+from portable_llm.decoder.config_values import read_cap, read_int, read_layer_types, read_real
 from portable_llm.decoder.families.base import Family, LayerConfig, read_attention, read_mlp
 from portable_llm.decoder.layer_weights import Layer
 
@@ -47,11 +47,9 @@ def gemma_fields(
 def layer_types(d: Mapping[str, Any], n: int) -> tuple[int | None, list[str]]:
     """``(sliding_window, layer_types)``: as given, or (v4) the even layers slide."""
     window = read_int(d, "sliding_window", low=0)
-    given = d.get("layer_types")
+    given = read_layer_types(d)
     if given is not None:
-        if not isinstance(given, list | tuple):
-            raise ValueError(f"config.json: layer_types must be a list, got {given!r}")
-        return window, list(given)
+        return window, given
     window = 4096 if window is None else window
     return window, ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
 

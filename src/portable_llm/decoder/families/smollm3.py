@@ -18,7 +18,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from portable_llm.decoder.config_values import read_bool, read_int, read_rope_layers
+from portable_llm.decoder.config_values import (
+    read_bool,
+    read_int,
+    read_layer_types,
+    read_rope_layers,
+)
 from portable_llm.decoder.families.base import Family
 
 __all__ = ["FAMILY"]
@@ -36,11 +41,9 @@ def layer_types(d: Mapping[str, Any], n: int) -> tuple[int | None, list[str]]:
     """``(sliding_window, layer_types)``: as given, else (HF's ``__post_init__``) the no-RoPE
     layers slide when ``use_sliding_window`` and ``sliding_window`` are both set."""
     window = read_int(d, "sliding_window", low=0)
-    given = d.get("layer_types")
+    given = read_layer_types(d)
     if given is not None:
-        if not isinstance(given, list | tuple):
-            raise ValueError(f"config.json: layer_types must be a list, got {given!r}")
-        return window, list(given)
+        return window, given
     slides = read_bool(d, "use_sliding_window") and window is not None
     rope = read_rope_layers(d, n)
     return window, [
